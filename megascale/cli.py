@@ -1,0 +1,72 @@
+"""Command line: megascale train | preprocess | convert | generate | plan | doctor | bench.
+
+Each subcommand lives in its own module exposing ``main(argv) -> int``; this file
+only dispatches. User errors (ConfigError, UserError) are printed as one line
+with no traceback and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+from megascale.errors import UserError
+
+COMMANDS = {
+    "train": ("megascale.train", "train a model from a YAML config"),
+    "preprocess": ("megascale.data.preprocess", "tokenize text/JSONL into a .bin/.idx dataset"),
+    "convert": ("megascale.checkpoint.convert", "convert checkpoints to/from HuggingFace format"),
+    "generate": ("megascale.generate", "sample a continuation from a trained checkpoint"),
+    "plan": ("megascale.perf.plan", "estimate memory and time of a layout"),
+    "doctor": ("megascale.doctor", "check the environment: torch, devices, kernels, accelerators"),
+    "bench": ("megascale.bench", "benchmarks: tp, pipeline, dp, kernels, mfu, checkpoint"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: megascale <command> [args]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "megascale <command> --help shows a command's options"]
+    return "\n".join(lines)
+
+
+def run_user_command(fn, argv: list[str]) -> int:
+    """Run fn(argv) and turn user errors into one clear line and exit code 2."""
+    from megascale.config import ConfigError
+
+    try:
+        return int(fn(argv) or 0)
+    except (ConfigError, UserError) as err:
+        print(f"megascale: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("megascale: interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the `megascale` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from megascale import __version__
+
+        print(f"megascale {__version__}")
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"megascale: error: unknown command '{name}'{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return run_user_command(module.main, argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

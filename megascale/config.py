@@ -1,0 +1,451 @@
+"""One typed config tree: YAML file + dotted ``key=value`` overrides, validated up front.
+
+Every field has a docstring-like ``help`` in its metadata. A user error raises
+`ConfigError` with one message naming the key and the fix; the CLI prints it
+without a traceback. Unknown keys suggest the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: the message names the key and the fix."""
+
+
+def _f(default: Any, help: str, choices: Optional[tuple] = None, alias: Optional[str] = None) -> Any:
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    if alias:
+        meta["alias"] = alias
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and variant of the GPT model."""
+
+    num_layers: int = _f(12, "number of transformer blocks")
+    hidden_size: int = _f(768, "model width h")
+    num_heads: int = _f(12, "attention (query) heads")
+    num_kv_heads: Optional[int] = _f(None, "key/value heads for grouped-query attention; null = num_heads (MHA)")
+    ffn_hidden_size: Optional[int] = _f(None, "MLP width; null = 4h for gelu, 8h/3 rounded up to 64 for swiglu")
+    vocab_size: int = _f(50257, "tokenizer vocabulary size (padded internally, see vocab_pad_multiple)")
+    vocab_pad_multiple: int = _f(128, "embedding rows are padded to a multiple of this; must be divisible by parallel.tp")
+    seq_length: int = _f(1024, "training sequence length in tokens")
+    norm: str = _f("layernorm", "normalisation layer", ("layernorm", "rmsnorm"))
+    norm_eps: float = _f(1e-5, "epsilon of the norm layers")
+    activation: str = _f("gelu", "MLP activation", ("gelu", "swiglu"))
+    position: str = _f("learned", "position encoding", ("learned", "rope"))
+    rope_theta: float = _f(10000.0, "RoPE base frequency")
+    attention: str = _f("causal", "attention variant", ("causal", "sliding_window", "lfa"))
+    window_size: int = _f(0, "sliding-window width in tokens (attention=sliding_window)")
+    parallel_block: bool = _f(False, "PaLM parallel block: y = x + attn(ln(x)) + mlp(ln(x))")
+    bias: bool = _f(True, "biases in linear layers and norms")
+    tie_embeddings: bool = _f(True, "share input embedding and output projection")
+    dropout: float = _f(0.0, "hidden dropout probability")
+    attention_dropout: float = _f(0.0, "attention-probability dropout")
+    init_std: float = _f(0.02, "std of the normal weight init (output projections scaled by 1/sqrt(2*layers))")
+
+    @property
+    def kv_heads(self) -> int:
+        """Resolved number of key/value heads."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """Resolved MLP width."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return 64 * -(-(8 * self.hidden_size // 3) // 64)
+        return 4 * self.hidden_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to vocab_pad_multiple (layout-independent)."""
+        m = self.vocab_pad_multiple
+        return m * -(-self.vocab_size // m)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout; world size must equal tp * pp * dp * cp."""
+
+    tp: int = _f(1, "tensor-parallel size")
+    pp: int = _f(1, "pipeline-parallel size")
+    dp: Optional[int] = _f(None, "data-parallel size; null = world_size / (tp*pp*cp)")
+    cp: int = _f(1, "context-parallel size")
+    vpp: int = _f(1, "virtual pipeline stages (model chunks) per pipeline rank")
+    order: str = _f("tp-cp-dp-pp", "rank order, fastest-varying axis first")
+    sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")
+    tp_overlap: bool = _f(False, "chunk and pipeline tp all-gather/reduce-scatter with the GEMMs")
+    cp_mode: str = _f("ulysses", "context-parallel algorithm", ("ulysses", "ring", "hybrid"))
+    ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring)")
+    zero: int = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 distributed optimizer", (0, 1))
+    pipeline_schedule: str = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else 1f1b",
+                                ("auto", "1f1b", "interleaved", "gpipe"))
+    pipeline_layers: Optional[list] = _f(None, "explicit layers per pipeline stage (per virtual stage with vpp), or 'auto'")
+    grad_bucket_mb: float = _f(25.0, "gradient bucket size for the overlapped data-parallel reduction, MiB")
+    overlap_grad_reduce: bool = _f(True, "start each bucket's reduction as soon as its gradients are ready")
+    overlap_param_gather: bool = _f(True, "zero=1: all-gather updated params bucket by bucket under the next forward")
+
+
+@dataclass
+class TrainConfig:
+    """Run length, batch, precision and output."""
+
+    steps: int = _f(100, "optimizer steps to run")
+    seed: int = _f(1234, "seed for weights, data order and dropout")
+    global_batch_size: int = _f(8, "sequences per optimizer step over all data-parallel ranks")
+    micro_batch_size: int = _f(1, "sequences per forward pass per rank")
+    dtype: str = _f("fp32", "compute precision", ("fp32", "bf16", "fp16"))
+    device: str = _f("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
+    output_dir: str = _f("runs/default", "run directory (config.yaml, metrics.jsonl, checkpoints/)")
+    eval_interval: int = _f(0, "steps between validation-loss evaluations; 0 = never")
+    eval_iters: int = _f(4, "micro-batches per validation evaluation")
+    recompute: str = _f("none", "activation recomputation", ("none", "full", "selective"))
+    recompute_layers: Optional[int] = _f(None, "recompute only the first k layers of each stage; null = all")
+    compile: bool = _f(False, "torch.compile each transformer block")
+    peak_tflops: Optional[float] = _f(None, "device dense peak TFLOP/s for MFU when the device is not in the table")
+    loss_scale: float = _f(65536.0, "fp16: initial dynamic loss scale")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, schedule and clipping."""
+
+    name: str = _f("adamw", "optimizer", ("adamw", "lamb"))
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(3e-5, "final learning rate of the decay")
+    weight_decay: float = _f(0.1, "decoupled weight decay (norms and biases excluded)")
+    beta1: float = _f(0.9, "first-moment decay")
+    beta2: float = _f(0.95, "second-moment decay")
+    eps: float = _f(1e-8, "denominator epsilon")
+    grad_clip: float = _f(1.0, "global gradient-norm clip; 0 = off")
+    schedule: str = _f("cosine", "lr schedule after warmup", ("cosine", "linear", "constant", "wsd"))
+    warmup_steps: int = _f(10, "linear warmup steps")
+    decay_steps: Optional[int] = _f(None, "steps of the decay phase; null = train.steps - warmup")
+    wsd_decay_fraction: float = _f(0.1, "wsd: fraction of the run spent in the final decay")
+
+
+@dataclass
+class DataConfig:
+    """Training data: indexed datasets, blending, split and loader."""
+
+    paths: list = _f([], "dataset prefixes (X for X.bin/X.idx); may be given as 'weight prefix weight prefix ...'")
+    weights: Optional[list] = _f(None, "blend weights, one per path; null = proportional to size")
+    split: str = _f("98,2,0", "train,valid,test split of documents, in parts")
+    tokenizer: Optional[str] = _f(None, "SentencePiece model path (used by generate and preprocess)")
+    cache_dir: Optional[str] = _f(None, "where sample indices are cached; null = beside the data")
+    prefetch: int = _f(2, "batches prepared ahead by the background loader")
+    demo: bool = _f(False, "build the demo corpus from the Python standard library if paths are missing")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving, loading and resuming."""
+
+    interval: int = _f(0, "steps between checkpoints; 0 = only at the end if save_final")
+    save_final: bool = _f(True, "save a checkpoint after the last step")
+    async_save: bool = _f(True, "snapshot to host memory, then write in the background", alias="async")
+    keep_last: int = _f(3, "complete checkpoints to keep; 0 = keep all")
+    load: Optional[str] = _f(None, "checkpoint directory to start from; null = resume from output_dir if present")
+    resume: bool = _f(True, "resume automatically from the latest checkpoint in output_dir")
+    broadcast_load: bool = _f(False, "one data-parallel replica reads, then broadcasts to the others")
+
+
+@dataclass
+class LogConfig:
+    """Logging and metrics."""
+
+    interval: int = _f(1, "steps between log lines and metrics records")
+    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
+    level: str = _f("info", "log level", ("debug", "info", "warning"))
+    timers: bool = _f(True, "per-phase timers in metrics (forward, backward, optimizer, comm)")
+
+
+@dataclass
+class KernelsConfig:
+    """Which implementation serves the fused ops."""
+
+    backend: str = _f("auto", "auto prefers csrc CUDA, then TE/apex/flash-attn, then torch", ("auto", "cuda", "torch"))
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict using the YAML key names."""
+        return _to_dict(self)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _yaml_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("alias", f.name)
+
+
+def _fields_by_yaml_name(cls: type) -> dict[str, dataclasses.Field]:
+    return {_yaml_name(f): f for f in dataclasses.fields(cls)}
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {_yaml_name(f): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [_to_dict(x) for x in obj]
+    return obj
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    leaf = key.rsplit(".", 1)
+    prefix = leaf[0] + "." if len(leaf) == 2 else ""
+    close = difflib.get_close_matches(leaf[-1], valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Convert value to the field's type, raising ConfigError naming the key."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str, float)):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        try:
+            as_float = float(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} must be an integer") from None
+        if not as_float.is_integer():
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return int(as_float)
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} must be a number") from None
+    if annotation is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} must be a string, got {type(value).__name__}")
+        return str(value)
+    if annotation is list or origin is list:
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = parsed if isinstance(parsed, list) else [parsed]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return list(value)
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"section '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {type(data).__name__}")
+    fields = _fields_by_yaml_name(cls)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown_key(prefix + str(key), list(fields))
+        f = fields[key]
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _build(hint, value, prefix + key + ".")
+            continue
+        value = _coerce(prefix + key, value, hint)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(f"{prefix}{key}={value!r} is not one of {', '.join(map(str, choices))}")
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """Turn ['a.b=1', 'c=x'] into a nested dict; values are parsed as YAML scalars."""
+    nested: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value, e.g. train.steps=100")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        parts = key.split(".")
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}' sets a key below a value")
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load YAML (optional), apply dotted overrides, validate; raises ConfigError."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found; pass --config with an existing YAML file (see configs/)")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file '{path}' is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections (model:, train:, ...)")
+        data = loaded or {}
+    data = _merge(data, parse_overrides(overrides or []))
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build and validate a Config from a nested dict (e.g. a checkpoint's saved config)."""
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the fully resolved config as YAML."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _positive(key: str, value: int) -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{key}={value} must be >= 1")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no world size; `validate_layout` adds those that do."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length", "vocab_pad_multiple"):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in ("tp", "pp", "cp", "vpp"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.dp is not None:
+        _positive("parallel.dp", p.dp)
+    for key in ("steps", "global_batch_size", "micro_batch_size"):
+        _positive(f"train.{key}", getattr(t, key))
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.num_heads % m.kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
+    if m.position == "rope" and m.head_dim % 2:
+        raise ConfigError(f"rotary positions need an even head dim; hidden_size/num_heads = {m.head_dim}")
+    if m.attention == "sliding_window" and m.window_size < 1:
+        raise ConfigError("model.attention=sliding_window needs model.window_size >= 1")
+    if not 0.0 <= m.dropout < 1.0 or not 0.0 <= m.attention_dropout < 1.0:
+        raise ConfigError("model.dropout and model.attention_dropout must be in [0, 1)")
+    if p.tp > 1:
+        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
+                           ("model.ffn_hidden_size", m.ffn_size)):
+            if value % p.tp:
+                raise ConfigError(f"{key}={value} is not divisible by parallel.tp={p.tp}; choose tp dividing it")
+        if m.padded_vocab_size % p.tp:
+            raise ConfigError(f"padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}; "
+                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
+    if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
+                          "with parallel.sequence_parallel")
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * p.cp} (zigzag split)")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"train.micro_batch_size={t.micro_batch_size}")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
+    if cfg.optim.warmup_steps < 0:
+        raise ConfigError("optim.warmup_steps must be >= 0")
+    if cfg.log.interval < 1:
+        raise ConfigError(f"log.interval={cfg.log.interval} must be >= 1")
+
+
+def validate_layout(cfg: Config, world_size: int) -> int:
+    """Check the layout against the world size; returns the data-parallel size."""
+    p, t = cfg.parallel, cfg.train
+    mp = p.tp * p.pp * p.cp
+    if p.dp is None:
+        if world_size % mp:
+            raise ConfigError(f"tp {p.tp} * pp {p.pp} * cp {p.cp} = {mp} does not divide world size {world_size}; "
+                              f"launch a multiple of {mp} ranks or change parallel.tp/pp/cp")
+        dp = world_size // mp
+    else:
+        dp = p.dp
+        if mp * dp != world_size:
+            raise ConfigError(f"tp {p.tp} * pp {p.pp} * cp {p.cp} * dp {dp} = {mp * dp} != world size {world_size}; "
+                              f"launch {mp * dp} ranks (--nproc {mp * dp}) or leave parallel.dp out")
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"micro_batch_size {t.micro_batch_size} * dp {dp} = {per_step}")
+    return dp
+
+
+def num_microbatches(cfg: Config, dp: int) -> int:
+    """Micro-batches per rank per optimizer step (gradient accumulation steps)."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

@@ -1,0 +1,93 @@
+"""Layout-independent parameter identity.
+
+Every parameter has one global name and one global shape whatever the parallel
+layout. A tensor-parallel shard is a contiguous slice of the global tensor along
+one dimension. The `ShardSpec` attached to each parameter says which slice this
+rank holds; checkpoint resharding, global-norm clipping, LAMB trust ratios, HF
+conversion and the parity tests all read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_ATTR = "_megascale_shard"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a local parameter sits inside its global tensor.
+
+    global_name: layout-independent name, e.g. ``layers.3.attention.qkv.weight``.
+    global_shape: shape of the full (unsharded) tensor.
+    split_dim: dimension cut over the tensor-parallel group, or None if every
+        tp rank holds the whole tensor (replicated over tp).
+    offsets: start index of the local slice in every dimension of the global tensor.
+    local_shape: shape of the local slice.
+    tp_rank / tp_size: the position in the tensor-parallel group this slice belongs to.
+    """
+
+    global_name: str
+    global_shape: tuple[int, ...]
+    split_dim: Optional[int]
+    offsets: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def is_tp_replicated(self) -> bool:
+        """True when every tensor-parallel rank holds an identical copy."""
+        return self.split_dim is None or self.tp_size == 1
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index expression that cuts this shard out of the global tensor."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.local_shape))
+
+
+def full_spec(name: str, shape: tuple[int, ...] | torch.Size) -> ShardSpec:
+    """Spec of an unsharded (replicated) tensor."""
+    shape = tuple(int(s) for s in shape)
+    return ShardSpec(name, shape, None, (0,) * len(shape), shape)
+
+
+def split_spec(name: str, global_shape: tuple[int, ...], split_dim: int, tp_rank: int, tp_size: int) -> ShardSpec:
+    """Spec of the tp_rank-th of tp_size equal contiguous slices along split_dim."""
+    global_shape = tuple(int(s) for s in global_shape)
+    size = global_shape[split_dim]
+    if size % tp_size != 0:
+        raise ValueError(f"{name}: dim {split_dim} of size {size} is not divisible by tp={tp_size}")
+    part = size // tp_size
+    offsets = [0] * len(global_shape)
+    offsets[split_dim] = tp_rank * part
+    local = list(global_shape)
+    local[split_dim] = part
+    return ShardSpec(name, global_shape, split_dim, tuple(offsets), tuple(local), tp_rank, tp_size)
+
+
+def set_shard(param: torch.Tensor, spec: ShardSpec) -> None:
+    """Attach a spec to a parameter (checked against its local shape)."""
+    if tuple(param.shape) != spec.local_shape:
+        raise ValueError(f"{spec.global_name}: local shape {tuple(param.shape)} != spec {spec.local_shape}")
+    setattr(param, _ATTR, spec)
+
+
+def get_shard(param: torch.Tensor) -> ShardSpec:
+    """The spec attached to a parameter; raises if the parameter has none."""
+    spec = getattr(param, _ATTR, None)
+    if spec is None:
+        raise KeyError("parameter has no ShardSpec; build layers through megascale.distributed.tensor_parallel")
+    return spec
+
+
+def has_shard(param: torch.Tensor) -> bool:
+    """Whether a parameter carries a ShardSpec."""
+    return getattr(param, _ATTR, None) is not None
+
+
+def shard_of(global_tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """Cut the local slice described by spec out of a global tensor."""
+    return global_tensor[spec.slices()]

@@ -1,0 +1,315 @@
+"""ParallelContext: the rank <-> (pp, dp, cp, tp) map and every process group.
+
+One order string (default ``tp-cp-dp-pp``) fixes how global ranks are laid out:
+the first axis varies fastest, so tensor-parallel ranks are neighbours and stay
+inside one node. `RankLayout` is the pure arithmetic (tested for tens of
+thousands of ranks without processes); `ParallelContext` adds the process groups.
+
+Groups are created with local synchronisation: each rank builds only the groups
+it belongs to, and only the members of a group wait for one another. That keeps
+start-up O(n) in the number of ranks instead of the O(n^2) of a global barrier
+per group (MegaScale measured 1,047 s -> under 5 s on 2,048 GPUs for this).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+AXES = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; the message shows the arithmetic and the fix."""
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    """Split and validate an order string like ``tp-cp-dp-pp``."""
+    axes = tuple(a.strip() for a in order.split("-"))
+    if sorted(axes) != sorted(AXES):
+        raise LayoutError(
+            f"parallel.order={order!r} must name each of tp, cp, dp, pp exactly once, e.g. {DEFAULT_ORDER!r}"
+        )
+    return axes
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Pure rank arithmetic for a (tp, cp, dp, pp) layout; no processes needed."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    order: str = DEFAULT_ORDER
+    axes: tuple[str, ...] = field(init=False)
+    strides: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        axes = parse_order(self.order)
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise LayoutError(f"parallel.{axis}={size!r} must be a positive integer")
+        strides: dict[str, int] = {}
+        stride = 1
+        for axis in axes:
+            strides[axis] = stride
+            stride *= getattr(self, axis)
+        object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "strides", strides)
+
+    @classmethod
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1,
+                   dp: Optional[int] = None, order: str = DEFAULT_ORDER) -> "RankLayout":
+        """Build a layout for world_size ranks, deriving dp when it is None."""
+        model_parallel = tp * pp * cp
+        if dp is None:
+            if world_size % model_parallel != 0:
+                raise LayoutError(
+                    f"tp {tp} * pp {pp} * cp {cp} = {model_parallel} does not divide world size {world_size}; "
+                    f"choose tp, pp, cp whose product divides {world_size}"
+                )
+            dp = world_size // model_parallel
+        if model_parallel * dp != world_size:
+            raise LayoutError(
+                f"tp {tp} * pp {pp} * cp {cp} * dp {dp} = {model_parallel * dp} != world size {world_size}; "
+                f"leave parallel.dp out to derive it, or launch {model_parallel * dp} ranks"
+            )
+        return cls(tp=tp, cp=cp, dp=dp, pp=pp, order=order)
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks the layout covers."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    def size(self, axis: str) -> int:
+        """Number of ranks along one axis."""
+        return getattr(self, axis)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates {tp, cp, dp, pp} of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside world of {self.world_size}")
+        return {axis: (rank // self.strides[axis]) % self.size(axis) for axis in AXES}
+
+    def rank(self, **coords: int) -> int:
+        """Global rank of the given coordinates (missing axes count as 0)."""
+        return sum(coords.get(axis, 0) * self.strides[axis] for axis in AXES)
+
+    def group_ranks(self, rank: int, axes: Iterable[str]) -> list[int]:
+        """Ranks sharing every coordinate of `rank` except those along `axes`, sorted."""
+        axes = tuple(axes)
+        base = self.coords(rank)
+        for axis in axes:
+            base[axis] = 0
+        ranks = [self.rank(**base)]
+        for axis in axes:
+            ranks = [r + i * self.strides[axis] for r in ranks for i in range(self.size(axis))]
+        return sorted(ranks)
+
+    def all_groups(self, axes: Iterable[str]) -> list[list[int]]:
+        """Every group along `axes`, each sorted, in order of their lowest rank."""
+        axes = tuple(axes)
+        seen: set[int] = set()
+        groups = []
+        for rank in range(self.world_size):
+            if rank in seen:
+                continue
+            members = self.group_ranks(rank, axes)
+            seen.update(members)
+            groups.append(members)
+        return groups
+
+    def embedding_ranks(self, rank: int) -> list[int]:
+        """First and last pipeline stage ranks with this rank's other coordinates (tied embeddings)."""
+        pp_ranks = self.group_ranks(rank, ("pp",))
+        return sorted({pp_ranks[0], pp_ranks[-1]})
+
+
+# Groups training needs: name -> axes varied inside the group.
+GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "dp_cp": ("dp", "cp"),  # gradient reduction
+    "tp_cp": ("tp", "cp"),
+    "mp": ("tp", "pp"),  # model-parallel group (one model replica's ranks, per cp shard)
+    "tp_pp_cp": ("tp", "pp", "cp"),  # every rank of one data-parallel replica
+}
+
+
+@dataclass
+class DistEnv:
+    """Rank information read from torchrun, Slurm or nothing (single process)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def read_dist_env(environ: Optional[dict[str, str]] = None) -> DistEnv:
+    """Read rank/world from torchrun (RANK, WORLD_SIZE) or Slurm (SLURM_PROCID, SLURM_NTASKS)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+    else:
+        rank, world, local = 0, 1, 0
+    addr = env.get("MASTER_ADDR") or _slurm_first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")) or "127.0.0.1"
+    port = int(env.get("MASTER_PORT", 29500))
+    return DistEnv(rank, world, local, addr, port)
+
+
+def _slurm_first_host(nodelist: Optional[str]) -> Optional[str]:
+    """First host of a Slurm nodelist such as ``gpu[012-015,020],cpu1`` (no scontrol needed)."""
+    if not nodelist:
+        return None
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] or "]" in nodelist.split(",")[0] else nodelist
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        first = rest.split(",")[0].split("-")[0].rstrip("]")
+        return prefix + first
+    return head
+
+
+class ParallelContext:
+    """Coordinates and process groups of this rank; passed explicitly to whatever needs a group.
+
+    With world_size 1 no process group is created and every group is None, which
+    the collectives in `megascale.distributed.comm` treat as a no-op.
+    """
+
+    def __init__(self, layout: RankLayout, rank: int = 0, vpp: int = 1,
+                 device: Optional[torch.device] = None, create_groups: bool = True) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.vpp = vpp
+        self.device = device or torch.device("cpu")
+        coords = layout.coords(rank)
+        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = (coords[a] for a in AXES)
+        self._ranks = {name: layout.group_ranks(rank, axes) for name, axes in GROUP_AXES.items()}
+        self._ranks["embedding"] = layout.embedding_ranks(rank)
+        self._groups: dict[str, Any] = {}
+        if create_groups and layout.world_size > 1:
+            self._create_groups()
+
+    # sizes -----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return self.layout.world_size
+
+    tp_size = property(lambda self: self.layout.tp, doc="Tensor-parallel size.")
+    pp_size = property(lambda self: self.layout.pp, doc="Pipeline-parallel size.")
+    dp_size = property(lambda self: self.layout.dp, doc="Data-parallel size.")
+    cp_size = property(lambda self: self.layout.cp, doc="Context-parallel size.")
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the first pipeline stage (embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the last pipeline stage (loss head)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The one rank that writes logs and metrics: last stage, first of every other axis."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
+
+    # groups ----------------------------------------------------------------
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of the named group containing this rank."""
+        return list(self._ranks[name])
+
+    def group(self, name: str) -> Optional[Any]:
+        """Process group by name (tp, cp, dp, pp, dp_cp, tp_cp, mp, tp_pp_cp, embedding); None if trivial."""
+        return self._groups.get(name)
+
+    tp_group = property(lambda self: self.group("tp"), doc="Tensor-parallel group.")
+    cp_group = property(lambda self: self.group("cp"), doc="Context-parallel group.")
+    dp_group = property(lambda self: self.group("dp"), doc="Data-parallel group.")
+    pp_group = property(lambda self: self.group("pp"), doc="Pipeline group.")
+    dp_cp_group = property(lambda self: self.group("dp_cp"), doc="Gradient-reduction group (dp x cp).")
+    mp_group = property(lambda self: self.group("mp"), doc="Model-parallel group (tp x pp).")
+    embedding_group = property(lambda self: self.group("embedding"), doc="First+last stage group for tied embeddings.")
+
+    def pp_neighbor(self, offset: int) -> int:
+        """Global rank of the pipeline stage `offset` away (wrapping)."""
+        pp_ranks = self._ranks["pp"]
+        return pp_ranks[(self.pp_rank + offset) % self.pp_size]
+
+    def _create_groups(self) -> None:
+        for name in list(GROUP_AXES) + ["embedding"]:
+            members = self._ranks[name]
+            if len(members) == 1:
+                continue
+            self._groups[name] = dist.new_group(ranks=members, use_local_synchronization=True)
+
+    def describe(self) -> str:
+        """One line naming this rank's coordinates."""
+        return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp_size} cp {self.cp_rank}/{self.cp_size} "
+                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}")
+
+
+def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
+                       rank: Optional[int] = None, world_size: Optional[int] = None,
+                       timeout_s: float = 600.0) -> DistEnv:
+    """Initialise torch.distributed from torchrun/Slurm variables (no-op for one process).
+
+    backend defaults to NCCL when CUDA is available, gloo otherwise.
+    """
+    env = read_dist_env()
+    if rank is not None:
+        env.rank = rank
+    if world_size is not None:
+        env.world_size = world_size
+    if env.world_size <= 1 or (dist.is_available() and dist.is_initialized()):
+        return env
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank % max(torch.cuda.device_count(), 1))
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        init_method = "env://"
+    dist.init_process_group(backend=backend, init_method=init_method, rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    return env
+
+
+def build_context(tp: int = 1, pp: int = 1, cp: int = 1, dp: Optional[int] = None, vpp: int = 1,
+                  order: str = DEFAULT_ORDER) -> ParallelContext:
+    """ParallelContext for the current (already initialised, or single) process."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    layout = RankLayout.from_world(world, tp=tp, pp=pp, cp=cp, dp=dp, order=order)
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif torch.cuda.is_available() and world == 1:
+        device = torch.device("cuda")
+    else:
+        device = torch.device("cpu")
+    return ParallelContext(layout, rank=rank, vpp=vpp, device=device)
+
+
+__all__ = ["RankLayout", "ParallelContext", "LayoutError", "init_process_group", "build_context",
+           "read_dist_env", "parse_order", "DEFAULT_ORDER", "GROUP_AXES"]
