@@ -28,6 +28,9 @@ class ShardSpec:
     offsets: start index of the local slice in every dimension of the global tensor.
     local_shape: shape of the local slice.
     tp_rank / tp_size: the position in the tensor-parallel group this slice belongs to.
+    primary: False for a second copy held by another pipeline stage (the tied
+        output embedding on the last stage); such a copy is skipped when counting
+        norms and written to checkpoints by its primary only.
     """
 
     global_name: str
@@ -37,24 +40,32 @@ class ShardSpec:
     local_shape: tuple[int, ...]
     tp_rank: int = 0
     tp_size: int = 1
+    primary: bool = True
 
     @property
     def is_tp_replicated(self) -> bool:
         """True when every tensor-parallel rank holds an identical copy."""
         return self.split_dim is None or self.tp_size == 1
 
+    @property
+    def counts_for_norm(self) -> bool:
+        """Whether this rank's slice is counted once in a global norm over the model-parallel group."""
+        return self.primary and (self.split_dim is not None or self.tp_rank == 0)
+
     def slices(self) -> tuple[slice, ...]:
         """Index expression that cuts this shard out of the global tensor."""
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.local_shape))
 
 
-def full_spec(name: str, shape: tuple[int, ...] | torch.Size) -> ShardSpec:
-    """Spec of an unsharded (replicated) tensor."""
+def full_spec(name: str, shape: tuple[int, ...] | torch.Size, tp_rank: int = 0, tp_size: int = 1,
+              primary: bool = True) -> ShardSpec:
+    """Spec of a tensor every tp rank holds whole (replicated over tp)."""
     shape = tuple(int(s) for s in shape)
-    return ShardSpec(name, shape, None, (0,) * len(shape), shape)
+    return ShardSpec(name, shape, None, (0,) * len(shape), shape, tp_rank, tp_size, primary)
 
 
-def split_spec(name: str, global_shape: tuple[int, ...], split_dim: int, tp_rank: int, tp_size: int) -> ShardSpec:
+def split_spec(name: str, global_shape: tuple[int, ...], split_dim: int, tp_rank: int, tp_size: int,
+               primary: bool = True) -> ShardSpec:
     """Spec of the tp_rank-th of tp_size equal contiguous slices along split_dim."""
     global_shape = tuple(int(s) for s in global_shape)
     size = global_shape[split_dim]
@@ -65,7 +76,7 @@ def split_spec(name: str, global_shape: tuple[int, ...], split_dim: int, tp_rank
     offsets[split_dim] = tp_rank * part
     local = list(global_shape)
     local[split_dim] = part
-    return ShardSpec(name, global_shape, split_dim, tuple(offsets), tuple(local), tp_rank, tp_size)
+    return ShardSpec(name, global_shape, split_dim, tuple(offsets), tuple(local), tp_rank, tp_size, primary)
 
 
 def set_shard(param: torch.Tensor, spec: ShardSpec) -> None:
