@@ -102,3 +102,34 @@ def has_shard(param: torch.Tensor) -> bool:
 def shard_of(global_tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """Cut the local slice described by spec out of a global tensor."""
     return global_tensor[spec.slices()]
+
+
+@dataclass
+class TensorShard:
+    """One piece of a global tensor as held by this rank, for checkpoints.
+
+    The piece is the box `offsets`/`local_shape` of the global tensor, or, when
+    `flat_range` is set, the elements [start, stop) of that box's row-major
+    flattening (a ZeRO-1 rank's flat range may cut through a tensor). `tensor`
+    holds the data (saving) or is the destination filled in place (loading).
+    Two ranks holding a shard with equal (name, offsets, local_shape, flat_range)
+    hold replicas; a checkpoint writes it once.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    tensor: torch.Tensor
+    flat_range: Optional[tuple[int, int]] = None
+
+    @property
+    def key(self) -> tuple:
+        """Identity of the piece: replicas have equal keys."""
+        return (self.name, self.offsets, self.local_shape, self.flat_range)
+
+
+def param_shard(param: torch.Tensor, prefix: str = "") -> TensorShard:
+    """The TensorShard of a parameter's local slice (name optionally prefixed, e.g. 'optim.exp_avg.')."""
+    spec = get_shard(param)
+    return TensorShard(prefix + spec.global_name, spec.global_shape, spec.offsets, spec.local_shape, param)
