@@ -133,3 +133,14 @@ def param_shard(param: torch.Tensor, prefix: str = "") -> TensorShard:
     """The TensorShard of a parameter's local slice (name optionally prefixed, e.g. 'optim.exp_avg.')."""
     spec = get_shard(param)
     return TensorShard(prefix + spec.global_name, spec.global_shape, spec.offsets, spec.local_shape, param)
+
+
+def gather_full(local: torch.Tensor, spec: ShardSpec, tp_group: Optional[object]) -> torch.Tensor:
+    """Reassemble the global tensor from every tp rank's slice (local may be a param or its grad)."""
+    if spec.split_dim is None or spec.tp_size == 1:
+        return local
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(spec.tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=spec.split_dim)

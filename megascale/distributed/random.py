@@ -1,0 +1,81 @@
+"""Reproducible random streams for dropout under tensor parallelism.
+
+Dropout in a replicated region (the residual stream without sequence
+parallelism) must draw the same mask on every tp rank, while dropout inside a
+tensor-parallel region (attention probabilities of this rank's heads) or on a
+sequence shard must differ across tp ranks. The default torch generator serves
+the replicated stream (seeded identically on every tp rank); `RNGTracker` keeps
+a second, per-tp-rank stream and swaps it in with `fork()`.
+
+Activation recomputation must replay the same masks: `snapshot()` / `restore()`
+let the recompute wrapper rewind the tracker to where the forward was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+# Offset that separates the tensor-parallel stream from the default one.
+_TP_SEED_OFFSET = 2718
+
+
+def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device) -> "RNGTracker":
+    """Seed the default generators (same on every tp rank; differs across pipeline stages so
+    stages do not draw correlated masks) and return the tensor-parallel tracker."""
+    stage_seed = seed + 100 * pp_rank
+    torch.manual_seed(stage_seed)
+    return RNGTracker(stage_seed + _TP_SEED_OFFSET + tp_rank, device)
+
+
+class RNGTracker:
+    """A second random stream, swapped into the default generator inside `fork()`."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        with torch.random.fork_rng(devices=self._devices()):
+            torch.manual_seed(seed)
+            self.state = self._get()
+
+    def _devices(self) -> list:
+        return [self.device] if self.device.type == "cuda" else []
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        """Run the block on the tensor-parallel stream, then restore the default stream."""
+        outer = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(outer)
+
+    def snapshot(self) -> torch.Tensor:
+        """Current tracker state (to replay a forward during recomputation)."""
+        return self.state.clone()
+
+    def restore(self, state: torch.Tensor) -> None:
+        """Rewind the tracker to a snapshot."""
+        self.state = state.clone()
+
+    def state_dict(self) -> dict:
+        """Serialisable state for checkpoints."""
+        return {"state": self.state.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from `state_dict`."""
+        self.state = torch.tensor(state["state"], dtype=torch.uint8)

@@ -1,0 +1,193 @@
+"""Tensor- and sequence-parallel layers whose parameters are layout-independent.
+
+Each weight is initialised as the full global tensor from a generator seeded by
+(seed, global name) and this rank keeps its contiguous slice, so a model with
+tp=N computes the same function as with tp=1 from the same seed.
+
+Column-parallel: weight split along its output rows; input is copied (or, with
+sequence parallelism, all-gathered along the sequence) into the tp region.
+Row-parallel: weight split along its input columns; output is all-reduced (or
+reduce-scattered along the sequence). The embedding is vocabulary-parallel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megascale.distributed import comm
+from megascale.distributed.sharding import ShardSpec, full_spec, set_shard, split_spec
+
+
+@dataclass(frozen=True)
+class TPSettings:
+    """What a tensor-parallel layer needs to know about its group."""
+
+    group: Optional[Any] = None
+    rank: int = 0
+    size: int = 1
+    sequence_parallel: bool = False
+    overlap: bool = False
+    seed: int = 1234
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism actually in effect (tp > 1)."""
+        return self.sequence_parallel and self.size > 1
+
+
+def name_seed(seed: int, name: str) -> int:
+    """Deterministic 63-bit seed for a parameter name (independent of layout and Python hashing)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_global(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """The full global tensor of a weight: N(0, std) from a per-name generator, on CPU in fp32."""
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
+def make_param(spec: ShardSpec, settings: TPSettings, init: str, std: float = 0.0,
+               sequence_parallel_grad: bool = False) -> nn.Parameter:
+    """Create this rank's slice of a parameter described by spec.
+
+    init is 'normal' (N(0, std) over the global tensor), 'zeros' or 'ones'.
+    sequence_parallel_grad marks tp-replicated params whose grads are partial
+    sums over sequence shards and must be summed over the tp group.
+    """
+    if init == "normal":
+        data = init_global(spec.global_name, spec.global_shape, std, settings.seed)[spec.slices()]
+    elif init == "zeros":
+        data = torch.zeros(spec.local_shape)
+    elif init == "ones":
+        data = torch.ones(spec.local_shape)
+    else:
+        raise ValueError(f"unknown init {init!r}")
+    param = nn.Parameter(data.to(device=settings.device, dtype=settings.dtype).contiguous())
+    set_shard(param, spec)
+    if sequence_parallel_grad:
+        param.sequence_parallel_grad = True
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split over tp.
+
+    weight_shape is the global weight shape, output axes first and the input
+    features last, e.g. [out, in] or [2, ffn, in] for fused gate/up; split_dim
+    says which output axis is cut. Returns the local output [..., *local out axes].
+    """
+
+    def __init__(self, name: str, weight_shape: tuple[int, ...], split_dim: int, settings: TPSettings,
+                 bias: bool, std: float) -> None:
+        super().__init__()
+        self.settings = settings
+        w_spec = split_spec(f"{name}.weight", weight_shape, split_dim, settings.rank, settings.size)
+        self.weight = make_param(w_spec, settings, "normal", std)
+        self.out_shape = w_spec.local_shape[:-1]
+        self.bias = None
+        if bias:
+            b_spec = split_spec(f"{name}.bias", weight_shape[:-1], split_dim, settings.rank, settings.size)
+            self.bias = make_param(b_spec, settings, "zeros")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [s(/tp with SP), b, in] -> [s, b, *local out axes]."""
+        s = self.settings
+        if s.overlap and s.size > 1:
+            from megascale.distributed import tp_overlap
+
+            y = tp_overlap.column_linear(x, self.weight.view(-1, self.weight.shape[-1]), s)
+        else:
+            x = comm.gather_sequence(x, s.group) if s.sp else comm.copy_to_group(x, s.group)
+            y = F.linear(x, self.weight.view(-1, self.weight.shape[-1]))
+        y = y.view(*y.shape[:-1], *self.out_shape)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split over tp; output reduced over tp."""
+
+    def __init__(self, name: str, weight_shape: tuple[int, int], settings: TPSettings, bias: bool,
+                 std: float) -> None:
+        super().__init__()
+        self.settings = settings
+        w_spec = split_spec(f"{name}.weight", weight_shape, 1, settings.rank, settings.size)
+        self.weight = make_param(w_spec, settings, "normal", std)
+        self.bias = None
+        if bias:
+            b_spec = full_spec(f"{name}.bias", weight_shape[:1], settings.rank, settings.size)
+            self.bias = make_param(b_spec, settings, "zeros", sequence_parallel_grad=settings.sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [s, b, in/tp] -> [s(/tp with SP), b, out]."""
+        s = self.settings
+        if s.overlap and s.size > 1:
+            from megascale.distributed import tp_overlap
+
+            y = tp_overlap.row_linear(x, self.weight, s)
+        else:
+            y = F.linear(x, self.weight)
+            y = comm.reduce_scatter_sequence(y, s.group) if s.sp else comm.reduce_from_group(y, s.group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the (padded) vocabulary split over tp; out-of-shard ids contribute zero."""
+
+    def __init__(self, name: str, padded_vocab: int, hidden: int, settings: TPSettings, std: float,
+                 primary: bool = True) -> None:
+        super().__init__()
+        self.settings = settings
+        spec = split_spec(f"{name}.weight", (padded_vocab, hidden), 0, settings.rank, settings.size, primary)
+        self.weight = make_param(spec, settings, "normal", std)
+        self.vocab_start = spec.offsets[0]
+        self.vocab_end = self.vocab_start + spec.local_shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s(/tp with SP), b, h]."""
+        s = self.settings
+        ids = tokens.t()
+        if s.size > 1:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            return comm.reduce_scatter_sequence(out, s.group) if s.sp else comm.reduce_from_group(out, s.group)
+        return F.embedding(ids, self.weight)
+
+
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> torch.Tensor:
+    """hidden [s(/tp), b, h] -> local vocabulary logits [s, b, Vp/tp] (never the full vocabulary)."""
+    if settings.sp:
+        hidden = comm.gather_sequence(hidden, settings.group)
+    else:
+        hidden = comm.copy_to_group(hidden, settings.group)
+    return F.linear(hidden, weight)
+
+
+def replicated_param(name: str, shape: tuple[int, ...], settings: TPSettings, init: str,
+                     sequence_region: bool) -> nn.Parameter:
+    """A tp-replicated parameter (norm weight/bias, position table).
+
+    sequence_region: the parameter is used on sequence shards under SP, so its
+    gradient must be summed over the tp group.
+    """
+    spec = full_spec(name, shape, settings.rank, settings.size)
+    return make_param(spec, settings, init, std=0.02, sequence_parallel_grad=sequence_region and settings.sp)
+
+
+def scaled_std(std: float, num_layers: int) -> float:
+    """Std of output projections: GPT-2's 1/sqrt(2 * layers) scaling of residual writes."""
+    return std / math.sqrt(2.0 * num_layers)

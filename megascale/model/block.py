@@ -1,0 +1,76 @@
+"""Transformer block: pre-norm sequential (GPT) or parallel (PaLM) residual, with recomputation."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megascale.model.attention import Attention
+from megascale.model.layers import BuildContext, Norm, dropout
+from megascale.model.mlp import MLP
+
+
+class TransformerBlock(nn.Module):
+    """One layer. Sequential: x += attn(ln1(x)); x += mlp(ln2(x)). Parallel: x += attn(ln(x)) + mlp(ln(x))."""
+
+    def __init__(self, index: int, bc: BuildContext, recompute: str) -> None:
+        super().__init__()
+        name = f"layers.{index}"
+        self.bc = bc
+        self.index = index
+        self.recompute = recompute
+        self.parallel_block = bc.model.parallel_block
+        self.input_norm = Norm(f"{name}.input_norm", bc)
+        self.attention = Attention(f"{name}.attention", bc)
+        if not self.parallel_block:
+            self.post_attention_norm = Norm(f"{name}.post_attention_norm", bc)
+        self.mlp = MLP(f"{name}.mlp", bc)
+        if recompute == "selective":
+            self.attention._core = _recomputed(self.attention._core, bc)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x [s(/tp), b, h] -> same shape."""
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return _recomputed(self._forward, self.bc)(x, rope)
+        return self._forward(x, rope)
+
+    def _forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        p = self.bc.model.dropout
+        # The residual stream is identical on every tp rank unless it is sequence-sharded.
+        rng = self.bc.rng if self.bc.tp.sp else None
+        if self.parallel_block:
+            h = self.input_norm(x)
+            return x + dropout(self.attention(h, rope) + self.mlp(h), p, self.training, rng)
+        x = x + dropout(self.attention(self.input_norm(x), rope), p, self.training, rng)
+        return x + dropout(self.mlp(self.post_attention_norm(x)), p, self.training, rng)
+
+
+def _recomputed(fn: Callable[..., torch.Tensor], bc: BuildContext) -> Callable[..., torch.Tensor]:
+    """Wrap fn in non-reentrant activation checkpointing that replays the same dropout masks.
+
+    torch.utils.checkpoint restores the default generator; the tensor-parallel
+    stream lives in our tracker, so the recompute rewinds it to the forward's state.
+    """
+
+    def run(*args: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return fn(*args)
+        snapshot = bc.rng.snapshot()
+
+        @contextlib.contextmanager
+        def replay() -> Any:
+            current = bc.rng.snapshot()
+            bc.rng.restore(snapshot)
+            try:
+                yield
+            finally:
+                bc.rng.restore(current)
+
+        return checkpoint(fn, *args, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), replay()))
+
+    return run

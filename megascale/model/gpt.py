@@ -1,0 +1,150 @@
+"""The GPT model, built already sharded: one `GPTChunk` per (virtual) pipeline stage of this rank.
+
+A chunk embeds tokens if it is the first global stage, runs its layers, and, if
+it is the last global stage, computes the loss. Hidden states are sequence-first
+[s, b, h] so sequence-parallel shards are contiguous. Parameter names are the
+global ones (see DESIGN.md), whatever the layout.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megascale.config import Config
+from megascale.distributed.random import RNGTracker
+from megascale.distributed.tensor_parallel import (TPSettings, VocabParallelEmbedding, make_param, parallel_logits,
+                                                   replicated_param, split_spec)
+from megascale.distributed.topology import ParallelContext
+from megascale.model.block import TransformerBlock
+from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class GPTChunk(nn.Module):
+    """The layers of one pipeline (virtual) stage, plus embedding / loss head at the ends."""
+
+    def __init__(self, layer_ids: list[int], first: bool, last: bool, bc: BuildContext,
+                 recompute_layers: Optional[int]) -> None:
+        super().__init__()
+        m = bc.model
+        self.bc, self.first, self.last = bc, first, last
+        self.layer_ids = list(layer_ids)
+        if first:
+            self.word_embeddings = VocabParallelEmbedding("embedding.word_embeddings", m.padded_vocab_size,
+                                                          m.hidden_size, bc.tp, m.init_std)
+            if m.position == "learned":
+                self.position_embeddings = replicated_param("embedding.position_embeddings.weight",
+                                                            (m.seq_length, m.hidden_size), bc.tp, "normal",
+                                                            sequence_region=True)
+        self.layers = nn.ModuleDict()
+        for n, i in enumerate(self.layer_ids):
+            recompute = bc.recompute if recompute_layers is None or n < recompute_layers else "none"
+            self.layers[str(i)] = TransformerBlock(i, bc, recompute)
+        if last:
+            self.final_norm = Norm("final_norm", bc)
+            if m.tie_embeddings and first:
+                self.output_weight = None  # reuse self.word_embeddings.weight
+            elif m.tie_embeddings:
+                # A copy of the first stage's embedding; same init (seeded by name), grads summed over
+                # the embedding group, written to checkpoints by the first stage only.
+                self.output_embedding = VocabParallelEmbedding("embedding.word_embeddings", m.padded_vocab_size,
+                                                               m.hidden_size, bc.tp, m.init_std, primary=False)
+            else:
+                spec = split_spec("output.weight", (m.padded_vocab_size, m.hidden_size), 0, bc.tp.rank, bc.tp.size)
+                self.output = make_param(spec, bc.tp, "normal", m.init_std)
+
+    def head_weight(self) -> torch.Tensor:
+        """This rank's vocabulary slice of the output projection."""
+        if hasattr(self, "output"):
+            return self.output
+        if hasattr(self, "output_embedding"):
+            return self.output_embedding.weight
+        return self.word_embeddings.weight
+
+    def forward(self, hidden: Optional[torch.Tensor], batch: dict) -> torch.Tensor:
+        """hidden [s(/tp), b, h] (None on the first stage) -> hidden, or the scaled loss on the last stage.
+
+        batch: {"tokens": [b, s], "labels": [b, s], optional "loss_scale": float}; the
+        returned loss is sum(token losses) * loss_scale (default 1/tokens in this batch).
+        """
+        m, tp = self.bc.model, self.bc.tp
+        if self.first:
+            hidden = self._embed(batch["tokens"])
+        rope = None
+        if m.position == "rope":
+            positions = torch.arange(batch["tokens"].shape[1], device=hidden.device)
+            rope = rope_tables(positions, m.head_dim, m.rope_theta)
+        for layer in self.layers.values():
+            hidden = layer(hidden, rope)
+        if not self.last:
+            return hidden
+        hidden = self.final_norm(hidden)
+        logits = parallel_logits(hidden, self.head_weight(), tp)
+        return self._loss(logits, batch)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        m, tp = self.bc.model, self.bc.tp
+        hidden = self.word_embeddings(tokens)
+        if m.position == "learned":
+            pos = self.position_embeddings[: tokens.shape[1]]
+            if tp.sp:
+                part = tokens.shape[1] // tp.size
+                pos = pos[tp.rank * part:(tp.rank + 1) * part]
+            hidden = hidden + pos.unsqueeze(1)
+        return dropout(hidden, m.dropout, self.training, self.bc.rng if tp.sp else None)
+
+    def _loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        m, tp = self.bc.model, self.bc.tp
+        vocab_start = tp.rank * logits.shape[-1]
+        pad_from = m.vocab_size - vocab_start
+        if pad_from < logits.shape[-1]:
+            # Padded vocabulary entries never win probability mass, so padding never changes the loss.
+            logits = logits.clone()
+            logits[..., max(pad_from, 0):] = torch.finfo(logits.dtype).min
+        labels = batch["labels"].t().reshape(-1)
+        losses = self.bc.ops.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels,
+                                                          vocab_start, tp.group)
+        scale = batch.get("loss_scale", 1.0 / labels.numel())
+        return losses.float().sum() * scale
+
+
+def uniform_layers(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[list[int]]:
+    """Layer ids of each chunk of pp_rank under a uniform split (virtual stage v*pp + rank)."""
+    stages = pp * vpp
+    per = num_layers // stages
+    return [list(range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per)) for v in range(vpp)]
+
+
+def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None) -> list[GPTChunk]:
+    """This rank's model chunks (one per virtual stage), parameters already sharded and placed."""
+    from megascale.kernels import get_ops
+
+    p = cfg.parallel
+    if rng is None:
+        rng = RNGTracker(cfg.train.seed + 2718 + ctx.tp_rank, ctx.device)
+    tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
+                    sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
+                    device=ctx.device, dtype=DTYPES[cfg.train.dtype])
+    bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend), rng=rng,
+                      recompute=cfg.train.recompute)
+    chunk_layers = stage_layers(cfg, ctx)
+    chunks = []
+    for v, layer_ids in enumerate(chunk_layers):
+        first = ctx.pp_rank == 0 and v == 0
+        last = ctx.pp_rank == ctx.pp_size - 1 and v == len(chunk_layers) - 1
+        chunks.append(GPTChunk(layer_ids, first, last, bc, cfg.train.recompute_layers))
+    return chunks
+
+
+def stage_layers(cfg: Config, ctx: ParallelContext) -> list[list[int]]:
+    """Global layer ids per chunk of this rank (uniform, explicit or automatic split)."""
+    p = cfg.parallel
+    try:
+        from megascale.distributed.pipeline_partition import layers_for_rank
+    except ImportError:
+        return uniform_layers(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank)
+    return layers_for_rank(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank, p.pipeline_layers)

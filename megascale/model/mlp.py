@@ -1,0 +1,35 @@
+"""MLP: column-parallel fc1 (GeLU, or fused gate/up for SwiGLU) and row-parallel fc2."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megascale.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear, scaled_std
+from megascale.model.layers import BuildContext
+
+
+class MLP(nn.Module):
+    """fc2(act(fc1(x))); SwiGLU's gate and up weights are one [2, ffn, h] tensor split along ffn."""
+
+    def __init__(self, name: str, bc: BuildContext) -> None:
+        super().__init__()
+        m, tp = bc.model, bc.tp
+        self.ops = bc.ops
+        self.swiglu = m.activation == "swiglu"
+        ffn = m.ffn_size
+        if self.swiglu:
+            self.fc1 = ColumnParallelLinear(f"{name}.fc1", (2, ffn, m.hidden_size), 1, tp, m.bias, m.init_std)
+        else:
+            self.fc1 = ColumnParallelLinear(f"{name}.fc1", (ffn, m.hidden_size), 0, tp, m.bias, m.init_std)
+        self.fc2 = RowParallelLinear(f"{name}.fc2", (m.hidden_size, ffn), tp, m.bias,
+                                     scaled_std(m.init_std, m.num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+        h = self.fc1(x)
+        if self.swiglu:
+            h = self.ops.swiglu(h[..., 0, :], h[..., 1, :])
+        else:
+            h = self.ops.bias_gelu(h, None)
+        return self.fc2(h)

@@ -1,0 +1,88 @@
+"""`megascale train` and `python -m megascale.train` (the torchrun entry point).
+
+Without --nproc the run happens in this process, or as one rank when started by
+torchrun/srun (RANK/WORLD_SIZE or SLURM_* in the environment). With --nproc N,
+N local workers are started through torch's elastic launcher (the engine behind
+torchrun) with a standalone c10d rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from megascale.config import Config, ConfigError, load_config, validate_layout
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """--config FILE, --nproc N, and dotted key=value overrides."""
+    parser = argparse.ArgumentParser(prog="megascale train", description="Train a GPT model from a YAML config.",
+                                     epilog="overrides: dotted key=value pairs, e.g. parallel.tp=2 train.steps=50")
+    parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    parser.add_argument("--nproc", type=int, default=None, help="start N local ranks through torch's elastic launcher")
+    parser.add_argument("--backend", default=None, choices=["gloo", "nccl"], help="process-group backend (default: "
+                        "nccl with CUDA, else gloo)")
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("--") and "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args, rest
+
+
+def launch_local(argv: list[str], nproc: int) -> int:
+    """Start nproc workers of this module through torch.distributed.run (torchrun's engine)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    worker_args = [a for a in argv if not a.startswith("--nproc")]
+    if "--nproc" in argv:
+        idx = argv.index("--nproc")
+        worker_args = argv[:idx] + argv[idx + 2:]
+    launcher = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module",
+                                             "megascale.train", *worker_args])
+    try:
+        run(launcher)
+    except ChildFailedError as err:
+        codes = {failure.exitcode for failure in err.failures.values()}
+        print(f"megascale: error: {len(err.failures)} of {nproc} workers failed "
+              f"(exit codes {sorted(codes)}); see their messages above", file=sys.stderr)
+        return 2 if codes == {2} else 1
+    return 0
+
+
+def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
+    """Initialise the process group from the environment (if any) and train."""
+    from megascale.distributed.topology import init_process_group
+    from megascale.training.trainer import Trainer
+
+    if backend is None and cfg.train.device == "cpu":
+        backend = "gloo"
+    init_process_group(backend=backend)
+    try:
+        return Trainer(cfg).train()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry of `megascale train`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, overrides = parse_args(argv)
+    cfg = load_config(args.config, overrides)
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc {args.nproc} must be >= 1")
+        validate_layout(cfg, args.nproc)  # fail here, once, rather than in every worker
+        return launch_local(argv, args.nproc)
+    run_training(cfg, args.backend)
+    return 0
+
+
+if __name__ == "__main__":
+    from megascale.cli import run_user_command
+
+    sys.exit(run_user_command(main, sys.argv[1:]))

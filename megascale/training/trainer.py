@@ -1,0 +1,239 @@
+"""The training loop: config -> ParallelContext -> model -> schedule -> reduce -> optimizer -> checkpoint."""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megascale.config import Config, ConfigError, num_microbatches, save_config, validate_layout
+from megascale.distributed.random import seed_everything
+from megascale.distributed.sharding import TensorShard, param_shard
+from megascale.distributed.topology import ParallelContext, RankLayout
+from megascale.errors import UserError
+from megascale.model.gpt import DTYPES, build_model
+from megascale.training.flops import device_peak, train_flops_per_token
+from megascale.training.metrics import MetricsSink, format_line
+from megascale.training.step import forward_backward, evaluate
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    """cuda when asked for or available (auto), else cpu; one clear error if cuda is asked for but absent."""
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    if want == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def make_context(cfg: Config, device: torch.device) -> ParallelContext:
+    """ParallelContext for this process from cfg.parallel and the (initialised) world."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    dp = validate_layout(cfg, world)
+    p = cfg.parallel
+    layout = RankLayout(tp=p.tp, cp=p.cp, dp=dp, pp=p.pp, order=p.order)
+    return ParallelContext(layout, rank=rank, vpp=p.vpp, device=device)
+
+
+def validate_runtime(cfg: Config, ctx: ParallelContext) -> None:
+    """Checks that need the layout: pipeline split and micro-batch counts."""
+    p = cfg.parallel
+    m = num_microbatches(cfg, ctx.dp_size)
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1")
+    if p.vpp > 1 and m % p.pp:
+        raise ConfigError(f"interleaved pipeline needs micro-batches per step ({m}) divisible by parallel.pp={p.pp}; "
+                          f"adjust train.global_batch_size")
+    if cfg.train.dtype != "fp32" and ctx.device.type == "cpu" and cfg.train.dtype == "fp16":
+        raise ConfigError("train.dtype=fp16 is not supported on CPU; use fp32 or bf16")
+
+
+class Trainer:
+    """Builds everything from one Config and runs `train()`; usable in-process or as one torchrun rank."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        self.ctx = make_context(cfg, self.device)
+        validate_runtime(cfg, self.ctx)
+        self.run_dir = Path(cfg.train.output_dir)
+        self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard)
+        if self.ctx.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+        if self.ctx.is_logging_rank:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.rng = seed_everything(cfg.train.seed, self.ctx.tp_rank, self.ctx.pp_rank, self.device)
+        self.chunks = build_model(cfg, self.ctx, self.rng)
+        self.micro_batches = num_microbatches(cfg, self.ctx.dp_size)
+        self.optimizer = self._build_optimizer()
+        self.step = 0
+        self.consumed_samples = 0
+        self.skipped_steps = 0
+        self.ckpt = self._build_checkpointing()
+        self._resume()
+        from megascale.data.loader import build_data
+
+        self.train_data, self.valid_data = build_data(cfg, self.ctx, self.consumed_samples)
+        self.peak = device_peak(self.device, cfg.train.peak_tflops)
+        self.flops_per_token = train_flops_per_token(cfg.model)
+        self._announce()
+
+    # ------------------------------------------------------------------ setup
+    def _build_optimizer(self):
+        from megascale.distributed.data_parallel import DistributedOptimizer
+
+        return DistributedOptimizer(self.chunks, self.ctx, self.cfg)
+
+    def _build_checkpointing(self):
+        from megascale.checkpoint.manager import CheckpointManager
+
+        return CheckpointManager(self.run_dir / "checkpoints", self.ctx, self.cfg)
+
+    def state_shards(self) -> list[TensorShard]:
+        """Model and optimizer state of this rank as checkpoint shards."""
+        shards = [param_shard(p) for chunk in self.chunks for p in chunk.parameters()]
+        return shards + self.optimizer.state_shards()
+
+    def _resume(self) -> None:
+        c = self.cfg.checkpoint
+        path = Path(c.load) if c.load else None
+        if path is None and not (c.resume and self.ckpt.latest() is not None):
+            return
+        extra = self.ckpt.load(self.state_shards(), path)
+        if extra is None:
+            return
+        self.step = int(extra["step"])
+        self.consumed_samples = int(extra["consumed_samples"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.optimizer.load_extra_state(extra.get("optimizer", {}))
+        rng = extra.get("rng", {}).get(str(self.ctx.rank))
+        if rng is not None and extra.get("world_size") == self.ctx.world_size:
+            torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
+            self.rng.load_state_dict(rng["tracker"])
+        if self.ctx.is_logging_rank:
+            self.sink.print(f"resumed from step {self.step} ({self.consumed_samples} samples consumed)")
+
+    def _announce(self) -> None:
+        if not self.ctx.is_logging_rank:
+            return
+        params = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
+        lines = [f"megascale: {self.ctx.describe()} | device {self.peak.device_name} | "
+                 f"peak {self.peak.tflops:.1f} TFLOP/s ({self.peak.source})",
+                 f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
+                 f"{params / 1e6:.2f}M params on this rank | {self.micro_batches} micro-batches/step | "
+                 f"{self.flops_per_token / 1e9:.3f} GFLOP/token"]
+        try:
+            from megascale.perf.memory import estimate_memory, format_memory
+
+            lines.append(format_memory(estimate_memory(self.cfg, self.ctx)))
+        except ImportError:
+            pass
+        for line in lines:
+            self.sink.print(line)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> list[dict]:
+        """Run until train.steps; returns the metrics records this rank logged."""
+        cfg = self.cfg
+        records: list[dict] = []
+        tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        window_start, window_steps = time.perf_counter(), 0
+        for chunk in self.chunks:
+            chunk.train()
+        while self.step < cfg.train.steps:
+            batches = self.train_data.next_step()
+            loss = forward_backward(self, batches)
+            stats = self.optimizer.step(self.step)
+            self.step += 1
+            self.consumed_samples += cfg.train.global_batch_size
+            self.skipped_steps += int(stats.skipped)
+            window_steps += 1
+            if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = (time.perf_counter() - window_start) / window_steps
+                rec = self._record(loss, stats, elapsed, tokens_per_step)
+                if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.valid_data:
+                    rec["val_loss"] = evaluate(self, self.valid_data, cfg.train.eval_iters)
+                self.sink.write(rec)
+                self.sink.print(format_line(rec, cfg.train.steps, self.peak.source))
+                records.append(rec)
+                window_start, window_steps = time.perf_counter(), 0
+            if self._should_save():
+                self.save()
+        self.ckpt.wait()
+        self.sink.close()
+        return records
+
+    def _record(self, loss: torch.Tensor, stats, step_time: float, tokens_per_step: int) -> dict:
+        tokens_per_s = tokens_per_step / step_time
+        tflops = self.flops_per_token * tokens_per_s / self.ctx.world_size / 1e12
+        rec = {
+            "step": self.step,
+            "loss": float(loss),
+            "lr": float(stats.lr),
+            "grad_norm": float(stats.grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak.tflops,
+            "step_time_s": step_time,
+            "mem_gb": self._memory_gb(),
+            "consumed_samples": self.consumed_samples,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": float(stats.loss_scale),
+        }
+        if not math.isfinite(rec["loss"]):
+            rec["loss"] = float("nan")
+        return rec
+
+    def _memory_gb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
+
+    def _should_save(self) -> bool:
+        c = self.cfg.checkpoint
+        if c.interval and self.step % c.interval == 0:
+            return True
+        return c.save_final and self.step == self.cfg.train.steps
+
+    def save(self) -> None:
+        """Checkpoint the current state (asynchronously when configured)."""
+        rng = {str(self.ctx.rank): {"cpu": torch.get_rng_state().tolist(), "tracker": self.rng.state_dict()}}
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            gathered: list = [None] * self.ctx.world_size
+            dist.all_gather_object(gathered, rng)
+            rng = {k: v for part in gathered for k, v in part.items()}
+        extra = {
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "skipped_steps": self.skipped_steps,
+            "optimizer": self.optimizer.extra_state(),
+            "rng": rng,
+            "world_size": self.ctx.world_size,
+            "layout": {"tp": self.ctx.tp_size, "pp": self.ctx.pp_size, "dp": self.ctx.dp_size,
+                       "cp": self.ctx.cp_size, "vpp": self.cfg.parallel.vpp, "zero": self.cfg.parallel.zero},
+            "config": self.cfg.to_dict(),
+        }
+        self.ckpt.save(self.step, self.state_shards(), extra)
+        stats = getattr(self.ckpt, "last_save_stats", None) or {}
+        if stats and self.ctx.is_logging_rank:
+            self.sink.print(f"checkpoint step {self.step}: blocking {stats.get('blocking_s', 0):.3f}s")
+
+
+def model_dtype(cfg: Config) -> torch.dtype:
+    """torch dtype of the model parameters and activations."""
+    return DTYPES[cfg.train.dtype]
+
+
+__all__ = ["Trainer", "UserError", "model_dtype"]
