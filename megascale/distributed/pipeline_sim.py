@@ -1,0 +1,266 @@
+"""Discrete-event simulator for pipeline schedules (lists of `Action` per rank).
+
+It runs every rank's action list the way the executor does: sends and receives
+are posted without blocking, a forward/backward waits until its input has
+arrived. It reports per-rank busy and idle time, the peak number of micro-batches
+whose activations are alive, and detects deadlocks and malformed schedules
+(a send without a matching receive, messages matched to the wrong micro-batch,
+a compute whose receive was never posted).
+
+Two transport models:
+
+* buffered (gloo-like): a message is ready t_comm after its send is posted;
+* rendezvous (NCCL-like, ``rendezvous=True``): the operations between a pair of
+  ranks run in posting order on one stream at each end, and each completes only
+  once both ends have reached it. Crossed orders deadlock here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megascale.distributed.pipeline_schedules import (
+    BACKWARD, FORWARD, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, Action,
+)
+
+
+class ScheduleError(ValueError):
+    """A malformed schedule: unmatched or mismatched messages, missing or repeated computes."""
+
+
+@dataclass
+class SimResult:
+    """Outcome of `simulate`; times are in the units of t_fwd/t_bwd/t_comm."""
+
+    makespan: float
+    busy: list[float]
+    idle: list[float]
+    peak_in_flight: list[int]
+    deadlock: Optional[str] = None
+    finish: list[float] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> list[float]:
+        """Idle over busy time per rank: the quantity (p-1)/(v*m) predicts."""
+        return [i / b if b else 0.0 for i, b in zip(self.idle, self.busy)]
+
+
+@dataclass
+class _Msg:
+    """One posted send or receive: where it sits and what it carries."""
+
+    rank: int
+    post: float
+    ident: tuple  # (direction, source global stage, micro-batch)
+    stream_index: int = -1  # position in the rank's pair stream (rendezvous model)
+    done: Optional[float] = None  # completion time (rendezvous) once known
+
+
+def _message(action: Action, rank: int, pp: int) -> tuple[tuple[int, int], tuple]:
+    """(channel (src rank, dst rank), identity) of a communication action."""
+    stage = action.chunk * pp + rank
+    nxt, prv = (rank + 1) % pp, (rank - 1) % pp
+    if action.kind is SEND_FWD:
+        return (rank, nxt), (0, stage, action.microbatch)
+    if action.kind is RECV_FWD:
+        return (prv, rank), (0, stage - 1, action.microbatch)
+    if action.kind is SEND_BWD:
+        return (rank, prv), (1, stage, action.microbatch)
+    return (nxt, rank), (1, stage + 1, action.microbatch)
+
+
+def check_coverage(schedules: list[list[Action]], vpp: int, num_microbatches: int) -> None:
+    """Every (chunk, micro-batch) is forwarded once and backwarded once after its forward, on every rank."""
+    for rank, actions in enumerate(schedules):
+        seen_fwd: set[tuple[int, int]] = set()
+        seen_bwd: set[tuple[int, int]] = set()
+        for a in actions:
+            item = (a.chunk, a.microbatch)
+            if a.kind is FORWARD:
+                if item in seen_fwd:
+                    raise ScheduleError(f"rank {rank}: forward {item} appears twice")
+                seen_fwd.add(item)
+            elif a.kind is BACKWARD:
+                if item not in seen_fwd or item in seen_bwd:
+                    raise ScheduleError(f"rank {rank}: backward {item} before its forward or twice")
+                seen_bwd.add(item)
+        expected = {(c, i) for c in range(vpp) for i in range(num_microbatches)}
+        if seen_fwd != expected or seen_bwd != expected:
+            raise ScheduleError(f"rank {rank}: forwards/backwards do not cover {vpp} chunks x {num_microbatches} "
+                                "micro-batches exactly once")
+
+
+class _Simulator:
+    """State of one simulation; see `simulate`."""
+
+    def __init__(self, schedules: list[list[Action]], t_fwd: float, t_bwd: float, t_comm: float,
+                 rendezvous: bool) -> None:
+        self.schedules = schedules
+        self.pp = len(schedules)
+        self.vpp = 1 + max((a.chunk for s in schedules for a in s), default=0)
+        self.stages = self.pp * self.vpp
+        self.t_fwd, self.t_bwd, self.t_comm = t_fwd, t_bwd, t_comm
+        self.rendezvous = rendezvous
+        self.position = [0] * self.pp
+        self.clock = [0.0] * self.pp
+        self.busy = [0.0] * self.pp
+        self.sends: dict[tuple[int, int], list[_Msg]] = defaultdict(list)
+        self.recvs: dict[tuple[int, int], list[_Msg]] = defaultdict(list)
+        self.posted_recv: list[dict[tuple, tuple[tuple[int, int], int]]] = [{} for _ in range(self.pp)]
+        self.streams: dict[tuple[int, frozenset], list[tuple[tuple[int, int], str, int]]] = defaultdict(list)
+        self.done_compute: list[set[tuple]] = [set() for _ in range(self.pp)]
+        self.in_flight = [0] * self.pp
+        self.peak = [0] * self.pp
+
+    # -- communication --------------------------------------------------------------------------
+    def _post(self, rank: int, action: Action) -> None:
+        channel, ident = _message(action, rank, self.pp)
+        is_send = action.kind in (SEND_FWD, SEND_BWD)
+        if is_send:
+            produced = (FORWARD if action.kind is SEND_FWD else BACKWARD, action.chunk, action.microbatch)
+            if produced not in self.done_compute[rank]:
+                raise ScheduleError(f"rank {rank}: {action} sends a result before computing it")
+        side = self.sends if is_send else self.recvs
+        msg = _Msg(rank, self.clock[rank], ident)
+        side[channel].append(msg)
+        if not is_send:
+            self.posted_recv[rank][ident] = (channel, len(side[channel]) - 1)
+        stream = self.streams[(rank, frozenset(channel))]
+        msg.stream_index = len(stream)
+        stream.append((channel, "send" if is_send else "recv", len(side[channel]) - 1))
+        other = self.recvs if is_send else self.sends
+        index = len(side[channel]) - 1
+        if index < len(other[channel]) and other[channel][index].ident != ident:
+            raise ScheduleError(f"channel {channel[0]}->{channel[1]}: message {index} is {ident} at one end and "
+                                f"{other[channel][index].ident} at the other (orders differ)")
+
+    def _peer_msg(self, channel: tuple[int, int], kind: str, index: int) -> Optional[_Msg]:
+        other = self.recvs if kind == "send" else self.sends
+        return other[channel][index] if index < len(other[channel]) else None
+
+    def _own_msg(self, channel: tuple[int, int], kind: str, index: int) -> _Msg:
+        return (self.sends if kind == "send" else self.recvs)[channel][index]
+
+    def _advance_streams(self) -> bool:
+        """Rendezvous model: complete stream heads whose counterpart and predecessors are done."""
+        progressed = False
+        for (rank, pair), stream in list(self.streams.items()):
+            for channel, kind, index in stream:
+                own = self._own_msg(channel, kind, index)
+                if own.done is not None:
+                    continue
+                peer = self._peer_msg(channel, kind, index)
+                if peer is None:
+                    break
+                prev_own = self._stream_prev_done(rank, pair, own.stream_index)
+                prev_peer = self._stream_prev_done(peer.rank, pair, peer.stream_index)
+                if prev_own is None or prev_peer is None:
+                    break
+                own.done = peer.done = max(own.post, peer.post, prev_own, prev_peer) + self.t_comm
+                progressed = True
+        return progressed
+
+    def _stream_prev_done(self, rank: int, pair: frozenset, stream_index: int) -> Optional[float]:
+        if stream_index == 0:
+            return 0.0
+        channel, kind, index = self.streams[(rank, pair)][stream_index - 1]
+        return self._own_msg(channel, kind, index).done
+
+    def _ready_time(self, rank: int, ident: tuple, action: Action) -> Optional[float]:
+        """When the received input of `action` is available; None while it is not."""
+        if ident not in self.posted_recv[rank]:
+            raise ScheduleError(f"rank {rank}: {action} needs a receive that was not posted before it")
+        channel, index = self.posted_recv[rank][ident]
+        send = self._peer_msg(channel, "recv", index)
+        if send is None:
+            return None
+        if self.rendezvous:
+            return self.recvs[channel][index].done
+        return send.post + self.t_comm
+
+    # -- compute --------------------------------------------------------------------------------
+    def _try_compute(self, rank: int, action: Action) -> bool:
+        stage = action.chunk * self.pp + rank
+        start = self.clock[rank]
+        if action.kind is FORWARD and stage > 0:
+            ready = self._ready_time(rank, (0, stage - 1, action.microbatch), action)
+            if ready is None:
+                return False
+            start = max(start, ready)
+        if action.kind is BACKWARD:
+            if (FORWARD, action.chunk, action.microbatch) not in self.done_compute[rank]:
+                raise ScheduleError(f"rank {rank}: {action} runs before its forward")
+            if stage < self.stages - 1:
+                ready = self._ready_time(rank, (1, stage + 1, action.microbatch), action)
+                if ready is None:
+                    return False
+                start = max(start, ready)
+        duration = self.t_fwd if action.kind is FORWARD else self.t_bwd
+        self.clock[rank] = start + duration
+        self.busy[rank] += duration
+        self.done_compute[rank].add((action.kind, action.chunk, action.microbatch))
+        self.in_flight[rank] += 1 if action.kind is FORWARD else -1
+        self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
+        return True
+
+    def run(self) -> SimResult:
+        total = sum(len(s) for s in self.schedules)
+        finished = 0
+        while finished < total:
+            progressed = self._advance_streams() if self.rendezvous else False
+            for rank, actions in enumerate(self.schedules):
+                while self.position[rank] < len(actions):
+                    action = actions[self.position[rank]]
+                    if action.is_comm:
+                        self._post(rank, action)
+                    elif not self._try_compute(rank, action):
+                        break
+                    self.position[rank] += 1
+                    finished += 1
+                    progressed = True
+            if not progressed:
+                blocked = [f"rank {r} at {self.schedules[r][self.position[r]]}" for r in range(self.pp)
+                           if self.position[r] < len(self.schedules[r])]
+                return self._result(deadlock="deadlock: " + ", ".join(blocked))
+        self._check_all_matched()
+        if self.rendezvous:
+            while self._advance_streams():
+                pass
+        return self._result()
+
+    def _check_all_matched(self) -> None:
+        for channel in set(self.sends) | set(self.recvs):
+            if len(self.sends[channel]) != len(self.recvs[channel]):
+                raise ScheduleError(f"channel {channel[0]}->{channel[1]}: {len(self.sends[channel])} sends but "
+                                    f"{len(self.recvs[channel])} receives")
+
+    def _result(self, deadlock: Optional[str] = None) -> SimResult:
+        finish = list(self.clock)
+        if self.rendezvous and deadlock is None:
+            # A rank is done only when its last send has been taken by the peer.
+            for (rank, _), stream in self.streams.items():
+                for channel, kind, index in stream:
+                    done = self._own_msg(channel, kind, index).done
+                    if done is None:
+                        deadlock = f"deadlock: rank {rank} message {channel} never completes"
+                    else:
+                        finish[rank] = max(finish[rank], done)
+        makespan = max(finish) if finish else 0.0
+        idle = [makespan - b for b in self.busy]
+        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish)
+
+
+def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2.0, t_comm: float = 0.0,
+             rendezvous: bool = False) -> SimResult:
+    """Run all ranks' schedules on a model of the executor; t_* are per-chunk compute and per-message times.
+
+    Returns busy/idle time and peak in-flight micro-batches per rank; `SimResult.deadlock`
+    describes where every rank is stuck if the schedules cannot finish. Raises
+    ScheduleError for malformed schedules (unmatched or mismatched messages).
+    """
+    return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous).run()
+
+
+__all__ = ["simulate", "SimResult", "ScheduleError", "check_coverage"]
