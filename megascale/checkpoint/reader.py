@@ -1,0 +1,205 @@
+"""Resharding load: fill any requested box / flat range from whatever pieces a checkpoint holds.
+
+A requested shard and a stored piece each are a box of the global tensor,
+optionally narrowed to a flat range of that box's row-major flattening (ZeRO-1).
+For every stored piece whose box and flat range can touch the request, we read
+only that piece's bytes (checksum verified), and copy the overlap:
+  - box into box: one strided copy of the intersection;
+  - same box, flat ranges: one 1-D interval copy;
+  - otherwise (flat range against a different box): index arithmetic over the
+    intersection, a few million elements at a time to bound memory.
+Every element of the request must be covered, or the load fails naming the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import BinaryIO, Optional
+
+import torch
+
+from megascale.checkpoint.format import (DTYPES, METADATA_FILE, CheckpointError, PieceRecord, crc32_of, read_json,
+                                         records_of)
+from megascale.distributed.sharding import TensorShard
+from megascale.errors import UserError
+
+_CHUNK_ELEMENTS = 1 << 22  # elements per index-arithmetic chunk (~100 MB of int64 indices at most)
+
+
+class PieceReader:
+    """Reads stored pieces of one step dir: only their byte ranges, files opened once, crc32 checked."""
+
+    def __init__(self, step_dir: Path, verify: bool = True) -> None:
+        self.step_dir = step_dir
+        self.verify = verify
+        self._files: dict[str, BinaryIO] = {}
+        self._last: Optional[tuple[str, str, torch.Tensor]] = None
+        self.bytes_read = 0
+
+    def read(self, rec: PieceRecord) -> torch.Tensor:
+        """The piece's tensor in its stored shape and dtype (CPU)."""
+        if self._last is not None and self._last[:2] == (rec.file, rec.key):
+            return self._last[2]
+        path = self.step_dir / rec.file
+        handle = self._files.get(rec.file)
+        if handle is None:
+            try:
+                handle = open(path, "rb")
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint file {path} is missing") from None
+            self._files[rec.file] = handle
+        begin, end = rec.byte_range
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        handle.seek(begin)
+        got = handle.readinto(memoryview(raw.numpy())) if raw.numel() else 0
+        if got != end - begin:
+            raise CheckpointError(f"checkpoint file {path} is truncated: piece {rec.key} needs bytes "
+                                  f"[{begin}, {end}) but only {got} could be read")
+        if self.verify and crc32_of(raw) != rec.crc32:
+            raise CheckpointError(f"checksum mismatch in checkpoint file {path} (piece {rec.key}, bytes "
+                                  f"[{begin}, {end})): the file is corrupt; delete this checkpoint or load an older one")
+        self.bytes_read += end - begin
+        tensor = raw.view(DTYPES[rec.dtype]).reshape(rec.stored_shape)
+        self._last = (rec.file, rec.key, tensor)
+        return tensor
+
+    def close(self) -> None:
+        """Close every open file."""
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+        self._last = None
+
+
+def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
+    strides, acc = [], 1
+    for size in reversed(list(shape)):
+        strides.append(acc)
+        acc *= size
+    return strides[::-1]
+
+
+def _linear(point: list[int], origin: list[int], strides: list[int]) -> int:
+    return sum((p - o) * s for p, o, s in zip(point, origin, strides))
+
+
+def _flat_interval(flat: Optional[list[int] | tuple[int, int]], shape: list[int] | tuple[int, ...]) -> tuple[int, int]:
+    return (flat[0], flat[1]) if flat is not None else (0, math.prod(shape))
+
+
+def _copy_indexed(dest_flat: torch.Tensor, src_flat: torch.Tensor, lo: list[int], hi: list[int],
+                  r_off: list[int], r_shape: list[int], r_flat: tuple[int, int],
+                  s_off: list[int], s_shape: list[int], s_flat: tuple[int, int]) -> int:
+    """General case: copy the elements of box [lo, hi) present in both flat ranges; returns their count."""
+    r_strides, s_strides = _strides(r_shape), _strides(s_shape)
+    inner = math.prod(h - l for l, h in zip(lo[1:], hi[1:])) if len(lo) > 1 else 1
+    rows = max(1, _CHUNK_ELEMENTS // max(inner, 1))
+    filled = 0
+    for start in range(lo[0], hi[0], rows):
+        stop = min(hi[0], start + rows)
+        idx_r = torch.zeros((), dtype=torch.int64)
+        idx_s = torch.zeros((), dtype=torch.int64)
+        bounds = [(start, stop)] + list(zip(lo[1:], hi[1:]))
+        for dim, (a, b) in enumerate(bounds):
+            coord = torch.arange(a, b, dtype=torch.int64)
+            view = [1] * len(bounds)
+            view[dim] = b - a
+            coord = coord.view(view)
+            idx_r = idx_r + (coord - r_off[dim]) * r_strides[dim]
+            idx_s = idx_s + (coord - s_off[dim]) * s_strides[dim]
+        idx_r, idx_s = idx_r.reshape(-1), idx_s.reshape(-1)
+        mask = (idx_r >= r_flat[0]) & (idx_r < r_flat[1]) & (idx_s >= s_flat[0]) & (idx_s < s_flat[1])
+        count = int(mask.sum())
+        if count:
+            values = src_flat[idx_s[mask] - s_flat[0]].to(dest_flat.dtype)
+            dest_flat[(idx_r[mask] - r_flat[0]).to(dest_flat.device)] = values.to(dest_flat.device)
+            filled += count
+    return filled
+
+
+def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceReader) -> None:
+    """Fill request.tensor in place from the stored pieces of the same global tensor."""
+    name = request.name
+    saved_shape = tuple(records[0].global_shape)
+    if saved_shape != tuple(request.global_shape):
+        raise UserError(f"tensor {name}: checkpoint holds global shape {saved_shape} but the model asks for "
+                        f"{tuple(request.global_shape)}; load a checkpoint of the same model configuration")
+    r_off, r_shape = list(request.offsets), list(request.local_shape)
+    r_flat = _flat_interval(request.flat_range, r_shape)
+    need = r_flat[1] - r_flat[0]
+    if need == 0:
+        return
+    dest = request.tensor if request.tensor.is_contiguous() else request.tensor.contiguous()
+    dest_flat = dest.view(-1)
+    r_strides = _strides(r_shape)
+    filled = 0
+    with torch.no_grad():
+        for rec in records:
+            s_off, s_shape = list(rec.offsets), list(rec.lengths)
+            lo = [max(a, b) for a, b in zip(r_off, s_off)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(r_off, r_shape, s_off, s_shape)]
+            if any(l >= h for l, h in zip(lo, hi)):
+                continue
+            s_flat = _flat_interval(rec.flat_range, s_shape)
+            if s_flat[0] >= s_flat[1]:
+                continue
+            last = [h - 1 for h in hi]
+            # The intersection's first/last element bound its linear extent in either flattening:
+            # pieces whose flat range misses that extent are never read.
+            s_lo, s_hi = _linear(lo, s_off, _strides(s_shape)), _linear(last, s_off, _strides(s_shape))
+            x_lo, x_hi = _linear(lo, r_off, r_strides), _linear(last, r_off, r_strides)
+            if s_hi < s_flat[0] or s_lo >= s_flat[1] or x_hi < r_flat[0] or x_lo >= r_flat[1]:
+                continue
+            src = reader.read(rec)
+            if request.flat_range is None and rec.flat_range is None:
+                box_r = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, r_off))
+                box_s = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s_off))
+                dest.view(r_shape)[box_r].copy_(src[box_s])
+                filled += math.prod(h - l for l, h in zip(lo, hi))
+            elif r_off == s_off and r_shape == s_shape:
+                a, b = max(r_flat[0], s_flat[0]), min(r_flat[1], s_flat[1])
+                if a < b:
+                    src_flat = src.reshape(-1)
+                    dest_flat[a - r_flat[0]: b - r_flat[0]].copy_(src_flat[a - s_flat[0]: b - s_flat[0]])
+                    filled += b - a
+            else:
+                filled += _copy_indexed(dest_flat, src.reshape(-1), lo, hi, r_off, r_shape, r_flat,
+                                        s_off, s_shape, s_flat)
+    if filled < need:
+        where = f"box offsets {tuple(r_off)} shape {tuple(r_shape)}"
+        if request.flat_range is not None:
+            where += f" flat range {tuple(request.flat_range)}"
+        raise UserError(f"tensor {name}: the checkpoint covers only {filled} of the {need} elements of {where} "
+                        f"(global shape {saved_shape}); it was saved incompletely or by a different model")
+    if dest is not request.tensor:
+        request.tensor.copy_(dest)
+
+
+def load_metadata(step_dir: Path) -> dict:
+    """Parse a step dir's metadata.json (CheckpointError naming the file when missing or corrupt)."""
+    meta = read_json(step_dir / METADATA_FILE)
+    if not isinstance(meta, dict) or "tensors" not in meta:
+        raise CheckpointError(f"checkpoint file {step_dir / METADATA_FILE} is not a megascale metadata index")
+    return meta
+
+
+def load_shards(step_dir: Path, shards: list[TensorShard], verify: bool = True,
+                metadata: Optional[dict] = None) -> int:
+    """Fill every shard in place from the checkpoint in step_dir; returns the bytes read."""
+    meta = metadata if metadata is not None else load_metadata(step_dir)
+    by_name = records_of(meta)
+    for shard in shards:
+        if shard.name not in by_name:
+            raise UserError(f"tensor {shard.name} (global shape {tuple(shard.global_shape)}) is not in checkpoint "
+                            f"{step_dir}; the checkpoint was saved by a different model or without this state")
+    reader = PieceReader(step_dir, verify=verify)
+    try:
+        # Read in file/byte order so the disk sees mostly forward reads.
+        order = sorted(range(len(shards)), key=lambda i: min(
+            (r.file, r.byte_range[0]) for r in by_name[shards[i].name]))
+        for index in order:
+            fill_shard(shards[index], by_name[shards[index].name], reader)
+    finally:
+        reader.close()
+    return reader.bytes_read

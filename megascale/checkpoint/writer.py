@@ -1,0 +1,128 @@
+"""The two halves of a save on one rank: a fast host snapshot, then serialise + write + fsync.
+
+The snapshot copies the pieces this rank must write into host buffers that are
+kept and reused from one save to the next (pinned when CUDA is available, so the
+device-to-host copies run at full speed without re-registering memory each time).
+Training may change its tensors as soon as the snapshot returns. The write half
+runs on a background thread: safetensors serialisation, write, fsync, and a record
+of each piece's byte range and crc32 for the metadata index.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors.torch import save_file
+
+from megascale.checkpoint.format import CheckpointError, PieceRecord, crc32_of, dtype_name, safetensors_header
+from megascale.distributed.sharding import TensorShard
+from megascale.errors import UserError
+
+
+def stored_numel(shard: TensorShard) -> int:
+    """Elements a shard holds: its flat range, or its whole box."""
+    if shard.flat_range is not None:
+        return shard.flat_range[1] - shard.flat_range[0]
+    n = 1
+    for length in shard.local_shape:
+        n *= length
+    return n
+
+
+def check_shard(shard: TensorShard) -> None:
+    """Reject a shard whose tensor does not match its declared box / flat range."""
+    if len(shard.offsets) != len(shard.global_shape) or len(shard.local_shape) != len(shard.global_shape):
+        raise UserError(f"{shard.name}: offsets {shard.offsets} / local shape {shard.local_shape} do not match "
+                        f"the rank of global shape {shard.global_shape}")
+    for off, length, size in zip(shard.offsets, shard.local_shape, shard.global_shape):
+        if off < 0 or off + length > size:
+            raise UserError(f"{shard.name}: box offsets {shard.offsets} + {shard.local_shape} fall outside "
+                            f"global shape {shard.global_shape}")
+    box = 1
+    for length in shard.local_shape:
+        box *= length
+    if shard.flat_range is not None:
+        start, stop = shard.flat_range
+        if not 0 <= start <= stop <= box:
+            raise UserError(f"{shard.name}: flat range {shard.flat_range} outside its box of {box} elements")
+    if shard.tensor.numel() != stored_numel(shard):
+        raise UserError(f"{shard.name}: tensor has {shard.tensor.numel()} elements but its box/flat range "
+                        f"holds {stored_numel(shard)}")
+
+
+class HostBufferPool:
+    """Host copies of the pieces to write, reused across saves while the plan is unchanged."""
+
+    def __init__(self, pin: Optional[bool] = None) -> None:
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.allocated_bytes = 0
+
+    def _buffer(self, shard: TensorShard) -> torch.Tensor:
+        ident = (shard.key, shard.tensor.dtype, tuple(shard.tensor.shape))
+        buf = self._buffers.get(ident)
+        if buf is None:
+            buf = torch.empty(tuple(shard.tensor.shape), dtype=shard.tensor.dtype, pin_memory=self.pin)
+            self._buffers[ident] = buf
+            self.allocated_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def snapshot(self, shards: list[TensorShard]) -> list[tuple[TensorShard, torch.Tensor]]:
+        """Copy each shard's tensor into its host buffer; returns (shard, host copy) pairs.
+
+        Buffers of pieces no longer written are released, so the pool tracks the plan.
+        """
+        wanted = {(s.key, s.tensor.dtype, tuple(s.tensor.shape)) for s in shards}
+        for ident in [i for i in self._buffers if i not in wanted]:
+            buf = self._buffers.pop(ident)
+            self.allocated_bytes -= buf.numel() * buf.element_size()
+        out = []
+        on_device = False
+        for shard in shards:
+            buf = self._buffer(shard)
+            src = shard.tensor.detach()
+            on_device = on_device or src.device.type == "cuda"
+            buf.copy_(src, non_blocking=self.pin and src.device.type == "cuda")
+            out.append((shard, buf))
+        if on_device:
+            torch.cuda.current_stream().synchronize()  # the copies must land before training moves on
+        return out
+
+
+def piece_key(shard: TensorShard, index: int) -> str:
+    """Unique tensor name inside a rank's safetensors file (readable, and unique by index)."""
+    return f"{shard.name}#{index}"
+
+
+def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
+                    fault_hook: Optional[Callable[[str], None]] = None) -> tuple[list[PieceRecord], int]:
+    """Serialise pieces to one safetensors file, fsync it, and return their records and the file size."""
+    tensors: dict[str, torch.Tensor] = {}
+    keyed = []
+    for index, (shard, buf) in enumerate(pieces):
+        key = piece_key(shard, index)
+        stored = buf.reshape(-1) if shard.flat_range is not None else buf.reshape(shard.local_shape)
+        tensors[key] = stored
+        keyed.append((key, shard, stored))
+    if fault_hook is not None:
+        fault_hook("before_write")
+    save_file(tensors, str(path))
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    if fault_hook is not None:
+        fault_hook("after_write")
+    data_start, header = safetensors_header(path)
+    records = []
+    for key, shard, stored in keyed:
+        if key not in header:
+            raise CheckpointError(f"checkpoint file {path} lacks piece {key} right after writing it")
+        begin, end = header[key]["data_offsets"]
+        records.append(PieceRecord(
+            name=shard.name, global_shape=list(shard.global_shape), offsets=list(shard.offsets),
+            lengths=list(shard.local_shape), flat_range=list(shard.flat_range) if shard.flat_range is not None else None,
+            dtype=dtype_name(stored.dtype), file=path.name, key=key,
+            byte_range=[data_start + begin, data_start + end], crc32=crc32_of(stored)))
+    return records, path.stat().st_size
