@@ -144,6 +144,8 @@ class OptimConfig:
     warmup_steps: int = _f(10, "linear warmup steps")
     decay_steps: Optional[int] = _f(None, "steps of the decay phase; null = train.steps - warmup")
     wsd_decay_fraction: float = _f(0.1, "wsd: fraction of the run spent in the final decay")
+    loss_scale_window: int = _f(1000, "fp16: consecutive finite steps before the dynamic loss scale doubles")
+    min_loss_scale: float = _f(1.0, "fp16: the dynamic loss scale never halves below this")
 
 
 @dataclass

@@ -1,0 +1,281 @@
+"""Data parallelism: overlapped bucketed gradient reduction and the (ZeRO-1) distributed optimizer.
+
+The trainer's contract (see docs/optim.md):
+
+    opt = DistributedOptimizer(chunks, ctx, cfg)
+    opt.zero_grad()
+    for each micro-batch:               # the pipeline executor calls sync_enabled(True)
+        loss = ...                      # before the last micro-batch's backward of each chunk
+        opt.scale_loss(loss).backward()
+    opt.finish_grad_sync()
+    stats = opt.step(step)              # clip, update; ZeRO-1: launch the param all-gathers
+
+Loss is already divided by the tokens of the whole global batch, so gradients
+are SUMMED over the dp x cp group. Gradients accumulate in fp32 buckets
+(`dp_buffers`); each bucket's reduction starts as soon as its last gradient of
+the synchronising backward arrives. With ZeRO-1 (`parallel.zero=1`) a bucket is
+reduce-scattered, each rank keeps fp32 master weights and optimizer state for
+its 1/N flat range only, and after the update the parameters are all-gathered
+bucket by bucket, asynchronously; a forward pre-hook on each module waits for
+its own buckets, so the gathers hide behind the next forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megascale.config import Config
+from megascale.distributed.dp_buffers import Bucket, GradBuffer, reverse_params
+from megascale.distributed.dp_comm import FlatComm
+from megascale.distributed.dp_update import OptimizerState
+from megascale.distributed.sharding import ShardSpec, TensorShard
+from megascale.distributed.topology import ParallelContext
+from megascale.errors import UserError
+from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_squares
+from megascale.optim.loss_scale import LossScaler
+from megascale.optim.schedules import lr_at
+
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did: learning rate, global grad norm (before clipping), skipped, loss scale."""
+
+    lr: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+def default_no_decay(param: nn.Parameter, spec: ShardSpec) -> bool:
+    """Norm weights and biases get no weight decay: 1-D global tensors, '.bias' names, or an explicit tag."""
+    return (getattr(param, "no_weight_decay", False) or len(spec.global_shape) == 1
+            or spec.global_name.endswith(".bias"))
+
+
+class DistributedOptimizer:
+    """Bucketed, overlapped data-parallel gradient reduction plus AdamW/LAMB, replicated (zero=0) or ZeRO-1."""
+
+    def __init__(self, chunks: list[nn.Module], ctx: ParallelContext, cfg: Config) -> None:
+        self.ctx, self.cfg = ctx, cfg
+        self.zero = int(cfg.parallel.zero)
+        self.overlap_grad = bool(cfg.parallel.overlap_grad_reduce)
+        self.overlap_gather = bool(cfg.parallel.overlap_param_gather)
+        self.comm = FlatComm(ctx.group("dp_cp"))
+        if cfg.parallel.grad_bucket_mb <= 0:
+            raise UserError(f"parallel.grad_bucket_mb={cfg.parallel.grad_bucket_mb} must be > 0")
+        bucket_numel = max(int(cfg.parallel.grad_bucket_mb * 2 ** 20) // 4, 1)
+        shards = self.comm.size if self.zero == 1 else 1
+        shard_rank = self.comm.rank if self.zero == 1 else 0
+        tied = cfg.model.tie_embeddings and ctx.pp_size > 1
+        # The tied embedding's gradient is summed over first+last stage after the dp
+        # reduction; the stages' buffers differ, so it must be whole there: all-reduce it.
+        full_reduce = frozenset({TIED_EMBEDDING}) if tied and self.zero == 1 else frozenset()
+        self.buffers: list[GradBuffer] = []
+        for chunk in chunks:
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for param in reverse_params(chunk):
+                by_dtype.setdefault(param.dtype, []).append(param)
+            for params in by_dtype.values():
+                self.buffers.append(GradBuffer(params, bucket_numel, shards, shard_rank, full_reduce,
+                                               default_no_decay))
+        self.slots = [slot for buf in self.buffers for slot in buf.slots]
+        self.sp_params = [s.param for s in self.slots if getattr(s.param, "sequence_parallel_grad", False)]
+        self.tied_params = [s.param for s in self.slots if tied and s.spec.global_name == TIED_EMBEDDING]
+        self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.zero == 1)
+        self.scaler = LossScaler(cfg.train.dtype == "fp16", cfg.train.loss_scale, cfg.optim.loss_scale_window,
+                                 cfg.optim.min_loss_scale)
+        self.num_updates = 0
+        self._sync = True
+        self._hooks = [self._register_grad_hook(buf, slot) for buf in self.buffers for slot in buf.slots]
+        if self.zero == 1 and self.comm.group is not None:
+            self._hooks += self._register_gather_waits(chunks)
+
+    # ------------------------------------------------------------------ gradient side
+    def _register_grad_hook(self, buf: GradBuffer, slot: Any) -> Any:
+        def hook(param: Tensor) -> None:
+            if param.grad is None:
+                return
+            param.main_grad.add_(param.grad)
+            param.grad = None  # the fp32 buffer is the only copy: halves gradient memory for 16-bit models
+            if self._sync:
+                self._mark_ready(buf, slot.bucket, param)
+
+        return slot.param.register_post_accumulate_grad_hook(hook)
+
+    def _mark_ready(self, buf: GradBuffer, bucket: Bucket, param: Tensor) -> None:
+        if bucket.launched:
+            raise RuntimeError("a gradient arrived for a bucket already being reduced: disable sync "
+                               "(sync_enabled(False)) for every backward but the last of the step")
+        bucket.ready.add(id(param))
+        if self.overlap_grad and len(bucket.ready) == len(bucket.slots):
+            self._launch_reduce(buf, bucket)
+
+    def _launch_reduce(self, buf: GradBuffer, bucket: Bucket) -> None:
+        flat = buf.grad[bucket.start:bucket.end]
+        if self.zero == 1 and not bucket.full_reduce:
+            bucket.reduce_handle = self.comm.reduce_scatter(flat, buf.owned(buf.grad, bucket), async_op=True)
+        else:
+            bucket.reduce_handle = self.comm.all_reduce(flat, async_op=True)
+        bucket.launched = True
+
+    def sync_enabled(self, enabled: bool) -> None:
+        """While disabled, backward passes only accumulate; enable before the last backward of each chunk."""
+        self._sync = bool(enabled)
+
+    def zero_grad(self) -> None:
+        """Zero the fp32 gradient buffers and reset the buckets for the next step."""
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                if bucket.reduce_handle is not None:
+                    bucket.reduce_handle.wait()
+                bucket.reduce_handle, bucket.launched = None, False
+                bucket.ready.clear()
+            buf.grad.zero_()
+        for slot in self.slots:
+            slot.param.grad = None
+        self._sync = True
+
+    def finish_grad_sync(self) -> None:
+        """Wait for (or start, if not yet started) every bucket's reduction, then the tp and embedding sums."""
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                if not bucket.launched:
+                    self._launch_reduce(buf, bucket)
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                if bucket.reduce_handle is not None:
+                    bucket.reduce_handle.wait()
+                    bucket.reduce_handle = None
+        # Under sequence parallelism each tp rank saw only its sequence shard, so the grads
+        # of tp-replicated params (norms, row-parallel biases) are partial: sum them over tp.
+        # Buffer layouts are identical across tp ranks, so with ZeRO-1 the owned ranges line up.
+        self._sum_grads(self.sp_params, self.ctx.group("tp"))
+        self._sum_grads(self.tied_params, self.ctx.group("embedding"))
+
+    @staticmethod
+    def _sum_grads(params: list[nn.Parameter], group: Optional[Any]) -> None:
+        if not params or group is None:
+            return
+        grads = [p.main_grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat, group=group)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """Multiply by the fp16 dynamic loss scale (identity for fp32/bf16)."""
+        return self.scaler.scale_loss(loss)
+
+    # ------------------------------------------------------------------ update side
+    def _grad_norm(self) -> Tensor:
+        pieces = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments
+                  if seg.slot.spec.counts_for_norm]
+        local = sum_of_squares(pieces, self.ctx.device)
+        # Each param piece is counted on exactly one rank of tp x pp (counts_for_norm) and,
+        # with ZeRO-1, of dp x cp (owned ranges are disjoint); without ZeRO the dp/cp copies
+        # are identical and summing them would count them twice.
+        groups = [self.ctx.group("mp")] + ([self.comm.group] if self.zero == 1 else [])
+        return global_norm(local, groups)
+
+    def step(self, step: int) -> StepStats:
+        """Unscale (fp16), clip, update with the lr of `step` (1-based); ZeRO-1: all-gather the params."""
+        self.wait_params()
+        grads = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments]
+        if self.scaler.dynamic:
+            scale_(grads, torch.tensor(1.0 / self.scaler.scale, device=self.ctx.device))
+        norm_t = self._grad_norm()
+        grad_norm = float(norm_t)  # the one host sync per step: skip decision and logging need it
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        if self.scaler.dynamic and not torch.isfinite(norm_t):
+            self.scaler.update(found_inf=True)
+            return StepStats(lr, grad_norm, True, self.scaler.scale)
+        if self.cfg.optim.grad_clip > 0:
+            scale_(grads, clip_coefficient(norm_t, self.cfg.optim.grad_clip))
+        self.num_updates += 1
+        with torch.no_grad():
+            self.math.update(lr, self.num_updates)
+        self.scaler.update(found_inf=False)
+        self._gather_params()
+        return StepStats(lr, grad_norm, False, self.scaler.scale)
+
+    def _gather_params(self) -> None:
+        if self.zero != 1 or self.comm.group is None:
+            return
+        # Issue the gathers in the order the next forward needs them: buckets hold params
+        # in reverse order, so the last bucket of the first chunk is used first.
+        for buf in self.buffers:
+            for bucket in reversed(buf.buckets):
+                flat = buf.param_data[bucket.start:bucket.end]
+                bucket.gather_handle = self.comm.all_gather(flat, buf.owned(buf.param_data, bucket),
+                                                            async_op=self.overlap_gather)
+                if not self.overlap_gather:
+                    bucket.gather_handle = None
+
+    def wait_params(self) -> None:
+        """Block until every pending parameter all-gather (ZeRO-1) has finished."""
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                self._wait_gather(bucket)
+
+    @staticmethod
+    def _wait_gather(bucket: Bucket) -> None:
+        if bucket.gather_handle is not None:
+            bucket.gather_handle.wait()
+            bucket.gather_handle = None
+
+    def _register_gather_waits(self, chunks: list[nn.Module]) -> list[Any]:
+        bucket_of = {id(slot.param): slot.bucket for slot in self.slots}
+        hooks = []
+        for chunk in chunks:
+            for module in chunk.modules():
+                buckets = {id(bucket_of[id(p)]): bucket_of[id(p)] for p in module.parameters(recurse=False)
+                           if id(p) in bucket_of}
+                if buckets:
+                    hooks.append(module.register_forward_pre_hook(self._make_wait_hook(list(buckets.values()))))
+        return hooks
+
+    def _make_wait_hook(self, buckets: list[Bucket]) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            for bucket in buckets:
+                self._wait_gather(bucket)
+
+        return pre_hook
+
+    # ------------------------------------------------------------------ state
+    def state_shards(self) -> list[TensorShard]:
+        """Optimizer state as TensorShards ('optim.exp_avg.<name>', ..., 'optim.master.<name>' for 16-bit models)."""
+        return self.math.state_shards()
+
+    def extra_state(self) -> dict:
+        """Update count (Adam bias correction) and loss-scaler state."""
+        return {"num_updates": self.num_updates, "loss_scaler": self.scaler.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore `extra_state` (parameters and state shards are filled in place by the checkpoint loader)."""
+        self.num_updates = int(state.get("num_updates", 0))
+        self.scaler.load_state_dict(state.get("loss_scaler", {}))
+
+    def reload_master_from_params(self) -> None:
+        """16-bit models: re-initialise the fp32 master weights from the parameters.
+
+        Call after loading a checkpoint that has no 'optim.master.*' tensors (saved by an
+        fp32 run, or model weights only); otherwise the master weights keep their old values.
+        """
+        self.wait_params()
+        self.math.params_to_master()
+
+    def remove_hooks(self) -> None:
+        """Detach every gradient and forward hook (tests, or before handing the model elsewhere)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+__all__ = ["DistributedOptimizer", "StepStats", "default_no_decay"]

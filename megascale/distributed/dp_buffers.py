@@ -1,0 +1,184 @@
+"""Contiguous gradient and parameter buffers, cut into buckets, for the data-parallel optimizer.
+
+Parameters of one model chunk (and dtype) are laid out back to back in REVERSE
+order, because backward produces gradients roughly in reverse; a bucket is a
+contiguous run of whole parameters of about `grad_bucket_mb`, so the first
+bucket fills first and its reduction starts while backward is still running.
+
+Two buffers share that layout:
+- `grad`: fp32 accumulation buffer (Megatron's main_grad). A hook on each
+  parameter adds `param.grad` into its view and frees `param.grad`, so
+  micro-batch gradients accumulate in fp32 whatever the model dtype.
+- `param_data`: the model parameters themselves (`param.data` is re-pointed into
+  it), so ZeRO-1 can all-gather updated parameters bucket by bucket in place.
+
+With ZeRO-1 every bucket is padded to a multiple of the reduction group size N
+and rank r owns the r-th contiguous 1/N of each bucket (a flat range that may
+cut through parameters); reduce-scatter leaves the summed gradients of exactly
+that range on rank r. `Segment` is the intersection of one parameter with the
+owned range: the unit the optimizer updates and the checkpoint saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from megascale.distributed.sharding import ShardSpec, get_shard
+
+ALIGN = 16  # elements: parameter starts stay 64-byte aligned for fp32, 32-byte for 16-bit
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives in its buffer."""
+
+    param: nn.Parameter
+    spec: ShardSpec
+    start: int
+    end: int
+    bucket: "Bucket"
+    no_decay: bool
+
+
+@dataclass
+class Segment:
+    """The part of one parameter owned by this rank: buffer range [start, end), param flat range [lo, hi)."""
+
+    slot: ParamSlot
+    start: int
+    end: int
+    state_offset: int  # index of `start` in the buffer's flat optimizer-state tensors
+
+    @property
+    def lo(self) -> int:
+        """First element of the parameter's flattened local tensor in this segment."""
+        return self.start - self.slot.start
+
+    @property
+    def hi(self) -> int:
+        """One past the last element."""
+        return self.end - self.slot.start
+
+    @property
+    def whole(self) -> bool:
+        """Whether the segment covers the whole local parameter."""
+        return self.lo == 0 and self.hi == self.slot.param.numel()
+
+
+@dataclass
+class Bucket:
+    """A contiguous run of parameters reduced (and, with ZeRO-1, gathered) as one collective."""
+
+    index: int
+    start: int
+    end: int
+    own_start: int
+    own_end: int
+    state_offset: int
+    full_reduce: bool  # all-reduce even with ZeRO-1 (gradients needed whole afterwards, e.g. tied embeddings)
+    slots: list[ParamSlot] = field(default_factory=list)
+    ready: set = field(default_factory=set)
+    reduce_handle: Optional[Any] = None
+    launched: bool = False
+    gather_handle: Optional[Any] = None
+
+
+class GradBuffer:
+    """The fp32 gradient buffer and parameter buffer of one (chunk, dtype), with its buckets."""
+
+    def __init__(self, params: list[nn.Parameter], bucket_numel: int, shard_count: int, shard_rank: int,
+                 full_reduce_names: frozenset[str], no_decay_fn: Any) -> None:
+        """Lay out `params` (already in reverse order) and re-point them into the new buffers.
+
+        shard_count/shard_rank: ZeRO-1 group size and rank (1/0 when the optimizer is replicated).
+        full_reduce_names: global names that get a bucket of their own reduced with all-reduce.
+        """
+        if not params:
+            raise ValueError("GradBuffer needs at least one parameter")
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.shard_count = shard_count
+        self.buckets: list[Bucket] = []
+        self.slots: list[ParamSlot] = []
+        pad = ALIGN * shard_count
+        offset = 0
+        current: list[tuple[nn.Parameter, ShardSpec, int]] = []
+        bucket_begin = 0
+
+        def close(full_reduce: bool) -> None:
+            nonlocal offset, bucket_begin, current
+            if not current:
+                return
+            end = _round_up(offset, pad)
+            share = (end - bucket_begin) // shard_count
+            own_start = bucket_begin + shard_rank * share
+            state_offset = sum(b.own_end - b.own_start for b in self.buckets)
+            bucket = Bucket(len(self.buckets), bucket_begin, end, own_start, own_start + share, state_offset,
+                            full_reduce)
+            for param, spec, start in current:
+                slot = ParamSlot(param, spec, start, start + param.numel(), bucket, no_decay_fn(param, spec))
+                bucket.slots.append(slot)
+                self.slots.append(slot)
+            self.buckets.append(bucket)
+            offset = bucket_begin = end
+            current = []
+
+        for param in params:
+            if param.dtype != self.dtype:
+                raise ValueError(f"{get_shard(param).global_name}: dtype {param.dtype} differs from {self.dtype}")
+            spec = get_shard(param)
+            isolated = spec.global_name in full_reduce_names
+            if isolated:
+                close(False)
+            offset = _round_up(offset, ALIGN)
+            current.append((param, spec, offset))
+            offset += param.numel()
+            if isolated or offset - bucket_begin >= bucket_numel:
+                close(isolated)
+        close(False)
+        self.numel = offset
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for slot in self.slots:
+            view = self.param_data[slot.start:slot.end].view_as(slot.param)
+            view.copy_(slot.param.data)
+            slot.param.data = view
+            slot.param.main_grad = self.grad[slot.start:slot.end].view_as(slot.param)
+        self.own_numel = sum(b.own_end - b.own_start for b in self.buckets)
+        self.segments = self._segments()
+
+    def _segments(self) -> list[Segment]:
+        segments = []
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                start, end = max(slot.start, bucket.own_start), min(slot.end, bucket.own_end)
+                if start < end:
+                    segments.append(Segment(slot, start, end, bucket.state_offset + start - bucket.own_start))
+        return segments
+
+    def owned(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        """The bucket's owned range of a buffer-shaped flat tensor."""
+        return flat[bucket.own_start:bucket.own_end]
+
+    def state_view(self, state: Tensor, bucket: Bucket) -> Tensor:
+        """The bucket's part of a flat optimizer-state tensor (length own_numel)."""
+        return state[bucket.state_offset:bucket.state_offset + bucket.own_end - bucket.own_start]
+
+
+def reverse_params(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters of a module, each once, in reverse registration order (≈ backward order)."""
+    seen: set[int] = set()
+    params = []
+    for param in module.parameters():
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            params.append(param)
+    return params[::-1]
