@@ -50,7 +50,7 @@ class ModelConfig:
     activation: str = _f("gelu", "MLP activation", ("gelu", "swiglu"))
     position: str = _f("learned", "position encoding", ("learned", "rope"))
     rope_theta: float = _f(10000.0, "RoPE base frequency")
-    attention: str = _f("causal", "attention variant", ("causal", "sliding_window", "lfa"))
+    attention: str = _f("causal", "attention variant", ("causal", "sliding_window"))
     window_size: int = _f(0, "sliding-window width in tokens (attention=sliding_window)")
     parallel_block: bool = _f(False, "PaLM parallel block: y = x + attn(ln(x)) + mlp(ln(x))")
     bias: bool = _f(True, "biases in linear layers and norms")

@@ -53,8 +53,30 @@ def validate_runtime(cfg: Config, ctx: ParallelContext) -> None:
     if p.vpp > 1 and m % p.pp:
         raise ConfigError(f"interleaved pipeline needs micro-batches per step ({m}) divisible by parallel.pp={p.pp}; "
                           f"adjust train.global_batch_size")
-    if cfg.train.dtype != "fp32" and ctx.device.type == "cpu" and cfg.train.dtype == "fp16":
+    if ctx.device.type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 is not supported on CPU; use fp32 or bf16")
+    check_data_paths(cfg)
+
+
+def check_data_paths(cfg: Config) -> None:
+    """Fail before building anything when the training data is missing."""
+    d = cfg.data
+    if not d.paths:
+        if d.demo:
+            return
+        raise ConfigError("data.paths is empty; set data.paths to dataset prefixes made by `megascale preprocess` "
+                          "(X for X.bin/X.idx), or data.demo=true for the built-in demo corpus")
+    for item in d.paths:
+        prefix = str(item)
+        try:
+            float(prefix)
+            continue  # a blend weight in 'weight prefix weight prefix' form
+        except ValueError:
+            pass
+        missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
+        if missing:
+            raise ConfigError(f"data.paths: '{prefix}{missing[0]}' not found; run `megascale preprocess "
+                              f"--output-prefix {prefix} ...` or fix the path")
 
 
 class Trainer:

@@ -1,0 +1,88 @@
+"""Rank arithmetic (pure, up to tens of thousands of ranks) and real process groups on 1-8 gloo ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dist_utils import run_distributed
+from megascale.distributed.topology import LayoutError, ParallelContext, RankLayout, read_dist_env
+
+
+def test_default_order_tp_fastest() -> None:
+    layout = RankLayout(tp=2, cp=1, dp=2, pp=2)
+    assert [layout.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
+    assert layout.group_ranks(0, ["tp"]) == [0, 1]
+    assert layout.group_ranks(0, ["dp"]) == [0, 2]
+    assert layout.group_ranks(1, ["pp"]) == [1, 5]
+    assert layout.embedding_ranks(3) == [3, 7]
+
+
+def test_megascale_12288_rank_layout() -> None:
+    """MegaScale 175B on 12,288 GPUs: tp 8, pp 8, dp 192."""
+    layout = RankLayout.from_world(12_288, tp=8, pp=8)
+    assert layout.dp == 192
+    for rank in (0, 1, 7, 8, 1535, 1536, 6000, 12_287):
+        coords = layout.coords(rank)
+        assert layout.rank(**coords) == rank
+        assert rank in layout.group_ranks(rank, ["tp"])
+    # tp groups are 8 consecutive ranks (one node); pp neighbours are 1,536 apart
+    assert layout.group_ranks(12_287, ["tp"]) == list(range(12_280, 12_288))
+    assert layout.group_ranks(5, ["pp"]) == [5 + 1536 * i for i in range(8)]
+    dp_groups = layout.all_groups(["dp"])
+    assert len(dp_groups) == 64 and all(len(g) == 192 for g in dp_groups)
+    assert sorted(itertools.chain.from_iterable(dp_groups)) == list(range(12_288))
+
+
+@pytest.mark.parametrize("order", ["tp-cp-dp-pp", "tp-dp-cp-pp", "tp-pp-dp-cp"])
+def test_every_axis_partitions_the_world(order: str) -> None:
+    layout = RankLayout(tp=2, cp=2, dp=3, pp=2, order=order)
+    for axes in (["tp"], ["cp"], ["dp"], ["pp"], ["dp", "cp"], ["tp", "pp"]):
+        groups = layout.all_groups(axes)
+        assert sorted(r for g in groups for r in g) == list(range(24))
+        size = 1
+        for a in axes:
+            size *= layout.size(a)
+        assert all(len(g) == size for g in groups)
+
+
+def test_layout_errors_show_arithmetic() -> None:
+    with pytest.raises(LayoutError, match=r"tp 3 \* pp 2 \* cp 1 = 6 does not divide world size 8"):
+        RankLayout.from_world(8, tp=3, pp=2)
+    with pytest.raises(LayoutError, match="exactly once"):
+        RankLayout(order="tp-dp-pp")
+
+
+def test_env_from_torchrun_and_slurm() -> None:
+    env = read_dist_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (3, 8, 1, "n1")
+    env = read_dist_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                         "SLURM_JOB_NODELIST": "gpu[012-015,020],cpu1"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (5, 16, 1, "gpu012")
+    assert read_dist_env({}).world_size == 1
+
+
+def _check_groups(rank: int, world: int, dims: dict) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    ctx = ParallelContext(RankLayout.from_world(world, **dims), rank=rank)
+    for name in ("tp", "pp", "dp", "cp", "dp_cp", "mp", "embedding"):
+        members = ctx.ranks(name)
+        value = torch.tensor([float(rank)])
+        group = ctx.group(name)
+        if group is not None:
+            dist.all_reduce(value, group=group)
+        assert float(value) == float(sum(members)), (name, members, float(value))
+    return True
+
+
+@pytest.mark.parametrize("world,dims", [(1, {}), (2, {"tp": 2}), (4, {"tp": 2, "pp": 2}),
+                                        (8, {"tp": 2, "pp": 2, "cp": 1}), (8, {"tp": 2, "cp": 2, "pp": 2})])
+def test_real_process_groups(world: int, dims: dict) -> None:
+    if world == 1:
+        ctx = ParallelContext(RankLayout(), rank=0)
+        assert ctx.group("tp") is None and ctx.is_logging_rank
+        return
+    assert all(run_distributed(_check_groups, world, dims))
