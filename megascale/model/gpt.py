@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from megascale.config import Config
+from megascale.distributed import comm
 from megascale.distributed.random import RNGTracker
 from megascale.distributed.tensor_parallel import (TPSettings, VocabParallelEmbedding, make_param, parallel_logits,
                                                    replicated_param, split_spec)
@@ -85,6 +86,21 @@ class GPTChunk(nn.Module):
         hidden = self.final_norm(hidden)
         logits = parallel_logits(hidden, self.head_weight(), tp)
         return self._loss(logits, batch)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [b, s, vocab_size] of a whole model held in one chunk (generation, HF checks)."""
+        if not (self.first and self.last):
+            raise ValueError("logits() needs a chunk holding the whole model (pp=1)")
+        m, tp = self.bc.model, self.bc.tp
+        hidden = self._embed(tokens)
+        rope = rope_tables(torch.arange(tokens.shape[1], device=hidden.device), m.head_dim, m.rope_theta) \
+            if m.position == "rope" else None
+        for layer in self.layers.values():
+            hidden = layer(hidden, rope)
+        local = parallel_logits(self.final_norm(hidden), self.head_weight(), tp)
+        full = comm.all_gather_dim(local, 2, tp.group) if tp.size > 1 else local
+        return full[..., : m.vocab_size].transpose(0, 1).float()
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         m, tp = self.bc.model, self.bc.tp

@@ -1,0 +1,96 @@
+"""`megascale generate`: sample a continuation from a run's latest checkpoint (one process, any saved layout)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megascale.config import Config, load_config
+from megascale.errors import UserError
+
+
+def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None, device: str = "cpu"):
+    """Build the run's model with tp=pp=1 and load the newest complete checkpoint into it (resharded)."""
+    from megascale.checkpoint.manager import CheckpointManager
+    from megascale.distributed.sharding import param_shard
+    from megascale.distributed.topology import ParallelContext, RankLayout
+    from megascale.model import build_model
+
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"'{config_path}' not found; pass --run with the train.output_dir of a finished run")
+    cfg = load_config(config_path, ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.cp=1",
+                                    "parallel.dp=1", "parallel.sequence_parallel=false", "parallel.tp_overlap=false",
+                                    "parallel.pipeline_layers=null", "train.dtype=fp32", "train.recompute=none",
+                                    f"train.device={device}"])
+    ctx = ParallelContext(RankLayout(), rank=0, device=torch.device(device), create_groups=False)
+    chunk = build_model(cfg, ctx)[0]
+    manager = CheckpointManager(run_dir / "checkpoints", ctx, cfg)
+    extra = manager.load([param_shard(p) for p in chunk.parameters()], checkpoint)
+    if extra is None:
+        raise UserError(f"no complete checkpoint under '{run_dir / 'checkpoints'}'; train with "
+                        "checkpoint.save_final=true or pass --checkpoint")
+    chunk.eval()
+    return cfg, chunk, int(extra.get("step", 0))
+
+
+def resolve_tokenizer(cfg: Config):
+    """The run's SentencePiece tokenizer (the demo corpus's when the run used data.demo)."""
+    from megascale.data.tokenizer import load_tokenizer
+
+    if cfg.data.tokenizer:
+        return load_tokenizer(cfg.data.tokenizer)
+    if cfg.data.demo:
+        from megascale.data.demo import build_demo_corpus
+        from megascale.data.loader import DEMO_VOCAB, demo_cache_dir
+
+        _, model_path = build_demo_corpus(demo_cache_dir(cfg), min(DEMO_VOCAB, cfg.model.vocab_size))
+        return load_tokenizer(model_path)
+    raise UserError("the run has no data.tokenizer; pass --tokenizer PATH.model")
+
+
+@torch.no_grad()
+def sample(chunk, prompt_ids: list[int], max_new_tokens: int, top_k: int, temperature: float,
+           seq_length: int, seed: int) -> list[int]:
+    """Greedy (top_k=0) or top-k sampling; the context is cut to the model's sequence length."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt_ids)
+    device = chunk.head_weight().device
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-seq_length:]], device=device)
+        logits = chunk.logits(context)[0, -1].cpu()
+        if top_k <= 0:
+            ids.append(int(logits.argmax()))
+            continue
+        values, indices = logits.topk(min(top_k, logits.numel()))
+        probs = torch.softmax(values / max(temperature, 1e-5), dim=-1)
+        ids.append(int(indices[torch.multinomial(probs, 1, generator=gen)]))
+    return ids
+
+
+def main(argv: list[str]) -> int:
+    """Entry of `megascale generate`."""
+    parser = argparse.ArgumentParser(prog="megascale generate", description="Continue a prompt with a trained model.")
+    parser.add_argument("--run", default="runs/tiny", help="run directory (train.output_dir)")
+    parser.add_argument("--checkpoint", default=None, help="a checkpoints/step_N directory (default: latest)")
+    parser.add_argument("--prompt", default="def ", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = greedy")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    cfg, chunk, step = load_model_for_inference(Path(args.run), Path(args.checkpoint) if args.checkpoint else None)
+    if args.tokenizer:
+        from megascale.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(args.tokenizer)
+    else:
+        tok = resolve_tokenizer(cfg)
+    ids = tok.encode(args.prompt)
+    out = sample(chunk, ids, args.max_new_tokens, args.top_k, args.temperature, cfg.model.seq_length, args.seed)
+    print(f"[step {step}] {args.prompt}{tok.decode(out[len(ids):])}")
+    return 0
