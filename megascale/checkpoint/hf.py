@@ -1,0 +1,226 @@
+"""Tensor mapping between megascale global parameters and HuggingFace Llama / GPT-2 checkpoints.
+
+Works on whole (global) tensors keyed by name; convert.py does the file handling.
+  - Our fused qkv is grouped per kv head g: its nq/nkv query heads, then k_g, then v_g.
+    HF Llama keeps separate q_proj/k_proj/v_proj; HF GPT-2 fuses c_attn in q, k, v order.
+  - Our swiglu fc1 is [2, ffn, h] (0 = gate, 1 = up) = HF gate_proj / up_proj.
+  - HF GPT-2 uses Conv1D, whose weights are stored transposed ([in, out]).
+  - Our embedding rows are padded to model.vocab_pad_multiple; HF has exactly vocab_size.
+  - HF Llama's rotary embedding rotates halves (rotate_half), which is our convention,
+    so q/k rows need no permutation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megascale.config import ModelConfig
+from megascale.errors import UserError
+
+ARCHES = ("llama", "gpt2")
+_LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False}
+_GPT2 = {"norm": "layernorm", "activation": "gelu", "position": "learned", "bias": True}
+
+
+def detect_arch(model: ModelConfig) -> str:
+    """'llama' or 'gpt2' from the model's variant; UserError if it is neither."""
+    for arch, want in (("llama", _LLAMA), ("gpt2", _GPT2)):
+        if all(getattr(model, k) == v for k, v in want.items()):
+            return arch
+    raise UserError(f"model (norm={model.norm}, activation={model.activation}, position={model.position}, "
+                    f"bias={model.bias}) matches neither Llama (rmsnorm, swiglu, rope, no bias) nor GPT-2 "
+                    "(layernorm, gelu, learned, bias); HuggingFace export supports only those two")
+
+
+def _check_arch(model: ModelConfig, arch: str) -> None:
+    want = _LLAMA if arch == "llama" else _GPT2
+    wrong = [f"model.{k}={getattr(model, k)} (needs {v})" for k, v in want.items() if getattr(model, k) != v]
+    if arch == "gpt2" and model.kv_heads != model.num_heads:
+        wrong.append(f"model.num_kv_heads={model.kv_heads} (GPT-2 has no grouped-query attention)")
+    if model.parallel_block or model.attention != "causal":
+        wrong.append(f"model.parallel_block={model.parallel_block}, model.attention={model.attention} "
+                     "(HuggingFace models use the sequential block with plain causal attention)")
+    if wrong:
+        raise UserError(f"cannot export as {arch}: " + "; ".join(wrong))
+
+
+def split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our kv-grouped qkv rows (weight [rows, h] or bias [rows]) -> (q, k, v) in plain head order."""
+    nkv, group, d = model.kv_heads, model.num_heads // model.kv_heads, model.head_dim
+    grouped = qkv.reshape(nkv, group + 2, d, *qkv.shape[1:])
+    q = grouped[:, :group].reshape(model.num_heads * d, *qkv.shape[1:])
+    k = grouped[:, group].reshape(nkv * d, *qkv.shape[1:])
+    v = grouped[:, group + 1].reshape(nkv * d, *qkv.shape[1:])
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    """Inverse of split_qkv."""
+    nkv, group, d = model.kv_heads, model.num_heads // model.kv_heads, model.head_dim
+    rest = q.shape[1:]
+    grouped = torch.cat([q.reshape(nkv, group, d, *rest), k.reshape(nkv, 1, d, *rest),
+                         v.reshape(nkv, 1, d, *rest)], dim=1)
+    return grouped.reshape((model.num_heads + 2 * nkv) * d, *rest).contiguous()
+
+
+def _unpad(t: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    return t[: model.vocab_size].contiguous()
+
+
+def _pad(t: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    if t.shape[0] > model.padded_vocab_size:
+        raise UserError(f"HF embedding has {t.shape[0]} rows but vocab_size is {model.vocab_size}")
+    out = torch.zeros((model.padded_vocab_size, *t.shape[1:]), dtype=t.dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+def to_hf(state: dict[str, torch.Tensor], model: ModelConfig, arch: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """megascale global tensors -> (HF state dict, HF config.json dict)."""
+    _check_arch(model, arch)
+    out: dict[str, torch.Tensor] = {}
+    get = state.__getitem__
+    if arch == "llama":
+        out["model.embed_tokens.weight"] = _unpad(get("embedding.word_embeddings.weight"), model)
+        for i in range(model.num_layers):
+            src, dst = f"layers.{i}.", f"model.layers.{i}."
+            q, k, v = split_qkv(get(src + "attention.qkv.weight"), model)
+            fc1 = get(src + "mlp.fc1.weight")
+            out.update({dst + "input_layernorm.weight": get(src + "input_norm.weight"),
+                        dst + "post_attention_layernorm.weight": get(src + "post_attention_norm.weight"),
+                        dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                        dst + "self_attn.v_proj.weight": v,
+                        dst + "self_attn.o_proj.weight": get(src + "attention.proj.weight"),
+                        dst + "mlp.gate_proj.weight": fc1[0].contiguous(),
+                        dst + "mlp.up_proj.weight": fc1[1].contiguous(),
+                        dst + "mlp.down_proj.weight": get(src + "mlp.fc2.weight")})
+        out["model.norm.weight"] = get("final_norm.weight")
+        if not model.tie_embeddings:
+            out["lm_head.weight"] = _unpad(get("output.weight"), model)
+        return out, llama_config(model)
+    out["transformer.wte.weight"] = _unpad(get("embedding.word_embeddings.weight"), model)
+    out["transformer.wpe.weight"] = get("embedding.position_embeddings.weight")
+    for i in range(model.num_layers):
+        src, dst = f"layers.{i}.", f"transformer.h.{i}."
+        q, k, v = split_qkv(get(src + "attention.qkv.weight"), model)
+        qb, kb, vb = split_qkv(get(src + "attention.qkv.bias"), model)
+        out.update({dst + "ln_1.weight": get(src + "input_norm.weight"), dst + "ln_1.bias": get(src + "input_norm.bias"),
+                    dst + "attn.c_attn.weight": torch.cat([q, k, v], 0).t().contiguous(),
+                    dst + "attn.c_attn.bias": torch.cat([qb, kb, vb], 0),
+                    dst + "attn.c_proj.weight": get(src + "attention.proj.weight").t().contiguous(),
+                    dst + "attn.c_proj.bias": get(src + "attention.proj.bias"),
+                    dst + "ln_2.weight": get(src + "post_attention_norm.weight"),
+                    dst + "ln_2.bias": get(src + "post_attention_norm.bias"),
+                    dst + "mlp.c_fc.weight": get(src + "mlp.fc1.weight").t().contiguous(),
+                    dst + "mlp.c_fc.bias": get(src + "mlp.fc1.bias"),
+                    dst + "mlp.c_proj.weight": get(src + "mlp.fc2.weight").t().contiguous(),
+                    dst + "mlp.c_proj.bias": get(src + "mlp.fc2.bias")})
+    out["transformer.ln_f.weight"] = get("final_norm.weight")
+    out["transformer.ln_f.bias"] = get("final_norm.bias")
+    if not model.tie_embeddings:
+        out["lm_head.weight"] = _unpad(get("output.weight"), model)
+    return out, gpt2_config(model)
+
+
+def llama_config(model: ModelConfig) -> dict:
+    """HF LlamaConfig fields for this model."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": model.vocab_size,
+            "hidden_size": model.hidden_size, "intermediate_size": model.ffn_size,
+            "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
+            "num_key_value_heads": model.kv_heads, "head_dim": model.head_dim,
+            "max_position_embeddings": model.seq_length, "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "tie_word_embeddings": model.tie_embeddings, "initializer_range": model.init_std}
+
+
+def gpt2_config(model: ModelConfig) -> dict:
+    """HF GPT2Config fields for this model (tanh GeLU, as GPT-2 and our gelu use)."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model.vocab_size,
+            "n_embd": model.hidden_size, "n_layer": model.num_layers, "n_head": model.num_heads,
+            "n_inner": model.ffn_size, "n_positions": model.seq_length, "layer_norm_epsilon": model.norm_eps,
+            "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "scale_attn_weights": True, "tie_word_embeddings": model.tie_embeddings,
+            "initializer_range": model.init_std}
+
+
+def model_from_hf(config: dict) -> dict[str, Any]:
+    """Our `model:` config section from an HF config.json (Llama or GPT-2)."""
+    kind = config.get("model_type")
+    if kind == "llama":
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise UserError(f"HF rope scaling {rope} is not supported; only the default rotary embedding is")
+        heads = config["num_attention_heads"]
+        if config.get("head_dim") not in (None, config["hidden_size"] // heads):
+            raise UserError(f"HF head_dim={config['head_dim']} differs from hidden_size/num_heads; not supported")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise UserError("HF Llama with attention_bias/mlp_bias is not supported (our Llama has no biases)")
+        return {"num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"], "num_heads": heads,
+                "num_kv_heads": config.get("num_key_value_heads") or heads,
+                "ffn_hidden_size": config["intermediate_size"], "vocab_size": config["vocab_size"],
+                "seq_length": config.get("max_position_embeddings", 2048), "norm": "rmsnorm",
+                "norm_eps": config.get("rms_norm_eps", 1e-6), "activation": "swiglu", "position": "rope",
+                "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                "bias": False, "tie_embeddings": bool(config.get("tie_word_embeddings", False))}
+    if kind == "gpt2":
+        h = config["n_embd"]
+        return {"num_layers": config["n_layer"], "hidden_size": h, "num_heads": config["n_head"],
+                "num_kv_heads": None, "ffn_hidden_size": config.get("n_inner") or 4 * h,
+                "vocab_size": config["vocab_size"], "seq_length": config["n_positions"], "norm": "layernorm",
+                "norm_eps": config.get("layer_norm_epsilon", 1e-5), "activation": "gelu", "position": "learned",
+                "bias": True, "tie_embeddings": bool(config.get("tie_word_embeddings", True))}
+    raise UserError(f"HF model_type {kind!r} is not supported; convert Llama-style ('llama') or 'gpt2' models")
+
+
+def from_hf(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF state dict -> megascale global tensors (vocab padded, qkv grouped, fc1 stacked)."""
+    arch = detect_arch(model)
+    _check_arch(model, arch)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise UserError(f"HF checkpoint lacks tensor {name}; is it a {arch} model saved with save_pretrained?")
+        return hf[name]
+
+    out: dict[str, torch.Tensor] = {}
+    if arch == "llama":
+        out["embedding.word_embeddings.weight"] = _pad(get("model.embed_tokens.weight"), model)
+        for i in range(model.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            out.update({dst + "input_norm.weight": get(src + "input_layernorm.weight"),
+                        dst + "post_attention_norm.weight": get(src + "post_attention_layernorm.weight"),
+                        dst + "attention.qkv.weight": merge_qkv(get(src + "self_attn.q_proj.weight"),
+                                                                get(src + "self_attn.k_proj.weight"),
+                                                                get(src + "self_attn.v_proj.weight"), model),
+                        dst + "attention.proj.weight": get(src + "self_attn.o_proj.weight"),
+                        dst + "mlp.fc1.weight": torch.stack([get(src + "mlp.gate_proj.weight"),
+                                                             get(src + "mlp.up_proj.weight")]),
+                        dst + "mlp.fc2.weight": get(src + "mlp.down_proj.weight")})
+        out["final_norm.weight"] = get("model.norm.weight")
+    else:
+        out["embedding.word_embeddings.weight"] = _pad(get("transformer.wte.weight"), model)
+        out["embedding.position_embeddings.weight"] = get("transformer.wpe.weight")
+        h = model.hidden_size
+        for i in range(model.num_layers):
+            src, dst = f"transformer.h.{i}.", f"layers.{i}."
+            w = get(src + "attn.c_attn.weight").t()
+            b = get(src + "attn.c_attn.bias")
+            out.update({dst + "input_norm.weight": get(src + "ln_1.weight"), dst + "input_norm.bias": get(src + "ln_1.bias"),
+                        dst + "attention.qkv.weight": merge_qkv(w[:h], w[h:2 * h], w[2 * h:], model),
+                        dst + "attention.qkv.bias": merge_qkv(b[:h], b[h:2 * h], b[2 * h:], model),
+                        dst + "attention.proj.weight": get(src + "attn.c_proj.weight").t().contiguous(),
+                        dst + "attention.proj.bias": get(src + "attn.c_proj.bias"),
+                        dst + "post_attention_norm.weight": get(src + "ln_2.weight"),
+                        dst + "post_attention_norm.bias": get(src + "ln_2.bias"),
+                        dst + "mlp.fc1.weight": get(src + "mlp.c_fc.weight").t().contiguous(),
+                        dst + "mlp.fc1.bias": get(src + "mlp.c_fc.bias"),
+                        dst + "mlp.fc2.weight": get(src + "mlp.c_proj.weight").t().contiguous(),
+                        dst + "mlp.fc2.bias": get(src + "mlp.c_proj.bias")})
+        out["final_norm.weight"] = get("transformer.ln_f.weight")
+        out["final_norm.bias"] = get("transformer.ln_f.bias")
+    if not model.tie_embeddings:
+        out["output.weight"] = _pad(get("lm_head.weight"), model)
+    return {k: v.contiguous() for k, v in out.items()}
