@@ -24,7 +24,7 @@ from megascale.data.preprocess import tokenize_to_dataset
 from megascale.data.tokenizer import train_tokenizer
 from megascale.errors import UserError
 
-DEMO_VERSION = 1  # bump when the corpus recipe changes
+DEMO_VERSION = 2  # bump when the corpus recipe changes
 DEFAULT_MAX_BYTES = 6_000_000
 MIN_VOCAB = 512  # byte fallback needs 256 byte pieces + specials + the corpus's characters
 # Tests hold odd fixtures, encodings holds generated code-page tables: neither reads like real text.
@@ -40,9 +40,12 @@ def default_demo_dir() -> Path:
 def stdlib_files(root: Optional[Path] = None, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
     """The demo's source files: stdlib .py files in sorted path order, up to max_bytes in total."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    candidates = sorted((p for p in root.rglob("*.py")
-                         if not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])),
-                        key=lambda p: p.relative_to(root).as_posix())
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        # prune in place: site-packages alone can be gigabytes
+        subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS]
+        found.extend(Path(directory) / n for n in names if n.endswith(".py"))
+    candidates = sorted(found, key=lambda p: p.relative_to(root).as_posix())
     chosen, total = [], 0
     for path in candidates:
         if total >= max_bytes:
