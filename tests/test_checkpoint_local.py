@@ -1,0 +1,120 @@
+"""Single-process checkpoint tests: writer assignment, extra state, file format, a killed writer.
+
+A layout's ranks can all be played by one process (the planner writes a piece held
+twice only once), which checks resharding across many layouts cheaply; the
+multi-process behaviour is covered in test_checkpoint_dist.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from megascale.checkpoint import CheckpointManager
+from megascale.checkpoint.format import decode_extra, encode_extra, partial_dir_name, step_dir_name
+from megascale.checkpoint.planner import assign_writers
+from megascale.checkpoint.simulate import SimLayout, SimModel, expected_tensor, rank_shards, reference_value
+from megascale.config import Config
+from megascale.distributed.topology import ParallelContext, RankLayout
+
+MODEL = SimModel(num_layers=6, hidden=8, ffn=16, vocab=32, kv_groups_rows=24)
+
+
+def _manager(root: Path, **checkpoint) -> CheckpointManager:
+    cfg = Config()
+    for key, value in checkpoint.items():
+        setattr(cfg.checkpoint, key, value)
+    return CheckpointManager(root, ParallelContext(RankLayout(), 0, create_groups=False), cfg)
+
+
+def _all_shards(layout: SimLayout, seed: int, dtype: torch.dtype = torch.float32) -> list:
+    value = reference_value(seed)
+    return [s for r in range(layout.world) for s in rank_shards(MODEL, layout, r, value, dtype=dtype)]
+
+
+def test_assign_writers_largest_first_least_loaded() -> None:
+    a, b, c = ("a", (0,), (8,), None), ("b", (0,), (4,), None), ("c", (0,), (4,), None)
+    writer, load = assign_writers([[(a, 8), (b, 4), (c, 4)], [(a, 8), (b, 4), (c, 4)], [(c, 4)]])
+    assert writer == {a: 0, b: 1, c: 2} and load == [8, 4, 4]
+
+
+def test_extra_state_round_trip() -> None:
+    state = {"step": 7, "rng": torch.get_rng_state(), "np": b"\x00\x01", "nested": [(1, 2.5), {"x": None}],
+             "bf16": torch.randn(3).to(torch.bfloat16)}
+    back = decode_extra(encode_extra(state))
+    assert back["step"] == 7 and back["np"] == b"\x00\x01" and back["nested"] == [[1, 2.5], {"x": None}]
+    assert torch.equal(back["rng"], state["rng"]) and torch.equal(back["bf16"], state["bf16"])
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    (SimLayout(tp=4, pp=3, dp=2, zero=1), SimLayout(tp=1, pp=2, vpp=3, dp=3, zero=1)),
+    (SimLayout(tp=2, pp=2, vpp=3, stage_layers=(1, 2, 1, 1, 0, 1)), SimLayout(tp=4, dp=5, zero=1)),
+])
+def test_reshard_in_one_process(tmp_path: Path, saved: SimLayout, loaded: SimLayout) -> None:
+    mgr = _manager(tmp_path, async_save=False)
+    mgr.save(1, _all_shards(saved, seed=3, dtype=torch.bfloat16), {})
+    target = _all_shards(loaded, seed=0, dtype=torch.bfloat16)
+    for shard in target:
+        shard.tensor.fill_(float("nan"))
+    mgr.load(target)
+    value = reference_value(3)
+    for shard in target:  # params were saved in bf16, optimizer state in fp32: both come back bit-exact
+        assert torch.equal(shard.tensor, expected_tensor(shard, value).to(shard.tensor.dtype)), shard.name
+
+
+def test_files_are_plain_safetensors(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path, async_save=False)
+    shards = _all_shards(SimLayout(tp=2), seed=1)
+    mgr.save(4, shards, {})
+    step_dir = tmp_path / step_dir_name(4)
+    with safe_open(str(step_dir / "rank_00000.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+        assert len(keys) == len({s.key for s in shards})
+        first = next(k for k in keys if k.startswith("layers.0.attention.qkv.weight#"))
+        assert f.get_tensor(first).shape == (12, 8)  # one tp half of [24, 8]
+    assert not any(p.suffix in (".pt", ".pkl", ".bin") for p in step_dir.rglob("*"))
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import os, sys, torch
+    from pathlib import Path
+    sys.path.insert(0, {repo!r})
+    from tests.test_checkpoint_local import _all_shards, _manager
+    from megascale.checkpoint.simulate import SimLayout
+    mgr = _manager(Path({root!r}), async_save=True)
+    mgr.save(1, _all_shards(SimLayout(tp=2), seed=1), {{"step": 1}})
+    mgr.wait()
+    assert mgr.last_save_stats["ok"]
+    def die(stage):
+        if stage == "after_write":
+            os._exit(9)  # the process dies mid-save: data written, nothing committed
+    mgr.fault_hook = die
+    mgr.save(2, _all_shards(SimLayout(tp=2), seed=2), {{"step": 2}})
+    mgr.wait()
+    sys.exit(0)
+""")
+
+
+def test_killed_writer_leaves_latest_on_previous_step(tmp_path: Path) -> None:
+    repo = str(Path(__file__).resolve().parents[1])
+    script = _KILLED_WRITER.format(repo=repo, root=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    assert (tmp_path / partial_dir_name(2)).exists() and not (tmp_path / step_dir_name(2)).exists()
+    mgr = _manager(tmp_path)
+    assert mgr.latest() == tmp_path / step_dir_name(1)
+    target = _all_shards(SimLayout(tp=1), seed=0)
+    assert mgr.load(target) == {"step": 1}
+    value = reference_value(1)
+    assert all(torch.equal(s.tensor, expected_tensor(s, value)) for s in target)
+
+
+def test_nothing_to_load(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path / "empty")
+    assert mgr.latest() is None and mgr.load(_all_shards(SimLayout(), seed=0)) is None
