@@ -93,6 +93,7 @@ class DistributedOptimizer:
                                  cfg.optim.min_loss_scale)
         self.num_updates = 0
         self._sync = True
+        self._fired_modules: set[int] = set()  # modules whose forward pre-hook ran since the last step
         self._hooks = [self._register_grad_hook(buf, slot) for buf in self.buffers for slot in buf.slots]
         if self.zero == 1 and self.comm.group is not None:
             self._hooks += self._register_gather_waits(chunks)
@@ -217,6 +218,15 @@ class DistributedOptimizer:
                                                             async_op=self.overlap_gather)
                 if not self.overlap_gather:
                     bucket.gather_handle = None
+        # A bucket may only be left in flight if every module owning its params ran its
+        # forward (and so its waiting pre-hook) in the last forward pass: a weight read
+        # elsewhere, e.g. a tied output head using a module's weight without calling the
+        # module, would otherwise race with its gather. Such buckets are waited here.
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                if not bucket.owner_modules <= self._fired_modules:
+                    self._wait_gather(bucket)
+        self._fired_modules = set()
 
     def wait_params(self) -> None:
         """Block until every pending parameter all-gather (ZeRO-1) has finished."""
@@ -237,12 +247,15 @@ class DistributedOptimizer:
             for module in chunk.modules():
                 buckets = {id(bucket_of[id(p)]): bucket_of[id(p)] for p in module.parameters(recurse=False)
                            if id(p) in bucket_of}
+                for bucket in buckets.values():
+                    bucket.owner_modules.add(id(module))
                 if buckets:
                     hooks.append(module.register_forward_pre_hook(self._make_wait_hook(list(buckets.values()))))
         return hooks
 
     def _make_wait_hook(self, buckets: list[Bucket]) -> Any:
         def pre_hook(module: nn.Module, args: Any) -> None:
+            self._fired_modules.add(id(module))
             for bucket in buckets:
                 self._wait_gather(bucket)
 

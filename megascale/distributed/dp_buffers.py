@@ -89,6 +89,7 @@ class Bucket:
     reduce_handle: Optional[Any] = None
     launched: bool = False
     gather_handle: Optional[Any] = None
+    owner_modules: set = field(default_factory=set)  # ids of modules whose forward pre-hook waits for the gather
 
 
 class GradBuffer:
