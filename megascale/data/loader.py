@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 DEMO_VOCAB = 8192
 
-# A source that failed to read sends a batch whose first token is this, so receivers
-# raise instead of training on garbage (and no extra collective is spent per step).
+# A source that failed to read sends a batch whose first token is this, so receivers never
+# hang in the broadcast, and on CPU raise a clear error (no extra collective per step).
 _FAILED = -1
 
 
@@ -202,8 +202,9 @@ class BatchIterator:
             dist.broadcast(local, src=self.src_rank, group=self.group)
             if error is not None:
                 raise error
-            # One element to host only when there are receivers; cheap next to the step.
-            if not self.is_source and int(local[0, 0]) == _FAILED:
+            # Reading one element back is free on CPU; on a GPU it would stall the host every
+            # step, so there the receivers rely on the source's own error ending the job.
+            if not self.is_source and self.device.type == "cpu" and int(local[0, 0]) == _FAILED:
                 raise UserError(f"reading {self.name} data failed on rank {self.src_rank} (this rank's tensor-"
                                 f"parallel source); see its error message")
         self._position += self.global_batch_size  # with cycle, sample_ids wraps it
