@@ -48,10 +48,11 @@ def forward_backward(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
 
 
 def _pipelined(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
-    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined
+    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined, resolve_schedule_name
 
     ctx, cfg, opt = trainer.ctx, trainer.cfg, trainer.optimizer
-    schedule = build_schedule(schedule_name(cfg), ctx.pp_size, cfg.parallel.vpp, len(batches), ctx.pp_rank)
+    name = resolve_schedule_name(cfg.parallel.pipeline_schedule, cfg.parallel.vpp)
+    schedule = build_schedule(name, ctx.pp_size, cfg.parallel.vpp, len(batches), ctx.pp_rank)
     losses = forward_backward_pipelined(
         trainer.chunks, batches, ctx, schedule, activation_shape(trainer), trainer.chunks[0].bc.tp.dtype,
         loss_fn_scale=opt.scale_loss, before_last_backward=lambda chunk: opt.sync_enabled(True),
@@ -60,14 +61,6 @@ def _pipelined(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
     for loss in losses:
         total += loss.float()
     return total
-
-
-def schedule_name(cfg: Any) -> str:
-    """Resolve parallel.pipeline_schedule=auto: interleaved with virtual stages, else 1F1B."""
-    name = cfg.parallel.pipeline_schedule
-    if name == "auto":
-        return "interleaved" if cfg.parallel.vpp > 1 else "1f1b"
-    return name
 
 
 def activation_shape(trainer: "Trainer") -> tuple[int, int, int]:
