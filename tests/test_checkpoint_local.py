@@ -118,3 +118,34 @@ def test_killed_writer_leaves_latest_on_previous_step(tmp_path: Path) -> None:
 def test_nothing_to_load(tmp_path: Path) -> None:
     mgr = _manager(tmp_path / "empty")
     assert mgr.latest() is None and mgr.load(_all_shards(SimLayout(), seed=0)) is None
+
+
+def _tiles(global_tensor: torch.Tensor, dim: int, parts: int, flat_parts: int, name: str) -> list:
+    """Cut a tensor into `parts` boxes along dim, each into `flat_parts` uneven flat ranges."""
+    from megascale.distributed.sharding import TensorShard
+
+    shape, out = tuple(global_tensor.shape), []
+    size = shape[dim] // parts
+    for p in range(parts):
+        offsets = tuple(p * size if d == dim else 0 for d in range(len(shape)))
+        local = tuple(size if d == dim else shape[d] for d in range(len(shape)))
+        box = global_tensor[tuple(slice(o, o + n) for o, n in zip(offsets, local))].reshape(-1)
+        cuts = [0] + sorted(torch.randperm(box.numel() - 1)[: flat_parts - 1].add(1).tolist()) + [box.numel()]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            out.append(TensorShard(name, shape, offsets, local, box[a:b].clone(), (a, b)))
+    return out
+
+
+@pytest.mark.parametrize("saved_dim,loaded_dim", [(0, 1), (1, 2), (2, 0), (2, 1)])
+def test_flat_ranges_across_differently_cut_boxes(tmp_path: Path, saved_dim: int, loaded_dim: int) -> None:
+    # (1, 2)/(2, 0)/(2, 1) cut boxes in two non-leading dims: the element-index path; (0, 1) the strided-run path
+    torch.manual_seed(saved_dim * 3 + loaded_dim)
+    reference = torch.randn(4, 6, 8)
+    mgr = _manager(tmp_path, async_save=False)
+    mgr.save(1, _tiles(reference, saved_dim, 2, 3, "w"), {})
+    wanted = _tiles(reference, loaded_dim, 2, 4, "w")
+    expected = [s.tensor.clone() for s in wanted]
+    for shard in wanted:
+        shard.tensor.fill_(float("nan"))
+    mgr.load(wanted)
+    assert all(torch.equal(s.tensor, e) for s, e in zip(wanted, expected))

@@ -118,6 +118,66 @@ def _copy_indexed(dest_flat: torch.Tensor, src_flat: torch.Tensor, lo: list[int]
     return filled
 
 
+def _copy_runs(dest_flat: torch.Tensor, src_flat: torch.Tensor, lo: list[int], hi: list[int],
+               r_off: list[int], r_shape: list[int], r_flat: tuple[int, int],
+               s_off: list[int], s_shape: list[int], s_flat: tuple[int, int],
+               global_shape: list[int]) -> Optional[int]:
+    """Fast general case: the overlap as equal-length contiguous runs, copied through strided views.
+
+    When every dim after k spans the whole global extent in both boxes, the overlap is one run
+    (k = 0) or one run per index of dim 0 (k = 1), evenly spaced in both flattenings. Runs wholly
+    inside both flat ranges form one index interval and are copied as a 2-D strided view; at
+    most four runs hold a flat-range boundary and are clipped one by one. Returns None when the
+    boxes are cut in two or more leading dims (the caller then uses index arithmetic).
+    """
+    nd = len(lo)
+    full = [r_shape[d] == s_shape[d] == global_shape[d] for d in range(nd)]
+    k = nd - 1
+    while k > 0 and full[k]:
+        k -= 1
+    if nd == 0 or k >= 2:
+        return None
+    tail = math.prod(global_shape[k + 1:])
+    length = (hi[k] - lo[k]) * tail
+    if k == 0:
+        count, step_r, step_s = 1, 1, 1
+        base_r, base_s = (lo[0] - r_off[0]) * tail, (lo[0] - s_off[0]) * tail
+    else:
+        count = hi[0] - lo[0]
+        step_r, step_s = math.prod(r_shape[1:]), math.prod(s_shape[1:])
+        base_r = (lo[0] - r_off[0]) * step_r + (lo[1] - r_off[1]) * tail
+        base_s = (lo[0] - s_off[0]) * step_s + (lo[1] - s_off[1]) * tail
+
+    def ceil_div(a: int, b: int) -> int:
+        return -((-a) // b)
+
+    # runs i with the whole run inside both flat ranges: [inside_lo, inside_hi)
+    inside_lo = max(0, ceil_div(r_flat[0] - base_r, step_r), ceil_div(s_flat[0] - base_s, step_s))
+    inside_hi = min(count, (r_flat[1] - length - base_r) // step_r + 1, (s_flat[1] - length - base_s) // step_s + 1)
+    # runs i touching both flat ranges at all: [touch_lo, touch_hi)
+    touch_lo = max(0, (r_flat[0] - length - base_r) // step_r + 1, (s_flat[0] - length - base_s) // step_s + 1)
+    touch_hi = min(count, ceil_div(r_flat[1] - base_r, step_r), ceil_div(s_flat[1] - base_s, step_s))
+    filled = 0
+    if inside_lo < inside_hi:
+        n = inside_hi - inside_lo
+        dst = torch.as_strided(dest_flat, (n, length), (step_r, 1),
+                               dest_flat.storage_offset() + base_r + inside_lo * step_r - r_flat[0])
+        src = torch.as_strided(src_flat, (n, length), (step_s, 1),
+                               src_flat.storage_offset() + base_s + inside_lo * step_s - s_flat[0])
+        dst.copy_(src)
+        filled += n * length
+    else:
+        inside_lo = inside_hi = touch_lo
+    for i in list(range(touch_lo, inside_lo)) + list(range(max(inside_hi, touch_lo), touch_hi)):
+        r0, s0 = base_r + i * step_r, base_s + i * step_s
+        t0 = max(0, r_flat[0] - r0, s_flat[0] - s0)
+        t1 = min(length, r_flat[1] - r0, s_flat[1] - s0)
+        if t0 < t1:
+            dest_flat[r0 + t0 - r_flat[0]: r0 + t1 - r_flat[0]].copy_(src_flat[s0 + t0 - s_flat[0]: s0 + t1 - s_flat[0]])
+            filled += t1 - t0
+    return filled
+
+
 def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceReader) -> None:
     """Fill request.tensor in place from the stored pieces of the same global tensor."""
     name = request.name
@@ -164,8 +224,13 @@ def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceRe
                     dest_flat[a - r_flat[0]: b - r_flat[0]].copy_(src_flat[a - s_flat[0]: b - s_flat[0]])
                     filled += b - a
             else:
-                filled += _copy_indexed(dest_flat, src.reshape(-1), lo, hi, r_off, r_shape, r_flat,
-                                        s_off, s_shape, s_flat)
+                src_flat = src.reshape(-1).to(dest.dtype)
+                count = _copy_runs(dest_flat, src_flat, lo, hi, r_off, r_shape, r_flat, s_off, s_shape, s_flat,
+                                   list(saved_shape))
+                if count is None:
+                    count = _copy_indexed(dest_flat, src_flat, lo, hi, r_off, r_shape, r_flat,
+                                          s_off, s_shape, s_flat)
+                filled += count
     if filled < need:
         where = f"box offsets {tuple(r_off)} shape {tuple(r_shape)}"
         if request.flat_range is not None:
