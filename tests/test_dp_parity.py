@@ -89,7 +89,7 @@ def run_ours(opt: DistributedOptimizer, micro_losses: Callable[[int], list[Calla
             opt.scale_loss(loss).backward()
             total += loss.detach()
         opt.finish_grad_sync()
-        stats = opt.step(step)
+        stats = opt.step(step - 1)
         for group in loss_groups:
             if group is not None:
                 dist.all_reduce(total, group=group)
@@ -164,6 +164,54 @@ def scenario_dp(rank: int, layout: RankLayout, zero: int, name: str, overlap_gra
     check_close(norms, ref_norms, "grad norm")
     check_params(dict(model.named_parameters()), dict(ref.named_parameters()))
     check_state(opt, ref_state, None)
+    opt.remove_hooks()
+
+
+def scenario_two_chunks(rank: int, zero: int) -> None:
+    """Two model chunks (fc1 | norm+fc2) with interleaved backwards, as under virtual pipeline stages.
+
+    Backward order per step: chunk 1 mb 0, chunk 1 mb 1 (its last), chunk 0 mb 0, chunk 0 mb 1:
+    chunk 1 syncs while chunk 0 is still accumulating, so sync must be per chunk.
+    """
+    ctx = ParallelContext(RankLayout(dp=4), rank=rank)
+    cfg = make_cfg(name="adamw")
+    cfg.parallel.zero = zero
+    torch.manual_seed(4)
+    ref = Tiny()
+    model = Tiny()
+    model.load_state_dict(ref.state_dict())
+    total = 16
+    ref_losses, ref_norms, _ = reference_run(
+        cfg, dict(ref.named_parameters()),
+        lambda s: (ref(batch(s, total, 2)[0]) - batch(s, total, 2)[1]).pow(2).sum() / total)
+    chunks = [model.fc1, nn.ModuleList([model.norm, model.fc2])]
+    opt = DistributedOptimizer(chunks, ctx, cfg)
+    losses, norms = [], []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        x, y = (v.chunk(4)[ctx.dp_rank] for v in batch(step, total, 2))
+        boundary = []
+        loss_sum = torch.zeros(())
+        for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
+            out0 = model.fc1(xm)
+            h = out0.detach().requires_grad_(True)
+            loss = (model.fc2(torch.tanh(model.norm(h))) - ym).pow(2).sum() / total
+            opt.sync_enabled(i == 1, chunk=1)
+            loss.backward()
+            boundary.append((out0, h.grad))
+            loss_sum += loss.detach()
+        for i, (out0, grad) in enumerate(boundary):
+            if i == 1:
+                opt.sync_enabled(True, chunk=0)
+            out0.backward(grad)
+        opt.finish_grad_sync()
+        norms.append(opt.step(step - 1).grad_norm)
+        dist.all_reduce(loss_sum, group=ctx.group("dp"))
+        losses.append(float(loss_sum))
+    opt.wait_params()
+    check_close(losses, ref_losses, "loss")
+    check_close(norms, ref_norms, "grad norm")
+    check_params(dict(model.named_parameters()), dict(ref.named_parameters()))
     opt.remove_hooks()
 
 
@@ -320,6 +368,7 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
     "dp4_zero1_adamw": lambda r: scenario_dp(r, RankLayout(dp=4), 1, "adamw"),
     "dp4_zero1_adamw_no_overlap": lambda r: scenario_dp(r, RankLayout(dp=4), 1, "adamw", False, False),
     "dp4_zero1_lamb": lambda r: scenario_dp(r, RankLayout(dp=4), 1, "lamb"),
+    "dp4_zero1_two_chunks": lambda r: scenario_two_chunks(r, 1),
     "dp2cp2_zero1_adamw": lambda r: scenario_dp(r, RankLayout(dp=2, cp=2), 1, "adamw"),
     "dp2_tp2_zero0_lamb": lambda r: scenario_tp(r, 0, "lamb", False),
     "dp2_tp2_zero1_lamb": lambda r: scenario_tp(r, 1, "lamb", False),

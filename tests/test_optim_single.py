@@ -109,7 +109,7 @@ def train_ours(cfg: Config, batches: list, model: nn.Module, micro: int) -> list
             opt.sync_enabled(i == micro - 1)
             opt.scale_loss(loss_fn(model, xm, ym, len(x))).backward()
         opt.finish_grad_sync()
-        stats = opt.step(step)
+        stats = opt.step(step - 1)
         assert not stats.skipped
         norms.append(stats.grad_norm)
     return norms
@@ -165,7 +165,7 @@ def test_bf16_model_keeps_fp32_master() -> None:
         opt.zero_grad()
         loss_fn(ours, x.bfloat16(), y, len(x)).backward()
         opt.finish_grad_sync()
-        opt.step(step)
+        opt.step(step - 1)
     masters = {s.name: s.tensor for s in opt.state_shards() if s.name.startswith("optim.master.")}
     assert set(masters) == {f"optim.master.{n}" for n, _ in ours.named_parameters()}
     for n, p in ref32.named_parameters():
@@ -190,7 +190,7 @@ def test_fp16_overflow_skips_step_and_halves_scale() -> None:
     scaled.backward()
     opt.finish_grad_sync()
     model.fc1.weight.main_grad[0, 0] = float("inf")
-    stats = opt.step(1)
+    stats = opt.step(0)
     assert stats.skipped and stats.loss_scale == 512.0 and not math.isfinite(stats.grad_norm)
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
     # A good step unscales: the reported norm equals the unscaled gradient norm.
@@ -198,7 +198,7 @@ def test_fp16_overflow_skips_step_and_halves_scale() -> None:
     loss_fn(model, x.half(), y, len(x)).mul(512.0).backward()
     expect = torch.cat([p.main_grad.flatten() for p in model.parameters()]).norm() / 512.0
     opt.finish_grad_sync()
-    stats = opt.step(2)
+    stats = opt.step(1)
     assert not stats.skipped and stats.grad_norm == pytest.approx(float(expect), rel=1e-5)
     assert not all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
     assert opt.extra_state()["loss_scaler"]["scale"] == 512.0

@@ -3,12 +3,13 @@
 The trainer's contract (see docs/optim.md):
 
     opt = DistributedOptimizer(chunks, ctx, cfg)
-    opt.zero_grad()
-    for each micro-batch:               # the pipeline executor calls sync_enabled(True)
-        loss = ...                      # before the last micro-batch's backward of each chunk
+    opt.zero_grad()                     # also disables sync for every chunk
+    for each micro-batch:               # sync_enabled(True, chunk) right before the last
+        loss = ...                      # micro-batch's backward of each chunk
         opt.scale_loss(loss).backward()
     opt.finish_grad_sync()
-    stats = opt.step(step)              # clip, update; ZeRO-1: launch the param all-gathers
+    stats = opt.step(step)              # step = updates done before (0 first); clip, update;
+                                        # ZeRO-1: launch the param all-gathers
 
 Loss is already divided by the tokens of the whole global batch, so gradients
 are SUMMED over the dp x cp group. Gradients accumulate in fp32 buckets
@@ -78,13 +79,15 @@ class DistributedOptimizer:
         # reduction; the stages' buffers differ, so it must be whole there: all-reduce it.
         full_reduce = frozenset({TIED_EMBEDDING}) if tied and self.zero == 1 else frozenset()
         self.buffers: list[GradBuffer] = []
-        for chunk in chunks:
+        self.buffer_chunk: list[int] = []  # chunk index of each buffer
+        for index, chunk in enumerate(chunks):
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for param in reverse_params(chunk):
                 by_dtype.setdefault(param.dtype, []).append(param)
             for params in by_dtype.values():
                 self.buffers.append(GradBuffer(params, bucket_numel, shards, shard_rank, full_reduce,
                                                default_no_decay))
+                self.buffer_chunk.append(index)
         self.slots = [slot for buf in self.buffers for slot in buf.slots]
         self.sp_params = [s.param for s in self.slots if getattr(s.param, "sequence_parallel_grad", False)]
         self.tied_params = [s.param for s in self.slots if tied and s.spec.global_name == TIED_EMBEDDING]
@@ -92,20 +95,21 @@ class DistributedOptimizer:
         self.scaler = LossScaler(cfg.train.dtype == "fp16", cfg.train.loss_scale, cfg.optim.loss_scale_window,
                                  cfg.optim.min_loss_scale)
         self.num_updates = 0
-        self._sync = True
+        self._sync = [False] * len(chunks)  # per chunk: does this backward complete its gradients?
         self._fired_modules: set[int] = set()  # modules whose forward pre-hook ran since the last step
-        self._hooks = [self._register_grad_hook(buf, slot) for buf in self.buffers for slot in buf.slots]
+        self._hooks = [self._register_grad_hook(buf, slot, chunk) for buf, chunk in zip(self.buffers, self.buffer_chunk)
+                       for slot in buf.slots]
         if self.zero == 1 and self.comm.group is not None:
             self._hooks += self._register_gather_waits(chunks)
 
     # ------------------------------------------------------------------ gradient side
-    def _register_grad_hook(self, buf: GradBuffer, slot: Any) -> Any:
+    def _register_grad_hook(self, buf: GradBuffer, slot: Any, chunk: int) -> Any:
         def hook(param: Tensor) -> None:
             if param.grad is None:
                 return
             param.main_grad.add_(param.grad)
             param.grad = None  # the fp32 buffer is the only copy: halves gradient memory for 16-bit models
-            if self._sync:
+            if self._sync[chunk]:
                 self._mark_ready(buf, slot.bucket, param)
 
         return slot.param.register_post_accumulate_grad_hook(hook)
@@ -126,9 +130,17 @@ class DistributedOptimizer:
             bucket.reduce_handle = self.comm.all_reduce(flat, async_op=True)
         bucket.launched = True
 
-    def sync_enabled(self, enabled: bool) -> None:
-        """While disabled, backward passes only accumulate; enable before the last backward of each chunk."""
-        self._sync = bool(enabled)
+    def sync_enabled(self, enabled: bool, chunk: Optional[int] = None) -> None:
+        """While disabled, backward passes only accumulate; enable right before the last backward of a chunk.
+
+        chunk: the model chunk (virtual stage) index; None sets every chunk. With several chunks
+        interleaved, pass the chunk, or other chunks' earlier backwards would start reductions.
+        zero_grad() disables every chunk.
+        """
+        if chunk is None:
+            self._sync = [bool(enabled)] * len(self._sync)
+        else:
+            self._sync[chunk] = bool(enabled)
 
     def zero_grad(self) -> None:
         """Zero the fp32 gradient buffers and reset the buckets for the next step."""
@@ -141,7 +153,7 @@ class DistributedOptimizer:
             buf.grad.zero_()
         for slot in self.slots:
             slot.param.grad = None
-        self._sync = True
+        self._sync = [False] * len(self._sync)
 
     def finish_grad_sync(self) -> None:
         """Wait for (or start, if not yet started) every bucket's reduction, then the tp and embedding sums."""
@@ -186,14 +198,18 @@ class DistributedOptimizer:
         return global_norm(local, groups)
 
     def step(self, step: int) -> StepStats:
-        """Unscale (fp16), clip, update with the lr of `step` (1-based); ZeRO-1: all-gather the params."""
+        """Unscale (fp16), clip, update; ZeRO-1: all-gather the params.
+
+        step: optimizer steps completed before this one (0 for the first); the learning rate is
+        the schedule's value for update number step + 1.
+        """
         self.wait_params()
         grads = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments]
         if self.scaler.dynamic:
             scale_(grads, torch.tensor(1.0 / self.scaler.scale, device=self.ctx.device))
         norm_t = self._grad_norm()
         grad_norm = float(norm_t)  # the one host sync per step: skip decision and logging need it
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        lr = lr_at(step + 1, self.cfg.optim, self.cfg.train.steps)
         if self.scaler.dynamic and not torch.isfinite(norm_t):
             self.scaler.update(found_inf=True)
             return StepStats(lr, grad_norm, True, self.scaler.scale)
