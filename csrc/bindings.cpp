@@ -119,20 +119,27 @@ megascale::RotaryTensor rotary_view(const Tensor& t, const char* name) {
   return {t.data_ptr(), t.size(2), t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// Rotates q and k in place; cos/sin fp32 contiguous [s, d/2]. sign -1 inverts.
-void rotary_inplace(Tensor q, Tensor k, const Tensor& cos, const Tensor& sin, double sign) {
-  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "q and k must agree in s, b and d");
+// Rotates q (and k when given) in place in one launch; cos/sin fp32
+// contiguous [s, d/2]. sign -1 applies the inverse rotation.
+void rotary_inplace(Tensor q, const std::optional<Tensor>& k, const Tensor& cos, const Tensor& sin, double sign) {
+  if (k.has_value()) {
+    TORCH_CHECK(q.scalar_type() == k->scalar_type(), "q and k must share a dtype");
+    TORCH_CHECK(k->dim() == 4 && q.dim() == 4 && q.size(0) == k->size(0) && q.size(1) == k->size(1) &&
+                    q.size(3) == k->size(3),
+                "q and k must agree in s, b and d");
+  }
   check_contiguous(cos, "cos");
   check_contiguous(sin, "sin");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be float32");
+  const megascale::RotaryTensor q_view = rotary_view(q, "q");
   TORCH_CHECK(q.size(3) % 2 == 0, "rotary head dim must be even");
   TORCH_CHECK(cos.numel() == q.size(0) * q.size(3) / 2 && sin.numel() == cos.numel(), "cos/sin must be [s, d/2]");
+  // No k: a zero-head stand-in whose blocks exit at once.
+  const megascale::RotaryTensor k_view = k.has_value() ? rotary_view(*k, "k") : megascale::RotaryTensor{nullptr, 0, 0, 0, 0};
   const c10::cuda::CUDAGuard guard(q.device());
-  check_launch(megascale::rotary_inplace(dtype_of(q), rotary_view(q, "q"), rotary_view(k, "k"), q.size(0), q.size(1),
-                                         q.size(3), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                         static_cast<float>(sign), stream()),
+  check_launch(megascale::rotary_inplace(dtype_of(q), q_view, k_view, q.size(0), q.size(1), q.size(3),
+                                         cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<float>(sign),
+                                         stream()),
                "rotary");
 }
 

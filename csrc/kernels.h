@@ -33,7 +33,7 @@ cudaError_t norm_backward(DType dtype, DType weight_dtype, const void* dy, const
 // ---- rotary embedding, in place, rotate-half convention.
 // A tensor [s, b, heads, d] with arbitrary strides for its first three dims
 // and a contiguous last dim. cos/sin are fp32 [s, d/2]. sign=-1 applies the
-// inverse rotation (the backward).
+// inverse rotation (the backward). k with heads = 0 rotates q alone.
 struct RotaryTensor {
   void* data;
   int64_t heads;

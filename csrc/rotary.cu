@@ -42,7 +42,8 @@ cudaError_t rotary_inplace(DType dtype, RotaryTensor q, RotaryTensor k, int64_t 
   const int64_t half = head_dim / 2;
   const int64_t max_heads = q.heads > k.heads ? q.heads : k.heads;
   const int threads = threads_for(max_heads * half, 256);
-  const dim3 grid(static_cast<unsigned>(seq * batch), 2);
+  // grid.y = 2 rotates q and k in one launch; 1 when k is absent.
+  const dim3 grid(static_cast<unsigned>(seq * batch), k.heads > 0 ? 2 : 1);
   return MEGASCALE_DISPATCH(dtype, [&] {
     rotary_kernel<scalar_t><<<grid, threads, 0, stream>>>(q, k, batch, half, cos, sin, sign);
     return cudaGetLastError();

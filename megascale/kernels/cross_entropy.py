@@ -101,7 +101,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
         logits, labels, lse = ctx.saved_tensors
-        dlogits = ctx.ext.cross_entropy_backward(logits, labels, lse, grad.float().contiguous(), ctx.vocab_start)
+        # The kernel takes fp32 grads (lse is fp32 there); the emulation keeps float64.
+        grad = grad.to(lse.dtype).contiguous()
+        dlogits = ctx.ext.cross_entropy_backward(logits, labels, lse, grad, ctx.vocab_start)
         return dlogits, None, None, None, None
 
 

@@ -29,9 +29,10 @@ def layer_norm_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps:
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    """x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32 (float64 stays float64)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(compute)
     return y.to(x.dtype)
 
 

@@ -6,9 +6,11 @@ HF builds them, and forms like [s, 1, 1, d/2] that broadcast over batch and
 heads). out = x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) with
 rotate_half([x1, x2]) = [-x2, x1].
 
-The CUDA path rotates q and k in place (one launch for both) and marks them
-dirty for autograd, so q/k must not be outputs of `split`/`chunk` (use
-`narrow`, slicing or `view`, which the kernel handles through strides).
+The CUDA path rotates q and k in place and marks them dirty for autograd:
+one launch for both when neither is a view, one launch each when they are
+views (e.g. `narrow`/slices of a fused qkv output, handled through strides).
+q/k must not be outputs of `split`/`chunk`: autograd forbids modifying those
+in place.
 """
 
 from __future__ import annotations
@@ -46,15 +48,16 @@ def rotate_half(x: Tensor) -> Tensor:
 
 def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     head_dim = x.shape[-1]
-    c = _broadcast_table(cos, head_dim).float()
-    s = _broadcast_table(sin, head_dim).float()
+    compute = torch.promote_types(x.dtype, torch.float32)  # fp32 for half types, float64 stays float64
+    c = _broadcast_table(cos, head_dim).to(compute)
+    s = _broadcast_table(sin, head_dim).to(compute)
     c, s = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
-    xf = x.float()
+    xf = x.to(compute)
     return (xf * c + rotate_half(xf) * s).to(x.dtype)
 
 
 def apply_rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Out-of-place rotary of q and k in fp32 arithmetic; autograd through plain ops."""
+    """Out-of-place rotary of q and k (fp32 arithmetic for half types); autograd through plain ops."""
     return _rotate_reference(q, cos, sin), _rotate_reference(k, cos, sin)
 
 
@@ -72,8 +75,9 @@ def cuda_tables(cos: Tensor, sin: Tensor, seq: int, head_dim: int) -> Optional[t
     return tables[0], tables[1]
 
 
-class _RotaryFunction(torch.autograd.Function):
-    """In-place rotation of q and k through csrc/rotary.cu."""
+class _RotaryPairFunction(torch.autograd.Function):
+    """In-place rotation of q and k in one launch (neither may be a view: autograd
+    forbids a Function returning two tensors when it modified a view in place)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, ext: ModuleType) -> tuple[Tensor, Tensor]:
@@ -92,9 +96,31 @@ class _RotaryFunction(torch.autograd.Function):
         return dq, dk, None, None, None
 
 
+class _RotaryFunction(torch.autograd.Function):
+    """In-place rotation of one tensor (may be a strided view, e.g. q inside a fused qkv output)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, ext: ModuleType) -> Tensor:
+        ext.rotary_inplace(x, None, cos, sin, 1.0)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin)
+        ctx.ext = ext
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, dx: Tensor) -> tuple:
+        cos, sin = ctx.saved_tensors
+        dx = dx.contiguous().clone()
+        ctx.ext.rotary_inplace(dx, None, cos, sin, -1.0)
+        return dx, None, None, None
+
+
 def apply_rotary_cuda(ext: ModuleType, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Rotate q and k in place on CUDA; falls back to the reference when the kernel cannot take the inputs."""
     tables = cuda_tables(cos, sin, q.shape[0], q.shape[-1])
     if tables is None or q.stride(-1) != 1 or k.stride(-1) != 1 or q.dtype != k.dtype:
         return apply_rotary_reference(q, k, cos, sin)
-    return _RotaryFunction.apply(q, k, tables[0], tables[1], ext)
+    if q._is_view() or k._is_view():
+        return (_RotaryFunction.apply(q, tables[0], tables[1], ext),
+                _RotaryFunction.apply(k, tables[0], tables[1], ext))
+    return _RotaryPairFunction.apply(q, k, tables[0], tables[1], ext)
