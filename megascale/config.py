@@ -120,7 +120,7 @@ class TrainConfig:
     device: str = _f("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     output_dir: str = _f("runs/default", "run directory (config.yaml, metrics.jsonl, checkpoints/)")
     eval_interval: int = _f(0, "steps between validation-loss evaluations; 0 = never")
-    eval_iters: int = _f(4, "micro-batches per validation evaluation")
+    eval_iters: int = _f(2, "global batches per validation evaluation (the same samples every time)")
     recompute: str = _f("none", "activation recomputation", ("none", "full", "selective"))
     recompute_layers: Optional[int] = _f(None, "recompute only the first k layers of each stage; null = all")
     compile: bool = _f(False, "torch.compile each transformer block")

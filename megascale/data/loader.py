@@ -257,14 +257,12 @@ def dataset_prefixes(cfg: "Config") -> tuple[list[str], Optional[list[float]]]:
 def sample_counts(cfg: "Config", dp_size: int) -> tuple[int, int]:
     """(train samples, validation samples) the run needs.
 
-    Validation cycles over ceil(eval_iters / micro-batches per step) global batches, so
-    every evaluation can see the same samples (see BatchIterator.reset).
+    Each evaluation reads train.eval_iters global batches from the start of the
+    validation split (see BatchIterator.reset), so it sees the same samples
+    whatever the layout.
     """
     t = cfg.train
-    global_batch = t.global_batch_size
-    microbatches = max(1, global_batch // (t.micro_batch_size * dp_size))
-    valid_steps = -(-max(t.eval_iters, 1) // microbatches)
-    return t.steps * global_batch, valid_steps * global_batch
+    return t.steps * t.global_batch_size, max(t.eval_iters, 1) * t.global_batch_size
 
 
 def build_datasets(cfg: "Config", num_samples: tuple[int, int, int]) -> list[Optional[SampleDataset]]:

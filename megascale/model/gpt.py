@@ -77,8 +77,8 @@ class GPTChunk(nn.Module):
             hidden = self._embed(batch["tokens"])
         rope = None
         if m.position == "rope":
-            positions = torch.arange(batch["tokens"].shape[1], device=hidden.device)
-            rope = rope_tables(positions, m.head_dim, m.rope_theta)
+            seq = hidden.shape[0] * (tp.size if tp.sp else 1)  # middle stages get no tokens
+            rope = rope_tables(torch.arange(seq, device=hidden.device), m.head_dim, m.rope_theta)
         for layer in self.layers.values():
             hidden = layer(hidden, rope)
         if not self.last:

@@ -73,32 +73,34 @@ def activation_shape(trainer: "Trainer") -> tuple[int, int, int]:
 
 
 @torch.no_grad()
-def evaluate(trainer: "Trainer", data: Any, iters: int) -> Optional[float]:
-    """Mean validation loss over `iters` micro-batches per rank (forward only)."""
+def evaluate(trainer: "Trainer", data: Any, global_batches: int) -> Optional[float]:
+    """Mean validation loss over the first `global_batches` global batches of the validation split."""
     ctx = trainer.ctx
     for chunk in trainer.chunks:
         chunk.eval()
+    if hasattr(data, "reset"):
+        data.reset()
     total = torch.zeros((), device=ctx.device)
-    count = 0
+    needs_data = ctx.is_first_stage or ctx.is_last_stage
     batches: list[dict] = []
-    while len(batches) < iters:
-        batches.extend(data.next_step())
-    batches = batches[:iters]
+    for _ in range(global_batches):
+        if needs_data:
+            batches.extend(data.next_step())
+        else:
+            data.skip_step()
+            batches.extend({} for _ in range(trainer.micro_batches))
+    per_token = 1.0 / (global_batches * trainer.cfg.train.global_batch_size * trainer.cfg.model.seq_length)
+    batches = [_to_device(b, ctx.device, per_token) for b in batches]
     if ctx.pp_size == 1:
         for batch in batches:
-            total += trainer.chunks[0](None, _to_device(batch, ctx.device, 1.0 / batch["labels"].numel())).float()
-            count += 1
+            total += trainer.chunks[0](None, batch).float()
     else:
         from megascale.distributed.pipeline import forward_only_pipelined
 
-        losses = forward_only_pipelined(trainer.chunks, [_to_device(b, ctx.device, 1.0 / b["labels"].numel())
-                                                          for b in batches], ctx, activation_shape(trainer),
-                                        trainer.chunks[0].bc.tp.dtype)
-        for loss in losses:
+        for loss in forward_only_pipelined(trainer.chunks, batches, ctx, activation_shape(trainer),
+                                           trainer.chunks[0].bc.tp.dtype):
             total += loss.float()
-        count = len(losses)
     for chunk in trainer.chunks:
         chunk.train()
-    stats = torch.tensor([float(total), float(count)], device=ctx.device)
-    comm.all_reduce(stats, ctx.group("dp_cp"))
-    return float(stats[0] / stats[1]) if stats[1] > 0 else None
+    comm.all_reduce(total, ctx.group("dp_cp"))
+    return float(total)

@@ -173,7 +173,11 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         while self.step < cfg.train.steps:
-            batches = self.train_data.next_step()
+            if self.ctx.is_first_stage or self.ctx.is_last_stage:
+                batches = self.train_data.next_step()
+            else:  # middle pipeline stages need no tokens: keep the position, skip the read
+                self.train_data.skip_step()
+                batches = [{} for _ in range(self.micro_batches)]
             loss = forward_backward(self, batches)
             stats = self.optimizer.step(self.step)
             self.step += 1
