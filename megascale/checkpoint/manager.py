@@ -253,6 +253,12 @@ class CheckpointManager:
             raise CheckpointError(f"no loadable checkpoint under {self.root}: " + " | ".join(failures))
         return None
 
+    def tensor_names(self, path: Optional[Path] = None) -> set[str]:
+        """Global names stored in a checkpoint (default: the newest), e.g. to skip optimizer state
+        when starting from a weights-only checkpoint converted from HuggingFace."""
+        step_dir = resolve_checkpoint(Path(path)) if path is not None else self.latest()
+        return set(load_metadata(step_dir)["tensors"]) if step_dir is not None else set()
+
     def _broadcast_mask(self, shards: list[TensorShard]) -> list[bool]:
         """Which shards every dp replica holds identically (read once, then broadcast)."""
         signature = tuple(s.key for s in shards)
