@@ -276,8 +276,14 @@ class _RowLinear(torch.autograd.Function):
         def consume(c: int, grad_chunk: torch.Tensor) -> None:
             if dx_chunks is not None:
                 _mm(grad_chunk, weight, out=dx_chunks[c])
-            if dweight is not None:
-                dweight.add_(_weight_grad(grad_chunk, x_chunks[c]))
+            if dweight is None:
+                return
+            g2d = grad_chunk.reshape(-1, grad_chunk.shape[-1]).t()
+            x2d = x_chunks[c].reshape(-1, x_chunks[c].shape[-1])
+            if dweight.dtype == g2d.dtype:
+                dweight.addmm_(g2d, x2d)
+            else:
+                dweight.add_(torch.mm(g2d, x2d))
 
         _ring_all_gather(channel, grad_chunks, consume)
         if dweight is not None and dweight.dtype != weight.dtype:
