@@ -189,6 +189,8 @@ class KernelsConfig:
     """Which implementation serves the fused ops."""
 
     backend: str = _f("auto", "auto prefers csrc CUDA, then TE/apex/flash-attn, then torch", ("auto", "cuda", "torch"))
+    build_dir: Optional[str] = _f(None, "where the csrc CUDA extension is JIT-built and cached; null = torch's default "
+                                         "extensions dir (~/.cache/torch_extensions)")
 
 
 @dataclass
