@@ -64,4 +64,4 @@ def test_pipeline_inflight_and_zero_sharding() -> None:
     assert replicated.optimizer_bytes == replicated.num_params * 12  # two moments + fp32 master
     assert sharded.optimizer_bytes == pytest.approx(replicated.optimizer_bytes / 8)
     assert sharded.params_bytes == replicated.num_params * 2
-    assert "zero 1" in format_memory(sharded) and "GiB" in format_memory(sharded)
+    assert "zero 1" in format_memory(sharded) and "MiB" in format_memory(sharded)

@@ -151,9 +151,13 @@ def estimate_memory(cfg: Config, ctx_or_layout: Union[ParallelContext, RankLayou
     return max(estimates, key=lambda e: e.total_bytes)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"
+
+
 def format_memory(est: MemoryEstimate) -> str:
     """One-line summary, e.g. for the trainer's start-up banner."""
     return (f"memory estimate per rank ({est.description}; {est.layers} layers, {est.num_params / 1e6:.2f}M params): "
-            f"params {est.params_bytes / GIB:.2f} GiB, grads {est.grads_bytes / GIB:.2f} GiB, "
-            f"optimizer {est.optimizer_bytes / GIB:.2f} GiB, activations {est.activations_bytes / GIB:.2f} GiB "
-            f"({est.inflight_microbatches:.3g} micro-batches in flight), total {est.total_bytes / GIB:.2f} GiB")
+            f"params {_size(est.params_bytes)}, grads {_size(est.grads_bytes)}, "
+            f"optimizer {_size(est.optimizer_bytes)}, activations {_size(est.activations_bytes)} "
+            f"({est.inflight_microbatches:.3g} micro-batches in flight), total {_size(est.total_bytes)}")
