@@ -100,7 +100,14 @@ class CheckpointManager:
         for shard in shards:
             check_shard(shard)
         plan = self.planner.plan(shards)
-        pieces = self.pool.snapshot([shards[i] for i in plan.write_indices])
+        to_write = [shards[i] for i in plan.write_indices]
+        if not self.cfg.checkpoint.async_save and all(s.tensor.device.type == "cpu" and s.tensor.is_contiguous()
+                                                      for s in to_write):
+            # Sync save of host tensors: the caller blocks until the commit, so nothing can change
+            # them meanwhile and safetensors writes straight from their memory; no snapshot copy.
+            pieces = [(s, s.tensor.detach()) for s in to_write]
+        else:
+            pieces = self.pool.snapshot(to_write)
         extra_json = json.dumps(encode_extra(extra_state))  # encoded now: the caller may mutate its dict
         partial = self.root / partial_dir_name(step)
         partial.mkdir(parents=True, exist_ok=True)
