@@ -55,7 +55,7 @@ def _pipelined(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
     schedule = build_schedule(name, ctx.pp_size, cfg.parallel.vpp, len(batches), ctx.pp_rank)
     losses = forward_backward_pipelined(
         trainer.chunks, batches, ctx, schedule, activation_shape(trainer), trainer.chunks[0].bc.tp.dtype,
-        loss_fn_scale=opt.scale_loss, before_last_backward=lambda chunk: opt.sync_enabled(True),
+        loss_fn_scale=opt.scale_loss, before_last_backward=lambda chunk: opt.sync_enabled(True, chunk=chunk),
     )
     total = torch.zeros((), device=ctx.device)
     for loss in losses:

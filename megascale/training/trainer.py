@@ -251,6 +251,7 @@ class Trainer:
                        "cp": self.ctx.cp_size, "vpp": self.cfg.parallel.vpp, "zero": self.cfg.parallel.zero},
             "config": self.cfg.to_dict(),
         }
+        self.optimizer.wait_params()  # zero=1: updated params may still be in flight to this rank
         self.ckpt.save(self.step, self.state_shards(), extra)
         stats = getattr(self.ckpt, "last_save_stats", None) or {}
         if stats and self.ctx.is_logging_rank:
