@@ -17,10 +17,13 @@ namespace megascale {
 namespace {
 
 template <typename T, typename W, int VEC>
-__global__ void norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ residual,
-                                    const W* __restrict__ weight, const W* __restrict__ bias, T* __restrict__ y,
-                                    T* __restrict__ sum_out, float* __restrict__ mean_out,
-                                    float* __restrict__ rstd_out, int64_t cols, float eps, bool rms) {
+// No __restrict__ on x / sum_out: later passes re-read sum_out through `z`,
+// and a read-only (non-coherent) cache load of memory this kernel wrote
+// would be wrong.
+__global__ void norm_forward_kernel(const T* x, const T* __restrict__ residual, const W* __restrict__ weight,
+                                    const W* __restrict__ bias, T* __restrict__ y, T* sum_out,
+                                    float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t cols,
+                                    float eps, bool rms) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int64_t offset = row * cols;

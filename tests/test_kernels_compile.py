@@ -27,6 +27,8 @@ def test_cuda_sources_compile_for_sm80_and_sm90() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MEGASCALE_CHECK_BINDINGS") != "1",
+                    reason="parsing torch headers takes ~30 s of CPU; set MEGASCALE_CHECK_BINDINGS=1")
 def test_bindings_parse_against_torch_headers() -> None:
     pytest.importorskip("torch")
     if shutil.which("g++") is None:
