@@ -145,7 +145,7 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
                     device=ctx.device, dtype=DTYPES[cfg.train.dtype])
-    bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend), rng=rng,
+    bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
                       recompute=cfg.train.recompute)
     chunk_layers = stage_layers(cfg, ctx)
     chunks = []
