@@ -291,6 +291,9 @@ class _RowLinear(torch.autograd.Function):
         return dx, dweight, None
 
 
+# Eager under torch.compile (train.compile): p2p on a side stream is not traceable, and the
+# chunked GEMMs leave nothing for the compiler to fuse.
+@torch.compiler.disable
 def column_linear(x: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> torch.Tensor:
     """Column-parallel GEMM with its input communication overlapped.
 
@@ -303,6 +306,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -
     return _ColumnLinear.apply(x, weight, settings)
 
 
+@torch.compiler.disable
 def row_linear(x: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> torch.Tensor:
     """Row-parallel GEMM with its output reduction overlapped.
 
