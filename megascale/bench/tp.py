@@ -65,7 +65,8 @@ def bytes_sent_per_rank(collectives: list[Collective], tp: int, element_bytes: i
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megascale bench tp", description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="tensor-parallel size = processes (GPUs on CUDA)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="tensor-parallel size = processes (GPUs on CUDA); default 2, or the launcher's world size")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size h")
     parser.add_argument("--heads", type=int, default=8, help="attention heads")
     parser.add_argument("--seq", type=int, default=256, help="sequence length s")
@@ -78,6 +79,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default cores/nproc)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = parser.parse_args(argv)
+    if args.nproc is None:
+        args.nproc = int(os.environ.get("WORLD_SIZE", "2"))
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     args.device = "cuda" if use_cuda else "cpu"
     args.dtype = args.dtype or ("bf16" if use_cuda else "fp32")
