@@ -48,11 +48,16 @@ class Attention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[s, b, heads, d] -> [s, b, heads, d] via scaled_dot_product_attention (flash/cuDNN on GPU)."""
         m = self.bc.model
+        p = m.attention_dropout if self.training else 0.0
+        if self.bc.cp_size > 1:
+            from megascale.distributed import context_parallel
+
+            with self.bc.rng.fork():
+                return context_parallel.attention(q, k, v, self.bc.cp, window=self._window(), dropout_p=p)
         if self.group > 1:
             k = k.repeat_interleave(self.group, dim=2)
             v = v.repeat_interleave(self.group, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        p = m.attention_dropout if self.training else 0.0
         with self.bc.rng.fork():  # heads differ per tp rank: draw from the tensor-parallel stream
             if m.attention == "sliding_window":
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(q.shape[2], m.window_size, q.device),
@@ -60,6 +65,12 @@ class Attention(nn.Module):
             else:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return out.permute(2, 0, 1, 3)
+
+
+    def _window(self) -> int:
+        """Sliding-window width, or 0 for full causal attention."""
+        m = self.bc.model
+        return m.window_size if m.attention == "sliding_window" else 0
 
 
 def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:

@@ -73,12 +73,15 @@ class GPTChunk(nn.Module):
         returned loss is sum(token losses) * loss_scale (default 1/tokens in this batch).
         """
         m, tp = self.bc.model, self.bc.tp
+        if self.bc.cp_size > 1 and (self.first or self.last):
+            from megascale.distributed import context_parallel
+
+            batch = context_parallel.shard_batch(batch, self.bc.cp)
         if self.first:
             hidden = self._embed(batch["tokens"])
         rope = None
         if m.position == "rope":
-            seq = hidden.shape[0] * (tp.size if tp.sp else 1)  # middle stages get no tokens
-            rope = rope_tables(torch.arange(seq, device=hidden.device), m.head_dim, m.rope_theta)
+            rope = rope_tables(self._positions(hidden), m.head_dim, m.rope_theta)
         for layer in self.layers.values():
             hidden = layer(hidden, rope)
         if not self.last:
@@ -90,23 +93,38 @@ class GPTChunk(nn.Module):
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [b, s, vocab_size] of a whole model held in one chunk (generation, HF checks)."""
-        if not (self.first and self.last):
-            raise ValueError("logits() needs a chunk holding the whole model (pp=1)")
+        if not (self.first and self.last) or self.bc.cp_size > 1:
+            raise ValueError("logits() needs a chunk holding the whole model (pp=1, cp=1)")
         m, tp = self.bc.model, self.bc.tp
         hidden = self._embed(tokens)
-        rope = rope_tables(torch.arange(tokens.shape[1], device=hidden.device), m.head_dim, m.rope_theta) \
-            if m.position == "rope" else None
+        rope = rope_tables(self._positions(hidden), m.head_dim, m.rope_theta) if m.position == "rope" else None
         for layer in self.layers.values():
             hidden = layer(hidden, rope)
         local = parallel_logits(self.final_norm(hidden), self.head_weight(), tp)
         full = comm.all_gather_dim(local, 2, tp.group) if tp.size > 1 else local
         return full[..., : m.vocab_size].transpose(0, 1).float()
 
+    def _positions(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Global positions of this rank's tokens, in local order (context parallelism may reorder them)."""
+        tp = self.bc.tp
+        local = hidden.shape[0] * (tp.size if tp.sp else 1)  # middle stages get no tokens: use the shape
+        if self.bc.cp_size == 1:
+            return torch.arange(local, device=hidden.device)
+        from megascale.distributed import context_parallel
+
+        return context_parallel.local_positions(local * self.bc.cp_size, self.bc.cp).to(hidden.device)
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         m, tp = self.bc.model, self.bc.tp
         hidden = self.word_embeddings(tokens)
         if m.position == "learned":
-            pos = self.position_embeddings[: tokens.shape[1]]
+            if self.bc.cp_size > 1:
+                from megascale.distributed import context_parallel
+
+                positions = context_parallel.local_positions(tokens.shape[1] * self.bc.cp_size, self.bc.cp)
+                pos = self.position_embeddings[positions.to(tokens.device)]
+            else:
+                pos = self.position_embeddings[: tokens.shape[1]]
             if tp.sp:
                 part = tokens.shape[1] // tp.size
                 pos = pos[tp.rank * part:(tp.rank + 1) * part]
@@ -145,8 +163,13 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
                     device=ctx.device, dtype=DTYPES[cfg.train.dtype])
+    cp = None
+    if ctx.cp_size > 1:
+        from megascale.distributed.context_parallel import build_cp_settings
+
+        cp = build_cp_settings(ctx, cfg)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
-                      recompute=cfg.train.recompute)
+                      recompute=cfg.train.recompute, cp=cp)
     chunk_layers = stage_layers(cfg, ctx)
     chunks = []
     for v, layer_ids in enumerate(chunk_layers):

@@ -22,6 +22,12 @@ class BuildContext:
     ops: Any
     rng: RNGTracker
     recompute: str = "none"
+    cp: Optional[Any] = None  # context_parallel.CPSettings when parallel.cp > 1
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel size (1 without context parallelism)."""
+        return 1 if self.cp is None else self.cp.size
 
 
 class Norm(nn.Module):
