@@ -45,8 +45,9 @@ class TransformerBlock(nn.Module):
         if self.parallel_block:
             h = self.input_norm(x)
             return x + dropout(self.attention(h, rope) + self.mlp(h), p, self.training, rng)
-        x = x + dropout(self.attention(self.input_norm(x), rope), p, self.training, rng)
-        return x + dropout(self.mlp(self.post_attention_norm(x)), p, self.training, rng)
+        attn = dropout(self.attention(self.input_norm(x), rope), p, self.training, rng)
+        h, x = self.post_attention_norm.add_forward(attn, x)  # residual add fused into the norm
+        return x + dropout(self.mlp(h), p, self.training, rng)
 
 
 def _recomputed(fn: Callable[..., torch.Tensor], bc: BuildContext) -> Callable[..., torch.Tensor]:

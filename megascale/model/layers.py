@@ -49,6 +49,12 @@ class Norm(nn.Module):
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one fused kernel where available."""
+        if self.kind == "rmsnorm":
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [len(positions), head_dim/2] in fp32 for the rotate-half convention."""
