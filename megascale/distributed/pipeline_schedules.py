@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from megascale.config import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+FORWARD_ONLY = "forward_only"  # evaluation: forwards only, any micro-batch count, any vpp
 
 
 class ActionKind(enum.Enum):
@@ -83,7 +84,7 @@ def resolve_schedule_name(name: str, vpp: int) -> str:
 
 
 def _validate(name: str, pp: int, vpp: int, num_microbatches: int) -> None:
-    if name not in SCHEDULES:
+    if name not in SCHEDULES + (FORWARD_ONLY,):
         raise ConfigError(f"parallel.pipeline_schedule={name!r} is not one of auto, {', '.join(SCHEDULES)}")
     if pp < 1 or vpp < 1:
         raise ConfigError(f"parallel.pp={pp} and parallel.vpp={vpp} must be >= 1")
@@ -98,7 +99,7 @@ def _validate(name: str, pp: int, vpp: int, num_microbatches: int) -> None:
                 f"(micro_batch_size * dp)) to be a multiple of parallel.pp={pp}; change train.global_batch_size "
                 f"or train.micro_batch_size, or use parallel.vpp=1"
             )
-    elif vpp != 1:
+    elif vpp != 1 and name != FORWARD_ONLY:
         raise ConfigError(f"parallel.pipeline_schedule={name} runs one chunk per rank but parallel.vpp={vpp}; "
                           "use pipeline_schedule=interleaved (or auto) with vpp > 1")
 
@@ -109,6 +110,11 @@ Compute = tuple[ActionKind, int, int]  # (FORWARD | BACKWARD, local chunk, micro
 def compute_order(name: str, pp: int, vpp: int, num_microbatches: int, pp_rank: int) -> list[Compute]:
     """The forward/backward order of one rank, without communication."""
     m = num_microbatches
+    if name == FORWARD_ONLY:
+        # Groups of pp micro-batches pass through the chunks in turn (the interleaved forward
+        # order, a partial last group allowed); every rank follows one total order, so no cycle.
+        items = sorted(((i // pp, c, i) for c in range(vpp) for i in range(m)))
+        return [(FORWARD, c, i) for _, c, i in items]
     if name == "gpipe":
         return [(FORWARD, 0, i) for i in range(m)] + [(BACKWARD, 0, i) for i in range(m)]
     if name == "1f1b":
@@ -248,6 +254,6 @@ def format_compute(schedules: list[list[Action]]) -> str:
     return format_schedule([[a for a in s if not a.is_comm] for s in schedules], width=0)
 
 
-__all__ = ["Action", "ActionKind", "FORWARD", "BACKWARD", "SEND_FWD", "RECV_FWD", "SEND_BWD", "RECV_BWD",
+__all__ = ["FORWARD_ONLY", "Action", "ActionKind", "FORWARD", "BACKWARD", "SEND_FWD", "RECV_FWD", "SEND_BWD", "RECV_BWD",
            "SCHEDULES", "build_schedule", "build_all_schedules", "compute_order", "format_schedule",
            "format_compute", "bubble_fraction", "resolve_schedule_name", "plan_times"]

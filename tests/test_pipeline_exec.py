@@ -1,0 +1,212 @@
+"""Executor parity: pipelined forward/backward on 4 gloo ranks == one process, loss and every gradient.
+
+One spawn of 4 ranks runs every scenario (pp=2 runs as pp=2 x dp=2, both pipelines
+checked). Each rank compares its own chunks' gradients with a single-process
+reference on the same weights and data, computed in the same worker, and writes
+"ok" or the failure per scenario; the test functions read those verdicts.
+
+Tolerance: fp32 with identical per-micro-batch arithmetic; only the order in which
+autograd accumulates gradient contributions may differ, so 1e-5 relative is ample
+(a wrong micro-batch, chunk or missing contribution shows up as O(1) errors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+WORLD = 4
+VOCAB, HIDDEN, SEQ, MB = 11, 8, 6, 2
+
+# name -> (pp, vpp, schedule, micro-batches, num_layers, split, loss multiplier, forward_only)
+SCENARIOS = {
+    "pp2_1f1b": (2, 1, "1f1b", 4, 8, None, 1.0, False),
+    "pp2_interleaved": (2, 2, "interleaved", 4, 8, None, 1.0, False),
+    "pp2_gpipe": (2, 1, "gpipe", 3, 8, None, 1.0, False),
+    "pp2_split_m1": (2, 1, "1f1b", 1, 8, [3, 5], 1.0, False),
+    "pp4_1f1b": (4, 1, "1f1b", 6, 8, None, 1.0, False),
+    "pp4_interleaved": (4, 2, "interleaved", 4, 8, None, 1.0, False),
+    "pp4_nonuniform_scaled": (4, 1, "1f1b", 5, 8, [0, 3, 3, 2], 4.0, False),
+    "pp4_interleaved_split": (4, 2, "interleaved", 8, 8, [0, 1, 1, 2, 1, 1, 2, 0], 1.0, False),
+    "pp4_forward_only": (4, 2, "forward_only", 3, 8, None, 1.0, True),
+}
+
+
+def _seeded(shape: tuple[int, ...], seed: int, std: float = 0.5) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen) * std
+
+
+class TinyChunk(nn.Module):
+    """Embedding (first stage) -> residual tanh layers -> linear head + cross-entropy (last stage)."""
+
+    def __init__(self, layer_ids: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.params = nn.ParameterDict()
+        if first:
+            self.params["embedding"] = nn.Parameter(_seeded((VOCAB, HIDDEN), 1))
+        for i in layer_ids:
+            self.params[f"layers_{i}_weight"] = nn.Parameter(_seeded((HIDDEN, HIDDEN), 100 + i))
+            self.params[f"layers_{i}_bias"] = nn.Parameter(_seeded((HIDDEN,), 200 + i))
+        if last:
+            self.params["head"] = nn.Parameter(_seeded((VOCAB, HIDDEN), 2))
+        self.layer_ids = layer_ids
+        self.backward_count = 0
+
+    def _count(self, grad: torch.Tensor) -> None:
+        self.backward_count += 1
+
+    def forward(self, hidden: Optional[torch.Tensor], batch: dict) -> torch.Tensor:
+        if self.first:
+            assert hidden is None
+            hidden = self.params["embedding"][batch["tokens"]].transpose(0, 1)  # [s, b, h]
+        for i in self.layer_ids:
+            w, b = self.params[f"layers_{i}_weight"], self.params[f"layers_{i}_bias"]
+            hidden = hidden + torch.tanh(hidden @ w.t() + b)
+        if not self.last:
+            if hidden.requires_grad:
+                hidden.register_hook(self._count)
+            return hidden
+        logits = hidden @ self.params["head"].t()
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].t().reshape(-1)) * batch["scale"]
+        if loss.requires_grad:
+            loss.register_hook(self._count)
+        return loss
+
+
+def _microbatches(m: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(7)
+    return [{"tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=gen),
+             "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=gen), "scale": 1.0 / m} for _ in range(m)]
+
+
+def _reference(num_layers: int, batches: list[dict]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = TinyChunk(list(range(num_layers)), True, True)
+    losses = []
+    for batch in batches:
+        loss = model(None, batch)
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {name: p.grad.clone() for name, p in model.params.items()}
+
+
+def _run_scenario(contexts: dict, name: str) -> None:
+    from megascale.distributed.pipeline import (build_schedule, forward_backward_pipelined,
+                                                forward_only_pipelined, layers_for_rank)
+
+    pp, vpp, schedule_name, m, num_layers, split, multiplier, forward_only = SCENARIOS[name]
+    ctx = contexts[pp]  # the executor takes vpp from len(chunks), so one context per pp serves all
+    chunk_layers = layers_for_rank(num_layers, pp, vpp, ctx.pp_rank, split)
+    chunks = [TinyChunk(ids, ctx.pp_rank == 0 and v == 0, ctx.pp_rank == pp - 1 and v == vpp - 1)
+              for v, ids in enumerate(chunk_layers)]
+    batches = _microbatches(m)
+    ref_losses, ref_grads = _reference(num_layers, batches)
+    shape, on_last = (SEQ, MB, HIDDEN), ctx.pp_rank == pp - 1
+    if forward_only:
+        losses = forward_only_pipelined(chunks, batches, ctx, shape, torch.float32)
+        assert len(losses) == (m if on_last else 0), len(losses)
+        if on_last:
+            torch.testing.assert_close(torch.stack(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        assert all(p.grad is None for c in chunks for p in c.parameters())
+        return
+    calls: list[int] = []
+
+    def before_last_backward(c: int) -> None:
+        # Called exactly once per chunk, after m - 1 of its backwards and before the last.
+        assert chunks[c].backward_count == m - 1, (c, chunks[c].backward_count)
+        calls.append(c)
+
+    schedule = build_schedule(schedule_name, pp, vpp, m, ctx.pp_rank)
+    losses = forward_backward_pipelined(chunks, batches, ctx, schedule, shape, torch.float32,
+                                        loss_fn_scale=lambda loss: loss * multiplier,
+                                        before_last_backward=before_last_backward)
+    assert sorted(calls) == list(range(vpp)), calls
+    assert len(losses) == (m if on_last else 0), len(losses)
+    if on_last:
+        torch.testing.assert_close(torch.stack(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    seen = set()
+    for chunk in chunks:
+        assert chunk.backward_count == m, (chunk.backward_count, m)
+        for pname, param in chunk.params.items():
+            assert param.grad is not None, f"{pname} got no gradient"
+            torch.testing.assert_close(param.grad / multiplier, ref_grads[pname], rtol=1e-5, atol=1e-6,
+                                       msg=lambda msg, n=pname: f"{n}: {msg}")
+            seen.add(pname)
+    # Together the stages of one pipeline hold every parameter exactly once.
+    everything = [None] * pp
+    dist.all_gather_object(everything, sorted(seen), group=ctx.group("pp"))
+    merged = [n for names in everything for n in names]
+    assert sorted(merged) == sorted(ref_grads), "pipeline stages do not cover the model exactly once"
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
+    # Contexts are built once, all ranks in the same order: group creation must stay in step.
+    contexts = {pp: ParallelContext(RankLayout(pp=pp, dp=WORLD // pp), rank=rank) for pp in (2, 4)}
+    verdicts = {}
+    for name in SCENARIOS:
+        try:
+            _run_scenario(contexts, name)
+            verdicts[name] = "ok"
+        except Exception:  # report per scenario, keep the other ranks in step
+            verdicts[name] = traceback.format_exc()
+            Path(out_dir, f"rank{rank}.json").write_text(json.dumps(verdicts))
+            raise
+        dist.barrier()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(verdicts))
+    dist.destroy_process_group()
+
+
+def spawn_world(worker, world: int, timeout_s: float = 240.0) -> Path:
+    """Run worker(rank, init_file, out_dir) on `world` processes; returns out_dir. Kills stragglers on timeout."""
+    out_dir = Path(tempfile.mkdtemp(prefix="megascale_pp_"))
+    init_file = str(out_dir / "rendezvous")
+    context = mp.start_processes(worker, args=(init_file, str(out_dir)), nprocs=world, join=False,
+                                 start_method="spawn")
+    try:
+        deadline = timeout_s
+        while not context.join(timeout=5):
+            deadline -= 5
+            if deadline <= 0:
+                raise TimeoutError(f"pipeline test ranks still running after {timeout_s} s (hang?)")
+    except Exception as err:  # a rank failed: its verdict file says which scenario
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+        (out_dir / "spawn_error.txt").write_text(str(err))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def verdicts() -> dict[str, dict[str, str]]:
+    out_dir = spawn_world(_worker, WORLD)
+    results = {}
+    for rank in range(WORLD):
+        path = out_dir / f"rank{rank}.json"
+        results[rank] = json.loads(path.read_text()) if path.exists() else {}
+    error = (out_dir / "spawn_error.txt").read_text() if (out_dir / "spawn_error.txt").exists() else ""
+    return {"ranks": results, "error": error}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_pipeline_matches_single_process(verdicts: dict, name: str) -> None:
+    for rank in range(WORLD):
+        verdict = verdicts["ranks"][rank].get(name)
+        assert verdict == "ok", f"rank {rank} scenario {name}: {verdict or 'not reached'}\n{verdicts['error']}"
