@@ -1,0 +1,216 @@
+"""Context parallelism: the sequence of every sample is split over the cp group.
+
+Three modes (``parallel.cp_mode``), all exact (no approximation of attention):
+
+- ``ulysses``: each rank holds a contiguous 1/cp of the sequence. Attention
+  all-to-alls q/k/v to the full sequence for heads/cp heads, runs ordinary
+  causal SDPA, and all-to-alls the output back (DeepSpeed-Ulysses).
+- ``ring``: each rank holds two zigzag chunks (r and 2cp-1-r of 2cp) so the
+  causal work is balanced; k/v blocks travel around the ring (`cp_ring`).
+- ``hybrid`` (USP): Ulysses inside contiguous sub-groups of
+  ``parallel.ulysses_size`` ranks, ring across the strided sub-groups.
+
+Token layout, one rule for all modes. Write cp rank c = ring_index * U + u with
+U the Ulysses size (U = cp for ulysses, 1 for ring) and R = cp / U ring ranks.
+The ring level cuts the sequence into 2R zigzag chunks and gives ring index j
+chunks j and 2R-1-j, in that order; the Ulysses level then gives u the u-th
+contiguous 1/U of that. The Ulysses all-to-all concatenates the U pieces in u
+order, so after it every member of a Ulysses group holds exactly its ring
+index's zigzag pair, which is what ring attention expects. With R = 1 the
+zigzag pair is the whole sequence, so pure Ulysses is the contiguous split.
+
+Everything outside attention is per token, so only attention, positions (RoPE
+and learned) and the batch split need to know about the layout; the loss of
+each rank covers its own tokens and the trainer sums losses and gradients over
+the dp x cp group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megascale.config import Config, ConfigError
+from megascale.distributed import comm
+from megascale.distributed.cp_ring import RingSpec, ring_attention, zigzag_positions
+from megascale.distributed.topology import ParallelContext
+
+MODES = ("ulysses", "ring", "hybrid")
+# Batch entries laid out [b, s] that follow the tokens; every other key passes through.
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+@dataclass(frozen=True, eq=False)
+class CPSettings:
+    """This rank's place in context parallelism and the groups attention talks over.
+
+    size/rank/group: the whole cp group. ulysses_*: the all-to-all sub-group
+    (contiguous cp ranks; the whole group for ``ulysses``, trivial for ``ring``).
+    ring_*: the ring sub-group (strided cp ranks; trivial for ``ulysses``).
+    ring_ranks are global ranks in ring order. Groups are None when trivial.
+    """
+
+    size: int
+    rank: int
+    group: Any
+    mode: str
+    ulysses_size: int
+    ulysses_rank: int
+    ulysses_group: Any
+    ring_size: int
+    ring_rank: int
+    ring_group: Any
+    ring_ranks: tuple[int, ...]
+
+
+def _ulysses_size(cfg: Config, cp: int) -> int:
+    mode, requested = cfg.parallel.cp_mode, cfg.parallel.ulysses_size
+    if mode == "ulysses":
+        return cp
+    if mode == "ring":
+        return 1
+    if requested is None:
+        raise ConfigError(f"parallel.cp_mode=hybrid needs parallel.ulysses_size, a divisor of parallel.cp={cp} "
+                          "(ranks per Ulysses group; the rest of cp forms the ring)")
+    if requested < 1 or cp % requested:
+        raise ConfigError(f"parallel.ulysses_size={requested} must divide parallel.cp={cp}")
+    return requested
+
+
+def validate_cp(cfg: Config, cp: int, tp: int) -> int:
+    """Check the model against context parallelism of size cp; returns the Ulysses size."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp_mode not in MODES:
+        raise ConfigError(f"parallel.cp_mode={p.cp_mode!r} must be one of {', '.join(MODES)}")
+    ulysses = _ulysses_size(cfg, cp)
+    heads = m.num_heads // tp
+    if heads % ulysses:
+        raise ConfigError(f"query heads per tp rank num_heads/tp = {m.num_heads}/{tp} = {heads} are not divisible by "
+                          f"the Ulysses size {ulysses}; use cp_mode=ring or hybrid with a parallel.ulysses_size "
+                          f"dividing {heads}")
+    if m.seq_length % (2 * cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * cp} (zigzag split)")
+    if ulysses < cp and m.attention_dropout > 0:
+        raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with "
+                          f"parallel.cp_mode={p.cp_mode} (ring attention has no dropout); set it to 0 or use "
+                          "cp_mode=ulysses")
+    return ulysses
+
+
+def build_cp_settings(ctx: ParallelContext, cfg: Config) -> CPSettings:
+    """Validate the config for context parallelism and build this rank's groups.
+
+    Hybrid sub-groups are created with local synchronisation: each rank creates
+    only the two groups it belongs to.
+    """
+    cp = ctx.cp_size
+    ulysses = validate_cp(cfg, cp, ctx.tp_size)
+    ring = cp // ulysses
+    cp_ranks = ctx.ranks("cp")
+    group = ctx.group("cp")
+    if cp > 1 and group is None:
+        raise ConfigError(f"parallel.cp={cp} needs a distributed run with process groups; "
+                          f"launch {ctx.world_size} ranks (--nproc {ctx.world_size})")
+    ulysses_rank, ring_rank = ctx.cp_rank % ulysses, ctx.cp_rank // ulysses
+    ulysses_ranks = cp_ranks[ring_rank * ulysses:(ring_rank + 1) * ulysses]
+    ring_ranks = cp_ranks[ulysses_rank::ulysses]
+    return CPSettings(size=cp, rank=ctx.cp_rank, group=group, mode=cfg.parallel.cp_mode,
+                      ulysses_size=ulysses, ulysses_rank=ulysses_rank,
+                      ulysses_group=_sub_group(ulysses_ranks, cp_ranks, group),
+                      ring_size=ring, ring_rank=ring_rank, ring_group=_sub_group(ring_ranks, cp_ranks, group),
+                      ring_ranks=tuple(ring_ranks))
+
+
+def _sub_group(ranks: list[int], cp_ranks: list[int], cp_group: Any) -> Optional[Any]:
+    if len(ranks) == 1:
+        return None
+    if ranks == cp_ranks:
+        return cp_group
+    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+
+
+def local_positions(seq: int, cp: CPSettings) -> torch.Tensor:
+    """Global positions [seq/cp] of this rank's tokens, in local order (the order `shard_batch` produces)."""
+    pair = zigzag_positions(seq, cp.ring_size, cp.ring_rank)  # R = 1: the whole sequence in order
+    part = len(pair) // cp.ulysses_size
+    return pair[cp.ulysses_rank * part:(cp.ulysses_rank + 1) * part]
+
+
+def shard_batch(batch: dict, cp: CPSettings) -> dict:
+    """Keep this rank's tokens of every [b, s] sequence entry (tokens, labels, ...); other keys pass through."""
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        value = batch.get(key)
+        if torch.is_tensor(value) and value.dim() >= 2:
+            out[key] = value.index_select(1, local_positions(value.shape[1], cp).to(value.device))
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings, window: int = 0,
+              dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention over the global sequence for this rank's tokens.
+
+    q [s_local, b, nq, d], k/v [s_local, b, nkv, d] with nq a multiple of nkv
+    (grouped-query); tokens in `local_positions` order. window > 0 limits each
+    token to the previous `window` tokens (itself included). Returns
+    [s_local, b, nq, d] in the same token order.
+    """
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
+    if dropout_p > 0 and cp.ring_size > 1:
+        raise ValueError(f"attention dropout {dropout_p} is not supported by ring attention (cp_mode={cp.mode})")
+    k, v = _spread_kv_heads(q.shape[2], k, v, cp.ulysses_size)
+    if cp.ulysses_size > 1:  # sequence-sharded -> head-sharded
+        q, k, v = (comm.all_to_all(t, 2, 0, cp.ulysses_group) for t in (q, k, v))
+    if cp.ring_size > 1:
+        out = _ring(q, k, v, cp, window)
+    else:
+        out = _full_sequence(q, k, v, window, dropout_p)
+    if cp.ulysses_size > 1:  # head-sharded -> sequence-sharded
+        out = comm.all_to_all(out, 0, 2, cp.ulysses_group)
+    return out
+
+
+def _spread_kv_heads(nq: int, k: torch.Tensor, v: torch.Tensor, ulysses: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeat kv heads (the fewest times) until the Ulysses group can give each rank a whole number of them.
+
+    repeat_interleave keeps query head i paired with the same kv head, and its
+    backward sums the copies' gradients.
+    """
+    nkv = k.shape[2]
+    group = nq // nkv
+    if nkv % ulysses == 0:
+        return k, v
+    factor = next(f for f in range(1, group + 1) if group % f == 0 and (nkv * f) % ulysses == 0)
+    return k.repeat_interleave(factor, dim=2), v.repeat_interleave(factor, dim=2)
+
+
+def _full_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dropout_p: float) -> torch.Tensor:
+    """SDPA over a whole sequence in order: [s, b, nq, d], [s, b, nkv, d] -> [s, b, nq, d]."""
+    group = q.shape[2] // k.shape[2]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if window > 0:
+        idx = torch.arange(q.shape[2], device=q.device)
+        diff = idx[:, None] - idx[None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=(diff >= 0) & (diff < window), dropout_p=dropout_p)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return out.permute(2, 0, 1, 3)
+
+
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings, window: int) -> torch.Tensor:
+    """Ring attention over the ring sub-group: [s, b, nq, d], [s, b, nkv, d] -> [s, b, nq, d]."""
+    s, b, nq, d = q.shape
+    nkv = k.shape[2]
+    # [s, b, nkv*g, d] -> [b, nkv, g, s, d]: query heads of one kv head side by side.
+    qg = q.reshape(s, b, nkv, nq // nkv, d).permute(1, 2, 3, 0, 4)
+    kg, vg = (t.permute(1, 2, 0, 3) for t in (k, v))
+    spec = RingSpec(group=cp.ring_group, ranks=cp.ring_ranks, index=cp.ring_rank, window=window)
+    out = ring_attention(qg, kg, vg, spec)
+    return out.permute(3, 0, 1, 2, 4).reshape(s, b, nq, d)

@@ -1,0 +1,244 @@
+"""Ring attention with the zigzag load balance, as one autograd Function.
+
+Every rank of the ring keeps its queries; key/value blocks travel around the ring
+(rank j sends to j+1, receives from j-1), the next transfer issued before the
+current block is computed so communication hides behind compute. Per-block
+results are merged with the log-sum-exp rule in fp32:
+
+    lse' = log(exp(lse) + exp(lse_b))
+    out' = out * exp(lse - lse') + out_b * exp(lse_b - lse')
+
+Backward re-circulates k/v the same way, accumulates dq locally, and sends each
+block's dk/dv partial sum along with it, so after a full turn (one hop more than
+k/v travel) every rank receives the complete gradient of its own k/v.
+
+Zigzag: the ring-local sequence of ring rank j is chunks j and 2W-1-j of 2W
+(see `zigzag_positions`). With a causal mask, a k/v block from an earlier rank is
+seen in full by every local query against its first half; a block from a later
+rank is seen in full by the second half of the local queries only. Each step then
+does the same work (except the local causal step). The rule is derived here from
+the tokens' global positions, which also handles sliding windows: blocks that the
+mask empties are skipped, blocks it cuts are masked.
+
+Tensors inside are laid out [b, kv_heads, group, s, d] for queries and
+[b, kv_heads, s, d] for keys/values, so grouped-query attention never repeats k/v
+on the wire. Per-block attention is an explicit fp32 softmax that returns the
+log-sum-exp (SDPA does not); attention dropout is not supported here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def zigzag_positions(seq: int, world: int, rank: int) -> torch.Tensor:
+    """Global positions held by `rank` of `world` under the zigzag split: chunks rank and 2*world-1-rank."""
+    if seq % (2 * world):
+        raise ValueError(f"sequence of {seq} tokens does not split into 2*{world} zigzag chunks")
+    chunk = seq // (2 * world)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = torch.arange((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)
+    return torch.cat([first, second])
+
+
+def allowed(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int) -> torch.Tensor:
+    """Boolean [len(pos_q), len(pos_k)]: causal over global positions, within `window` tokens if window > 0."""
+    diff = pos_q[:, None] - pos_k[None, :]
+    mask = diff >= 0
+    if window > 0:
+        mask &= diff < window
+    return mask
+
+
+@dataclass(frozen=True)
+class Block:
+    """One (query rows, key rows) tile of a ring step, with its mask (None = fully visible)."""
+
+    q: slice
+    k: slice
+    mask: Optional[torch.Tensor]
+
+
+def plan_step(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int, device: torch.device) -> list[Block]:
+    """Tiles of one ring step: zigzag halves, empty tiles dropped, full tiles unmasked.
+
+    Positions are CPU tensors (pure arithmetic, no device sync); masks move to `device`.
+    """
+    hq, hk = len(pos_q) // 2, len(pos_k) // 2
+    blocks = []
+    for qs in (slice(0, hq), slice(hq, 2 * hq)):
+        for ks in (slice(0, hk), slice(hk, 2 * hk)):
+            mask = allowed(pos_q[qs], pos_k[ks], window)
+            if not bool(mask.any()):
+                continue
+            blocks.append(Block(qs, ks, None if bool(mask.all()) else mask.to(device)))
+    return _merge_full_rows(blocks)
+
+
+def _merge_full_rows(blocks: list[Block]) -> list[Block]:
+    """Join the two kv halves of a query half when both are unmasked (one bigger GEMM, as zigzag intends)."""
+    out: list[Block] = []
+    for b in blocks:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.q == b.q and prev.mask is None and b.mask is None
+                and prev.k.stop == b.k.start):
+            out[-1] = Block(b.q, slice(prev.k.start, b.k.stop), None)
+        else:
+            out.append(b)
+    if len(out) == 2 and all(b.mask is None and b.k == out[0].k for b in out) and out[0].q.stop == out[1].q.start:
+        out = [Block(slice(out[0].q.start, out[1].q.stop), out[0].k, None)]
+    return out
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 attention of one tile: q [b,hk,g,sq,d], k/v [b,hk,sk,d] -> (out [b,hk,g,sq,d], lse [b,hk,g,sq])."""
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # fully masked rows
+    probs = torch.exp(scores - row_max)
+    total = probs.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v) / torch.where(total > 0, total, torch.ones_like(total))
+    lse = (row_max + torch.log(total)).squeeze(-1)
+    return out, lse
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, rows: slice) -> None:
+    """Log-sum-exp merge of a tile result into the fp32 accumulators (in place, rows of the query axis)."""
+    acc_out, acc_lse = out[..., rows, :], lse[..., rows]
+    new_lse = torch.logaddexp(acc_lse, lse_b)
+    # Rows still at -inf on both sides stay empty instead of turning into NaN.
+    safe = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
+    acc_out.mul_(torch.exp(acc_lse - safe).unsqueeze(-1)).add_(out_b * torch.exp(lse_b - safe).unsqueeze(-1))
+    acc_lse.copy_(new_lse)
+
+
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                   lse: torch.Tensor, grad_out: torch.Tensor, delta: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of one tile given the final lse and delta = rowsum(dO * O) (flash-attention rule)."""
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    if mask is not None:
+        probs = probs.masked_fill(~mask, 0.0)
+    grad_v = torch.einsum("bhgqk,bhgqd->bhkd", probs, grad_out)
+    grad_probs = torch.einsum("bhgqd,bhkd->bhgqk", grad_out, v)
+    grad_scores = probs * (grad_probs - delta.unsqueeze(-1)) * scale
+    grad_q = torch.einsum("bhgqk,bhkd->bhgqd", grad_scores, k)
+    grad_k = torch.einsum("bhgqk,bhgqd->bhkd", grad_scores, q)
+    return grad_q, grad_k, grad_v
+
+
+class RingComm:
+    """Async send-to-next / receive-from-previous over a ring of global ranks."""
+
+    def __init__(self, group: Any, ranks: tuple[int, ...], index: int) -> None:
+        self.group = group
+        self.next = ranks[(index + 1) % len(ranks)]
+        self.prev = ranks[(index - 1) % len(ranks)]
+
+    def start(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        """Send `send` to the next rank and receive a tensor like it from the previous; returns (buffer, works)."""
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list) -> None:
+        """Block until a started exchange is complete."""
+        for work in works:
+            work.wait()
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """What ring attention needs to know about its ring and the mask."""
+
+    group: Any
+    ranks: tuple[int, ...]  # global ranks of the ring, in ring order
+    index: int  # this rank's position in the ring
+    window: int  # sliding window in tokens; 0 = full causal
+
+    @property
+    def size(self) -> int:
+        """Ranks in the ring."""
+        return len(self.ranks)
+
+
+class RingAttention(torch.autograd.Function):
+    """q [b,hk,g,s,d], k/v [b,hk,s,d] holding this ring rank's zigzag tokens -> out like q."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec) -> torch.Tensor:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        comm = RingComm(ring.group, ring.ranks, ring.index)
+        seq = q.shape[3] * ring.size
+        pos_q = zigzag_positions(seq, ring.size, ring.index)
+        qf = q.float()
+        out = torch.zeros_like(qf)
+        lse = torch.full(q.shape[:4], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()  # one message per hop
+        for step in range(ring.size):
+            pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
+            src = (ring.index - step) % ring.size
+            kvf = kv.float()
+            for blk in plan_step(pos_q, zigzag_positions(seq, ring.size, src), ring.window, q.device):
+                out_b, lse_b = block_forward(qf[..., blk.q, :], kvf[0][..., blk.k, :], kvf[1][..., blk.k, :],
+                                             blk.mask, scale)
+                merge_into(out, lse, out_b, lse_b, blk.q)
+            if pending is not None:
+                comm.wait(pending[1])
+                kv = pending[0]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: RingSpec = ctx.ring
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        comm = RingComm(ring.group, ring.ranks, ring.index)
+        seq = q.shape[3] * ring.size
+        pos_q = zigzag_positions(seq, ring.size, ring.index)
+        qf, dout = q.float(), grad_out.float()
+        delta = (dout * out).sum(dim=-1)
+        grad_q = torch.zeros_like(qf)
+        kv = torch.stack([k, v]).contiguous()
+        grad_in_flight: Optional[tuple[torch.Tensor, list]] = None
+        for step in range(ring.size):
+            pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
+            src = (ring.index - step) % ring.size
+            kvf = kv.float()
+            grad_kv = torch.zeros_like(kvf)
+            for blk in plan_step(pos_q, zigzag_positions(seq, ring.size, src), ring.window, q.device):
+                dq, dk, dv = block_backward(qf[..., blk.q, :], kvf[0][..., blk.k, :], kvf[1][..., blk.k, :],
+                                            blk.mask, scale, lse[..., blk.q], dout[..., blk.q, :],
+                                            delta[..., blk.q])
+                grad_q[..., blk.q, :] += dq
+                grad_kv[0][..., blk.k, :] += dk
+                grad_kv[1][..., blk.k, :] += dv
+            if grad_in_flight is not None:  # the partial sum for this same kv block from the ranks before us
+                comm.wait(grad_in_flight[1])
+                grad_kv += grad_in_flight[0]
+            # fp32 on the wire: these partial sums are accumulated over the whole ring.
+            grad_in_flight = comm.start(grad_kv, tag=1) if ring.size > 1 else (grad_kv, [])
+            if pending is not None:
+                comm.wait(pending[1])
+                kv = pending[0]
+        comm.wait(grad_in_flight[1])
+        grad_kv = grad_in_flight[0]  # after a full turn: the gradient of our own k/v
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec) -> torch.Tensor:
+    """Causal (optionally windowed) attention over the ring; shapes as `RingAttention`."""
+    return RingAttention.apply(q, k, v, ring)

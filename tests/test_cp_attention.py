@@ -1,0 +1,108 @@
+"""Context-parallel attention (Ulysses, ring, hybrid) against single-process SDPA on the full sequence.
+
+Four gloo ranks, spawned once: cp=2 cases run in the two cp groups of a cp=2 x dp=2
+layout, cp=4 cases (and hybrid 2 x 2) over all four ranks. Every rank draws the
+same global q/k/v and output gradient, runs the distributed attention on its own
+tokens, and the pieces are gathered back into global order by their positions;
+rank 0's gathered output, dq, dk and dv are compared with SDPA (math) on the whole
+sequence.
+
+Tolerance: fp32 throughout. Ring attention computes softmax blockwise and merges
+with the log-sum-exp rule, Ulysses only reorders data; both change the order of
+float32 sums over at most 16 keys, ~1e-7 relative on O(1) values. 2e-5 absolute
+catches any mistake in masks, zigzag order or gradient routing (those are O(0.1)).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+SEQ, BATCH, HEAD_DIM = 16, 2, 8
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+CASES = [
+    ("ulysses", 2, None, "mha", 0), ("ulysses", 2, None, "gqa", 0), ("ulysses", 4, None, "gqa", 0),
+    ("ulysses", 4, None, "mqa", 5), ("ulysses", 4, None, "mha", 3),
+    ("ring", 2, None, "mha", 0), ("ring", 2, None, "gqa", 5), ("ring", 4, None, "mha", 0),
+    ("ring", 4, None, "gqa", 0), ("ring", 4, None, "mqa", 3), ("ring", 4, None, "mha", 6),
+    ("hybrid", 4, 2, "mha", 0), ("hybrid", 4, 2, "gqa", 0), ("hybrid", 4, 2, "gqa", 5),
+]
+TOL = 2e-5
+
+
+def _reference(q, k, v, grad_out, window):
+    """SDPA on the full sequence, [s, b, h, d] tensors; returns out, dq, dk, dv."""
+    import torch.nn.functional as F
+
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(group, dim=2).permute(1, 2, 0, 3) for t in (k, v))
+    idx = torch.arange(q.shape[0])
+    diff = idx[:, None] - idx[None, :]
+    mask = (diff >= 0) & ((diff < window) if window else True)
+    out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kk, vv, attn_mask=mask).permute(2, 0, 1, 3)
+    out.backward(grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _gather_global(local: torch.Tensor, positions: torch.Tensor, group) -> torch.Tensor:
+    """Put every cp rank's [s_local, ...] piece back at its global positions."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    pieces = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    all_pos = [torch.empty_like(positions) for _ in range(world)]
+    dist.all_gather(all_pos, positions, group=group)
+    flat_pos = torch.cat(all_pos)
+    assert sorted(flat_pos.tolist()) == list(range(SEQ)), "cp ranks must cover every position exactly once"
+    out = torch.empty((SEQ,) + tuple(local.shape[1:]), dtype=local.dtype)
+    out[flat_pos] = torch.cat(pieces)
+    return out
+
+
+def _run(rank: int, world: int) -> dict:
+    from megascale.config import load_config
+    from megascale.distributed import context_parallel as cpmod
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
+    contexts = {2: ParallelContext(RankLayout(cp=2, dp=2), rank=rank), 4: ParallelContext(RankLayout(cp=4), rank=rank)}
+    results = {}
+    for index, (mode, cp, ulysses, heads, window) in enumerate(CASES):
+        nq, nkv = HEADS[heads]
+        overrides = [f"parallel.cp={cp}", f"parallel.cp_mode={mode}", f"model.num_heads={nq}",
+                     f"model.num_kv_heads={nkv}", f"model.hidden_size={nq * HEAD_DIM}", f"model.seq_length={SEQ}"]
+        if ulysses:
+            overrides.append(f"parallel.ulysses_size={ulysses}")
+        ctx = contexts[cp]
+        settings = cpmod.build_cp_settings(ctx, load_config(None, overrides))
+        gen = torch.Generator().manual_seed(index)  # the same on every rank
+        q = torch.randn(SEQ, BATCH, nq, HEAD_DIM, generator=gen)
+        k = torch.randn(SEQ, BATCH, nkv, HEAD_DIM, generator=gen)
+        v = torch.randn(SEQ, BATCH, nkv, HEAD_DIM, generator=gen)
+        grad_out = torch.randn(SEQ, BATCH, nq, HEAD_DIM, generator=gen)
+        ref = _reference(q, k, v, grad_out, window)
+        pos = cpmod.local_positions(SEQ, settings)
+        local = [t[pos].clone().requires_grad_(True) for t in (q, k, v)]
+        out = cpmod.attention(*local, settings, window=window, dropout_p=0.0)
+        out.backward(grad_out[pos])
+        got = [_gather_global(t, pos, settings.group) for t in (out.detach(), local[0].grad, local[1].grad,
+                                                                  local[2].grad)]
+        results[(mode, cp, ulysses, heads, window)] = [float((a - b).abs().max()) for a, b in zip(got, ref)]
+    return results
+
+
+@pytest.fixture(scope="module")
+def errors() -> dict:
+    return run_distributed(_run, 4)[0]
+
+
+@pytest.mark.parametrize("mode,cp,ulysses,heads,window", CASES)
+def test_matches_full_sequence_sdpa(errors: dict, mode: str, cp: int, ulysses, heads: str, window: int) -> None:
+    out_err, dq_err, dk_err, dv_err = errors[(mode, cp, ulysses, heads, window)]
+    assert out_err < TOL, f"output differs by {out_err}"
+    assert dq_err < TOL, f"dq differs by {dq_err}"
+    assert dk_err < TOL, f"dk differs by {dk_err}"
+    assert dv_err < TOL, f"dv differs by {dv_err}"
