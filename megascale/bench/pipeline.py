@@ -1,0 +1,223 @@
+"""`megascale bench pipeline`: measured pipeline bubble next to (p-1)/(v*m).
+
+Spawns pp gloo processes on this machine (one CPU thread each) and runs the real
+executor on a compute-dominated stack of matmul layers: every pipeline rank holds
+the same number of layers, split into v chunks, so only the schedule changes
+between rows. For each (v, m) it measures
+
+* compute: the same forward/backward work run back to back on this rank alone
+  (no communication, no waiting);
+* step: the wall time of one pipelined step, from a common start until the
+  slowest rank is done (ranks that finish early idle until then);
+
+With ``--sleep-ms`` each chunk sleeps instead of multiplying (forward time per
+rank and micro-batch, backward twice that): this isolates the executor (message
+latency, posting order, Python overhead) from CPU contention on busy machines.
+
+and reports bubble = (step - compute) / compute per stage, the quantity the
+formula (p-1)/(v*m) predicts. Measured values sit slightly above it: messages and
+the per-micro-batch overheads are not free. Give every process its own core
+(pp <= cores), or the processes time-share and the numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from megascale.errors import UserError
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward and backward take fixed wall time: schedule timing immune to CPU contention."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, t_fwd: float, t_bwd: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.t_bwd = t_bwd
+        time.sleep(t_fwd)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        time.sleep(ctx.t_bwd)
+        return grad.clone(), None, None
+
+
+class SleepChunk(nn.Module):
+    """Stand-in chunk taking t_fwd / t_bwd seconds; measures the executor, not the CPU."""
+
+    def __init__(self, t_fwd: float, t_bwd: float, first: bool, last: bool) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.t_fwd, self.t_bwd, self.first, self.last = t_fwd, t_bwd, first, last
+
+    def forward(self, hidden: Optional[torch.Tensor], batch: dict) -> torch.Tensor:
+        if self.first:
+            hidden = batch["x"]
+        hidden = _Sleep.apply(hidden * self.scale, self.t_fwd, self.t_bwd)
+        return hidden.square().mean() if self.last else hidden
+
+
+class MatmulChunk(nn.Module):
+    """A stack of tanh(x W + b) layers; the first stage makes its input, the last returns a loss."""
+
+    def __init__(self, layers: int, hidden: int, first: bool, last: bool, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weights = nn.ParameterList(
+            [nn.Parameter(torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5) for _ in range(layers)])
+        self.first, self.last = first, last
+
+    def forward(self, hidden: Optional[torch.Tensor], batch: dict) -> torch.Tensor:
+        if self.first:
+            hidden = batch["x"]
+        for weight in self.weights:
+            hidden = torch.tanh(hidden @ weight)
+        return hidden.square().mean() if self.last else hidden
+
+
+def _configs(pp: int, vpps: list[int], microbatches: list[int]) -> list[tuple[int, int]]:
+    rows = []
+    for v in vpps:
+        for m in microbatches:
+            if v > 1 and m % pp:
+                continue  # interleaving needs m divisible by pp
+            rows.append((v, m))
+    return rows
+
+
+def _compute_only(chunks: list[nn.Module], shape: tuple[int, ...], m: int) -> float:
+    """Seconds for this rank's v*m forwards and backwards with no pipeline around them."""
+    start = time.perf_counter()
+    for chunk in chunks:
+        for _ in range(m):
+            hidden = None if chunk.first else torch.randn(shape, requires_grad=True)
+            out = chunk(hidden, {"x": torch.randn(shape)})
+            if chunk.last:
+                out.backward()
+            else:
+                out.backward(torch.ones_like(out))
+    return time.perf_counter() - start
+
+
+def _worker(rank: int, pp: int, init_file: str, args: dict, out_file: str) -> None:
+    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp,
+                            timeout=timedelta(seconds=300))
+    ctx = ParallelContext(RankLayout(pp=pp), rank=rank)
+    shape = (args["tokens"], 1, args["hidden"])
+    rows = []
+    for v, m in _configs(pp, args["vpp"], args["microbatches"]):
+        per_chunk = args["layers_per_rank"] // v
+        ends = [(rank == 0 and c == 0, rank == pp - 1 and c == v - 1) for c in range(v)]
+        if args["sleep_ms"]:
+            # Per rank the same total time whatever v: each chunk takes 1/v of it; backward = 2x forward.
+            t_fwd = args["sleep_ms"] / 1000.0 / v
+            chunks = [SleepChunk(t_fwd, 2 * t_fwd, first, last) for first, last in ends]
+        else:
+            chunks = [MatmulChunk(per_chunk, args["hidden"], first, last, seed=c * pp + rank)
+                      for c, (first, last) in enumerate(ends)]
+        batches = [{"x": torch.randn(shape)} for _ in range(m)]
+        schedule = build_schedule("interleaved" if v > 1 else "1f1b", pp, v, m, rank)
+        steps, computes = [], []
+        for step in range(args["steps"] + 1):  # the first step warms up allocator and connections
+            dist.barrier(group=ctx.group("pp"))
+            start = time.perf_counter()
+            forward_backward_pipelined(chunks, batches, ctx, schedule, shape, torch.float32)
+            elapsed = time.perf_counter() - start
+            dist.barrier(group=ctx.group("pp"))
+            compute = _compute_only(chunks, shape, m)
+            if step:
+                steps.append(elapsed)
+                computes.append(compute)
+        # Contention only ever slows a run down, so the fastest repeat is the best estimate.
+        step_s, compute_s = min(steps), min(computes)
+        rows.append({"v": v, "m": m, "rank": rank, "step_s": step_s, "compute_s": compute_s})
+    gathered: list = [None] * pp
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps([r for per_rank in gathered for r in per_rank]))
+    dist.destroy_process_group()
+
+
+def run(pp: int, vpps: list[int], microbatches: list[int], hidden: int, tokens: int, layers_per_rank: int,
+        steps: int, sleep_ms: float = 0.0) -> list[dict]:
+    """Spawn pp ranks, measure every (v, m); returns one row per (v, m) with per-stage bubbles."""
+    if pp < 2:
+        raise UserError("--pp must be >= 2 for a pipeline benchmark")
+    for v in vpps:
+        if layers_per_rank % v:
+            raise UserError(f"--layers-per-rank {layers_per_rank} is not divisible by vpp {v}")
+    if not _configs(pp, vpps, microbatches):
+        raise UserError(f"no (vpp, micro-batches) pair is runnable: interleaving needs micro-batches divisible by {pp}")
+    args = {"vpp": vpps, "microbatches": microbatches, "hidden": hidden, "tokens": tokens,
+            "layers_per_rank": layers_per_rank, "steps": steps, "sleep_ms": sleep_ms}
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "rows.json")
+        mp.start_processes(_worker, args=(pp, os.path.join(tmp, "rendezvous"), args, out_file), nprocs=pp,
+                           join=True, start_method="spawn")
+        raw = json.loads(Path(out_file).read_text())
+    table = []
+    for v, m in _configs(pp, vpps, microbatches):
+        per_rank = sorted((r for r in raw if r["v"] == v and r["m"] == m), key=lambda r: r["rank"])
+        # The step ends when the slowest rank ends (the first stage, with the last backward):
+        # a rank that finishes early idles until then, which is part of its bubble.
+        step_s = max(r["step_s"] for r in per_rank)
+        bubbles = [(step_s - r["compute_s"]) / r["compute_s"] for r in per_rank]
+        table.append({"pp": pp, "v": v, "m": m, "formula": (pp - 1) / (v * m), "bubble": bubbles,
+                      "step_s": step_s})
+    return table
+
+
+def format_table(table: list[dict]) -> str:
+    """Markdown table: one row per (v, m)."""
+    lines = ["| pp | v | m | (p-1)/(v*m) | measured bubble per stage | mean | step s |",
+             "|---|---|---|---|---|---|---|"]
+    for row in table:
+        stages = " ".join(f"{b:.3f}" for b in row["bubble"])
+        lines.append(f"| {row['pp']} | {row['v']} | {row['m']} | {row['formula']:.3f} | {stages} | "
+                     f"{statistics.mean(row['bubble']):.3f} | {row['step_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def main(argv: list[str]) -> int:
+    """megascale bench pipeline [--pp 4] [--vpp 1,2] [--microbatches 4,8,16] ..."""
+    parser = argparse.ArgumentParser(prog="megascale bench pipeline", description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, default=min(4, max(2, os.cpu_count() or 2)))
+    parser.add_argument("--vpp", default="1,2", help="virtual stages per rank to try")
+    parser.add_argument("--microbatches", default="4,8,16", help="micro-batches per step to try")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per micro-batch")
+    parser.add_argument("--layers-per-rank", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps (fastest kept) after one warm-up")
+    parser.add_argument("--sleep-ms", type=float, default=0.0,
+                        help="replace the matmuls by a fixed forward time per rank and micro-batch (backward 2x); "
+                             "measures the executor on machines with fewer free cores than pp")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ns = parser.parse_args(argv)
+    table = run(ns.pp, _int_list(ns.vpp), _int_list(ns.microbatches), ns.hidden, ns.tokens, ns.layers_per_rank,
+                ns.steps, ns.sleep_ms)
+    print(json.dumps(table, indent=1) if ns.json else format_table(table))
+    return 0
