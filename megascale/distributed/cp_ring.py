@@ -64,33 +64,58 @@ class Block:
     mask: Optional[torch.Tensor]
 
 
-def plan_step(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int, device: torch.device) -> list[Block]:
-    """Tiles of one ring step: zigzag halves, empty tiles dropped, full tiles unmasked.
+def tile_mask(q_start: int, k_start: int, rows: int, cols: int, window: int,
+              device: torch.device) -> Optional[torch.Tensor]:
+    """Mask of a tile whose queries and keys are contiguous global ranges; None if every pair is visible.
 
-    Positions are CPU tensors (pure arithmetic, no device sync); masks move to `device`.
+    Decided from the range ends (no O(n^2) work) unless the tile is cut by the diagonal or the window.
     """
-    hq, hk = len(pos_q) // 2, len(pos_k) // 2
+    q_last, k_last = q_start + rows - 1, k_start + cols - 1
+    all_causal = q_start >= k_last
+    all_in_window = window <= 0 or q_last - k_start < window
+    if all_causal and all_in_window:
+        return None
+    pos_q = torch.arange(q_start, q_start + rows, device=device)
+    pos_k = torch.arange(k_start, k_start + cols, device=device)
+    return allowed(pos_q, pos_k, window)
+
+
+def tile_empty(q_start: int, k_start: int, rows: int, cols: int, window: int) -> bool:
+    """True when no query of the tile may see any key of it (entirely in the future, or beyond the window)."""
+    q_last = q_start + rows - 1
+    return q_last < k_start or (window > 0 and q_start - (k_start + cols - 1) >= window)
+
+
+def plan_step(chunk: int, world: int, q_rank: int, k_rank: int, window: int, device: torch.device) -> list[Block]:
+    """Tiles of one ring step between the zigzag pairs of q_rank and k_rank (chunk tokens per zigzag chunk).
+
+    Empty tiles are dropped and fully visible ones unmasked, which gives the zigzag
+    pattern: the local causal pair; all queries x the first kv half for an earlier
+    kv rank; the second query half x all kv for a later one.
+    """
+    starts_q = (q_rank * chunk, (2 * world - 1 - q_rank) * chunk)
+    starts_k = (k_rank * chunk, (2 * world - 1 - k_rank) * chunk)
     blocks = []
-    for qs in (slice(0, hq), slice(hq, 2 * hq)):
-        for ks in (slice(0, hk), slice(hk, 2 * hk)):
-            mask = allowed(pos_q[qs], pos_k[ks], window)
-            if not bool(mask.any()):
+    for iq, q_start in enumerate(starts_q):
+        for ik, k_start in enumerate(starts_k):
+            if tile_empty(q_start, k_start, chunk, chunk, window):
                 continue
-            blocks.append(Block(qs, ks, None if bool(mask.all()) else mask.to(device)))
+            blocks.append(Block(slice(iq * chunk, (iq + 1) * chunk), slice(ik * chunk, (ik + 1) * chunk),
+                                tile_mask(q_start, k_start, chunk, chunk, window, device)))
     return _merge_full_rows(blocks)
 
 
 def _merge_full_rows(blocks: list[Block]) -> list[Block]:
-    """Join the two kv halves of a query half when both are unmasked (one bigger GEMM, as zigzag intends)."""
+    """Join unmasked neighbouring tiles into one bigger GEMM (a zigzag step becomes a single tile)."""
     out: list[Block] = []
     for b in blocks:
         prev = out[-1] if out else None
-        if (prev is not None and prev.q == b.q and prev.mask is None and b.mask is None
-                and prev.k.stop == b.k.start):
+        if prev is not None and prev.q == b.q and prev.mask is None and b.mask is None and prev.k.stop == b.k.start:
             out[-1] = Block(b.q, slice(prev.k.start, b.k.stop), None)
         else:
             out.append(b)
-    if len(out) == 2 and all(b.mask is None and b.k == out[0].k for b in out) and out[0].q.stop == out[1].q.start:
+    if (len(out) == 2 and all(b.mask is None for b in out) and out[0].k == out[1].k
+            and out[0].q.stop == out[1].q.start):
         out = [Block(slice(out[0].q.start, out[1].q.stop), out[0].k, None)]
     return out
 
@@ -180,8 +205,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec) -> torch.Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
         comm = RingComm(ring.group, ring.ranks, ring.index)
-        seq = q.shape[3] * ring.size
-        pos_q = zigzag_positions(seq, ring.size, ring.index)
+        chunk = q.shape[3] // 2
         qf = q.float()
         out = torch.zeros_like(qf)
         lse = torch.full(q.shape[:4], float("-inf"), dtype=torch.float32, device=q.device)
@@ -190,7 +214,7 @@ class RingAttention(torch.autograd.Function):
             pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
             src = (ring.index - step) % ring.size
             kvf = kv.float()
-            for blk in plan_step(pos_q, zigzag_positions(seq, ring.size, src), ring.window, q.device):
+            for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, q.device):
                 out_b, lse_b = block_forward(qf[..., blk.q, :], kvf[0][..., blk.k, :], kvf[1][..., blk.k, :],
                                              blk.mask, scale)
                 merge_into(out, lse, out_b, lse_b, blk.q)
@@ -207,8 +231,7 @@ class RingAttention(torch.autograd.Function):
         ring: RingSpec = ctx.ring
         scale = 1.0 / math.sqrt(q.shape[-1])
         comm = RingComm(ring.group, ring.ranks, ring.index)
-        seq = q.shape[3] * ring.size
-        pos_q = zigzag_positions(seq, ring.size, ring.index)
+        chunk = q.shape[3] // 2
         qf, dout = q.float(), grad_out.float()
         delta = (dout * out).sum(dim=-1)
         grad_q = torch.zeros_like(qf)
@@ -219,7 +242,7 @@ class RingAttention(torch.autograd.Function):
             src = (ring.index - step) % ring.size
             kvf = kv.float()
             grad_kv = torch.zeros_like(kvf)
-            for blk in plan_step(pos_q, zigzag_positions(seq, ring.size, src), ring.window, q.device):
+            for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, q.device):
                 dq, dk, dv = block_backward(qf[..., blk.q, :], kvf[0][..., blk.k, :], kvf[1][..., blk.k, :],
                                             blk.mask, scale, lse[..., blk.q], dout[..., blk.q, :],
                                             delta[..., blk.q])

@@ -1,0 +1,86 @@
+"""Context-parallel token layout, ring step plans and config validation (single process, no groups)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megascale.config import ConfigError, load_config
+from megascale.distributed.context_parallel import CPSettings, build_cp_settings, local_positions, shard_batch
+from megascale.distributed.cp_ring import allowed, plan_step, zigzag_positions
+from megascale.distributed.topology import ParallelContext, RankLayout
+
+
+def _settings(mode: str, cp: int, ulysses: int, rank: int) -> CPSettings:
+    """Settings without process groups: enough for the pure layout functions."""
+    ring = cp // ulysses
+    return CPSettings(size=cp, rank=rank, group=None, mode=mode, ulysses_size=ulysses, ulysses_rank=rank % ulysses,
+                      ulysses_group=None, ring_size=ring, ring_rank=rank // ulysses, ring_group=None,
+                      ring_ranks=tuple(range(rank % ulysses, cp, ulysses)))
+
+
+def test_positions_per_mode() -> None:
+    pos = {mode: [local_positions(16, _settings(mode, 4, u, r)).tolist() for r in range(4)]
+           for mode, u in (("ulysses", 4), ("ring", 1), ("hybrid", 2))}
+    assert pos["ulysses"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert pos["ring"] == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # Hybrid 2 x 2: ring index j = rank // 2 holds zigzag chunks j, 3-j of 4; Ulysses rank u its u-th half.
+    assert pos["hybrid"] == [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_shard_batch_follows_positions() -> None:
+    tokens = torch.arange(32).view(2, 16)
+    batch = {"tokens": tokens, "labels": tokens + 100, "loss_scale": 0.5}
+    cp = _settings("ring", 2, 1, 1)
+    out = shard_batch(batch, cp)
+    assert out["tokens"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27]]
+    assert torch.equal(out["labels"], out["tokens"] + 100)
+    assert out["loss_scale"] == 0.5
+
+
+@pytest.mark.parametrize("world,window", [(2, 0), (4, 0), (4, 3), (4, 6), (3, 1)])
+def test_ring_plan_covers_exactly_the_mask(world: int, window: int) -> None:
+    """Union over ring steps of planned tiles (and their masks) is exactly the global causal/window mask."""
+    chunk = 2
+    seq = 2 * world * chunk
+    full = allowed(torch.arange(seq), torch.arange(seq), window)
+    for q_rank in range(world):
+        pos_q = zigzag_positions(seq, world, q_rank)
+        for k_rank in range(world):
+            pos_k = zigzag_positions(seq, world, k_rank)
+            covered = torch.zeros(2 * chunk, 2 * chunk, dtype=torch.bool)
+            for blk in plan_step(chunk, world, q_rank, k_rank, window, torch.device("cpu")):
+                tile = torch.ones(blk.q.stop - blk.q.start, blk.k.stop - blk.k.start, dtype=torch.bool)
+                covered[blk.q, blk.k] = tile if blk.mask is None else blk.mask
+            assert torch.equal(covered, full[pos_q][:, pos_k]), (q_rank, k_rank)
+
+
+def test_zigzag_balances_causal_work() -> None:
+    """Causal, no window: every non-local step computes the same number of score entries (half the pair x pair)."""
+    chunk, world = 4, 4
+    for q_rank in range(world):
+        for step in range(1, world):
+            blocks = plan_step(chunk, world, q_rank, (q_rank - step) % world, 0, torch.device("cpu"))
+            assert len(blocks) == 1 and blocks[0].mask is None
+            work = (blocks[0].q.stop - blocks[0].q.start) * (blocks[0].k.stop - blocks[0].k.start)
+            assert work == 2 * chunk * chunk
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.cp_mode=hybrid"], "needs parallel.ulysses_size"),
+    (["parallel.cp_mode=hybrid", "parallel.ulysses_size=3"], "must divide parallel.cp"),
+    (["parallel.cp_mode=ulysses", "model.num_heads=6", "model.hidden_size=48"], "not divisible by the Ulysses size"),
+    (["parallel.cp_mode=ring", "model.attention_dropout=0.1"], "attention_dropout"),
+])
+def test_invalid_configs_name_the_key(overrides: list[str], message: str) -> None:
+    cfg = load_config(None, ["parallel.cp=4", "model.num_heads=4", "model.hidden_size=64", "model.seq_length=32",
+                             *overrides])
+    ctx = ParallelContext(RankLayout(cp=4), rank=0, create_groups=False)
+    with pytest.raises(ConfigError, match=message):
+        build_cp_settings(ctx, cfg)
+
+
+def test_cp_without_process_groups_is_a_config_error() -> None:
+    cfg = load_config(None, ["parallel.cp=2", "model.num_heads=4", "model.hidden_size=64", "model.seq_length=32"])
+    with pytest.raises(ConfigError, match="distributed run"):
+        build_cp_settings(ParallelContext(RankLayout(cp=2), rank=0, create_groups=False), cfg)
