@@ -116,3 +116,18 @@ def test_stage_cost_validation() -> None:
         StageCost(layer=[1, 1, 1]).layer_costs(4)
     with pytest.raises(ConfigError, match=">= 0"):
         StageCost(layer=1.0, head=-1.0).layer_costs(4)
+
+
+def test_gpt_stage_cost_matches_the_classic_flops_formula() -> None:
+    from megascale.config import load_config
+    from megascale.distributed.pipeline_partition import gpt_stage_cost
+
+    # Classic GPT (MHA, 4h GeLU): forward per token = 24 l h^2 (1 + s/(6h)) + 2 h V.
+    m = load_config(None, ["model.num_layers=12", "model.hidden_size=768", "model.num_heads=12",
+                           "model.seq_length=1024", "model.vocab_size=50257"]).model
+    cost = gpt_stage_cost(m)
+    assert cost.layer == pytest.approx(24 * 768**2 * (1 + 1024 / (6 * 768)))
+    assert cost.head == 2 * 768 * m.padded_vocab_size
+    # The head costs ~4.2 layers: an automatic cut gives the last of 4 stages fewer layers.
+    counts = stage_layer_counts(12, 4, 1, "auto", cost)
+    assert counts[-1] < 3 and sum(counts) == 12

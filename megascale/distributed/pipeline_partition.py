@@ -20,9 +20,12 @@ Three ways to cut the layers (``parallel.pipeline_layers``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from megascale.config import ConfigError
+
+if TYPE_CHECKING:
+    from megascale.config import ModelConfig
 
 Split = Union[Sequence[int], str, None]
 
@@ -52,6 +55,23 @@ class StageCost:
             raise ConfigError(f"StageCost.layer has {len(costs)} entries but the model has {num_layers} layers; "
                               "give one cost per layer or a single number")
         return costs
+
+
+def gpt_stage_cost(model: "ModelConfig") -> StageCost:
+    """Forward matmul FLOPs per token of one GPT layer, the embedding (a lookup: 0) and the head.
+
+    The output layer costs 2*h*Vp per token: for GPT-2 small (h 768, V 50k) that is
+    about four layers, which is why the last stage should hold fewer layers.
+    Attention is counted unmasked, like the MFU definition.
+    """
+    h, s, d = model.hidden_size, model.seq_length, model.head_dim
+    nq, nkv = model.num_heads, model.kv_heads
+    qkv = 2 * h * (nq + 2 * nkv) * d
+    attention = 2 * 2 * s * nq * d  # scores and weighted sum of values
+    proj = 2 * nq * d * h
+    mlp = 2 * h * model.ffn_size * (3 if model.activation == "swiglu" else 2)
+    return StageCost(layer=float(qkv + attention + proj + mlp), embedding=0.0,
+                     head=float(2 * h * model.padded_vocab_size))
 
 
 def _check_sizes(num_layers: int, pp: int, vpp: int) -> None:
@@ -223,4 +243,4 @@ def global_stage(pp: int, pp_rank: int, chunk: int) -> int:
     return chunk * pp + pp_rank
 
 
-__all__ = ["StageCost", "layers_for_rank", "stage_layer_counts", "auto_stage_counts", "global_stage"]
+__all__ = ["gpt_stage_cost", "StageCost", "layers_for_rank", "stage_layer_counts", "auto_stage_counts", "global_stage"]
