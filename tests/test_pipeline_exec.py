@@ -13,7 +13,6 @@ autograd accumulates gradient contributions may differ, so 1e-5 relative is ampl
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import traceback
 from datetime import timedelta

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megascale.distributed.pipeline_schedules import (
-    BACKWARD, FORWARD, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, Action,
+    BACKWARD, FORWARD, RECV_FWD, SEND_BWD, SEND_FWD, Action,
 )
 
 
