@@ -416,8 +416,10 @@ def validate(cfg: Config) -> None:
     if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
         raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
                           "with parallel.sequence_parallel")
-    if p.cp > 1 and m.seq_length % (2 * p.cp):
-        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * p.cp} (zigzag split)")
+    if p.cp > 1:
+        from megascale.distributed.context_parallel import validate_cp
+
+        validate_cp(cfg, p.cp, p.tp)
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.micro_batch_size={t.micro_batch_size}")

@@ -68,6 +68,9 @@ def _check_groups(rank: int, world: int, dims: dict) -> bool:
     import torch.distributed as dist
 
     ctx = ParallelContext(RankLayout.from_world(world, **dims), rank=rank)
+    # Creating groups again must not hang: every rank has created the same number of groups
+    # with each peer (middle pipeline stages belong to no embedding group).
+    ParallelContext(RankLayout.from_world(world, **dims), rank=rank)
     for name in ("tp", "pp", "dp", "cp", "dp_cp", "mp", "embedding"):
         members = ctx.ranks(name)
         value = torch.tensor([float(rank)])
@@ -79,7 +82,8 @@ def _check_groups(rank: int, world: int, dims: dict) -> bool:
 
 
 @pytest.mark.parametrize("world,dims", [(1, {}), (2, {"tp": 2}), (4, {"tp": 2, "pp": 2}),
-                                        (8, {"tp": 2, "pp": 2, "cp": 1}), (8, {"tp": 2, "cp": 2, "pp": 2})])
+                                        (8, {"tp": 2, "pp": 2, "cp": 1}), (8, {"tp": 2, "cp": 2, "pp": 2}),
+                                        (4, {"pp": 4})])
 def test_real_process_groups(world: int, dims: dict) -> None:
     if world == 1:
         ctx = ParallelContext(RankLayout(), rank=0)

@@ -22,10 +22,14 @@ import torch
 _TP_SEED_OFFSET = 2718
 
 
-def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device) -> "RNGTracker":
-    """Seed the default generators (same on every tp rank; differs across pipeline stages so
-    stages do not draw correlated masks) and return the tensor-parallel tracker."""
-    stage_seed = seed + 100 * pp_rank
+def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device, cp_rank: int = 0) -> "RNGTracker":
+    """Seed the default generators and return the tensor-parallel tracker.
+
+    The default stream is the same on every tp rank and differs across pipeline
+    stages and context-parallel ranks (which hold other layers / other tokens), so
+    no two of those draw correlated masks.
+    """
+    stage_seed = seed + 100 * pp_rank + 7919 * cp_rank
     torch.manual_seed(stage_seed)
     return RNGTracker(stage_seed + _TP_SEED_OFFSET + tp_rank, device)
 

@@ -170,6 +170,10 @@ class VocabParallelEmbedding(nn.Module):
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> torch.Tensor:
     """hidden [s(/tp), b, h] -> local vocabulary logits [s, b, Vp/tp] (never the full vocabulary)."""
+    if settings.overlap and settings.size > 1:
+        from megascale.distributed import tp_overlap
+
+        return tp_overlap.column_linear(hidden, weight, settings)
     if settings.sp:
         hidden = comm.gather_sequence(hidden, settings.group)
     else:

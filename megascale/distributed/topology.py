@@ -201,7 +201,9 @@ class ParallelContext:
         coords = layout.coords(rank)
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = (coords[a] for a in AXES)
         self._ranks = {name: layout.group_ranks(rank, axes) for name, axes in GROUP_AXES.items()}
-        self._ranks["embedding"] = layout.embedding_ranks(rank)
+        embedding = layout.embedding_ranks(rank)
+        # Middle pipeline stages hold no embedding: they belong to no embedding group.
+        self._ranks["embedding"] = embedding if rank in embedding else [rank]
         self._groups: dict[str, Any] = {}
         if create_groups and layout.world_size > 1:
             self._create_groups()
@@ -255,11 +257,17 @@ class ParallelContext:
         return pp_ranks[(self.pp_rank + offset) % self.pp_size]
 
     def _create_groups(self) -> None:
-        for name in list(GROUP_AXES) + ["embedding"]:
+        for name in GROUP_AXES:
             members = self._ranks[name]
-            if len(members) == 1:
-                continue
-            self._groups[name] = dist.new_group(ranks=members, use_local_synchronization=True)
+            if len(members) > 1:  # the same decision on every rank: axis sizes are uniform
+                self._groups[name] = dist.new_group(ranks=members, use_local_synchronization=True)
+        if self.pp_size > 1:
+            members = self._ranks["embedding"]
+            # torch names a locally synchronised group by how many groups this rank has made so far,
+            # so every rank must make the same number: a middle stage makes a group of itself.
+            group = dist.new_group(ranks=members, use_local_synchronization=True)
+            if len(members) > 1:
+                self._groups["embedding"] = group
 
     def describe(self) -> str:
         """One line naming this rank's coordinates."""

@@ -146,13 +146,6 @@ class GPTChunk(nn.Module):
         return losses.float().sum() * scale
 
 
-def uniform_layers(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[list[int]]:
-    """Layer ids of each chunk of pp_rank under a uniform split (virtual stage v*pp + rank)."""
-    stages = pp * vpp
-    per = num_layers // stages
-    return [list(range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per)) for v in range(vpp)]
-
-
 def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None) -> list[GPTChunk]:
     """This rank's model chunks (one per virtual stage), parameters already sharded and placed."""
     from megascale.kernels import get_ops
@@ -182,8 +175,7 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
 def stage_layers(cfg: Config, ctx: ParallelContext) -> list[list[int]]:
     """Global layer ids per chunk of this rank (uniform, explicit or automatic split)."""
     p = cfg.parallel
-    try:
-        from megascale.distributed.pipeline_partition import layers_for_rank
-    except ImportError:
-        return uniform_layers(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank)
-    return layers_for_rank(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank, p.pipeline_layers)
+    from megascale.distributed.pipeline_partition import gpt_stage_cost, layers_for_rank
+
+    return layers_for_rank(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank, p.pipeline_layers,
+                           cost=gpt_stage_cost(cfg.model))

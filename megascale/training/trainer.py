@@ -94,7 +94,10 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
         if self.ctx.is_logging_rank:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.rng = seed_everything(cfg.train.seed, self.ctx.tp_rank, self.ctx.pp_rank, self.device)
+        self.rng = seed_everything(cfg.train.seed, self.ctx.tp_rank, self.ctx.pp_rank, self.device, self.ctx.cp_rank)
+        if self.ctx.pp_size > 1 and self.ctx.pp_group is not None:
+            # NCCL: the first op on the pp group must include every member, not a batched p2p.
+            dist.barrier(group=self.ctx.pp_group)
         self.chunks = build_model(cfg, self.ctx, self.rng)
         self.micro_batches = num_microbatches(cfg, self.ctx.dp_size)
         self.optimizer = self._build_optimizer()
@@ -108,6 +111,7 @@ class Trainer:
         self.train_data, self.valid_data = build_data(cfg, self.ctx, self.consumed_samples)
         self.peak = device_peak(self.device, cfg.train.peak_tflops)
         self.flops_per_token = train_flops_per_token(cfg.model)
+        self.memory_estimate_gb = 0.0
         self._announce()
 
     # ------------------------------------------------------------------ setup
@@ -154,12 +158,11 @@ class Trainer:
                  f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
                  f"{params / 1e6:.2f}M params on this rank | {self.micro_batches} micro-batches/step | "
                  f"{self.flops_per_token / 1e9:.3f} GFLOP/token"]
-        try:
-            from megascale.perf.memory import estimate_memory, format_memory
+        from megascale.perf.memory import estimate_memory, format_memory
 
-            lines.append(format_memory(estimate_memory(self.cfg, self.ctx)))
-        except ImportError:
-            pass
+        estimate = estimate_memory(self.cfg, self.ctx)
+        self.memory_estimate_gb = estimate.total_bytes / 2**30
+        lines.append(format_memory(estimate))
         for line in lines:
             self.sink.print(line)
 
@@ -193,6 +196,10 @@ class Trainer:
                     rec["val_loss"] = evaluate(self, self.valid_data, cfg.train.eval_iters)
                 self.sink.write(rec)
                 self.sink.print(format_line(rec, cfg.train.steps, self.peak.source))
+                if len(records) == 0 and self.device.type == "cuda" and self.memory_estimate_gb:
+                    self.sink.print(f"memory: measured peak {rec['mem_gb']:.2f} GiB vs estimate "
+                                    f"{self.memory_estimate_gb:.2f} GiB "
+                                    f"({100 * (rec['mem_gb'] / self.memory_estimate_gb - 1):+.0f}%)")
                 records.append(rec)
                 window_start, window_steps = time.perf_counter(), 0
             if self._should_save():
