@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", default=None, help="a checkpoints/step_N directory (default: latest)")
     parser.add_argument("--prompt", default="def ", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--top-k", type=int, default=0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens; 0 = greedy")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
     parser.add_argument("--seed", type=int, default=0)
