@@ -118,6 +118,8 @@ def scenario_async(rank: int, ctx, tmp: Path) -> None:
     returned = time.perf_counter() - begin
     assert returned < 0.8 and mgr.last_save_stats["total_s"] is None, (returned, mgr.last_save_stats)
     assert mgr.latest() is None  # not committed yet
+    mgr.before_update()  # the optimizer step waits for the snapshot (taken under forward/backward)
+    assert mgr.latest() is None  # the snapshot is taken, the write is still in flight
     for shard in shards:  # training moves on and changes its tensors: the snapshot must not see it
         shard.tensor.mul_(-3.0)
     mgr.wait()
@@ -135,6 +137,7 @@ def scenario_failure(rank: int, ctx, tmp: Path) -> None:
     mgr = CheckpointManager(root, ctx, _cfg(async_save=True))
     layout = SimLayout(tp=2, dp=2)
     mgr.save(1, _shards(layout, rank, seed=1), {"step": 1})
+    mgr.wait()  # step 1 commits before the fault is injected
 
     def crash(stage: str) -> None:
         if stage == "after_write" and rank == 1:
@@ -144,7 +147,7 @@ def scenario_failure(rank: int, ctx, tmp: Path) -> None:
     mgr.save(2, _shards(layout, rank, seed=2), {"step": 2})
     mgr.wait()
     assert mgr.last_save_stats["ok"] is False and "rank 1" in mgr.last_save_stats["error"], mgr.last_save_stats
-    assert mgr.latest() == root / step_dir_name(1)
+    assert mgr.latest() == root / step_dir_name(1), (mgr.latest(), sorted(p.name for p in root.iterdir()))
     assert not (root / step_dir_name(2)).exists() and (root / partial_dir_name(2)).exists()
     loaded = _zeroed(_shards(layout, rank, seed=0))
     assert mgr.load(loaded) == {"step": 1}

@@ -5,7 +5,11 @@ GPT's training state (fp32 params + two Adam moments) under tp2 x dp2 with ZeRO-
 (parameters replicated over dp, optimizer state in flat ranges), --total-gb of unique
 state in all. Measures, as the max over ranks:
   - sync save: training blocked for the whole save;
-  - async save: training-blocking time (snapshot) and total time to commit;
+  - async save, with a fixed amount of compute standing in for the next step's
+    forward/backward between the save call and the optimizer step: the time training
+    is blocked (the call, plus megascale's wait for its snapshot before the update),
+    that plus the slowdown of the compute (the background work competes with it:
+    the honest stall), and the total time to commit;
   - load into the same layout, and resharding load into tp1 x dp4 (ZeRO-1 re-cut);
   - the same save / async save / load through DCP with the same per-rank tensors
     (replicated keys deduplicated by DCP's default planner).
@@ -50,10 +54,33 @@ def _constant_value(name: str, shape: tuple, offsets: tuple, local: tuple) -> to
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    # Flush earlier writes first so one measurement never pays for another's page-cache writeback.
+    os.sync()
     dist.barrier()
     start = time.perf_counter()
     fn()
     dist.barrier()
+    return time.perf_counter() - start
+
+
+def _calibrate_step(target_s: float = 1.0) -> int:
+    """Matmul count that takes about target_s here: a stand-in for one forward/backward."""
+    a = torch.randn(512, 512)
+    start = time.perf_counter()
+    for _ in range(8):
+        a @ a
+    per = (time.perf_counter() - start) / 8
+    count = torch.tensor([max(1, int(target_s / max(per, 1e-6)))])
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)  # same work on every rank
+    return int(count)
+
+
+def _train_step(matmuls: int) -> float:
+    """Time a fixed amount of compute (the next training step's forward/backward)."""
+    a = torch.randn(512, 512)
+    start = time.perf_counter()
+    for _ in range(matmuls):
+        a @ a
     return time.perf_counter() - start
 
 
@@ -92,10 +119,25 @@ def _worker(rank: int, world: int, total_gb: float, workdir: str, out: str) -> N
     res["megascale_save_first_s"] = _max(_timed(lambda: mgr.save(1, shards, {"step": 1})))
     res["megascale_save_s"] = _max(_timed(lambda: mgr.save(2, shards, {"step": 2})))
     cfg.checkpoint.async_save = True
+    start = time.perf_counter()
+    mgr.save(3, shards, {"step": 3})  # the first async save allocates the reused host buffer pool
+    mgr.wait()
+    res["megascale_async_first_s"] = _max(time.perf_counter() - start)
+    step_work = _calibrate_step()
+    os.sync()
+    dist.barrier()
+    res["step_alone_s"] = _max(_train_step(step_work))
+    os.sync()
     dist.barrier()
     start = time.perf_counter()
-    mgr.save(3, shards, {"step": 3})
-    res["megascale_async_blocking_s"] = _max(time.perf_counter() - start)
+    mgr.save(4, shards, {"step": 4})
+    call = time.perf_counter() - start
+    step_time = _train_step(step_work)  # forward/backward of the next step: the snapshot runs under it
+    wait_start = time.perf_counter()
+    mgr.before_update()  # the optimizer step may change the state only once the snapshot is taken
+    blocked = call + time.perf_counter() - wait_start
+    res["megascale_async_blocking_s"] = _max(blocked)
+    res["megascale_async_stall_s"] = _max(blocked + step_time - res["step_alone_s"])
     mgr.wait()
     res["megascale_async_total_s"] = _max(time.perf_counter() - start)
     if not mgr.last_save_stats["ok"]:
@@ -112,12 +154,18 @@ def _worker(rank: int, world: int, total_gb: float, workdir: str, out: str) -> N
 
     state = {f"{s.name}|{s.offsets}|{s.local_shape}|{s.flat_range}": s.tensor for s in shards}
     res["dcp_save_s"] = _max(_timed(lambda: dcp.save(state, checkpoint_id=str(work / "dcp1"))))
+    os.sync()
     dist.barrier()
     start = time.perf_counter()
     future = dcp.async_save(state, checkpoint_id=str(work / "dcp2"))
-    res["dcp_async_blocking_s"] = _max(time.perf_counter() - start)
+    call = time.perf_counter() - start  # DCP stages (copies) the state inside the call
+    step_time = _train_step(step_work)
     future.result()
-    res["dcp_async_total_s"] = _max(time.perf_counter() - start)
+    total = time.perf_counter() - start
+    # Reductions only after DCP's background thread is done with the default group.
+    res["dcp_async_blocking_s"] = _max(call)
+    res["dcp_async_stall_s"] = _max(call + step_time - res["step_alone_s"])
+    res["dcp_async_total_s"] = _max(total)
     for tensor in state.values():
         tensor.zero_()
     res["dcp_load_s"] = _max(_timed(lambda: dcp.load(state, checkpoint_id=str(work / "dcp1"))))
@@ -155,13 +203,15 @@ def main(argv: list[str]) -> int:
           f"{res['checkpoint_gb']:.2f} GB unique state")
     rows = [("save (sync, blocking = total)", res["megascale_save_s"], res["dcp_save_s"]),
             ("async save: training blocked", res["megascale_async_blocking_s"], res["dcp_async_blocking_s"]),
+            ("async save: step slowdown + blocked", res["megascale_async_stall_s"], res["dcp_async_stall_s"]),
             ("async save: total to commit", res["megascale_async_total_s"], res["dcp_async_total_s"]),
             ("load, same layout", res["megascale_load_s"], res["dcp_load_s"]),
             ("load, resharded tp2dp2 -> tp1dp4", res["megascale_reshard_load_s"], float("nan"))]
     print(f"{'':36} {'megascale s':>12} {'DCP s':>10}")
     for label, ours, theirs in rows:
         print(f"{label:36} {ours:12.3f} {theirs:10.3f}")
-    print(f"(first megascale save, allocating the host buffer pool: {res['megascale_save_first_s']:.3f} s)")
+    print(f"(first megascale async save, allocating the host buffer pool: {res['megascale_async_first_s']:.3f} s; "
+          f"a training step alone: {res['step_alone_s']:.3f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -89,53 +89,104 @@ class CheckpointManager:
         self.last_save_stats: dict[str, Any] = {}
         self.last_load_stats: dict[str, Any] = {}
         self._thread: Optional[threading.Thread] = None
+        self._pruner: Optional[threading.Thread] = None
+        self._snapshot_done: Optional[threading.Event] = None
         self._broadcast_cache: Optional[tuple[tuple, list[bool]]] = None
         self._own_extra = False
 
     # ------------------------------------------------------------------------------------------ save
     def save(self, step: int, shards: list[TensorShard], extra_state: dict) -> None:
-        """Checkpoint `shards` at `step`; returns once the host snapshot is taken (async) or committed (sync)."""
+        """Checkpoint `shards` at `step`.
+
+        Sync: returns after the commit. Async: returns right after planning; a background
+        thread snapshots the tensors into the host buffer pool, then writes and commits.
+        The caller must not modify the tensors until `before_update()` returns: in training,
+        parameters and optimizer state change only in the optimizer step, so the snapshot
+        runs under the next forward and backward instead of stalling training.
+        """
         self.wait()
         start = time.perf_counter()
         for shard in shards:
             check_shard(shard)
         plan = self.planner.plan(shards)
         to_write = [shards[i] for i in plan.write_indices]
-        if not self.cfg.checkpoint.async_save and all(s.tensor.device.type == "cpu" and s.tensor.is_contiguous()
-                                                      for s in to_write):
-            # Sync save of host tensors: the caller blocks until the commit, so nothing can change
-            # them meanwhile and safetensors writes straight from their memory; no snapshot copy.
-            pieces = [(s, s.tensor.detach()) for s in to_write]
-        else:
-            pieces = self.pool.snapshot(to_write)
         extra_json = json.dumps(encode_extra(extra_state))  # encoded now: the caller may mutate its dict
         partial = self.root / partial_dir_name(step)
         partial.mkdir(parents=True, exist_ok=True)
-        local_bytes = sum(buf.numel() * buf.element_size() for _, buf in pieces)
-        stats: dict[str, Any] = {"step": step, "blocking_s": time.perf_counter() - start, "total_s": None,
-                                 "bytes": plan.total_bytes, "bytes_local": local_bytes, "ok": None, "error": None}
+        stats: dict[str, Any] = {"step": step, "blocking_s": 0.0, "snapshot_s": None, "total_s": None,
+                                 "bytes": plan.total_bytes, "ok": None, "error": None}
         self.last_save_stats = stats
-        args = (step, partial, pieces, extra_json, start, stats)
-        if self.cfg.checkpoint.async_save:
-            self._thread = threading.Thread(target=self._write_and_commit, args=args,
-                                            name=f"checkpoint-step-{step}", daemon=True)
-            self._thread.start()
+        if not self.cfg.checkpoint.async_save:
+            if all(s.tensor.device.type == "cpu" and s.tensor.is_contiguous() for s in to_write):
+                # The caller blocks until the commit, so nothing changes the tensors meanwhile:
+                # write straight from their memory, no snapshot copy.
+                pieces = [(s, s.tensor.detach()) for s in to_write]
+            else:
+                pieces = self.pool.snapshot(to_write)
+            stats["bytes_local"] = sum(buf.numel() * buf.element_size() for _, buf in pieces)
+            self._write_and_commit(step, partial, pieces, extra_json, start, stats)
+            stats["blocking_s"] = stats["total_s"]
+            return
+        # Device tensors: the snapshot's copies must follow the work already queued on them.
+        ready = None
+        if any(s.tensor.is_cuda for s in to_write):
+            ready = torch.cuda.Event()
+            ready.record()
+        self._snapshot_done = threading.Event()
+        self._thread = threading.Thread(target=self._snapshot_write_commit,
+                                        args=(step, partial, to_write, extra_json, start, stats, ready),
+                                        name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+        stats["blocking_s"] = time.perf_counter() - start
+
+    def before_update(self) -> None:
+        """Block until the in-flight save's snapshot is taken; call before changing saved tensors."""
+        if self._snapshot_done is None:
+            return
+        start = time.perf_counter()
+        self._snapshot_done.wait()
+        self._snapshot_done = None
+        self.last_save_stats["blocking_s"] += time.perf_counter() - start
+
+    def _snapshot_write_commit(self, step: int, partial: Path, to_write: list[TensorShard], extra_json: str,
+                               start: float, stats: dict, ready: Optional[Any]) -> None:
+        assert self._snapshot_done is not None
+        done = self._snapshot_done
+        try:
+            if ready is not None:
+                stream = torch.cuda.Stream()
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    pieces = self.pool.snapshot(to_write)
+                stream.synchronize()
+            else:
+                pieces = self.pool.snapshot(to_write)
+        except Exception as err:  # nothing to write: report like a failed write, so `latest` stays put
+            done.set()
+            pieces, stats["snapshot_error"] = [], f"rank {self.rank}: snapshot failed: {type(err).__name__}: {err}"
         else:
-            self._write_and_commit(*args)
+            done.set()
+        stats["snapshot_s"] = time.perf_counter() - start
+        stats["bytes_local"] = sum(buf.numel() * buf.element_size() for _, buf in pieces)
+        self._write_and_commit(step, partial, pieces, extra_json, start, stats)
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed or has failed (see last_save_stats)."""
+        self.before_update()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
 
     def _write_and_commit(self, step: int, partial: Path, pieces: list, extra_json: str, start: float,
                           stats: dict) -> None:
-        error: Optional[str] = None
+        error: Optional[str] = stats.get("snapshot_error")
         records: list[dict] = []
         file_name, size = None, 0
         try:
-            if pieces:
+            if pieces and error is None:
                 file_name = rank_file_name(self.rank)
                 recs, size = write_rank_file(partial / file_name, pieces, self.fault_hook)
                 records = [asdict(r) for r in recs]
@@ -185,7 +236,13 @@ class CheckpointManager:
             os.replace(partial, final)
             fsync_dir(self.root)
             atomic_write_text(self.root / LATEST_FILE, final.name + "\n")
-            self._prune(step)
+            if self.cfg.checkpoint.async_save:
+                self._prune(step)  # already off the training thread: done before every rank hears "committed"
+            else:
+                # A sync save blocks training: deleting old checkpoints (seconds for large files) need not.
+                self._pruner = threading.Thread(target=self._prune, args=(step,), name="checkpoint-prune",
+                                                daemon=True)
+                self._pruner.start()
         except Exception as err:
             return f"rank 0 commit: {type(err).__name__}: {err}"
         return None

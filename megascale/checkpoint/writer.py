@@ -10,14 +10,15 @@ of each piece's byte range and crc32 for the metadata index.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
+import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from safetensors.torch import save_file
-
-from megascale.checkpoint.format import CheckpointError, PieceRecord, crc32_of, dtype_name, safetensors_header
+from megascale.checkpoint.format import PieceRecord, dtype_name
 from megascale.distributed.sharding import TensorShard
 from megascale.errors import UserError
 
@@ -97,32 +98,66 @@ def piece_key(shard: TensorShard, index: int) -> str:
     return f"{shard.name}#{index}"
 
 
+# safetensors' dtype codes (the file stays readable by any safetensors loader).
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+_WRITE_CHUNK = 8 * 2**20
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (any dtype, bf16 included, via a uint8 view)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
 def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
                     fault_hook: Optional[Callable[[str], None]] = None) -> tuple[list[PieceRecord], int]:
-    """Serialise pieces to one safetensors file, fsync it, and return their records and the file size."""
-    tensors: dict[str, torch.Tensor] = {}
+    """Stream pieces into one safetensors file, fsync it, and return their records and the file size.
+
+    The file is written by hand (8-byte header length, JSON header, raw data) straight
+    from each buffer's memory: the library's serialiser first turns every tensor into a
+    Python bytes object, an extra copy of the whole checkpoint. The crc32 of each piece
+    is taken from the same memory as it is written.
+    """
+    header: dict[str, dict] = {}
     keyed = []
+    offset = 0
     for index, (shard, buf) in enumerate(pieces):
         key = piece_key(shard, index)
         stored = buf.reshape(-1) if shard.flat_range is not None else buf.reshape(shard.local_shape)
-        tensors[key] = stored
+        if stored.dtype not in _ST_DTYPES:
+            raise UserError(f"{shard.name}: checkpoint cannot store dtype {stored.dtype}")
+        nbytes = stored.numel() * stored.element_size()
+        header[key] = {"dtype": _ST_DTYPES[stored.dtype], "shape": list(stored.shape),
+                       "data_offsets": [offset, offset + nbytes]}
         keyed.append((key, shard, stored))
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors aligns the data start to 8 bytes
+    data_start = 8 + len(header_bytes)
     if fault_hook is not None:
         fault_hook("before_write")
-    save_file(tensors, str(path))
-    with open(path, "rb+") as f:
+    records = []
+    with open(path, "wb", buffering=0) as f:
+        f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+        for key, shard, stored in keyed:
+            raw = _raw_bytes(stored)
+            for start in range(0, len(raw), _WRITE_CHUNK):  # bounded writes: no huge kernel copies at once
+                f.write(raw[start:start + _WRITE_CHUNK])
+            begin, end = header[key]["data_offsets"]
+            records.append(PieceRecord(
+                name=shard.name, global_shape=list(shard.global_shape), offsets=list(shard.offsets),
+                lengths=list(shard.local_shape),
+                flat_range=list(shard.flat_range) if shard.flat_range is not None else None,
+                dtype=dtype_name(stored.dtype), file=path.name, key=key,
+                byte_range=[data_start + begin, data_start + end], crc32=zlib.crc32(raw)))
         os.fsync(f.fileno())
     if fault_hook is not None:
         fault_hook("after_write")
-    data_start, header = safetensors_header(path)
-    records = []
-    for key, shard, stored in keyed:
-        if key not in header:
-            raise CheckpointError(f"checkpoint file {path} lacks piece {key} right after writing it")
-        begin, end = header[key]["data_offsets"]
-        records.append(PieceRecord(
-            name=shard.name, global_shape=list(shard.global_shape), offsets=list(shard.offsets),
-            lengths=list(shard.local_shape), flat_range=list(shard.flat_range) if shard.flat_range is not None else None,
-            dtype=dtype_name(stored.dtype), file=path.name, key=key,
-            byte_range=[data_start + begin, data_start + end], crc32=crc32_of(stored)))
-    return records, path.stat().st_size
+    return records, data_start + offset

@@ -182,7 +182,9 @@ class Trainer:
                 self.train_data.skip_step()
                 batches = [{} for _ in range(self.micro_batches)]
             loss = forward_backward(self, batches)
+            self.ckpt.before_update()  # an async checkpoint's snapshot ran under this forward/backward
             stats = self.optimizer.step(self.step)
+            self._report_checkpoint()
             self.step += 1
             self.consumed_samples += cfg.train.global_batch_size
             self.skipped_steps += int(stats.skipped)
@@ -205,8 +207,20 @@ class Trainer:
             if self._should_save():
                 self.save()
         self.ckpt.wait()
+        self._report_checkpoint()
         self.sink.close()
         return records
+
+    def _report_checkpoint(self) -> None:
+        """One line per finished save: how long training was blocked and how long the save took."""
+        stats = getattr(self.ckpt, "last_save_stats", None) or {}
+        if stats.get("total_s") is None or stats.get("reported"):
+            return
+        stats["reported"] = True
+        if self.ctx.is_logging_rank:
+            state = "saved" if stats.get("ok") else f"FAILED ({stats.get('error')}); latest stays on the previous one"
+            self.sink.print(f"checkpoint step {stats['step']} {state}: training blocked {stats['blocking_s']:.3f} s, "
+                            f"total {stats['total_s']:.2f} s, {stats.get('bytes', 0) / 2**20:.1f} MiB")
 
     def _record(self, loss: torch.Tensor, stats, step_time: float, tokens_per_step: int) -> dict:
         tokens_per_s = tokens_per_step / step_time
@@ -260,9 +274,6 @@ class Trainer:
         }
         self.optimizer.wait_params()  # zero=1: updated params may still be in flight to this rank
         self.ckpt.save(self.step, self.state_shards(), extra)
-        stats = getattr(self.ckpt, "last_save_stats", None) or {}
-        if stats and self.ctx.is_logging_rank:
-            self.sink.print(f"checkpoint step {self.step}: blocking {stats.get('blocking_s', 0):.3f}s")
 
 
 def model_dtype(cfg: Config) -> torch.dtype:
