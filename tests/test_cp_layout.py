@@ -73,8 +73,15 @@ def test_zigzag_balances_causal_work() -> None:
     (["parallel.cp_mode=ring", "model.attention_dropout=0.1"], "attention_dropout"),
 ])
 def test_invalid_configs_name_the_key(overrides: list[str], message: str) -> None:
-    cfg = load_config(None, ["parallel.cp=4", "model.num_heads=4", "model.hidden_size=64", "model.seq_length=32",
-                             *overrides])
+    base = ["parallel.cp=4", "model.num_heads=4", "model.hidden_size=64", "model.seq_length=32"]
+    with pytest.raises(ConfigError, match=message):  # caught up front, before any process starts
+        load_config(None, base + overrides)
+    cfg = load_config(None, base)
+    for override in overrides:  # and again when the settings are built from an unchecked config
+        section, rest = override.split(".", 1)
+        key, value = rest.split("=")
+        current = getattr(getattr(cfg, section), key)
+        setattr(getattr(cfg, section), key, type(current)(value) if current is not None else int(value))
     ctx = ParallelContext(RankLayout(cp=4), rank=0, create_groups=False)
     with pytest.raises(ConfigError, match=message):
         build_cp_settings(ctx, cfg)

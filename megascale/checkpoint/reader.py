@@ -41,6 +41,18 @@ class PieceReader:
         """The piece's tensor in its stored shape and dtype (CPU)."""
         if self._last is not None and self._last[:2] == (rec.file, rec.key):
             return self._last[2]
+        begin, end = rec.byte_range
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        self._read_bytes(rec, raw)
+        tensor = raw.view(DTYPES[rec.dtype]).reshape(rec.stored_shape)
+        self._last = (rec.file, rec.key, tensor)
+        return tensor
+
+    def read_into(self, rec: PieceRecord, dest: torch.Tensor) -> None:
+        """Read a piece straight into a contiguous CPU tensor of its exact size and dtype (no staging copy)."""
+        self._read_bytes(rec, dest.view(-1).view(torch.uint8))
+
+    def _read_bytes(self, rec: PieceRecord, raw: torch.Tensor) -> None:
         path = self.step_dir / rec.file
         handle = self._files.get(rec.file)
         if handle is None:
@@ -50,7 +62,6 @@ class PieceReader:
                 raise CheckpointError(f"checkpoint file {path} is missing") from None
             self._files[rec.file] = handle
         begin, end = rec.byte_range
-        raw = torch.empty(end - begin, dtype=torch.uint8)
         handle.seek(begin)
         got = handle.readinto(memoryview(raw.numpy())) if raw.numel() else 0
         if got != end - begin:
@@ -60,9 +71,6 @@ class PieceReader:
             raise CheckpointError(f"checksum mismatch in checkpoint file {path} (piece {rec.key}, bytes "
                                   f"[{begin}, {end})): the file is corrupt; delete this checkpoint or load an older one")
         self.bytes_read += end - begin
-        tensor = raw.view(DTYPES[rec.dtype]).reshape(rec.stored_shape)
-        self._last = (rec.file, rec.key, tensor)
-        return tensor
 
     def close(self) -> None:
         """Close every open file."""
@@ -191,6 +199,12 @@ def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceRe
     if need == 0:
         return
     dest = request.tensor if request.tensor.is_contiguous() else request.tensor.contiguous()
+    exact = _exact_piece(request, records, dest)
+    if exact is not None:  # same layout as saved: one read into place
+        reader.read_into(exact, dest)
+        if dest is not request.tensor:
+            request.tensor.copy_(dest)
+        return
     dest_flat = dest.view(-1)
     r_strides = _strides(r_shape)
     filled = 0
@@ -239,6 +253,19 @@ def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceRe
                         f"(global shape {saved_shape}); it was saved incompletely or by a different model")
     if dest is not request.tensor:
         request.tensor.copy_(dest)
+
+
+def _exact_piece(request: TensorShard, records: list[PieceRecord], dest: torch.Tensor) -> Optional[PieceRecord]:
+    """A stored piece covering exactly the requested box / flat range in the destination's dtype, if any."""
+    if dest.device.type != "cpu":
+        return None
+    want = tuple(request.flat_range) if request.flat_range is not None else None
+    for rec in records:
+        have = tuple(rec.flat_range) if rec.flat_range is not None else None
+        if (tuple(rec.offsets) == tuple(request.offsets) and tuple(rec.lengths) == tuple(request.local_shape)
+                and have == want and DTYPES[rec.dtype] == dest.dtype):
+            return rec
+    return None
 
 
 def load_metadata(step_dir: Path) -> dict:
