@@ -9,30 +9,18 @@ Another layout: only reduction order changes, so 1e-4 relative.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=1", "log.interval=1",
-         "log.tensorboard=false", "optim.warmup_steps=2", "optim.decay_steps=4", "model.tie_embeddings=true"]
+from train_utils import train
+
+SCHEDULE = ["train.micro_batch_size=1", "optim.warmup_steps=2", "optim.decay_steps=4", "model.tie_embeddings=true"]
 
 
 def _train(out: Path, steps: int, *overrides: str, nproc: int = 0) -> list[dict]:
-    args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
-            f"train.output_dir={out}", f"train.steps={steps}", *SMALL, *overrides]
-    if nproc:
-        args += ["--nproc", str(nproc)]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train(out, f"train.steps={steps}", *SCHEDULE, *overrides, nproc=nproc)
 
 
 @pytest.fixture(scope="module")

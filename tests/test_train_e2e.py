@@ -7,29 +7,15 @@ float32 reductions, so losses agree to ~1e-5 relative over a few steps.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=2", "log.interval=1",
-         "checkpoint.save_final=false", "log.tensorboard=false"]
+from train_utils import train
 
 
 def _train(out: Path, *overrides: str, nproc: int = 0) -> list[dict]:
-    args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
-            f"train.output_dir={out}", *SMALL, *overrides]
-    if nproc:
-        args += ["--nproc", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train(out, "checkpoint.save_final=false", *overrides, nproc=nproc)
 
 
 def test_loss_decreases_and_metrics_fields(tmp_path: Path) -> None:

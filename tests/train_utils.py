@@ -1,0 +1,28 @@
+"""Run `megascale train` as a user would (a subprocess on the tiny config) and read its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A model small enough for multi-process runs on 2 cores; the demo corpus is built once and cached.
+SMALL = ["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=2", "log.interval=1",
+         "log.tensorboard=false"]
+
+
+def train(out: Path, *overrides: str, nproc: int = 0) -> list[dict]:
+    """Train configs/tiny.yaml with SMALL + overrides into `out`; returns the metrics.jsonl records."""
+    args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
+            f"train.output_dir={out}", *SMALL, *overrides]
+    if nproc:
+        args += ["--nproc", str(nproc)]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
