@@ -28,15 +28,20 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     # pieces of a sharded model do not cost one launch each.
     if weight_decay != 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    denom, bias1 = _moments_and_denominator(grads, exp_avgs, exp_avg_sqs, beta1, beta2, eps, step)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+
+
+def _moments_and_denominator(grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], beta1: float,
+                             beta2: float, eps: float, step: int) -> tuple[list[Tensor], float]:
+    """Update both moments in place; return sqrt(v_hat) + eps and the first moment's bias correction."""
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-    bias1 = 1.0 - beta1 ** step
-    bias2 = 1.0 - beta2 ** step
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, math.sqrt(bias2))
+    torch._foreach_div_(denom, math.sqrt(1.0 - beta2 ** step))
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+    return denom, 1.0 - beta1 ** step
 
 
 def adam_direction(grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], *, beta1: float,
@@ -47,14 +52,7 @@ def adam_direction(grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: lis
     """
     if not grads:
         return []
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-    bias1 = 1.0 - beta1 ** step
-    bias2 = 1.0 - beta2 ** step
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, math.sqrt(bias2))
-    torch._foreach_add_(denom, eps)
+    denom, bias1 = _moments_and_denominator(grads, exp_avgs, exp_avg_sqs, beta1, beta2, eps, step)
     direction = torch._foreach_div(exp_avgs, denom)
     torch._foreach_div_(direction, bias1)
     return direction
