@@ -7,7 +7,6 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,8 +15,7 @@ from megascale.config import Config, ConfigError, num_microbatches, save_config,
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext, RankLayout
-from megascale.errors import UserError
-from megascale.model.gpt import DTYPES, build_model
+from megascale.model.gpt import build_model
 from megascale.training.flops import device_peak, train_flops_per_token
 from megascale.training.metrics import MetricsSink, format_line
 from megascale.training.step import forward_backward, evaluate
@@ -274,11 +272,3 @@ class Trainer:
         }
         self.optimizer.wait_params()  # zero=1: updated params may still be in flight to this rank
         self.ckpt.save(self.step, self.state_shards(), extra)
-
-
-def model_dtype(cfg: Config) -> torch.dtype:
-    """torch dtype of the model parameters and activations."""
-    return DTYPES[cfg.train.dtype]
-
-
-__all__ = ["Trainer", "UserError", "model_dtype"]
