@@ -69,3 +69,31 @@ def test_crash_before_commit_resumes_from_previous_step(tmp_path: Path, uninterr
     resumed = recs[3:]  # steps 1-3 from the first run, then 3-6 after resuming from step 2
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted[2:]]
+
+
+def test_start_from_weights_only_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint holding model weights only (as `megascale convert --from-hf` writes) starts a new run:
+    its first loss is the trained model's, far below a fresh model's, and the optimizer starts fresh."""
+    import torch
+
+    from megascale.checkpoint.convert import read_global_state
+    from megascale.checkpoint.manager import CheckpointManager
+    from megascale.config import load_config
+    from megascale.distributed.sharding import TensorShard
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
+    trained = _train(tmp_path / "trained", 20, "optim.lr=3e-3", "optim.decay_steps=18")
+    step_dir = tmp_path / "trained" / "checkpoints" / (tmp_path / "trained" / "checkpoints" / "latest").read_text().strip()
+    weights = {k: v for k, v in read_global_state(step_dir).items() if not k.startswith("optim.")}
+    cfg = load_config(None, ["checkpoint.async=false"])
+    ctx = ParallelContext(RankLayout(), create_groups=False)
+    manager = CheckpointManager(tmp_path / "weights" / "checkpoints", ctx, cfg)
+    manager.save(0, [TensorShard(k, tuple(v.shape), (0,) * v.dim(), tuple(v.shape), v.contiguous())
+                     for k, v in weights.items()], {"step": 0})
+    fresh = _train(tmp_path / "fresh", 1)
+    started = _train(tmp_path / "finetune", 1, f"checkpoint.load={tmp_path / 'weights' / 'checkpoints'}",
+                     "train.dtype=bf16")
+    assert started[0]["step"] == 1
+    assert started[0]["loss"] < fresh[0]["loss"] - 1.0, (started[0]["loss"], fresh[0]["loss"])
+    assert abs(started[0]["loss"] - trained[-1]["loss"]) < 0.5, (started[0]["loss"], trained[-1]["loss"])
+    assert torch.isfinite(torch.tensor(started[0]["grad_norm"]))

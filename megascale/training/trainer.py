@@ -133,19 +133,31 @@ class Trainer:
         path = Path(c.load) if c.load else None
         if path is None and not (c.resume and self.ckpt.latest() is not None):
             return
-        extra = self.ckpt.load(self.state_shards(), path)
+        shards = self.state_shards()
+        stored = self.ckpt.tensor_names(path)
+        # Optimizer state the checkpoint lacks (weights only, e.g. converted from HuggingFace, or an
+        # fp32 run's checkpoint that has no fp32 master copy) starts fresh from the loaded weights.
+        missing = {s.name for s in shards if s.name.startswith("optim.") and s.name not in stored}
+        extra = self.ckpt.load([s for s in shards if s.name not in missing], path)
         if extra is None:
             return
-        self.step = int(extra["step"])
-        self.consumed_samples = int(extra["consumed_samples"])
+        if missing:
+            self.optimizer.reload_master_from_params()
+        weights_only = not any(name.startswith("optim.") for name in stored)
+        self.step = 0 if weights_only else int(extra.get("step", 0))
+        self.consumed_samples = 0 if weights_only else int(extra.get("consumed_samples", 0))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self.optimizer.load_extra_state(extra.get("optimizer", {}))
+        if not weights_only:
+            self.optimizer.load_extra_state(extra.get("optimizer", {}))
         rng = extra.get("rng", {}).get(str(self.ctx.rank))
         if rng is not None and extra.get("world_size") == self.ctx.world_size:
             torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
             self.rng.load_state_dict(rng["tracker"])
         if self.ctx.is_logging_rank:
-            self.sink.print(f"resumed from step {self.step} ({self.consumed_samples} samples consumed)")
+            if weights_only:
+                self.sink.print(f"loaded model weights from {path or self.ckpt.latest()}; optimizer starts fresh")
+            else:
+                self.sink.print(f"resumed from step {self.step} ({self.consumed_samples} samples consumed)")
 
     def _announce(self) -> None:
         if not self.ctx.is_logging_rank:
