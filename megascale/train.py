@@ -76,7 +76,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc} must be >= 1")
+        from megascale.training.trainer import check_data_paths
+
         validate_layout(cfg, args.nproc)  # fail here, once, rather than in every worker
+        check_data_paths(cfg)
         return launch_local(argv, args.nproc)
     run_training(cfg, args.backend)
     return 0
