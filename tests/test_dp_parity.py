@@ -31,7 +31,7 @@ from megascale.distributed.data_parallel import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, get_shard, set_shard, split_spec
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.optim import lr_at
-from test_optim_single import Tiny, lamb_reference, make_cfg
+from test_optim_single import Tiny, make_cfg, reference_update
 
 WORLD = 4
 STEPS = 4
@@ -58,14 +58,7 @@ def reference_run(cfg: Config, named: dict[str, nn.Parameter], loss_of_step: Cal
         loss.backward()
         losses.append(float(loss))
         norms.append(float(torch.nn.utils.clip_grad_norm_(list(named.values()), o.grad_clip or 1e9)))
-        lr = lr_at(step, o, cfg.train.steps)
-        if o.name == "adamw":
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-        else:
-            with torch.no_grad():
-                lamb_reference(named, {n: p.grad for n, p in named.items()}, lamb_state, step, lr, o)
+        reference_update(named, opt, lamb_state, step, lr_at(step, o, cfg.train.steps), o)
     state = {n: opt.state[p]["exp_avg"] if o.name == "adamw" else lamb_state[n][0] for n, p in named.items()}
     return losses, norms, state
 

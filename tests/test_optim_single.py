@@ -58,6 +58,18 @@ def ctx1() -> ParallelContext:
     return ParallelContext(RankLayout(), rank=0)
 
 
+def reference_update(named: dict, opt: torch.optim.Optimizer, lamb_state: dict, step: int, lr: float,
+                     o: OptimConfig) -> None:
+    """One step of the independent reference: torch.optim.AdamW, or the plain per-tensor LAMB below."""
+    if o.name == "adamw":
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    else:
+        with torch.no_grad():
+            lamb_reference(named, {n: p.grad for n, p in named.items()}, lamb_state, step, lr, o)
+
+
 def lamb_reference(params: dict, grads: dict, state: dict, step: int, lr: float, o: OptimConfig) -> None:
     """Plain per-tensor LAMB; no weight decay and no layer adaptation for 1-D tensors and biases."""
     for name, w in params.items():
@@ -88,15 +100,7 @@ def train_reference(cfg: Config, batches: list, model: nn.Module) -> list[float]
         model.zero_grad()
         loss_fn(model, x, y, len(x)).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip else 1e9)))
-        lr = lr_at(step, o, cfg.train.steps)
-        if o.name == "adamw":
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-        else:
-            with torch.no_grad():
-                lamb_reference(dict(model.named_parameters()), {n: p.grad for n, p in model.named_parameters()},
-                               lamb_state, step, lr, o)
+        reference_update(dict(model.named_parameters()), opt, lamb_state, step, lr_at(step, o, cfg.train.steps), o)
     return norms
 
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import struct
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -79,6 +80,13 @@ def parse_step(path: Path) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def piece_numel(lengths: Sequence[int], flat_range: Optional[Sequence[int]]) -> int:
+    """Elements of a stored piece: its flat range, or its whole box."""
+    if flat_range is not None:
+        return flat_range[1] - flat_range[0]
+    return math.prod(lengths)
+
+
 @dataclass
 class PieceRecord:
     """One stored piece of a global tensor: where its bytes are and what they hold.
@@ -102,12 +110,7 @@ class PieceRecord:
     @property
     def numel(self) -> int:
         """Elements stored in this piece."""
-        if self.flat_range is not None:
-            return self.flat_range[1] - self.flat_range[0]
-        n = 1
-        for length in self.lengths:
-            n *= length
-        return n
+        return piece_numel(self.lengths, self.flat_range)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:

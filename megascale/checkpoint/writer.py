@@ -18,19 +18,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from megascale.checkpoint.format import PieceRecord, dtype_name
+from megascale.checkpoint.format import PieceRecord, dtype_name, piece_numel
 from megascale.distributed.sharding import TensorShard
 from megascale.errors import UserError
 
 
 def stored_numel(shard: TensorShard) -> int:
     """Elements a shard holds: its flat range, or its whole box."""
-    if shard.flat_range is not None:
-        return shard.flat_range[1] - shard.flat_range[0]
-    n = 1
-    for length in shard.local_shape:
-        n *= length
-    return n
+    return piece_numel(shard.local_shape, shard.flat_range)
 
 
 def check_shard(shard: TensorShard) -> None:
