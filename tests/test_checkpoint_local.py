@@ -7,9 +7,11 @@ multi-process behaviour is covered in test_checkpoint_dist.py.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,13 @@ import torch
 from safetensors import safe_open
 
 from megascale.checkpoint import CheckpointManager
-from megascale.checkpoint.format import decode_extra, encode_extra, partial_dir_name, step_dir_name
+from megascale.checkpoint.format import (DEFAULT_CHECKSUM, CheckpointError, decode_extra, encode_extra,
+                                         partial_dir_name, step_dir_name)
 from megascale.checkpoint.planner import assign_writers
 from megascale.checkpoint.simulate import SimLayout, SimModel, expected_tensor, rank_shards, reference_value
 from megascale.config import Config
 from megascale.distributed.topology import ParallelContext, RankLayout
+from megascale.errors import UserError
 
 MODEL = SimModel(num_layers=6, hidden=8, ffn=16, vocab=32, kv_groups_rows=24)
 
@@ -149,3 +153,70 @@ def test_flat_ranges_across_differently_cut_boxes(tmp_path: Path, saved_dim: int
         shard.tensor.fill_(float("nan"))
     mgr.load(wanted)
     assert all(torch.equal(s.tensor, e) for s, e in zip(wanted, expected))
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_crc32c_checksums_match_an_independent_crc(tmp_path: Path) -> None:
+    import crc32c
+
+    assert crc32c.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value of the standard
+    mgr = _manager(tmp_path, async_save=False)
+    mgr.save(1, _all_shards(SimLayout(tp=2), seed=1), {})
+    step_dir = tmp_path / step_dir_name(1)
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    pieces = [p for entry in meta["tensors"].values() for p in entry["pieces"]]
+    assert pieces and all(p["checksum"] == DEFAULT_CHECKSUM == "crc32c" for p in pieces)
+    for p in pieces:
+        data = (step_dir / p["file"]).read_bytes()[p["byte_range"][0]:p["byte_range"][1]]
+        assert p["crc32"] == crc32c.crc32c(data), p["key"]
+
+
+@pytest.mark.parametrize("loaded", [SimLayout(tp=2), SimLayout(tp=1, dp=2, zero=1)], ids=["same", "resharded"])
+def test_corrupt_byte_is_detected_on_either_read_path(tmp_path: Path, loaded: SimLayout) -> None:
+    mgr = _manager(tmp_path, async_save=False)
+    mgr.save(1, _all_shards(SimLayout(tp=2), seed=1), {})
+    step_dir = tmp_path / step_dir_name(1)
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    piece = meta["tensors"]["layers.0.attention.qkv.weight"]["pieces"][0]
+    _flip_byte(step_dir / piece["file"], piece["byte_range"][0] + 5)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        mgr.load(_all_shards(loaded, seed=0), path=step_dir)
+
+
+def test_records_without_a_checksum_field_are_zlib_crc32(tmp_path: Path) -> None:
+    """Checkpoints written before the `checksum` field existed carry zlib CRC-32s: still verified."""
+    mgr = _manager(tmp_path, async_save=False)
+    mgr.save(1, _all_shards(SimLayout(tp=2), seed=1), {})
+    step_dir = tmp_path / step_dir_name(1)
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    for entry in meta["tensors"].values():
+        for p in entry["pieces"]:
+            data = (step_dir / p["file"]).read_bytes()[p["byte_range"][0]:p["byte_range"][1]]
+            del p["checksum"]
+            p["crc32"] = zlib.crc32(data)
+    (step_dir / "metadata.json").write_text(json.dumps(meta))
+    target = _all_shards(SimLayout(tp=1), seed=0)
+    mgr.load(target, path=step_dir)
+    value = reference_value(1)
+    assert all(torch.equal(s.tensor, expected_tensor(s, value)) for s in target)
+    piece = meta["tensors"]["embedding.word_embeddings.weight"]["pieces"][0]
+    _flip_byte(step_dir / piece["file"], piece["byte_range"][1] - 1)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        mgr.load(_all_shards(SimLayout(tp=1), seed=0), path=step_dir)
+
+
+def test_crc32c_checkpoint_without_the_package_names_the_fix(tmp_path: Path, monkeypatch) -> None:
+    import megascale.checkpoint.format as fmt
+
+    mgr = _manager(tmp_path, async_save=False)
+    mgr.save(1, _all_shards(SimLayout(), seed=1), {})
+    monkeypatch.setattr(fmt, "_CRC32C", None)
+    with pytest.raises(UserError, match="pip install crc32c"):
+        mgr.load(_all_shards(SimLayout(), seed=0))

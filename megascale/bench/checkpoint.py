@@ -13,8 +13,10 @@ state in all. Measures, as the max over ranks:
   - load into the same layout, and resharding load into tp1 x dp4 (ZeRO-1 re-cut);
   - the same save / async save / load through DCP with the same per-rank tensors
     (replicated keys deduplicated by DCP's default planner).
-Loads read through the OS page cache (the files were just written), as they would on
-a restart of the same node; numbers on a cold parallel filesystem differ.
+Every measurement is taken --rounds times, the two systems alternating which goes first,
+each save starting with no checkpoint on disk; the table shows medians (the JSON keeps
+every run). Loads read through the OS page cache (the files were just written), as they
+would on a restart of the same node; numbers on a cold parallel filesystem differ.
 """
 
 from __future__ import annotations
@@ -97,7 +99,27 @@ def _check(shards: list) -> None:
             raise RuntimeError(f"benchmark load produced wrong values for {shard.name}")
 
 
-def _worker(rank: int, world: int, total_gb: float, workdir: str, out: str) -> None:
+def _clean(work: Path, rank: int) -> None:
+    """Delete every checkpoint either system wrote, so each measured save starts from the same state.
+
+    Freshly freed page-cache memory makes the next write much faster on some machines (a VM
+    here: 1.0 s against 2.5 s for the same 2 GB), so whichever save ran right after a deletion
+    won by that alone before every save began this way.
+    """
+    dist.barrier()
+    if rank == 0:
+        for path in list((work / "megascale").glob("step_*")) + list(work.glob("dcp_*")):
+            shutil.rmtree(path)
+    dist.barrier()
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, out: str) -> None:
     from torch.distributed import checkpoint as dcp
 
     from megascale.checkpoint.manager import CheckpointManager
@@ -109,76 +131,117 @@ def _worker(rank: int, world: int, total_gb: float, workdir: str, out: str) -> N
     work = Path(workdir)
     model = _sim_model(total_gb)
     shards = rank_shards(model, SAVED, rank, _constant_value)
+    target = rank_shards(model, RESHARDED, rank, lambda n, s, o, l: torch.zeros(l))
     ctx = build_context(tp=2, dp=2)
     cfg = Config()
-    cfg.checkpoint.keep_last = 1
-    res: dict[str, float] = {}
-
+    cfg.checkpoint.keep_last = 0  # the benchmark deletes between saves itself (see _clean)
     cfg.checkpoint.async_save = False
-    mgr = CheckpointManager(work / "megascale", ctx, cfg)
+    sync_mgr = CheckpointManager(work / "megascale", ctx, cfg)
+    async_cfg = Config()
+    async_cfg.checkpoint.keep_last = 0
+    async_cfg.checkpoint.async_save = True
+    async_mgr = CheckpointManager(work / "megascale", ctx, async_cfg)
     state = {f"{s.name}|{s.offsets}|{s.local_shape}|{s.flat_range}": s.tensor for s in shards}
-    # Consecutive saves of the same ~2 GB slow each other down through the disk's writeback
-    # (DCP's own second save takes twice its first here), so the two systems take turns going
-    # first and each reports the mean of its two saves.
-    ours, theirs = [], []
-    for turn in range(2):
-        run_dcp = lambda: theirs.append(  # noqa: E731
-            _max(_timed(lambda: dcp.save(state, checkpoint_id=str(work / f"dcp_sync{turn}")))))
-        run_ours = lambda: ours.append(_max(_timed(lambda: mgr.save(1 + turn, shards, {"step": 1 + turn}))))  # noqa: E731
-        for run in ((run_dcp, run_ours) if turn == 0 else (run_ours, run_dcp)):
-            run()
-    res["dcp_save_s"] = sum(theirs) / 2
-    res["megascale_save_s"] = sum(ours) / 2
-    cfg.checkpoint.async_save = True
-    start = time.perf_counter()
-    mgr.save(3, shards, {"step": 3})  # the first async save allocates the reused host buffer pool
-    mgr.wait()
-    res["megascale_async_first_s"] = _max(time.perf_counter() - start)
-    step_work = _calibrate_step()
-    os.sync()
-    dist.barrier()
-    res["step_alone_s"] = _max(_train_step(step_work))
-    os.sync()
-    dist.barrier()
-    start = time.perf_counter()
-    mgr.save(4, shards, {"step": 4})
-    call = time.perf_counter() - start
-    step_time = _train_step(step_work)  # forward/backward of the next step: the snapshot runs under it
-    wait_start = time.perf_counter()
-    mgr.before_update()  # the optimizer step may change the state only once the snapshot is taken
-    blocked = call + time.perf_counter() - wait_start
-    res["megascale_async_blocking_s"] = _max(blocked)
-    res["megascale_async_stall_s"] = _max(blocked + step_time - res["step_alone_s"])
-    mgr.wait()
-    res["megascale_async_total_s"] = _max(time.perf_counter() - start)
-    if not mgr.last_save_stats["ok"]:
-        raise RuntimeError(mgr.last_save_stats["error"])
-    res["checkpoint_gb"] = mgr.last_save_stats["bytes"] / 1e9
-    for shard in shards:
-        shard.tensor.zero_()
-    res["megascale_load_s"] = _max(_timed(lambda: mgr.load(shards)))
-    _check(shards)
-    target = rank_shards(model, RESHARDED, rank, lambda n, s, o, l: torch.zeros(l))
-    res["megascale_reshard_load_s"] = _max(_timed(lambda: mgr.load(target)))
-    _check(target)
-    del target
+    runs: dict[str, list[float]] = {}
 
+    def record(key: str, value: float) -> None:
+        runs.setdefault(key, []).append(_max(value))
+
+    step = 0
+    start = time.perf_counter()
+    async_mgr.save(step, shards, {"step": step})  # the first async save allocates the reused host buffer pool
+    async_mgr.wait()
+    first_async = time.perf_counter() - start
+    step_work = _calibrate_step()
+    _clean(work, rank)
     os.sync()
     dist.barrier()
-    start = time.perf_counter()
-    future = dcp.async_save(state, checkpoint_id=str(work / "dcp2"))
-    call = time.perf_counter() - start  # DCP stages (copies) the state inside the call
-    step_time = _train_step(step_work)
-    future.result()
-    total = time.perf_counter() - start
-    # Reductions only after DCP's background thread is done with the default group.
-    res["dcp_async_blocking_s"] = _max(call)
-    res["dcp_async_stall_s"] = _max(call + step_time - res["step_alone_s"])
-    res["dcp_async_total_s"] = _max(total)
-    for tensor in state.values():
-        tensor.zero_()
-    res["dcp_load_s"] = _max(_timed(lambda: dcp.load(state, checkpoint_id=str(work / "dcp_sync1"))))
-    _check(shards)
+    step_alone = _max(_train_step(step_work))
+
+    def ours_sync() -> None:
+        nonlocal step
+        step += 1
+        record("megascale_save_s", _timed(lambda: sync_mgr.save(step, shards, {"step": step})))
+        sync_mgr.wait()
+
+    def dcp_sync() -> None:
+        record("dcp_save_s", _timed(lambda: dcp.save(state, checkpoint_id=str(work / "dcp_sync"))))
+
+    def ours_async() -> None:
+        nonlocal step
+        step += 1
+        os.sync()
+        dist.barrier()
+        begin = time.perf_counter()
+        async_mgr.save(step, shards, {"step": step})
+        call = time.perf_counter() - begin
+        step_time = _train_step(step_work)  # forward/backward of the next step: the snapshot runs under it
+        wait_start = time.perf_counter()
+        async_mgr.before_update()  # the optimizer step may change the state only once the snapshot is taken
+        blocked = call + time.perf_counter() - wait_start
+        async_mgr.wait()
+        total = time.perf_counter() - begin
+        if not async_mgr.last_save_stats["ok"]:
+            raise RuntimeError(async_mgr.last_save_stats["error"])
+        record("megascale_async_blocking_s", blocked)
+        record("megascale_async_stall_s", blocked + step_time - step_alone)
+        record("megascale_async_total_s", total)
+
+    def dcp_async() -> None:
+        os.sync()
+        dist.barrier()
+        begin = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(work / "dcp_async"))
+        call = time.perf_counter() - begin  # DCP stages (copies) the state inside the call
+        step_time = _train_step(step_work)
+        future.result()
+        total = time.perf_counter() - begin
+        # Reductions only after DCP's background thread is done with the default group.
+        record("dcp_async_blocking_s", call)
+        record("dcp_async_stall_s", call + step_time - step_alone)
+        record("dcp_async_total_s", total)
+
+    def ours_load() -> None:
+        for shard in shards:
+            shard.tensor.zero_()
+        record("megascale_load_s", _timed(lambda: sync_mgr.load(shards)))
+        _check(shards)
+        for shard in target:
+            shard.tensor.zero_()
+        record("megascale_reshard_load_s", _timed(lambda: sync_mgr.load(target)))
+        _check(target)
+
+    def dcp_load() -> None:
+        for tensor in state.values():
+            tensor.zero_()
+        record("dcp_load_s", _timed(lambda: dcp.load(state, checkpoint_id=str(work / "dcp_load"))))
+        _check(shards)
+
+    def prepare_loads() -> None:
+        nonlocal step
+        _clean(work, rank)
+        step += 1
+        sync_mgr.save(step, shards, {"step": step})
+        dcp.save(state, checkpoint_id=str(work / "dcp_load"))
+        os.sync()
+        dist.barrier()
+
+    # Rounds alternate which system goes first; every save starts with no checkpoint on disk,
+    # and the loads read checkpoints both systems have just written (from the page cache).
+    for turn in range(rounds):
+        for ours, theirs in [(ours_sync, dcp_sync), (ours_async, dcp_async)]:
+            for run in ((ours, theirs) if turn % 2 == 0 else (theirs, ours)):
+                _clean(work, rank)
+                run()
+        prepare_loads()
+        for run in ((ours_load, dcp_load) if turn % 2 == 0 else (dcp_load, ours_load)):
+            run()
+    res: dict = {key: _median(values) for key, values in runs.items()}
+    res["runs"] = runs
+    res["rounds"] = rounds
+    res["megascale_async_first_s"] = _max(first_async)
+    res["step_alone_s"] = step_alone
+    res["checkpoint_gb"] = async_mgr.last_save_stats["bytes"] / 1e9
     if rank == 0:
         res["params_m"] = model.numel() / 1e6
         Path(out).write_text(json.dumps(res))
@@ -192,6 +255,8 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-gb", type=float, default=0.2, help="unique checkpoint size (2-4 for a real run)")
     parser.add_argument("--ranks", type=int, default=4, help="gloo processes (tp2 x dp2 needs 4)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measurements of each kind, alternating which system goes first (medians are shown)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
@@ -199,24 +264,29 @@ def main(argv: list[str]) -> int:
         from megascale.errors import UserError
 
         raise UserError(f"--ranks must be {SAVED.world} (the benchmark layout is tp2 x dp2)")
+    if args.rounds < 1:
+        from megascale.errors import UserError
+
+        raise UserError("--rounds must be at least 1")
     import torch.multiprocessing as mp
 
     workdir = Path(tempfile.mkdtemp(prefix="megascale-bench-ckpt-", dir=args.dir))
     out = workdir / "results.json"
     try:
-        mp.spawn(_worker, args=(args.ranks, args.total_gb, str(workdir), str(out)), nprocs=args.ranks, join=True)
+        mp.spawn(_worker, args=(args.ranks, args.total_gb, args.rounds, str(workdir), str(out)), nprocs=args.ranks,
+                 join=True)
         res = json.loads(out.read_text())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"checkpoint benchmark: {args.ranks} gloo ranks, tp2 x dp2 ZeRO-1, {res['params_m']:.0f}M params, "
           f"{res['checkpoint_gb']:.2f} GB unique state")
-    rows = [("save (sync; mean of 2 alternating)", res["megascale_save_s"], res["dcp_save_s"]),
+    rows = [("save (sync)", res["megascale_save_s"], res["dcp_save_s"]),
             ("async save: training blocked", res["megascale_async_blocking_s"], res["dcp_async_blocking_s"]),
             ("async save: step slowdown + blocked", res["megascale_async_stall_s"], res["dcp_async_stall_s"]),
             ("async save: total to commit", res["megascale_async_total_s"], res["dcp_async_total_s"]),
             ("load, same layout", res["megascale_load_s"], res["dcp_load_s"]),
             ("load, resharded tp2dp2 -> tp1dp4", res["megascale_reshard_load_s"], float("nan"))]
-    print(f"{'':36} {'megascale s':>12} {'DCP s':>10}")
+    print(f"{'median of ' + str(res['rounds']) + ' rounds':36} {'megascale s':>12} {'DCP s':>10}")
     for label, ours, theirs in rows:
         print(f"{label:36} {ours:12.3f} {theirs:10.3f}")
     print(f"(first megascale async save, allocating the host buffer pool: {res['megascale_async_first_s']:.3f} s; "

@@ -6,7 +6,7 @@ A checkpoint root (``<output_dir>/checkpoints``) holds::
     step_00000100/                one checkpoint (zero-padded: lexical order = step order)
         rank_00000.safetensors    the pieces rank 0 wrote (safetensors: no pickle)
         rank_00003.safetensors    ... one file per rank that had something to write
-        metadata.json             global name -> stored pieces (box, flat range, dtype, file, bytes, crc32)
+        metadata.json             global name -> stored pieces (box, flat range, dtype, file, bytes, checksum)
         extra_state.json          rank 0's extra state (step, RNG, data position, config, ...)
         extra/rank_00001.json     every other rank's extra state (used when the layout is unchanged)
         COMMITTED                 commit marker, written last, after every rank finished
@@ -26,7 +26,7 @@ import struct
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -93,7 +93,9 @@ class PieceRecord:
 
     offsets/lengths: the box of the global tensor; flat_range: when set, the piece is
     elements [start, stop) of that box's row-major flattening, stored 1-D.
-    byte_range: absolute [begin, end) in `file`; crc32 over exactly those bytes.
+    byte_range: absolute [begin, end) in `file`; crc32: the checksum of exactly those bytes,
+    computed by `checksum` ("crc32c": CRC-32C, Castagnoli; "crc32": zlib's CRC-32, the
+    default for records written before the field existed).
     """
 
     name: str
@@ -106,6 +108,7 @@ class PieceRecord:
     key: str
     byte_range: list[int]
     crc32: int
+    checksum: str = "crc32"
 
     @property
     def numel(self) -> int:
@@ -190,12 +193,42 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
         raise CheckpointError(f"checkpoint file {path} has a corrupt safetensors header: {err}") from None
 
 
-def crc32_of(tensor: torch.Tensor) -> int:
-    """crc32 of a contiguous CPU tensor's bytes (zlib releases the GIL on large buffers)."""
+def _crc32c_impl() -> tuple[Optional[Callable[[Any], int]], bool]:
+    """(crc32c function or None, whether it runs on crc instructions)."""
+    try:
+        import crc32c
+    except ImportError:
+        return None, False
+    return crc32c.crc32c, bool(getattr(crc32c, "hardware_based", False))
+
+
+_CRC32C, _HW_CRC32C = _crc32c_impl()
+
+# CRC-32C runs on the SSE4.2 / ARMv8 crc instructions (~14 GB/s per core here, against
+# ~4 GB/s for zlib's CRC-32): new checkpoints use it where the hardware has it. Both
+# release the GIL on large buffers, so checksums overlap with file I/O on another thread.
+DEFAULT_CHECKSUM = "crc32c" if _HW_CRC32C else "crc32"
+
+
+def checksum_function(name: str) -> Callable[[Any], int]:
+    """The function computing checksum `name` ("crc32c" or "crc32") over a bytes-like object."""
+    if name == "crc32":
+        return zlib.crc32
+    if name == "crc32c":
+        if _CRC32C is None:
+            raise UserError("this checkpoint's pieces carry CRC-32C checksums but the `crc32c` package is not "
+                            "installed; `pip install crc32c` (a megascale dependency) and load again")
+        return _CRC32C
+    raise UserError(f"unknown checkpoint checksum algorithm {name!r} (known: crc32c, crc32); the checkpoint "
+                    "was written by a newer megascale, upgrade to load it")
+
+
+def checksum_of(tensor: torch.Tensor, name: str = "crc32") -> int:
+    """Checksum `name` of a contiguous CPU tensor's bytes."""
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return 0
-    return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
+    return checksum_function(name)(memoryview(flat.view(torch.uint8).numpy()))
 
 
 def is_complete(step_dir: Path) -> bool:

@@ -5,7 +5,7 @@ kept and reused from one save to the next (pinned when CUDA is available, so the
 device-to-host copies run at full speed without re-registering memory each time).
 Training may change its tensors as soon as the snapshot returns. The write half
 runs on a background thread: safetensors serialisation, write, fsync, and a record
-of each piece's byte range and crc32 for the metadata index.
+of each piece's byte range and checksum (CRC-32C) for the metadata index.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from megascale.checkpoint.format import PieceRecord, dtype_name, piece_numel
+from megascale.checkpoint.format import DEFAULT_CHECKSUM, PieceRecord, checksum_function, dtype_name, piece_numel
 from megascale.distributed.sharding import TensorShard
 from megascale.errors import UserError
 
@@ -111,13 +111,15 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
-                    fault_hook: Optional[Callable[[str], None]] = None) -> tuple[list[PieceRecord], int]:
+                    fault_hook: Optional[Callable[[str], None]] = None,
+                    checksum: str = DEFAULT_CHECKSUM) -> tuple[list[PieceRecord], int]:
     """Stream pieces into one safetensors file, fsync it, and return their records and the file size.
 
     The file is written by hand (8-byte header length, JSON header, raw data) straight
     from each buffer's memory: the library's serialiser first turns every tensor into a
-    Python bytes object, an extra copy of the whole checkpoint. The crc32 of each piece
-    is taken from the same memory as it is written.
+    Python bytes object, an extra copy of the whole checkpoint. Each piece's checksum is
+    taken from the same memory on a second thread while the piece is being written (the
+    checksum and the write system calls both run without the GIL).
     """
     header: dict[str, dict] = {}
     keyed = []
@@ -138,20 +140,24 @@ def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
     data_start = 8 + len(header_bytes)
     if fault_hook is not None:
         fault_hook("before_write")
+    checksum_fn = checksum_function(checksum)
     records = []
-    with open(path, "wb", buffering=0) as f:
+    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="checksum") as sums:
         f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+        pending = []
         for key, shard, stored in keyed:
             raw = _raw_bytes(stored)
+            pending.append(sums.submit(checksum_fn, raw))
             for start in range(0, len(raw), _WRITE_CHUNK):  # bounded writes: no huge kernel copies at once
                 f.write(raw[start:start + _WRITE_CHUNK])
+        for (key, shard, stored), value in zip(keyed, pending):
             begin, end = header[key]["data_offsets"]
             records.append(PieceRecord(
                 name=shard.name, global_shape=list(shard.global_shape), offsets=list(shard.offsets),
                 lengths=list(shard.local_shape),
                 flat_range=list(shard.flat_range) if shard.flat_range is not None else None,
                 dtype=dtype_name(stored.dtype), file=path.name, key=key,
-                byte_range=[data_start + begin, data_start + end], crc32=zlib.crc32(raw)))
+                byte_range=[data_start + begin, data_start + end], crc32=value.result(), checksum=checksum))
         os.fsync(f.fileno())
     if fault_hook is not None:
         fault_hook("after_write")
