@@ -220,3 +220,29 @@ def test_crc32c_checkpoint_without_the_package_names_the_fix(tmp_path: Path, mon
     monkeypatch.setattr(fmt, "_CRC32C", None)
     with pytest.raises(UserError, match="pip install crc32c"):
         mgr.load(_all_shards(SimLayout(), seed=0))
+
+
+def test_prepare_allocates_the_pool_the_first_async_save_uses(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path, async_save=True)
+    shards = _all_shards(SimLayout(tp=2, dp=2, zero=1), seed=1)
+    mgr.prepare(shards)
+    mgr.wait()
+    written = sum(shards[i].tensor.numel() * shards[i].tensor.element_size()
+                  for i in mgr.planner.plan(shards).write_indices)
+    assert mgr.pool.allocated_bytes == written > 0
+    buffers = {ident: buf.data_ptr() for ident, buf in mgr.pool._buffers.items()}
+    mgr.save(1, shards, {"step": 1})
+    mgr.wait()
+    assert mgr.last_save_stats["ok"]
+    assert {ident: buf.data_ptr() for ident, buf in mgr.pool._buffers.items()} == buffers  # nothing reallocated
+    target = _all_shards(SimLayout(tp=1, dp=3, zero=1), seed=0)
+    assert mgr.load(target) == {"step": 1}
+    value = reference_value(1)
+    assert all(torch.equal(s.tensor, expected_tensor(s, value)) for s in target)
+
+
+def test_prepare_is_a_no_op_for_sync_saves(tmp_path: Path) -> None:
+    mgr = _manager(tmp_path, async_save=False)
+    mgr.prepare(_all_shards(SimLayout(tp=2), seed=1))
+    mgr.wait()
+    assert mgr.pool.allocated_bytes == 0

@@ -149,9 +149,14 @@ def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, o
 
     step = 0
     start = time.perf_counter()
-    async_mgr.save(step, shards, {"step": step})  # the first async save allocates the reused host buffer pool
+    async_mgr.prepare(shards)  # at startup: plan and allocate the reused host buffer pool in the background
     async_mgr.wait()
-    first_async = time.perf_counter() - start
+    prepare_s = time.perf_counter() - start
+    start = time.perf_counter()
+    async_mgr.save(step, shards, {"step": step})
+    async_mgr.before_update()
+    first_blocking = time.perf_counter() - start
+    async_mgr.wait()
     step_work = _calibrate_step()
     _clean(work, rank)
     os.sync()
@@ -239,7 +244,8 @@ def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, o
     res: dict = {key: _median(values) for key, values in runs.items()}
     res["runs"] = runs
     res["rounds"] = rounds
-    res["megascale_async_first_s"] = _max(first_async)
+    res["megascale_prepare_s"] = _max(prepare_s)
+    res["megascale_first_snapshot_s"] = _max(first_blocking)
     res["step_alone_s"] = step_alone
     res["checkpoint_gb"] = async_mgr.last_save_stats["bytes"] / 1e9
     if rank == 0:
@@ -289,7 +295,8 @@ def main(argv: list[str]) -> int:
     print(f"{'median of ' + str(res['rounds']) + ' rounds':36} {'megascale s':>12} {'DCP s':>10}")
     for label, ours, theirs in rows:
         print(f"{label:36} {ours:12.3f} {theirs:10.3f}")
-    print(f"(first megascale async save, allocating the host buffer pool: {res['megascale_async_first_s']:.3f} s; "
+    print(f"(megascale host buffer pool, allocated in the background at startup: {res['megascale_prepare_s']:.3f} s; "
+          f"first snapshot into it: {res['megascale_first_snapshot_s']:.3f} s; "
           f"a training step alone: {res['step_alone_s']:.3f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")

@@ -139,6 +139,29 @@ class CheckpointManager:
         self._thread.start()
         stats["blocking_s"] = time.perf_counter() - start
 
+    def prepare(self, shards: list[TensorShard]) -> None:
+        """Async saves: plan the first save and allocate its host buffer pool in the background.
+
+        Without this the first async save allocates (and maps) the whole pool while training
+        waits for its snapshot: seconds for a few GB, once. Call it on every rank (it plans over
+        the checkpoint group) with the shards the saves will pass; the next save or load waits
+        for it. A failure only logs: the first save then allocates as before.
+        """
+        if not self.cfg.checkpoint.async_save:
+            return
+        self.wait()
+
+        def run() -> None:
+            try:
+                plan = self.planner.plan(shards)
+                self.pool.reserve([shards[i] for i in plan.write_indices])
+            except Exception as err:
+                log.warning("rank %d: preparing the checkpoint host buffers failed (the first save will allocate "
+                            "them): %s: %s", self.rank, type(err).__name__, err)
+
+        self._thread = threading.Thread(target=run, name="checkpoint-prepare", daemon=True)
+        self._thread.start()
+
     def before_update(self) -> None:
         """Block until the in-flight save's snapshot is taken; call before changing saved tensors."""
         if self._snapshot_done is None:

@@ -66,15 +66,29 @@ class HostBufferPool:
             self.allocated_bytes += buf.numel() * buf.element_size()
         return buf
 
-    def snapshot(self, shards: list[TensorShard]) -> list[tuple[TensorShard, torch.Tensor]]:
-        """Copy each shard's tensor into its host buffer; returns (shard, host copy) pairs.
+    def reserve(self, shards: list[TensorShard], touch: bool = True) -> None:
+        """Hold buffers for exactly these pieces: allocate the missing ones, release the rest.
 
-        Buffers of pieces no longer written are released, so the pool tracks the plan.
+        With `touch`, new pageable buffers are written once so the operating system maps their
+        pages now rather than during the first snapshot (pinned buffers are mapped on allocation).
         """
         wanted = {(s.key, s.tensor.dtype, tuple(s.tensor.shape)) for s in shards}
         for ident in [i for i in self._buffers if i not in wanted]:
             buf = self._buffers.pop(ident)
             self.allocated_bytes -= buf.numel() * buf.element_size()
+        for shard in shards:
+            ident = (shard.key, shard.tensor.dtype, tuple(shard.tensor.shape))
+            if ident not in self._buffers:
+                buf = self._buffer(shard)
+                if touch and not self.pin:
+                    buf.zero_()
+
+    def snapshot(self, shards: list[TensorShard]) -> list[tuple[TensorShard, torch.Tensor]]:
+        """Copy each shard's tensor into its host buffer; returns (shard, host copy) pairs.
+
+        Buffers of pieces no longer written are released, so the pool tracks the plan.
+        """
+        self.reserve(shards, touch=False)  # the copies below map any new pages
         out = []
         on_device = False
         for shard in shards:

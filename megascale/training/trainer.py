@@ -104,6 +104,9 @@ class Trainer:
         self.skipped_steps = 0
         self.ckpt = self._build_checkpointing()
         self._resume()
+        c = cfg.checkpoint
+        if c.interval or c.save_final:
+            self.ckpt.prepare(self.state_shards())  # host buffers for async saves, under the first steps
         from megascale.data.loader import build_data
 
         self.train_data, self.valid_data = build_data(cfg, self.ctx, self.consumed_samples)
