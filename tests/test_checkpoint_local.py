@@ -164,7 +164,9 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 
 def test_crc32c_checksums_match_an_independent_crc(tmp_path: Path) -> None:
-    import crc32c
+    crc32c = pytest.importorskip("crc32c", reason="crc32c (a megascale dependency) is not installed")
+    if not crc32c.hardware_based:
+        pytest.skip("no hardware CRC-32C here: new checkpoints use zlib's CRC-32")
 
     assert crc32c.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value of the standard
     mgr = _manager(tmp_path, async_save=False)
