@@ -223,14 +223,6 @@ def checksum_function(name: str) -> Callable[[Any], int]:
                     "was written by a newer megascale, upgrade to load it")
 
 
-def checksum_of(tensor: torch.Tensor, name: str = "crc32") -> int:
-    """Checksum `name` of a contiguous CPU tensor's bytes."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return 0
-    return checksum_function(name)(memoryview(flat.view(torch.uint8).numpy()))
-
-
 def is_complete(step_dir: Path) -> bool:
     """A step dir is loadable: commit marker, parseable metadata, every data file present and long enough."""
     if not (step_dir / COMMIT_MARKER).is_file() or not (step_dir / METADATA_FILE).is_file():

@@ -57,8 +57,12 @@ class HostBufferPool:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.allocated_bytes = 0
 
+    @staticmethod
+    def _ident(shard: TensorShard) -> tuple:
+        return shard.key, shard.tensor.dtype, tuple(shard.tensor.shape)
+
     def _buffer(self, shard: TensorShard) -> torch.Tensor:
-        ident = (shard.key, shard.tensor.dtype, tuple(shard.tensor.shape))
+        ident = self._ident(shard)
         buf = self._buffers.get(ident)
         if buf is None:
             buf = torch.empty(tuple(shard.tensor.shape), dtype=shard.tensor.dtype, pin_memory=self.pin)
@@ -72,13 +76,12 @@ class HostBufferPool:
         With `touch`, new pageable buffers are written once so the operating system maps their
         pages now rather than during the first snapshot (pinned buffers are mapped on allocation).
         """
-        wanted = {(s.key, s.tensor.dtype, tuple(s.tensor.shape)) for s in shards}
+        wanted = {self._ident(s) for s in shards}
         for ident in [i for i in self._buffers if i not in wanted]:
             buf = self._buffers.pop(ident)
             self.allocated_bytes -= buf.numel() * buf.element_size()
         for shard in shards:
-            ident = (shard.key, shard.tensor.dtype, tuple(shard.tensor.shape))
-            if ident not in self._buffers:
+            if self._ident(shard) not in self._buffers:
                 buf = self._buffer(shard)
                 if touch and not self.pin:
                     buf.zero_()
