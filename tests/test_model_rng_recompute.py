@@ -57,7 +57,7 @@ def _loss_and_grads(recompute: str) -> tuple[float, dict]:
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     loss = chunk(None, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
     loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in chunk.named_parameters()}
+    return float(loss.detach()), {n: p.grad.clone() for n, p in chunk.named_parameters()}
 
 
 def test_recompute_gives_identical_gradients_with_dropout() -> None:
