@@ -56,7 +56,7 @@ def reference_run(cfg: Config, named: dict[str, nn.Parameter], loss_of_step: Cal
             p.grad = None
         loss = loss_of_step(step)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         norms.append(float(torch.nn.utils.clip_grad_norm_(list(named.values()), o.grad_clip or 1e9)))
         reference_update(named, opt, lamb_state, step, lr_at(step, o, cfg.train.steps), o)
     state = {n: opt.state[p]["exp_avg"] if o.name == "adamw" else lamb_state[n][0] for n, p in named.items()}

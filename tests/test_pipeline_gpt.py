@@ -56,7 +56,7 @@ def _reference(overrides: list[str]) -> tuple[list[float], dict[str, torch.Tenso
     for batch in _batches(cfg):
         loss = chunk(None, batch)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {get_shard(p).global_name: p.grad.clone() for p in chunk.parameters()}
 
 

@@ -62,7 +62,7 @@ def _loss_and_grads(overrides: list[str], rank: int, tokens: torch.Tensor, steps
         if step == 0:
             first_grads = {get_shard(p).global_name: gather_full(p.grad, get_shard(p), ctx.group("tp"))
                            for p in params}
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         optim.step()
     final = {get_shard(p).global_name: gather_full(p.detach(), get_shard(p), ctx.group("tp")) for p in params}
     return losses, first_grads, final
@@ -120,7 +120,7 @@ def test_padded_vocabulary_does_not_change_loss() -> None:
                 real_rows = weight[:500].clone()
             weight[:500] = real_rows
             weight[500:] = 10.0
-        losses.append(float(chunk(None, batch)))
+        losses.append(float(chunk(None, batch).detach()))
     cfg_small = load_config(None, BASE + VARIANTS["mha_gelu"])
     assert cfg_small.model.padded_vocab_size == 512
     assert abs(losses[0] - losses[1]) < 1e-5
