@@ -77,51 +77,55 @@ def _pad(t: torch.Tensor, model: ModelConfig) -> torch.Tensor:
     return out
 
 
+# Plain renames, one table for both directions: (ours, HF, HF stores it transposed).
+# HF GPT-2's Conv1D weights are [in, out]. The fused qkv, Llama's stacked gate/up fc1 and
+# the padded embeddings are converted by hand below.
+_LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt2": "transformer.h.{}."}
+_LAYER_RENAMES = {
+    "llama": [("input_norm.weight", "input_layernorm.weight", False),
+              ("post_attention_norm.weight", "post_attention_layernorm.weight", False),
+              ("attention.proj.weight", "self_attn.o_proj.weight", False),
+              ("mlp.fc2.weight", "mlp.down_proj.weight", False)],
+    "gpt2": [("input_norm.weight", "ln_1.weight", False), ("input_norm.bias", "ln_1.bias", False),
+             ("attention.proj.weight", "attn.c_proj.weight", True), ("attention.proj.bias", "attn.c_proj.bias", False),
+             ("post_attention_norm.weight", "ln_2.weight", False), ("post_attention_norm.bias", "ln_2.bias", False),
+             ("mlp.fc1.weight", "mlp.c_fc.weight", True), ("mlp.fc1.bias", "mlp.c_fc.bias", False),
+             ("mlp.fc2.weight", "mlp.c_proj.weight", True), ("mlp.fc2.bias", "mlp.c_proj.bias", False)],
+}
+_TOP_RENAMES = {
+    "llama": [("final_norm.weight", "model.norm.weight")],
+    "gpt2": [("final_norm.weight", "transformer.ln_f.weight"), ("final_norm.bias", "transformer.ln_f.bias"),
+             ("embedding.position_embeddings.weight", "transformer.wpe.weight")],
+}
+_WORD_EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
+_LLAMA_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+
+
+def _maybe_t(t: torch.Tensor, transpose: bool) -> torch.Tensor:
+    return t.t().contiguous() if transpose else t
+
+
 def to_hf(state: dict[str, torch.Tensor], model: ModelConfig, arch: str) -> tuple[dict[str, torch.Tensor], dict]:
     """megascale global tensors -> (HF state dict, HF config.json dict)."""
     _check_arch(model, arch)
-    out: dict[str, torch.Tensor] = {}
     get = state.__getitem__
-    if arch == "llama":
-        out["model.embed_tokens.weight"] = _unpad(get("embedding.word_embeddings.weight"), model)
-        for i in range(model.num_layers):
-            src, dst = f"layers.{i}.", f"model.layers.{i}."
-            q, k, v = split_qkv(get(src + "attention.qkv.weight"), model)
-            fc1 = get(src + "mlp.fc1.weight")
-            out.update({dst + "input_layernorm.weight": get(src + "input_norm.weight"),
-                        dst + "post_attention_layernorm.weight": get(src + "post_attention_norm.weight"),
-                        dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                        dst + "self_attn.v_proj.weight": v,
-                        dst + "self_attn.o_proj.weight": get(src + "attention.proj.weight"),
-                        dst + "mlp.gate_proj.weight": fc1[0].contiguous(),
-                        dst + "mlp.up_proj.weight": fc1[1].contiguous(),
-                        dst + "mlp.down_proj.weight": get(src + "mlp.fc2.weight")})
-        out["model.norm.weight"] = get("final_norm.weight")
-        if not model.tie_embeddings:
-            out["lm_head.weight"] = _unpad(get("output.weight"), model)
-        return out, llama_config(model)
-    out["transformer.wte.weight"] = _unpad(get("embedding.word_embeddings.weight"), model)
-    out["transformer.wpe.weight"] = get("embedding.position_embeddings.weight")
+    out = {_WORD_EMBEDDING[arch]: _unpad(get("embedding.word_embeddings.weight"), model)}
+    out.update({theirs: get(ours) for ours, theirs in _TOP_RENAMES[arch]})
     for i in range(model.num_layers):
-        src, dst = f"layers.{i}.", f"transformer.h.{i}."
+        src, dst = f"layers.{i}.", _LAYER_PREFIX[arch].format(i)
+        out.update({dst + theirs: _maybe_t(get(src + ours), t) for ours, theirs, t in _LAYER_RENAMES[arch]})
         q, k, v = split_qkv(get(src + "attention.qkv.weight"), model)
-        qb, kb, vb = split_qkv(get(src + "attention.qkv.bias"), model)
-        out.update({dst + "ln_1.weight": get(src + "input_norm.weight"), dst + "ln_1.bias": get(src + "input_norm.bias"),
-                    dst + "attn.c_attn.weight": torch.cat([q, k, v], 0).t().contiguous(),
-                    dst + "attn.c_attn.bias": torch.cat([qb, kb, vb], 0),
-                    dst + "attn.c_proj.weight": get(src + "attention.proj.weight").t().contiguous(),
-                    dst + "attn.c_proj.bias": get(src + "attention.proj.bias"),
-                    dst + "ln_2.weight": get(src + "post_attention_norm.weight"),
-                    dst + "ln_2.bias": get(src + "post_attention_norm.bias"),
-                    dst + "mlp.c_fc.weight": get(src + "mlp.fc1.weight").t().contiguous(),
-                    dst + "mlp.c_fc.bias": get(src + "mlp.fc1.bias"),
-                    dst + "mlp.c_proj.weight": get(src + "mlp.fc2.weight").t().contiguous(),
-                    dst + "mlp.c_proj.bias": get(src + "mlp.fc2.bias")})
-    out["transformer.ln_f.weight"] = get("final_norm.weight")
-    out["transformer.ln_f.bias"] = get("final_norm.bias")
+        if arch == "llama":
+            out.update({dst + name: t for name, t in zip(_LLAMA_QKV, (q, k, v))})
+            fc1 = get(src + "mlp.fc1.weight")
+            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = fc1[0].contiguous(), fc1[1].contiguous()
+        else:
+            qb, kb, vb = split_qkv(get(src + "attention.qkv.bias"), model)
+            out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t().contiguous()
+            out[dst + "attn.c_attn.bias"] = torch.cat([qb, kb, vb], 0)
     if not model.tie_embeddings:
         out["lm_head.weight"] = _unpad(get("output.weight"), model)
-    return out, gpt2_config(model)
+    return out, (llama_config if arch == "llama" else gpt2_config)(model)
 
 
 def llama_config(model: ModelConfig) -> dict:
@@ -185,42 +189,20 @@ def from_hf(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.
             raise UserError(f"HF checkpoint lacks tensor {name}; is it a {arch} model saved with save_pretrained?")
         return hf[name]
 
-    out: dict[str, torch.Tensor] = {}
-    if arch == "llama":
-        out["embedding.word_embeddings.weight"] = _pad(get("model.embed_tokens.weight"), model)
-        for i in range(model.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            out.update({dst + "input_norm.weight": get(src + "input_layernorm.weight"),
-                        dst + "post_attention_norm.weight": get(src + "post_attention_layernorm.weight"),
-                        dst + "attention.qkv.weight": merge_qkv(get(src + "self_attn.q_proj.weight"),
-                                                                get(src + "self_attn.k_proj.weight"),
-                                                                get(src + "self_attn.v_proj.weight"), model),
-                        dst + "attention.proj.weight": get(src + "self_attn.o_proj.weight"),
-                        dst + "mlp.fc1.weight": torch.stack([get(src + "mlp.gate_proj.weight"),
-                                                             get(src + "mlp.up_proj.weight")]),
-                        dst + "mlp.fc2.weight": get(src + "mlp.down_proj.weight")})
-        out["final_norm.weight"] = get("model.norm.weight")
-    else:
-        out["embedding.word_embeddings.weight"] = _pad(get("transformer.wte.weight"), model)
-        out["embedding.position_embeddings.weight"] = get("transformer.wpe.weight")
-        h = model.hidden_size
-        for i in range(model.num_layers):
-            src, dst = f"transformer.h.{i}.", f"layers.{i}."
-            w = get(src + "attn.c_attn.weight").t()
-            b = get(src + "attn.c_attn.bias")
-            out.update({dst + "input_norm.weight": get(src + "ln_1.weight"), dst + "input_norm.bias": get(src + "ln_1.bias"),
-                        dst + "attention.qkv.weight": merge_qkv(w[:h], w[h:2 * h], w[2 * h:], model),
-                        dst + "attention.qkv.bias": merge_qkv(b[:h], b[h:2 * h], b[2 * h:], model),
-                        dst + "attention.proj.weight": get(src + "attn.c_proj.weight").t().contiguous(),
-                        dst + "attention.proj.bias": get(src + "attn.c_proj.bias"),
-                        dst + "post_attention_norm.weight": get(src + "ln_2.weight"),
-                        dst + "post_attention_norm.bias": get(src + "ln_2.bias"),
-                        dst + "mlp.fc1.weight": get(src + "mlp.c_fc.weight").t().contiguous(),
-                        dst + "mlp.fc1.bias": get(src + "mlp.c_fc.bias"),
-                        dst + "mlp.fc2.weight": get(src + "mlp.c_proj.weight").t().contiguous(),
-                        dst + "mlp.fc2.bias": get(src + "mlp.c_proj.bias")})
-        out["final_norm.weight"] = get("transformer.ln_f.weight")
-        out["final_norm.bias"] = get("transformer.ln_f.bias")
+    out = {"embedding.word_embeddings.weight": _pad(get(_WORD_EMBEDDING[arch]), model)}
+    out.update({ours: get(theirs) for ours, theirs in _TOP_RENAMES[arch]})
+    h = model.hidden_size
+    for i in range(model.num_layers):
+        src, dst = _LAYER_PREFIX[arch].format(i), f"layers.{i}."
+        out.update({dst + ours: _maybe_t(get(src + theirs), t) for ours, theirs, t in _LAYER_RENAMES[arch]})
+        if arch == "llama":
+            out[dst + "attention.qkv.weight"] = merge_qkv(*(get(src + name) for name in _LLAMA_QKV), model)
+            out[dst + "mlp.fc1.weight"] = torch.stack([get(src + "mlp.gate_proj.weight"),
+                                                       get(src + "mlp.up_proj.weight")])
+        else:
+            w, b = get(src + "attn.c_attn.weight").t(), get(src + "attn.c_attn.bias")
+            out[dst + "attention.qkv.weight"] = merge_qkv(w[:h], w[h:2 * h], w[2 * h:], model)
+            out[dst + "attention.qkv.bias"] = merge_qkv(b[:h], b[h:2 * h], b[2 * h:], model)
     if not model.tie_embeddings:
         out["output.weight"] = _pad(get("lm_head.weight"), model)
     return {k: v.contiguous() for k, v in out.items()}

@@ -40,14 +40,20 @@ def _sizes(payload: torch.Tensor, group: Any, world: int) -> list[int]:
     return [int(s.item()) for s in sizes]
 
 
-def json_all_gather(obj: Any, group: Any, world: int) -> list[Any]:
-    """all_gather of a JSON-serialisable object over a CPU (gloo) group, without pickle."""
-    if world == 1:
-        return [json.loads(json.dumps(obj))]
+def _padded(obj: Any, group: Any, world: int) -> tuple[torch.Tensor, list[int]]:
+    """obj as JSON bytes padded to the longest payload of any rank, and every rank's length."""
     payload = _encode(obj)
     sizes = _sizes(payload, group, world)
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: payload.numel()] = payload
+    return padded, sizes
+
+
+def json_all_gather(obj: Any, group: Any, world: int) -> list[Any]:
+    """all_gather of a JSON-serialisable object over a CPU (gloo) group, without pickle."""
+    if world == 1:
+        return [json.loads(json.dumps(obj))]
+    padded, sizes = _padded(obj, group, world)
     bufs = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(bufs, padded, group=group)
     return [_decode(b, n) for b, n in zip(bufs, sizes)]
@@ -57,10 +63,7 @@ def json_gather(obj: Any, group: Any, world: int, rank: int, dst: int = 0) -> Op
     """gather of a JSON-serialisable object to `dst` (others get None), without pickle."""
     if world == 1:
         return [json.loads(json.dumps(obj))]
-    payload = _encode(obj)
-    sizes = _sizes(payload, group, world)
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: payload.numel()] = payload
+    padded, sizes = _padded(obj, group, world)
     bufs = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)] if rank == dst else None
     dist.gather(padded, bufs, dst=dst, group=group)
     return [_decode(b, n) for b, n in zip(bufs, sizes)] if bufs is not None else None
