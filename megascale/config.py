@@ -417,7 +417,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
                           "with parallel.sequence_parallel")
     if p.cp > 1:
-        from megascale.distributed.context_parallel import validate_cp
+        from megascale.distributed.context_parallel.attention import validate_cp
 
         validate_cp(cfg, p.cp, p.tp)
     if t.global_batch_size % t.micro_batch_size:

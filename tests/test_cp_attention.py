@@ -65,7 +65,7 @@ def _gather_global(local: torch.Tensor, positions: torch.Tensor, group) -> torch
 
 def _run(rank: int, world: int) -> dict:
     from megascale.config import load_config
-    from megascale.distributed import context_parallel as cpmod
+    from megascale.distributed.context_parallel import attention as cpmod
     from megascale.distributed.topology import ParallelContext, RankLayout
 
     contexts = {2: ParallelContext(RankLayout(cp=2, dp=2), rank=rank), 4: ParallelContext(RankLayout(cp=4), rank=rank)}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megascale.config import ConfigError, load_config
-from megascale.distributed.context_parallel import CPSettings, build_cp_settings, local_positions, shard_batch
-from megascale.distributed.cp_ring import allowed, plan_step, zigzag_positions
+from megascale.distributed.context_parallel.attention import CPSettings, build_cp_settings, local_positions, shard_batch
+from megascale.distributed.context_parallel.ring import allowed, plan_step, zigzag_positions
 from megascale.distributed.topology import ParallelContext, RankLayout
 
 

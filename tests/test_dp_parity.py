@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megascale.config import Config
-from megascale.distributed.data_parallel import DistributedOptimizer
+from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, get_shard, set_shard, split_spec
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.optim import lr_at

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megascale.config import load_config
-from megascale.training.flops import (classic_gpt_flops_per_token, forward_flops_per_token,
+from megascale.perf.flops import (classic_gpt_flops_per_token, forward_flops_per_token,
                                       hardware_flops_per_token, train_flops_per_token)
 
 GPT3 = ["model.num_layers=96", "model.hidden_size=12288", "model.num_heads=96", "model.vocab_size=64000",

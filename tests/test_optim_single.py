@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megascale.config import Config, OptimConfig
-from megascale.distributed.data_parallel import DistributedOptimizer
+from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, set_shard
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.optim import LossScaler, adamw_step, lr_at

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from megascale.config import ConfigError
-from megascale.distributed.pipeline_partition import StageCost, auto_stage_counts, layers_for_rank, stage_layer_counts
+from megascale.distributed.pipeline.partition import StageCost, auto_stage_counts, layers_for_rank, stage_layer_counts
 
 
 def _all_chunks(num_layers: int, pp: int, vpp: int, split=None, cost=None) -> list[list[list[int]]]:
@@ -120,7 +120,7 @@ def test_stage_cost_validation() -> None:
 
 def test_gpt_stage_cost_matches_the_classic_flops_formula() -> None:
     from megascale.config import load_config
-    from megascale.distributed.pipeline_partition import gpt_stage_cost
+    from megascale.distributed.pipeline.partition import gpt_stage_cost
 
     # Classic GPT (MHA, 4h GeLU): forward per token = 24 l h^2 (1 + s/(6h)) + 2 h V.
     m = load_config(None, ["model.num_layers=12", "model.hidden_size=768", "model.num_heads=12",

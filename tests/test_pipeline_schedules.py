@@ -7,11 +7,11 @@ from collections import defaultdict
 import pytest
 
 from megascale.config import ConfigError
-from megascale.distributed.pipeline_schedules import (
+from megascale.distributed.pipeline.schedules import (
     BACKWARD, FORWARD, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, Action, bubble_fraction, build_schedule,
     format_compute, format_schedule,
 )
-from megascale.distributed.pipeline_sim import ScheduleError, check_coverage, simulate
+from megascale.distributed.pipeline.simulator import ScheduleError, check_coverage, simulate
 
 CASES = [  # (name, pp, vpp, m)
     ("gpipe", 4, 1, 4), ("1f1b", 2, 1, 1), ("1f1b", 2, 1, 5), ("1f1b", 4, 1, 3), ("1f1b", 4, 1, 8),

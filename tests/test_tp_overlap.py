@@ -101,8 +101,9 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _op_case(rank: int, tp: int, sp: bool, op: str, group: Any) -> dict[str, float]:
     import torch.nn.functional as F
 
-    from megascale.distributed import comm, tp_overlap
-    from megascale.distributed.tensor_parallel import TPSettings
+    from megascale.distributed import comm
+    from megascale.distributed.tensor_parallel import overlap as tp_overlap
+    from megascale.distributed.tensor_parallel.layers import TPSettings
 
     settings = TPSettings(group=group, rank=rank % tp, size=tp, sequence_parallel=sp, overlap=True)
     s = SEQ[sp]
@@ -180,8 +181,8 @@ def _run_all(rank: int, world: int) -> dict:
     for tp, sp, op in OP_CASES:
         results[(tp, sp, op)] = _op_case(rank, tp, sp, op, groups[tp])
     # Row-parallel SP needs the sequence divisible by tp: a clear error, not a wrong answer.
-    from megascale.distributed import tp_overlap
-    from megascale.distributed.tensor_parallel import TPSettings
+    from megascale.distributed.tensor_parallel import overlap as tp_overlap
+    from megascale.distributed.tensor_parallel.layers import TPSettings
 
     settings = TPSettings(group=groups[4], rank=rank, size=4, sequence_parallel=True, overlap=True)
     try:

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from megascale.config import Config
-from megascale.distributed.data_parallel import DistributedOptimizer
+from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, set_shard
 from megascale.distributed.topology import ParallelContext, RankLayout
 

@@ -103,7 +103,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _build_layer(args: argparse.Namespace, ctx: Any, overlap: bool) -> torch.nn.Module:
     from megascale.config import load_config
     from megascale.distributed.random import RNGTracker
-    from megascale.distributed.tensor_parallel import TPSettings
+    from megascale.distributed.tensor_parallel.layers import TPSettings
     from megascale.kernels import get_ops
     from megascale.model.block import TransformerBlock
     from megascale.model.gpt import DTYPES
@@ -141,7 +141,7 @@ def _time_steps(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, ste
 
 def _count_ring_bytes(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> int:
     """Bytes this rank sends through the overlapped path in one forward+backward."""
-    from megascale.distributed import tp_overlap
+    from megascale.distributed.tensor_parallel import overlap as tp_overlap
 
     sent = [0]
     original = tp_overlap._Channel.ring_exchange

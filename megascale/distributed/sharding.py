@@ -90,7 +90,7 @@ def get_shard(param: torch.Tensor) -> ShardSpec:
     """The spec attached to a parameter; raises if the parameter has none."""
     spec = getattr(param, _ATTR, None)
     if spec is None:
-        raise KeyError("parameter has no ShardSpec; build layers through megascale.distributed.tensor_parallel")
+        raise KeyError("parameter has no ShardSpec; build layers through megascale.distributed.tensor_parallel.layers")
     return spec
 
 

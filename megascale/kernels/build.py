@@ -23,8 +23,8 @@ class KernelBuildError(RuntimeError):
 
 
 def csrc_dir() -> Path:
-    """Directory holding the CUDA sources (the repository's csrc/)."""
-    return Path(__file__).resolve().parents[2] / "csrc"
+    """Directory holding the CUDA sources (megascale/csrc/, shipped inside the package)."""
+    return Path(__file__).resolve().parents[1] / "csrc"
 
 
 def sources() -> list[Path]:

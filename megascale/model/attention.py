@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megascale.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear, scaled_std
+from megascale.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_std
 from megascale.model.layers import BuildContext
 
 
@@ -50,7 +50,7 @@ class Attention(nn.Module):
         m = self.bc.model
         p = m.attention_dropout if self.training else 0.0
         if self.bc.cp_size > 1:
-            from megascale.distributed import context_parallel
+            from megascale.distributed.context_parallel import attention as context_parallel
 
             with self.bc.rng.fork():
                 return context_parallel.attention(q, k, v, self.bc.cp, window=self._window(), dropout_p=p)

@@ -16,7 +16,7 @@ from torch import nn
 from megascale.config import Config
 from megascale.distributed import comm
 from megascale.distributed.random import RNGTracker
-from megascale.distributed.tensor_parallel import (TPSettings, VocabParallelEmbedding, make_param, parallel_logits,
+from megascale.distributed.tensor_parallel.layers import (TPSettings, VocabParallelEmbedding, make_param, parallel_logits,
                                                    replicated_param, split_spec)
 from megascale.distributed.topology import ParallelContext
 from megascale.model.block import TransformerBlock
@@ -74,7 +74,7 @@ class GPTChunk(nn.Module):
         """
         m, tp = self.bc.model, self.bc.tp
         if self.bc.cp_size > 1 and (self.first or self.last):
-            from megascale.distributed import context_parallel
+            from megascale.distributed.context_parallel import attention as context_parallel
 
             batch = context_parallel.shard_batch(batch, self.bc.cp)
         if self.first:
@@ -110,7 +110,7 @@ class GPTChunk(nn.Module):
         local = hidden.shape[0] * (tp.size if tp.sp else 1)  # middle stages get no tokens: use the shape
         if self.bc.cp_size == 1:
             return torch.arange(local, device=hidden.device)
-        from megascale.distributed import context_parallel
+        from megascale.distributed.context_parallel import attention as context_parallel
 
         return context_parallel.local_positions(local * self.bc.cp_size, self.bc.cp).to(hidden.device)
 
@@ -119,7 +119,7 @@ class GPTChunk(nn.Module):
         hidden = self.word_embeddings(tokens)
         if m.position == "learned":
             if self.bc.cp_size > 1:
-                from megascale.distributed import context_parallel
+                from megascale.distributed.context_parallel import attention as context_parallel
 
                 positions = context_parallel.local_positions(tokens.shape[1] * self.bc.cp_size, self.bc.cp)
                 pos = self.position_embeddings[positions.to(tokens.device)]
@@ -158,7 +158,7 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
                     device=ctx.device, dtype=DTYPES[cfg.train.dtype])
     cp = None
     if ctx.cp_size > 1:
-        from megascale.distributed.context_parallel import build_cp_settings
+        from megascale.distributed.context_parallel.attention import build_cp_settings
 
         cp = build_cp_settings(ctx, cfg)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
@@ -175,7 +175,7 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
 def stage_layers(cfg: Config, ctx: ParallelContext) -> list[list[int]]:
     """Global layer ids per chunk of this rank (uniform, explicit or automatic split)."""
     p = cfg.parallel
-    from megascale.distributed.pipeline_partition import gpt_stage_cost, layers_for_rank
+    from megascale.distributed.pipeline.partition import gpt_stage_cost, layers_for_rank
 
     return layers_for_rank(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank, p.pipeline_layers,
                            cost=gpt_stage_cost(cfg.model))

@@ -10,7 +10,7 @@ from torch import nn
 
 from megascale.config import ModelConfig
 from megascale.distributed.random import RNGTracker
-from megascale.distributed.tensor_parallel import TPSettings, replicated_param
+from megascale.distributed.tensor_parallel.layers import TPSettings, replicated_param
 
 
 @dataclass

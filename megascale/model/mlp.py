@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megascale.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear, scaled_std
+from megascale.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_std
 from megascale.model.layers import BuildContext
 
 

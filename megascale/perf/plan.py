@@ -6,7 +6,7 @@ import argparse
 
 from megascale.config import load_config, num_microbatches, validate_layout
 from megascale.distributed.topology import ParallelContext, RankLayout
-from megascale.training.flops import train_flops_per_token
+from megascale.perf.flops import train_flops_per_token
 
 
 def main(argv: list[str]) -> int:

@@ -16,7 +16,7 @@ from megascale.distributed.random import seed_everything
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.model.gpt import build_model
-from megascale.training.flops import device_peak, train_flops_per_token
+from megascale.perf.flops import device_peak, train_flops_per_token
 from megascale.training.metrics import MetricsSink, format_line
 from megascale.training.step import forward_backward, evaluate
 
@@ -117,7 +117,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self):
-        from megascale.distributed.data_parallel import DistributedOptimizer
+        from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 
         return DistributedOptimizer(self.chunks, self.ctx, self.cfg)
 

@@ -8,7 +8,7 @@ earlier, when it has already finished and its buffer can be dropped). Shapes are
 known in advance (``tensor_shape``), so there is no shape handshake.
 
 Where a receive sits in the list is decided by the schedule builder (see
-`pipeline_schedules`): as early as its data exists, and in the same order at both
+`schedules`): as early as its data exists, and in the same order at both
 ends of every pair of ranks, which NCCL needs to avoid deadlocks.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megascale.distributed.pipeline_schedules import (
+from megascale.distributed.pipeline.schedules import (
     BACKWARD, FORWARD, FORWARD_ONLY, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, Action, build_schedule,
 )
 from megascale.distributed.topology import ParallelContext

@@ -38,12 +38,13 @@ results match the non-overlapped path to float32 reduction-order noise
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megascale.distributed.tensor_parallel import TPSettings
+if TYPE_CHECKING:
+    from megascale.distributed.tensor_parallel.layers import TPSettings
 
 __all__ = ["column_linear", "row_linear"]
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megascale.distributed import comm
+from megascale.distributed.tensor_parallel import overlap as tp_overlap
 from megascale.distributed.sharding import ShardSpec, full_spec, set_shard, split_spec
 
 
@@ -103,8 +104,6 @@ class ColumnParallelLinear(nn.Module):
         """x: [s(/tp with SP), b, in] -> [s, b, *local out axes]."""
         s = self.settings
         if s.overlap and s.size > 1:
-            from megascale.distributed import tp_overlap
-
             y = tp_overlap.column_linear(x, self.weight.view(-1, self.weight.shape[-1]), s)
         else:
             x = comm.gather_sequence(x, s.group) if s.sp else comm.copy_to_group(x, s.group)
@@ -133,8 +132,6 @@ class RowParallelLinear(nn.Module):
         """x: [s, b, in/tp] -> [s(/tp with SP), b, out]."""
         s = self.settings
         if s.overlap and s.size > 1:
-            from megascale.distributed import tp_overlap
-
             y = tp_overlap.row_linear(x, self.weight, s)
         else:
             y = F.linear(x, self.weight)
@@ -171,8 +168,6 @@ class VocabParallelEmbedding(nn.Module):
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> torch.Tensor:
     """hidden [s(/tp), b, h] -> local vocabulary logits [s, b, Vp/tp] (never the full vocabulary)."""
     if settings.overlap and settings.size > 1:
-        from megascale.distributed import tp_overlap
-
         return tp_overlap.column_linear(hidden, weight, settings)
     if settings.sp:
         hidden = comm.gather_sequence(hidden, settings.group)

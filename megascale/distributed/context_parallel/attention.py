@@ -6,7 +6,7 @@ Three modes (``parallel.cp_mode``), all exact (no approximation of attention):
   all-to-alls q/k/v to the full sequence for heads/cp heads, runs ordinary
   causal SDPA, and all-to-alls the output back (DeepSpeed-Ulysses).
 - ``ring``: each rank holds two zigzag chunks (r and 2cp-1-r of 2cp) so the
-  causal work is balanced; k/v blocks travel around the ring (`cp_ring`).
+  causal work is balanced; k/v blocks travel around the ring (`ring`).
 - ``hybrid`` (USP): Ulysses inside contiguous sub-groups of
   ``parallel.ulysses_size`` ranks, ring across the strided sub-groups.
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from megascale.config import Config, ConfigError
 from megascale.distributed import comm
-from megascale.distributed.cp_ring import RingSpec, ring_attention, zigzag_positions
+from megascale.distributed.context_parallel.ring import RingSpec, ring_attention, zigzag_positions
 from megascale.distributed.topology import ParallelContext
 
 MODES = ("ulysses", "ring", "hybrid")

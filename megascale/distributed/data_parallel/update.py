@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megascale.config import OptimConfig
-from megascale.distributed.dp_buffers import GradBuffer, Segment
+from megascale.distributed.data_parallel.buffers import GradBuffer, Segment
 from megascale.distributed.sharding import TensorShard
 from megascale.distributed.topology import ParallelContext
 from megascale.optim.adamw import adamw_step

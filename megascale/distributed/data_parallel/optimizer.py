@@ -13,7 +13,7 @@ The trainer's contract (see docs/optim.md):
 
 Loss is already divided by the tokens of the whole global batch, so gradients
 are SUMMED over the dp x cp group. Gradients accumulate in fp32 buckets
-(`dp_buffers`); each bucket's reduction starts as soon as its last gradient of
+(`buffers`); each bucket's reduction starts as soon as its last gradient of
 the synchronising backward arrives. With ZeRO-1 (`parallel.zero=1`) a bucket is
 reduce-scattered, each rank keeps fp32 master weights and optimizer state for
 its 1/N flat range only, and after the update the parameters are all-gathered
@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megascale.config import Config
-from megascale.distributed.dp_buffers import Bucket, GradBuffer, reverse_params
-from megascale.distributed.dp_comm import FlatComm
-from megascale.distributed.dp_update import OptimizerState
+from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, reverse_params
+from megascale.distributed.data_parallel.flat_comm import FlatComm
+from megascale.distributed.data_parallel.update import OptimizerState
 from megascale.distributed.sharding import ShardSpec, TensorShard
 from megascale.distributed.topology import ParallelContext
 from megascale.errors import UserError

@@ -2,21 +2,21 @@
 
 One import point for the pieces, which live in their own modules:
 
-* `pipeline_partition`: which global layers each (virtual) stage holds;
-* `pipeline_schedules`: GPipe / 1F1B / interleaved 1F1B as lists of `Action`;
-* `pipeline_sim`: a simulator that times schedules and finds deadlocks;
-* `pipeline_exec`: the executor running one rank's list with async isend/irecv.
+* `partition`: which global layers each (virtual) stage holds;
+* `schedules`: GPipe / 1F1B / interleaved 1F1B as lists of `Action`;
+* `simulator`: a simulator that times schedules and finds deadlocks;
+* `executor`: the executor running one rank's list with async isend/irecv.
 
 See docs/pipeline.md.
 """
 
-from megascale.distributed.pipeline_exec import forward_backward_pipelined, forward_only_pipelined
-from megascale.distributed.pipeline_partition import StageCost, layers_for_rank, stage_layer_counts
-from megascale.distributed.pipeline_schedules import (
+from megascale.distributed.pipeline.executor import forward_backward_pipelined, forward_only_pipelined
+from megascale.distributed.pipeline.partition import StageCost, layers_for_rank, stage_layer_counts
+from megascale.distributed.pipeline.schedules import (
     BACKWARD, FORWARD, RECV_BWD, RECV_FWD, SCHEDULES, SEND_BWD, SEND_FWD, Action, ActionKind, bubble_fraction,
     build_all_schedules, build_schedule, format_compute, format_schedule, resolve_schedule_name,
 )
-from megascale.distributed.pipeline_sim import ScheduleError, SimResult, check_coverage, simulate
+from megascale.distributed.pipeline.simulator import ScheduleError, SimResult, check_coverage, simulate
 
 __all__ = [
     "StageCost", "layers_for_rank", "stage_layer_counts",

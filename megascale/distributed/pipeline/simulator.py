@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megascale.distributed.pipeline_schedules import (
+from megascale.distributed.pipeline.schedules import (
     BACKWARD, FORWARD, RECV_FWD, SEND_BWD, SEND_FWD, Action,
 )
 

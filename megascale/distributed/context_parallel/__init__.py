@@ -1,0 +1,1 @@
+"""Context parallel: see the modules of this package."""

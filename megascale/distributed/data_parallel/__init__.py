@@ -1,0 +1,1 @@
+"""Data parallel: see the modules of this package."""

@@ -1,0 +1,1 @@
+"""Tensor parallel: see the modules of this package."""
