@@ -194,6 +194,27 @@ class KernelsConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Fault tolerance: hang timeouts, numerical guards, preemption and fault injection."""
+
+    startup_timeout_s: float = _f(600.0, "seconds a rank may take from launch to its first step before it counts as hung")
+    step_timeout_s: float = _f(300.0, "seconds one training step may take before the watchdog declares a hang")
+    checkpoint_timeout_s: float = _f(900.0, "seconds a checkpoint save or load may block before it counts as hung")
+    heartbeat_s: float = _f(5.0, "seconds between watchdog heartbeats")
+    nan_policy: str = _f("stop", "on a NaN/Inf loss or gradient norm, or a loss spike: skip the update, "
+                                 "rollback to the last checkpoint and skip the batch, or stop", ("skip", "rollback", "stop"))
+    spike_zscore: float = _f(0.0, "a loss more than this many standard deviations above the recent window "
+                                  "counts as a spike; 0 = off")
+    spike_window: int = _f(50, "steps in the loss window the spike z-score is measured against")
+    max_rollbacks: int = _f(3, "rollbacks allowed in one run before the nan policy gives up and stops")
+    preempt_signal: str = _f("SIGTERM", "signal that asks for a checkpoint and a clean exit (Slurm --signal sends "
+                                         "SIGUSR1)", ("SIGTERM", "SIGUSR1", "SIGUSR2"))
+    preempt_grace_s: float = _f(60.0, "seconds after the preemption signal in which a final checkpoint may be written")
+    inject: Optional[str] = _f(None, "fault injection for tests and drills, e.g. 'kill:rank=1:step=5' "
+                                     "(see docs/reliability.md); also read from MEGASCALE_FAULT")
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -205,6 +226,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict:
         """Plain nested dict using the YAML key names."""

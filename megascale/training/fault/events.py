@@ -1,0 +1,50 @@
+"""The run directory's ``events.jsonl``: one JSON object per notable event.
+
+Every record carries ``time`` (Unix seconds), ``kind``, ``step`` and ``ranks``
+(the global ranks involved, possibly empty); kinds add their own fields.
+Records are appended with one ``write`` of a whole line on a file opened in
+append mode, so concurrent writers (the launcher and rank 0, say) never
+interleave inside a line; the file is never rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+EVENTS_FILE = "events.jsonl"
+
+
+def append_event(run_dir: str | Path, kind: str, step: Optional[int] = None,
+                 ranks: Optional[list[int]] = None, **fields: Any) -> dict:
+    """Append one event to ``run_dir/events.jsonl`` and return the record written."""
+    record: dict[str, Any] = {"time": round(time.time(), 3), "kind": kind, "step": step, "ranks": list(ranks or [])}
+    record.update(fields)
+    line = (json.dumps(record, sort_keys=False, default=str) + "\n").encode()
+    path = Path(run_dir) / EVENTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return record
+
+
+def read_events(run_dir: str | Path, kind: Optional[str] = None) -> list[dict]:
+    """All events of a run (optionally of one kind), oldest first; a torn last line is ignored."""
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if kind is None or record.get("kind") == kind:
+            events.append(record)
+    return events
