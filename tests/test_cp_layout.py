@@ -7,7 +7,8 @@ import torch
 
 from megascale.config import ConfigError, load_config
 from megascale.distributed.context_parallel.attention import CPSettings, build_cp_settings, local_positions, shard_batch
-from megascale.distributed.context_parallel.ring import allowed, plan_step, zigzag_positions
+from megascale.distributed.context_parallel.ring import plan_step, zigzag_positions
+from megascale.distributed.sequence import attention_mask
 from megascale.distributed.topology import ParallelContext, RankLayout
 
 
@@ -43,7 +44,7 @@ def test_ring_plan_covers_exactly_the_mask(world: int, window: int) -> None:
     """Union over ring steps of planned tiles (and their masks) is exactly the global causal/window mask."""
     chunk = 2
     seq = 2 * world * chunk
-    full = allowed(torch.arange(seq), torch.arange(seq), window)
+    full = attention_mask(torch.arange(seq), torch.arange(seq), window)
     for q_rank in range(world):
         pos_q = zigzag_positions(seq, world, q_rank)
         for k_rank in range(world):

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megascale.model.attention import Attention
 from megascale.model.layers import BuildContext, Norm, dropout
 from megascale.model.mlp import MLP
+from megascale.model.recompute import recompute
 
 
 class TransformerBlock(nn.Module):
@@ -25,17 +24,16 @@ class TransformerBlock(nn.Module):
         self.recompute = recompute
         self.parallel_block = bc.model.parallel_block
         self.input_norm = Norm(f"{name}.input_norm", bc)
-        self.attention = Attention(f"{name}.attention", bc)
+        # Selective recomputation keeps only the attention core's inputs (its [b, heads, s, s] work is redone).
+        self.attention = Attention(f"{name}.attention", bc, recompute_core=recompute == "selective")
         if not self.parallel_block:
             self.post_attention_norm = Norm(f"{name}.post_attention_norm", bc)
         self.mlp = MLP(f"{name}.mlp", bc)
-        if recompute == "selective":
-            self.attention._core = _recomputed(self.attention._core, bc)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x [s(/tp), b, h] -> same shape."""
-        if self.recompute == "full" and torch.is_grad_enabled():
-            return _recomputed(self._forward, self.bc)(x, rope)
+        if self.recompute == "full":
+            return recompute(self._forward, self.bc.rng, x, rope)
         return self._forward(x, rope)
 
     def _forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -49,29 +47,3 @@ class TransformerBlock(nn.Module):
         h, x = self.post_attention_norm.add_forward(attn, x)  # residual add fused into the norm
         return x + dropout(self.mlp(h), p, self.training, rng)
 
-
-def _recomputed(fn: Callable[..., torch.Tensor], bc: BuildContext) -> Callable[..., torch.Tensor]:
-    """Wrap fn in non-reentrant activation checkpointing that replays the same dropout masks.
-
-    torch.utils.checkpoint restores the default generator; the tensor-parallel
-    stream lives in our tracker, so the recompute rewinds it to the forward's state.
-    """
-
-    def run(*args: Any) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return fn(*args)
-        snapshot = bc.rng.snapshot()
-
-        @contextlib.contextmanager
-        def replay() -> Any:
-            current = bc.rng.snapshot()
-            bc.rng.restore(snapshot)
-            try:
-                yield
-            finally:
-                bc.rng.restore(current)
-
-        return checkpoint(fn, *args, use_reentrant=False,
-                          context_fn=lambda: (contextlib.nullcontext(), replay()))
-
-    return run

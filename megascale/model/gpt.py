@@ -16,6 +16,7 @@ from torch import nn
 from megascale.config import Config
 from megascale.distributed import comm
 from megascale.distributed.random import RNGTracker
+from megascale.distributed.sequence import SequenceLayout, build_sequence_layout
 from megascale.distributed.tensor_parallel.layers import (TPSettings, VocabParallelEmbedding, make_param, parallel_logits,
                                                    replicated_param, split_spec)
 from megascale.distributed.topology import ParallelContext
@@ -73,10 +74,8 @@ class GPTChunk(nn.Module):
         returned loss is sum(token losses) * loss_scale (default 1/tokens in this batch).
         """
         m, tp = self.bc.model, self.bc.tp
-        if self.bc.cp_size > 1 and (self.first or self.last):
-            from megascale.distributed.context_parallel import attention as context_parallel
-
-            batch = context_parallel.shard_batch(batch, self.bc.cp)
+        if self.first or self.last:  # the ends read tokens / labels: keep this rank's part of the sequence
+            batch = self.bc.sequence.shard_batch(batch)
         if self.first:
             hidden = self._embed(batch["tokens"])
         rope = None
@@ -93,8 +92,8 @@ class GPTChunk(nn.Module):
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [b, s, vocab_size] of a whole model held in one chunk (generation, HF checks)."""
-        if not (self.first and self.last) or self.bc.cp_size > 1:
-            raise ValueError("logits() needs a chunk holding the whole model (pp=1, cp=1)")
+        if not (self.first and self.last and self.bc.sequence.holds_whole_sequence):
+            raise ValueError("logits() needs a chunk holding the whole model and whole sequences (pp=1, cp=1)")
         m, tp = self.bc.model, self.bc.tp
         hidden = self._embed(tokens)
         rope = rope_tables(self._positions(hidden), m.head_dim, m.rope_theta) if m.position == "rope" else None
@@ -105,26 +104,16 @@ class GPTChunk(nn.Module):
         return full[..., : m.vocab_size].transpose(0, 1).float()
 
     def _positions(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Global positions of this rank's tokens, in local order (context parallelism may reorder them)."""
+        """Global positions of this rank's tokens, in local order (the sequence layout may reorder them)."""
         tp = self.bc.tp
         local = hidden.shape[0] * (tp.size if tp.sp else 1)  # middle stages get no tokens: use the shape
-        if self.bc.cp_size == 1:
-            return torch.arange(local, device=hidden.device)
-        from megascale.distributed.context_parallel import attention as context_parallel
-
-        return context_parallel.local_positions(local * self.bc.cp_size, self.bc.cp).to(hidden.device)
+        return self.bc.sequence.positions(local, hidden.device)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         m, tp = self.bc.model, self.bc.tp
         hidden = self.word_embeddings(tokens)
         if m.position == "learned":
-            if self.bc.cp_size > 1:
-                from megascale.distributed.context_parallel import attention as context_parallel
-
-                positions = context_parallel.local_positions(tokens.shape[1] * self.bc.cp_size, self.bc.cp)
-                pos = self.position_embeddings[positions.to(tokens.device)]
-            else:
-                pos = self.position_embeddings[: tokens.shape[1]]
+            pos = self.position_embeddings[self.bc.sequence.positions(tokens.shape[1], tokens.device)]
             if tp.sp:
                 part = tokens.shape[1] // tp.size
                 pos = pos[tp.rank * part:(tp.rank + 1) * part]
@@ -146,8 +135,13 @@ class GPTChunk(nn.Module):
         return losses.float().sum() * scale
 
 
-def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None) -> list[GPTChunk]:
-    """This rank's model chunks (one per virtual stage), parameters already sharded and placed."""
+def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None,
+                sequence: Optional[SequenceLayout] = None) -> list[GPTChunk]:
+    """This rank's model chunks (one per virtual stage), parameters already sharded and placed.
+
+    sequence: the run's sequence layout; by default built here from ctx and
+    cfg (`build_sequence_layout`), which creates the context-parallel sub-groups.
+    """
     from megascale.kernels import get_ops
 
     p = cfg.parallel
@@ -156,13 +150,10 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
                     device=ctx.device, dtype=DTYPES[cfg.train.dtype])
-    cp = None
-    if ctx.cp_size > 1:
-        from megascale.distributed.context_parallel.attention import build_cp_settings
-
-        cp = build_cp_settings(ctx, cfg)
+    if sequence is None:
+        sequence = build_sequence_layout(ctx, cfg)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
-                      recompute=cfg.train.recompute, cp=cp)
+                      recompute=cfg.train.recompute, sequence=sequence)
     chunk_layers = stage_layers(cfg, ctx)
     chunks = []
     for v, layer_ids in enumerate(chunk_layers):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -10,24 +10,21 @@ from torch import nn
 
 from megascale.config import ModelConfig
 from megascale.distributed.random import RNGTracker
+from megascale.distributed.sequence import LocalSequence, SequenceLayout
 from megascale.distributed.tensor_parallel.layers import TPSettings, replicated_param
 
 
 @dataclass
 class BuildContext:
-    """Everything a layer needs to build itself: model shape, tp settings, kernels, RNG."""
+    """Everything a layer needs to build itself: model shape, tp settings, kernels, RNG, sequence layout."""
 
     model: ModelConfig
     tp: TPSettings
     ops: Any
     rng: RNGTracker
     recompute: str = "none"
-    cp: Optional[Any] = None  # context_parallel.CPSettings when parallel.cp > 1
-
-    @property
-    def cp_size(self) -> int:
-        """Context-parallel size (1 without context parallelism)."""
-        return 1 if self.cp is None else self.cp.size
+    # Which tokens this rank holds and how attention spans the sequence; whole sequences by default.
+    sequence: SequenceLayout = field(default_factory=LocalSequence)
 
 
 class Norm(nn.Module):

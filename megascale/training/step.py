@@ -66,7 +66,7 @@ def _pipelined(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
 def activation_shape(trainer: "Trainer") -> tuple[int, int, int]:
     """Shape of the tensor passed between stages: [s(/tp with SP)(/cp), micro-batch, hidden]."""
     cfg, ctx = trainer.cfg, trainer.ctx
-    s = cfg.model.seq_length // ctx.cp_size
+    s = trainer.chunks[0].bc.sequence.local_length(cfg.model.seq_length)
     if cfg.parallel.sequence_parallel and ctx.tp_size > 1:
         s //= ctx.tp_size
     return (s, cfg.train.micro_batch_size, cfg.model.hidden_size)

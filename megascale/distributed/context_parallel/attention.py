@@ -32,11 +32,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megascale.config import Config, ConfigError
 from megascale.distributed import comm
 from megascale.distributed.context_parallel.ring import RingSpec, ring_attention, zigzag_positions
+from megascale.distributed.sequence import sdpa_attention
 from megascale.distributed.topology import ParallelContext
 
 MODES = ("ulysses", "ring", "hybrid")
@@ -169,7 +169,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings,
     if cp.ring_size > 1:
         out = _ring(q, k, v, cp, window)
     else:
-        out = _full_sequence(q, k, v, window, dropout_p)
+        out = sdpa_attention(q, k, v, window, dropout_p)
     if cp.ulysses_size > 1:  # head-sharded -> sequence-sharded
         out = comm.all_to_all(out, 0, 2, cp.ulysses_group)
     return out
@@ -187,21 +187,6 @@ def _spread_kv_heads(nq: int, k: torch.Tensor, v: torch.Tensor, ulysses: int) ->
         return k, v
     factor = next(f for f in range(1, group + 1) if group % f == 0 and (nkv * f) % ulysses == 0)
     return k.repeat_interleave(factor, dim=2), v.repeat_interleave(factor, dim=2)
-
-
-def _full_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dropout_p: float) -> torch.Tensor:
-    """SDPA over a whole sequence in order: [s, b, nq, d], [s, b, nkv, d] -> [s, b, nq, d]."""
-    group = q.shape[2] // k.shape[2]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if window > 0:
-        idx = torch.arange(q.shape[2], device=q.device)
-        diff = idx[:, None] - idx[None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=(diff >= 0) & (diff < window), dropout_p=dropout_p)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-    return out.permute(2, 0, 1, 3)
 
 
 def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings, window: int) -> torch.Tensor:

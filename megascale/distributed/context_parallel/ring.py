@@ -35,6 +35,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megascale.distributed.sequence import attention_mask
+
 
 def zigzag_positions(seq: int, world: int, rank: int) -> torch.Tensor:
     """Global positions held by `rank` of `world` under the zigzag split: chunks rank and 2*world-1-rank."""
@@ -44,15 +46,6 @@ def zigzag_positions(seq: int, world: int, rank: int) -> torch.Tensor:
     first = torch.arange(rank * chunk, (rank + 1) * chunk)
     second = torch.arange((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)
     return torch.cat([first, second])
-
-
-def allowed(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int) -> torch.Tensor:
-    """Boolean [len(pos_q), len(pos_k)]: causal over global positions, within `window` tokens if window > 0."""
-    diff = pos_q[:, None] - pos_k[None, :]
-    mask = diff >= 0
-    if window > 0:
-        mask &= diff < window
-    return mask
 
 
 @dataclass(frozen=True)
@@ -77,7 +70,7 @@ def tile_mask(q_start: int, k_start: int, rows: int, cols: int, window: int,
         return None
     pos_q = torch.arange(q_start, q_start + rows, device=device)
     pos_k = torch.arange(k_start, k_start + cols, device=device)
-    return allowed(pos_q, pos_k, window)
+    return attention_mask(pos_q, pos_k, window)
 
 
 def tile_empty(q_start: int, k_start: int, rows: int, cols: int, window: int) -> bool:

@@ -1,0 +1,47 @@
+"""The context-parallel sequence layout: Ulysses, ring (zigzag) or hybrid behind `SequenceLayout`.
+
+The token rule, the groups and the attention dispatch are in `attention.py`;
+this class binds them to one rank's `CPSettings` so the model can use them
+without knowing which mode (or that context parallelism) is active.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megascale.config import Config
+from megascale.distributed.context_parallel.attention import CPSettings, attention, build_cp_settings, \
+    local_positions, shard_batch
+from megascale.distributed.sequence import SequenceLayout
+from megascale.distributed.topology import ParallelContext
+
+
+class ContextParallelSequence(SequenceLayout):
+    """This rank's 1/cp of every sequence, in the layout of `parallel.cp_mode` (see `attention.py`)."""
+
+    def __init__(self, settings: CPSettings) -> None:
+        self.settings = settings
+        self.size = settings.size
+
+    @classmethod
+    def build(cls, ctx: ParallelContext, cfg: Config) -> "ContextParallelSequence":
+        """Validate the config for context parallelism and create this rank's sub-groups."""
+        return cls(build_cp_settings(ctx, cfg))
+
+    def shard_batch(self, batch: dict) -> dict:
+        """Keep this rank's tokens (zigzag pairs for ring, contiguous for Ulysses) of every sequence entry."""
+        return shard_batch(batch, self.settings)
+
+    def positions(self, local_tokens: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's local_tokens tokens, in the order `shard_batch` keeps them."""
+        return local_positions(local_tokens * self.size, self.settings).to(device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                  dropout_p: float = 0.0) -> torch.Tensor:
+        """All-to-all and/or ring attention over the cp group; exact causal (or windowed) attention."""
+        return attention(q, k, v, self.settings, window=window, dropout_p=dropout_p)
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (f"ContextParallelSequence(mode={s.mode}, cp {s.rank}/{s.size}, ulysses {s.ulysses_rank}/"
+                f"{s.ulysses_size}, ring {s.ring_rank}/{s.ring_size})")

@@ -1,0 +1,137 @@
+"""The sequence layout: which tokens of every sample this rank holds, and how attention spans them.
+
+Everything in a transformer except attention is per token, so a model needs to
+know three things about how the sequence is split across ranks: which tokens of
+a batch it keeps (`shard_batch`), the global positions of those tokens
+(`positions`, for RoPE and learned embeddings) and how to attend over the whole
+causal sequence from them (`attention`). `SequenceLayout` is that contract; the
+model is written against it and never asks how many ranks share a sequence.
+
+`LocalSequence` is the layout of a rank holding whole sequences (cp = 1). The
+context-parallel layouts (Ulysses, ring, hybrid) live in
+`megascale.distributed.context_parallel.layout`; `build_sequence_layout` picks one
+from the config, once per run.
+
+The causal / sliding-window rule is `attention_mask`, used by every attention
+path (local SDPA, Ulysses, the tiles of ring attention, generation).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from megascale.config import Config
+    from megascale.distributed.topology import ParallelContext
+
+
+def attention_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """Boolean [len(pos_q), len(pos_k)]: True where query i may attend to key j.
+
+    Causal over global positions (pos_k[j] <= pos_q[i]); with window > 0 also
+    within the last `window` tokens, the query itself included
+    (pos_q[i] - pos_k[j] < window). window <= 0 means full causal attention.
+    """
+    diff = pos_q[:, None] - pos_k[None, :]
+    mask = diff >= 0
+    if window > 0:
+        mask &= diff < window
+    return mask
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                   dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention over one whole sequence in order: [s, b, nq, d], [s, b, nkv, d] -> [s, b, nq, d].
+
+    Grouped-query attention repeats each kv head for its nq/nkv query heads.
+    Full causal attention uses SDPA's built-in causal mask, which keeps the
+    flash / cuDNN kernels eligible on GPU; a sliding window passes the mask.
+    """
+    group = q.shape[2] // k.shape[2]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if window > 0:
+        positions = torch.arange(q.shape[2], device=q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(positions, positions, window),
+                                             dropout_p=dropout_p)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return out.permute(2, 0, 1, 3)
+
+
+class SequenceLayout(ABC):
+    """How this rank's tokens relate to the global sequence of every sample.
+
+    Tensors entering `attention` are sequence-first [s_local, b, heads, d] with
+    tokens in the order `positions` gives; batches are [b, s] per key.
+    """
+
+    #: Ranks sharing one sequence (1 when every rank holds whole sequences).
+    size: int
+
+    @abstractmethod
+    def shard_batch(self, batch: dict) -> dict:
+        """This rank's tokens of every [b, s] sequence entry (tokens, labels, ...); other keys pass through."""
+
+    @abstractmethod
+    def positions(self, local_tokens: int, device: torch.device) -> torch.Tensor:
+        """Global positions [local_tokens] of this rank's tokens of a sample, in local order."""
+
+    @abstractmethod
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                  dropout_p: float = 0.0) -> torch.Tensor:
+        """Causal (window > 0: sliding-window) attention of this rank's queries over the whole sequence.
+
+        q [s_local, b, nq, d], k/v [s_local, b, nkv, d] with nq a multiple of nkv;
+        returns [s_local, b, nq, d] in the same token order.
+        """
+
+    def local_length(self, seq_length: int) -> int:
+        """Tokens of a seq_length sample that this rank holds."""
+        return seq_length // self.size
+
+    @property
+    def holds_whole_sequence(self) -> bool:
+        """True when this rank sees every token of its samples (what generation needs)."""
+        return self.size == 1
+
+
+class LocalSequence(SequenceLayout):
+    """Whole sequences on every rank: the batch is kept, positions count from 0, attention is plain SDPA."""
+
+    size = 1
+
+    def shard_batch(self, batch: dict) -> dict:
+        """The batch itself: this rank holds every token."""
+        return batch
+
+    def positions(self, local_tokens: int, device: torch.device) -> torch.Tensor:
+        """0, 1, ..., local_tokens - 1."""
+        return torch.arange(local_tokens, device=device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                  dropout_p: float = 0.0) -> torch.Tensor:
+        """SDPA over the sequence (flash / cuDNN on GPU)."""
+        return sdpa_attention(q, k, v, window, dropout_p)
+
+    def __repr__(self) -> str:
+        return "LocalSequence()"
+
+
+def build_sequence_layout(ctx: ParallelContext, cfg: Config) -> SequenceLayout:
+    """The run's sequence layout: `LocalSequence` for cp = 1, else the context-parallel one of parallel.cp_mode.
+
+    Validates the context-parallel settings and creates their sub-groups, so call
+    it once per run and hand the result to the model.
+    """
+    if ctx.cp_size == 1:
+        return LocalSequence()
+    # Imported here: the context-parallel package builds on this module.
+    from megascale.distributed.context_parallel.layout import ContextParallelSequence
+
+    return ContextParallelSequence.build(ctx, cfg)
