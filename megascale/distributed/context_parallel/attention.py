@@ -20,9 +20,10 @@ index's zigzag pair, which is what ring attention expects. With R = 1 the
 zigzag pair is the whole sequence, so pure Ulysses is the contiguous split.
 
 Everything outside attention is per token, so only attention, positions (RoPE
-and learned) and the batch split need to know about the layout; the loss of
-each rank covers its own tokens and the trainer sums losses and gradients over
-the dp x cp group.
+and learned) and the batch split need to know about the layout; the model
+reaches them through `layout.ContextParallelSequence` (a `SequenceLayout`). The
+loss of each rank covers its own tokens and the trainer sums losses and
+gradients over the dp x cp group.
 """
 
 from __future__ import annotations
