@@ -48,7 +48,8 @@ def test_local_sequence_keeps_everything() -> None:
 def test_context_parallel_split_round_trips(mode: str, cp: int, ulysses: int) -> None:
     """The ranks' pieces, put back at their positions, rebuild every sequence entry; other keys pass through."""
     batch = _batch()
-    rebuilt = {key: torch.full_like(batch[key], -1) for key in ("tokens", "labels", "loss_mask")}
+    keys = ("tokens", "labels", "loss_mask")
+    rebuilt = {key: torch.full_like(batch[key], -1) for key in keys}
     seen: list[int] = []
     for rank in range(cp):
         layout = _cp_layout(mode, cp, ulysses, rank)
@@ -56,7 +57,7 @@ def test_context_parallel_split_round_trips(mode: str, cp: int, ulysses: int) ->
         local = layout.shard_batch(batch)
         positions = layout.positions(layout.local_length(SEQ), torch.device("cpu"))
         assert local["loss_scale"] == batch["loss_scale"]
-        for key in rebuilt:
+        for key in keys:
             assert local[key].shape == (3, SEQ // cp)
             rebuilt[key][:, positions] = local[key]
         seen.extend(positions.tolist())
@@ -83,7 +84,7 @@ def test_attention_mask_matches_brute_force(window: int) -> None:
 
 def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
     """Explicit softmax per (query, head) over the keys it may see: [s, b, nq, d], [s, b, nkv, d]."""
-    s, b, nq, d = q.shape
+    s, _, nq, d = q.shape
     group = nq // k.shape[2]
     out = torch.zeros_like(q, dtype=torch.float64)
     for i in range(s):

@@ -10,8 +10,13 @@ from __future__ import annotations
 import torch
 
 from megascale.config import Config
-from megascale.distributed.context_parallel.attention import CPSettings, attention, build_cp_settings, \
-    local_positions, shard_batch
+from megascale.distributed.context_parallel.attention import (
+    CPSettings,
+    attention,
+    build_cp_settings,
+    local_positions,
+    shard_batch,
+)
 from megascale.distributed.sequence import SequenceLayout
 from megascale.distributed.topology import ParallelContext
 
@@ -24,7 +29,7 @@ class ContextParallelSequence(SequenceLayout):
         self.size = settings.size
 
     @classmethod
-    def build(cls, ctx: ParallelContext, cfg: Config) -> "ContextParallelSequence":
+    def build(cls, ctx: ParallelContext, cfg: Config) -> ContextParallelSequence:
         """Validate the config for context parallelism and create this rank's sub-groups."""
         return cls(build_cp_settings(ctx, cfg))
 
