@@ -407,7 +407,7 @@ def _positive(key: str, value: int) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no world size; `validate_layout` adds those that do."""
+    """Checks that need no world size; `megascale.run_plan.resolve_plan` adds those that do."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length", "vocab_pad_multiple"):
         _positive(f"model.{key}", getattr(m, key))
@@ -427,21 +427,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.attention=sliding_window needs model.window_size >= 1")
     if not 0.0 <= m.dropout < 1.0 or not 0.0 <= m.attention_dropout < 1.0:
         raise ConfigError("model.dropout and model.attention_dropout must be in [0, 1)")
-    if p.tp > 1:
-        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
-                           ("model.ffn_hidden_size", m.ffn_size)):
-            if value % p.tp:
-                raise ConfigError(f"{key}={value} is not divisible by parallel.tp={p.tp}; choose tp dividing it")
-        if m.padded_vocab_size % p.tp:
-            raise ConfigError(f"padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}; "
-                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
-    if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
-        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
-                          "with parallel.sequence_parallel")
-    if p.cp > 1:
-        from megascale.distributed.context_parallel.attention import validate_cp
+    # The layout checks (tp, sequence and context parallelism) live with the run plan, which repeats
+    # them with the world size; running the world-free part here reports them as soon as the file is read.
+    from megascale.run_plan import check_layout
 
-        validate_cp(cfg, p.cp, p.tp)
+    check_layout(cfg)
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.micro_batch_size={t.micro_batch_size}")
@@ -452,28 +442,3 @@ def validate(cfg: Config) -> None:
     if cfg.log.interval < 1:
         raise ConfigError(f"log.interval={cfg.log.interval} must be >= 1")
 
-
-def validate_layout(cfg: Config, world_size: int) -> int:
-    """Check the layout against the world size; returns the data-parallel size."""
-    p, t = cfg.parallel, cfg.train
-    mp = p.tp * p.pp * p.cp
-    if p.dp is None:
-        if world_size % mp:
-            raise ConfigError(f"tp {p.tp} * pp {p.pp} * cp {p.cp} = {mp} does not divide world size {world_size}; "
-                              f"launch a multiple of {mp} ranks or change parallel.tp/pp/cp")
-        dp = world_size // mp
-    else:
-        dp = p.dp
-        if mp * dp != world_size:
-            raise ConfigError(f"tp {p.tp} * pp {p.pp} * cp {p.cp} * dp {dp} = {mp * dp} != world size {world_size}; "
-                              f"launch {mp * dp} ranks (--nproc {mp * dp}) or leave parallel.dp out")
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                          f"micro_batch_size {t.micro_batch_size} * dp {dp} = {per_step}")
-    return dp
-
-
-def num_microbatches(cfg: Config, dp: int) -> int:
-    """Micro-batches per rank per optimizer step (gradient accumulation steps)."""
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

@@ -12,7 +12,8 @@ import argparse
 import sys
 from typing import Optional
 
-from megascale.config import Config, ConfigError, load_config, validate_layout
+from megascale.config import Config, ConfigError, load_config
+from megascale.run_plan import resolve_plan
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -78,7 +79,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError(f"--nproc {args.nproc} must be >= 1")
         from megascale.training.trainer import check_data_paths
 
-        validate_layout(cfg, args.nproc)  # fail here, once, rather than in every worker
+        resolve_plan(cfg, args.nproc)  # a layout error fails here, once, before any worker starts
         check_data_paths(cfg)
         return launch_local(argv, args.nproc)
     run_training(cfg, args.backend)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megascale.config import ConfigError, load_config, validate_layout
+from megascale.config import ConfigError, load_config
+from megascale.run_plan import resolve_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,11 +45,11 @@ def test_world_size_errors_show_arithmetic() -> None:
     cfg = load_config(None, ["parallel.tp=3", "parallel.pp=2", "model.num_heads=12", "model.hidden_size=96",
                              "model.vocab_pad_multiple=384", "model.ffn_hidden_size=384"])
     with pytest.raises(ConfigError, match=r"tp 3 \* pp 2 \* cp 1 = 6 does not divide world size 8"):
-        validate_layout(cfg, 8)
+        resolve_plan(cfg, 8)
     cfg = load_config(None, ["parallel.tp=2", "parallel.dp=2"])
     with pytest.raises(ConfigError, match=r"= 4 != world size 8"):
-        validate_layout(cfg, 8)
-    assert validate_layout(load_config(None, ["parallel.tp=2"]), 8) == 4
+        resolve_plan(cfg, 8)
+    assert resolve_plan(load_config(None, ["parallel.tp=2"]), 8).dp == 4
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, data_dir: str) -> dict:
 
     # missing data: rank 0 fails to build, rank 1 is told instead of waiting forever
     try:
-        loader_module.build_data(_cfg(data_dir, "data.paths=[/nonexistent/x]"), ctx)
+        loader_module.build_data(_cfg(data_dir, "parallel.tp=2", "data.paths=[/nonexistent/x]"), ctx)
     except UserError as err:
         out["build_error"] = str(err)
 

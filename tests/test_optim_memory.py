@@ -6,8 +6,8 @@ import pytest
 
 from megascale.config import load_config
 from megascale.distributed.topology import ParallelContext, RankLayout
-from megascale.perf.memory import (_activation_bytes_per_layer, _inflight, _stage_estimate, estimate_memory,
-                                   format_memory, stage_layer_counts)
+from megascale.perf.memory import _activation_bytes_per_layer, _inflight, _stage_estimate, estimate_memory, format_memory
+from megascale.run_plan import resolve_plan
 
 
 @pytest.mark.parametrize("overrides", [
@@ -22,13 +22,13 @@ def test_param_count_matches_built_model(overrides: list[str]) -> None:
     cfg = load_config("configs/tiny.yaml", overrides + ["model.num_layers=4", "model.hidden_size=64",
                                                          "model.vocab_size=1000"])
     layout = RankLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    layers = stage_layer_counts(cfg, layout.pp)
+    plan = resolve_plan(cfg, layout.world_size)
     for rank in range(layout.world_size):
         ctx = ParallelContext(layout, rank=rank, create_groups=False)
         chunks = build_model(cfg, ctx)
         real = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-        assert _stage_estimate(cfg, layout, ctx.pp_rank, layers[ctx.pp_rank]).num_params == real, rank
-    est = estimate_memory(cfg, layout)  # the most loaded stage
+        assert _stage_estimate(cfg, plan, ctx.pp_rank).num_params == real, rank
+    est = estimate_memory(cfg, plan)  # the most loaded stage
     assert est.params_bytes == est.num_params * 4 and est.grads_bytes == est.num_params * 4
     assert est.optimizer_bytes == est.num_params * 8  # fp32: two moments, the parameter is the master
 
@@ -52,15 +52,17 @@ def test_activation_formulas_korthikanti() -> None:
 def test_pipeline_inflight_and_zero_sharding() -> None:
     cfg = load_config(None, ["parallel.pp=4", "train.global_batch_size=8", "train.micro_batch_size=1",
                              "model.num_layers=8"])
-    assert _inflight(cfg, 4, 0, 8) == 4 and _inflight(cfg, 4, 3, 8) == 1 and _inflight(cfg, 4, 0, 2) == 2
+    schedule = resolve_plan(cfg, 4).schedule
+    assert _inflight(schedule, 4, 1, 0, 8) == 4 and _inflight(schedule, 4, 1, 3, 8) == 1
+    assert _inflight(schedule, 4, 1, 0, 2) == 2
     cfg.parallel.vpp = 2
-    assert _inflight(cfg, 4, 0, 8) == pytest.approx(4 * (1 + 3 / 8))
-    cfg.parallel.pipeline_schedule = "gpipe"
-    assert _inflight(cfg, 4, 0, 8) == 8
-    cfg = load_config(None, ["train.dtype=bf16", "train.global_batch_size=16", "model.num_layers=2"])
-    replicated = estimate_memory(cfg, RankLayout(dp=4, cp=2))
+    schedule = resolve_plan(cfg, 4).schedule
+    assert _inflight(schedule, 4, 2, 0, 8) == pytest.approx(4 * (1 + 3 / 8))
+    assert _inflight("gpipe", 4, 2, 0, 8) == 8
+    cfg = load_config(None, ["train.dtype=bf16", "train.global_batch_size=16", "model.num_layers=2", "parallel.cp=2"])
+    replicated = estimate_memory(cfg, resolve_plan(cfg, 8))
     cfg.parallel.zero = 1
-    sharded = estimate_memory(cfg, RankLayout(dp=4, cp=2))
+    sharded = estimate_memory(cfg, resolve_plan(cfg, 8))
     assert replicated.optimizer_bytes == replicated.num_params * 12  # two moments + fp32 master
     assert sharded.optimizer_bytes == pytest.approx(replicated.optimizer_bytes / 8)
     assert sharded.params_bytes == replicated.num_params * 2

@@ -22,9 +22,9 @@ import torch
 
 from megascale.kernels import get_ops
 from megascale.kernels.build import try_load_extension
+from megascale.run_plan import DTYPES
 
 Tensor = torch.Tensor
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

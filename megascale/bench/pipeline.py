@@ -113,7 +113,7 @@ def _compute_only(chunks: list[nn.Module], shape: tuple[int, ...], m: int) -> fl
 
 
 def _worker(rank: int, pp: int, init_file: str, args: dict, out_file: str) -> None:
-    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined
+    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined, resolve_schedule_name
     from megascale.distributed.topology import ParallelContext, RankLayout
 
     torch.set_num_threads(1)
@@ -133,7 +133,7 @@ def _worker(rank: int, pp: int, init_file: str, args: dict, out_file: str) -> No
             chunks = [MatmulChunk(per_chunk, args["hidden"], first, last, seed=c * pp + rank)
                       for c, (first, last) in enumerate(ends)]
         batches = [{"x": torch.randn(shape)} for _ in range(m)]
-        schedule = build_schedule("interleaved" if v > 1 else "1f1b", pp, v, m, rank)
+        schedule = build_schedule(resolve_schedule_name("auto", v), pp, v, m, rank)
         steps, computes = [], []
         for step in range(args["steps"] + 1):  # the first step warms up allocator and connections
             dist.barrier(group=ctx.group("pp"))

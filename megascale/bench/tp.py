@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.errors import UserError
-
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from megascale.run_plan import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=5, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating off/on rounds (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
-    parser.add_argument("--dtype", choices=sorted(ELEMENT_BYTES), default=None,
+    parser.add_argument("--dtype", choices=sorted(PRECISIONS), default=None,
                         help="default bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default cores/nproc)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -100,21 +99,27 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _build_layer(args: argparse.Namespace, ctx: Any, overlap: bool) -> torch.nn.Module:
+def _bench_config(args: argparse.Namespace, overlap: bool) -> Any:
+    """One sequence-parallel layer on --nproc tp ranks, one micro-batch per step."""
     from megascale.config import load_config
+
+    return load_config(None, [f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
+                              f"model.seq_length={args.seq}", "model.num_layers=1", f"parallel.tp={args.nproc}",
+                              "parallel.sequence_parallel=true", f"parallel.tp_overlap={overlap}",
+                              f"train.dtype={args.dtype}", f"train.micro_batch_size={args.micro_batch}",
+                              f"train.global_batch_size={args.micro_batch}"])
+
+
+def _build_layer(args: argparse.Namespace, ctx: Any, plan: Any, overlap: bool) -> torch.nn.Module:
     from megascale.distributed.random import RNGTracker
     from megascale.distributed.tensor_parallel.layers import TPSettings
     from megascale.kernels import get_ops
     from megascale.model.block import TransformerBlock
-    from megascale.model.gpt import DTYPES
     from megascale.model.layers import BuildContext
 
-    cfg = load_config(None, [f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
-                             f"model.seq_length={args.seq}", "model.num_layers=1", f"parallel.tp={args.nproc}",
-                             "parallel.sequence_parallel=true", f"parallel.tp_overlap={overlap}",
-                             f"train.dtype={args.dtype}"])
+    cfg = _bench_config(args, overlap)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size, sequence_parallel=True,
-                    overlap=overlap, seed=cfg.train.seed, device=ctx.device, dtype=DTYPES[args.dtype])
+                    overlap=overlap, seed=cfg.train.seed, device=ctx.device, dtype=plan.precision.param_dtype)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend),
                       rng=RNGTracker(cfg.train.seed + ctx.tp_rank, ctx.device))
     return TransformerBlock(0, bc, "none")
@@ -161,14 +166,15 @@ def _count_ring_bytes(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tenso
 def _run_rank(args: argparse.Namespace, rank: int) -> Optional[dict]:
     """Body of one rank (process group already initialised); returns the report on rank 0."""
     from megascale.distributed.topology import ParallelContext, RankLayout
-    from megascale.model.gpt import DTYPES
+    from megascale.run_plan import resolve_plan
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    ctx = ParallelContext(RankLayout(tp=args.nproc), rank=rank, device=device)
-    layers = {overlap: _build_layer(args, ctx, overlap) for overlap in (False, True)}
+    plan = resolve_plan(_bench_config(args, overlap=False), args.nproc)
+    ctx = ParallelContext(RankLayout(tp=plan.tp, dp=plan.dp), rank=rank, device=device)
+    layers = {overlap: _build_layer(args, ctx, plan, overlap) for overlap in (False, True)}
     gen = torch.Generator().manual_seed(100 + rank)  # each rank's own sequence shard
-    shape = (args.seq // args.nproc, args.micro_batch, args.hidden)
-    dtype = DTYPES[args.dtype]
+    shape = plan.activation_shape  # [s/tp, b, h]: the sequence-parallel input of one layer
+    dtype = plan.precision.compute_dtype
     x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     grad = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     with torch.no_grad():
@@ -237,7 +243,7 @@ def main(argv: list[str]) -> int:
     if not result:
         return 0  # a non-zero rank under torchrun
     tp, s, b, h = args.nproc, args.seq, args.micro_batch, args.hidden
-    elem = ELEMENT_BYTES[args.dtype]
+    elem = PRECISIONS[args.dtype].compute_bytes
     collectives = layer_collectives(s, b, h)
     sent = bytes_sent_per_rank(collectives, tp, elem)
     gathered = sum(c.full_elements for c in collectives if c.kind == "all-gather")

@@ -29,8 +29,7 @@ from megascale.config import Config, config_from_dict, load_config
 from megascale.distributed.sharding import TensorShard
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.errors import UserError
-
-_CAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megascale.run_plan import DTYPES as PRECISION_DTYPES
 
 
 def read_global_state(step_dir: Path, include_optim: bool = False) -> dict[str, torch.Tensor]:
@@ -139,14 +138,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dst", help="destination directory or file")
     parser.add_argument("--arch", default="auto", choices=("auto", "llama", "gpt2"), help="--to-hf: target family")
     parser.add_argument("--config", default=None, help="--to-hf: config YAML, when the checkpoint stores none")
-    parser.add_argument("--dtype", default=None, choices=tuple(_CAST), help="cast floating tensors on output")
+    parser.add_argument("--dtype", default=None, choices=tuple(PRECISION_DTYPES),
+                        help="cast floating tensors on output")
     parser.add_argument("--step", type=int, default=0, help="--from-hf: step number of the written checkpoint")
     parser.add_argument("--include-optim", action="store_true", help="--merge: include optimizer state")
     args = parser.parse_args(argv)
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists():
         raise UserError(f"{src} does not exist")
-    dtype = _CAST[args.dtype] if args.dtype else None
+    dtype = PRECISION_DTYPES[args.dtype] if args.dtype else None
     if args.to_hf:
         arch = checkpoint_to_hf(src, dst, args.arch, args.config, dtype)
         print(f"wrote HuggingFace {arch} model to {dst}")

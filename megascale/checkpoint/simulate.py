@@ -17,7 +17,8 @@ from typing import Callable, Optional
 import torch
 
 from megascale.distributed.sharding import TensorShard, full_spec, split_spec
-from megascale.distributed.topology import RankLayout
+from megascale.distributed.topology import DEFAULT_ORDER, RankLayout
+from megascale.run_plan import RunPlan
 
 # value_fn(name, global_shape, offsets, local_shape) -> the box's values
 ValueFn = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], torch.Tensor]
@@ -25,7 +26,12 @@ ValueFn = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], tor
 
 @dataclass(frozen=True)
 class SimLayout:
-    """A parallel layout to simulate; stage_layers lists layers per virtual stage (pp*vpp entries)."""
+    """A parallel layout to simulate; stage_layers lists layers per virtual stage (pp*vpp entries).
+
+    Without stage_layers the layers are spread as evenly as possible (earlier stages take the
+    remainder), which also covers synthetic layouts a real run would refuse; `from_plan` gives
+    the split a real run uses.
+    """
 
     tp: int = 1
     pp: int = 1
@@ -34,6 +40,15 @@ class SimLayout:
     vpp: int = 1
     zero: int = 0
     stage_layers: Optional[tuple[int, ...]] = None
+
+    @classmethod
+    def from_plan(cls, plan: RunPlan) -> "SimLayout":
+        """The layout of a real run, with exactly the plan's (uniform, explicit or auto) layer split."""
+        if plan.order != DEFAULT_ORDER:
+            raise ValueError(f"the simulator places ranks in the default order {DEFAULT_ORDER!r}, "
+                             f"not {plan.order!r}")
+        return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero,
+                   stage_layers=plan.stage_layer_counts)
 
     @property
     def world(self) -> int:

@@ -4,7 +4,7 @@ Public entry points (see docs/data.md):
   load_tokenizer(path) -> Tokenizer
   IndexedDatasetBuilder / IndexedDataset
   GPTDataset, BlendedDataset, build_split_datasets
-  build_data(cfg, ctx, consumed_samples=0) -> (train BatchIterator, valid BatchIterator | None)
+  build_data(cfg, ctx, consumed_samples=0, plan=None) -> (train BatchIterator, valid BatchIterator | None)
   build_demo_corpus(cache_dir, vocab_size=8192) -> (dataset prefix, tokenizer .model path)
 
 Submodules are imported lazily so that `megascale preprocess` does not pay for torch.

@@ -29,6 +29,7 @@ from megascale.errors import UserError
 if TYPE_CHECKING:
     from megascale.config import Config
     from megascale.distributed.topology import ParallelContext
+    from megascale.run_plan import RunPlan
 
 DEMO_VOCAB = 8192
 
@@ -254,7 +255,7 @@ def dataset_prefixes(cfg: "Config") -> tuple[list[str], Optional[list[float]]]:
     return [prefix], None
 
 
-def sample_counts(cfg: "Config", dp_size: int) -> tuple[int, int]:
+def sample_counts(cfg: "Config") -> tuple[int, int]:
     """(train samples, validation samples) the run needs.
 
     Each evaluation reads train.eval_iters global batches from the start of the
@@ -280,20 +281,28 @@ def _share_status(ok: bool, flags: list[int], src: int, group: Any, device: torc
     return [int(x) for x in status.tolist()]
 
 
-def build_data(cfg: "Config", ctx: "ParallelContext",
-               consumed_samples: int = 0) -> tuple[BatchIterator, Optional[BatchIterator]]:
+def build_data(cfg: "Config", ctx: "ParallelContext", consumed_samples: int = 0, *,
+               plan: Optional["RunPlan"] = None) -> tuple[BatchIterator, Optional[BatchIterator]]:
     """(train, valid) batch iterators of this rank; valid is None without validation documents.
+
+    The batch split (global batch, micro-batch, dp) comes from the run plan; without one
+    it is resolved from cfg and the context's world size.
 
     Collective: every rank must call it. Global rank 0 builds the sample indices first
     (and caches them), then the other tensor-parallel sources load them; the rest of
     each tp group reads nothing. A data error on a source is reported on every rank.
     """
-    t = cfg.train
+    if plan is None:
+        from megascale.run_plan import resolve_plan
+
+        plan = resolve_plan(cfg, ctx.world_size)
+    if plan.dp != ctx.dp_size:
+        raise ValueError(f"the run plan has dp {plan.dp} but the ParallelContext dp {ctx.dp_size}")
     src_rank = ctx.ranks("tp")[0]
     group = ctx.group("tp")
     is_source = group is None or ctx.rank == src_rank
     distributed = ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
-    train_samples, valid_samples = sample_counts(cfg, ctx.dp_size)
+    train_samples, valid_samples = sample_counts(cfg)
     wanted = (train_samples, valid_samples, 0)
 
     datasets: list[Optional[SampleDataset]] = [None, None, None]
@@ -324,8 +333,8 @@ def build_data(cfg: "Config", ctx: "ParallelContext",
     if error is not None:
         raise error
 
-    common = dict(seq_length=cfg.model.seq_length, global_batch_size=t.global_batch_size,
-                  micro_batch_size=t.micro_batch_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+    common = dict(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
+                  micro_batch_size=plan.micro_batch_size, dp_rank=ctx.dp_rank, dp_size=plan.dp,
                   src_rank=src_rank, group=group, rank=ctx.rank, device=ctx.device,
                   prefetch=cfg.data.prefetch, vocab_size=cfg.model.vocab_size)
     train = BatchIterator(datasets[0], num_samples=train_samples, consumed_samples=consumed_samples,

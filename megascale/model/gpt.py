@@ -22,8 +22,7 @@ from megascale.distributed.tensor_parallel.layers import (TPSettings, VocabParal
 from megascale.distributed.topology import ParallelContext
 from megascale.model.block import TransformerBlock
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megascale.run_plan import RunPlan, precision_of
 
 
 class GPTChunk(nn.Module):
@@ -136,25 +135,28 @@ class GPTChunk(nn.Module):
 
 
 def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None,
-                sequence: Optional[SequenceLayout] = None) -> list[GPTChunk]:
+                plan: Optional[RunPlan] = None, sequence: Optional[SequenceLayout] = None) -> list[GPTChunk]:
     """This rank's model chunks (one per virtual stage), parameters already sharded and placed.
 
+    With the run's `plan` the chunks hold the plan's layers; without one (a model built
+    outside a training run) the split is computed from cfg by the same partition rules.
     sequence: the run's sequence layout; by default built here from ctx and
     cfg (`build_sequence_layout`), which creates the context-parallel sub-groups.
     """
     from megascale.kernels import get_ops
 
     p = cfg.parallel
+    precision = plan.precision if plan is not None else precision_of(cfg.train.dtype)
     if rng is None:
         rng = RNGTracker(cfg.train.seed + 2718 + ctx.tp_rank, ctx.device)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
-                    device=ctx.device, dtype=DTYPES[cfg.train.dtype])
+                    device=ctx.device, dtype=precision.param_dtype)
     if sequence is None:
         sequence = build_sequence_layout(ctx, cfg)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
                       recompute=cfg.train.recompute, sequence=sequence)
-    chunk_layers = stage_layers(cfg, ctx)
+    chunk_layers = plan.chunk_layers(ctx.pp_rank) if plan is not None else stage_layers(cfg, ctx)
     chunks = []
     for v, layer_ids in enumerate(chunk_layers):
         first = ctx.pp_rank == 0 and v == 0

@@ -23,12 +23,10 @@ they are an upper bound when dropout is 0 or flash attention is used.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
-from megascale.config import Config, ModelConfig, num_microbatches
-from megascale.distributed.topology import ParallelContext, RankLayout
+from megascale.config import Config, ModelConfig
+from megascale.run_plan import NO_PIPELINE, RunPlan
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2 ** 30
 
 
@@ -70,19 +68,6 @@ def layer_params(m: ModelConfig, tp: int) -> int:
     return count
 
 
-def stage_layer_counts(cfg: Config, pp: int) -> list[int]:
-    """Transformer layers held by each pipeline rank (all of its virtual stages together)."""
-    p, layers = cfg.parallel, cfg.model.num_layers
-    explicit = p.pipeline_layers
-    if isinstance(explicit, list) and explicit and all(isinstance(x, int) for x in explicit):
-        if len(explicit) == pp * p.vpp:
-            return [sum(explicit[v * pp + r] for v in range(p.vpp)) for r in range(pp)]
-        if len(explicit) == pp:
-            return list(explicit)
-    base, extra = divmod(layers, pp)
-    return [base + (1 if r < extra else 0) for r in range(pp)]
-
-
 def _activation_bytes_per_layer(cfg: Config, tp: int, cp: int, recompute: str) -> float:
     m, p = cfg.model, cfg.parallel
     s, b, h, a = m.seq_length / cp, cfg.train.micro_batch_size, m.hidden_size, m.num_heads
@@ -95,21 +80,23 @@ def _activation_bytes_per_layer(cfg: Config, tp: int, cp: int, recompute: str) -
     return per * (2 if cfg.train.dtype == "fp32" else 1)  # the formulas assume 16-bit activations
 
 
-def _inflight(cfg: Config, pp: int, stage: int, microbatches: int) -> float:
-    schedule = cfg.parallel.pipeline_schedule
-    if schedule == "auto":
-        schedule = "interleaved" if cfg.parallel.vpp > 1 else "1f1b"
+def _inflight(schedule: str, pp: int, vpp: int, stage: int, microbatches: int) -> float:
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak under a resolved schedule."""
+    if schedule == NO_PIPELINE:
+        return 1.0  # without pipelining each micro-batch's backward runs before the next forward
     if schedule == "gpipe":
         return float(microbatches)
     inflight = float(min(pp - stage, microbatches))
     if schedule == "interleaved" and pp > 1:
-        inflight *= 1 + (pp - 1) / (pp * cfg.parallel.vpp)
+        inflight *= 1 + (pp - 1) / (pp * vpp)
     return inflight
 
 
-def _stage_estimate(cfg: Config, layout: RankLayout, stage: int, layers: int) -> MemoryEstimate:
+def _stage_estimate(cfg: Config, plan: RunPlan, stage: int) -> MemoryEstimate:
+    """Estimate for pipeline rank `stage`, which holds the plan's layers of that rank."""
     m, t = cfg.model, cfg.train
-    tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
+    tp, pp, cp, dp = plan.tp, plan.pp, plan.cp, plan.dp
+    layers = plan.rank_layer_counts[stage]
     first, last = stage == 0, stage == pp - 1
     embed = m.padded_vocab_size * m.hidden_size // tp
     count = layers * layer_params(m, tp)
@@ -119,36 +106,37 @@ def _stage_estimate(cfg: Config, layout: RankLayout, stage: int, layers: int) ->
         count += m.hidden_size * (2 if m.norm == "layernorm" and m.bias else 1)  # final norm
         if not m.tie_embeddings or not first:
             count += embed  # untied output, or the tied copy on the last stage
-    dtype_bytes = DTYPE_BYTES[t.dtype]
-    optimizer = count * (8 + (4 if t.dtype != "fp32" else 0))
-    if cfg.parallel.zero == 1:
+    dtype_bytes = plan.precision.param_bytes
+    optimizer = count * (8 + (4 if plan.precision.master_weights else 0))
+    if plan.zero == 1:
         optimizer /= dp * cp
-    micro = num_microbatches(cfg, dp)
-    inflight = _inflight(cfg, pp, stage, micro)
+    inflight = _inflight(plan.schedule, pp, plan.vpp, stage, plan.num_microbatches)
     recompute = t.recompute
     k = layers if t.recompute_layers is None or recompute == "none" else min(t.recompute_layers, layers)
     per_mb = (k * _activation_bytes_per_layer(cfg, tp, cp, recompute)
               + (layers - k) * _activation_bytes_per_layer(cfg, tp, cp, "none"))
     s, b, h = m.seq_length / cp, t.micro_batch_size, m.hidden_size
-    sp = cfg.parallel.sequence_parallel and tp > 1
+    sp = plan.sequence_parallel
     if first:
         per_mb += 3 * s * b * h / (tp if sp else 1)  # embedding output (16-bit) and its dropout mask
     activations = per_mb * inflight
     if last:
         # The last micro-batch's fp32 logits of the local vocabulary slice and their gradient.
         activations += 2 * 4 * s * b * m.padded_vocab_size / tp
-    desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {cfg.parallel.zero}, {t.dtype}, "
+    desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {plan.zero}, {plan.precision.name}, "
             f"recompute {recompute}{', sequence parallel' if sp else ''}")
     return MemoryEstimate(count * dtype_bytes, count * 4.0, float(optimizer), float(activations), count, stage,
                           inflight, layers, desc)
 
 
-def estimate_memory(cfg: Config, ctx_or_layout: Union[ParallelContext, RankLayout]) -> MemoryEstimate:
-    """Per-rank memory estimate for cfg under the given layout; the most loaded pipeline stage."""
-    layout = ctx_or_layout.layout if isinstance(ctx_or_layout, ParallelContext) else ctx_or_layout
-    counts = stage_layer_counts(cfg, layout.pp)
-    estimates = [_stage_estimate(cfg, layout, stage, n) for stage, n in enumerate(counts)]
-    return max(estimates, key=lambda e: e.total_bytes)
+def stage_estimates(cfg: Config, plan: RunPlan) -> list[MemoryEstimate]:
+    """Per-rank memory estimate of every pipeline rank, with the plan's layer split."""
+    return [_stage_estimate(cfg, plan, stage) for stage in range(plan.pp)]
+
+
+def estimate_memory(cfg: Config, plan: RunPlan) -> MemoryEstimate:
+    """Per-rank memory estimate for cfg under the plan's layout; the most loaded pipeline stage."""
+    return max(stage_estimates(cfg, plan), key=lambda e: e.total_bytes)
 
 
 def _size(nbytes: float) -> str:

@@ -1,15 +1,22 @@
-"""One optimizer step's forward/backward over micro-batches, with or without pipelining."""
+"""One optimizer step's forward/backward over micro-batches, with or without pipelining.
+
+The functions take what they use explicitly (the run plan, this rank's model chunks,
+the ParallelContext and the optimizer) rather than the trainer, so they can be
+driven by anything that holds those pieces.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from megascale.distributed import comm
 
 if TYPE_CHECKING:
-    from megascale.training.trainer import Trainer
+    from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
+    from megascale.distributed.topology import ParallelContext
+    from megascale.run_plan import RunPlan
 
 
 def _to_device(batch: dict, device: torch.device, loss_scale: float) -> dict:
@@ -18,44 +25,40 @@ def _to_device(batch: dict, device: torch.device, loss_scale: float) -> dict:
     return out
 
 
-def loss_scale_per_token(trainer: "Trainer") -> float:
-    """1 / tokens of the whole global batch: micro-batch losses then sum to the global mean,
-    and gradients are summed (not averaged) over data/context-parallel ranks."""
-    cfg = trainer.cfg
-    return 1.0 / (cfg.train.global_batch_size * cfg.model.seq_length)
+def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, plan: "RunPlan",
+                     ctx: "ParallelContext", optimizer: "DistributedOptimizer") -> torch.Tensor:
+    """Run every micro-batch of this step; returns the global mean loss (valid on the last stage).
 
-
-def forward_backward(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
-    """Run every micro-batch of this step; returns the global mean loss (valid on the last stage)."""
-    ctx, opt = trainer.ctx, trainer.optimizer
-    scale = loss_scale_per_token(trainer)
-    batches = [_to_device(b, ctx.device, scale) for b in batches]
-    opt.zero_grad()
-    if ctx.pp_size == 1:
-        chunk = trainer.chunks[0]
+    Micro-batch losses are scaled by 1 / tokens of the global batch, so they sum to the global
+    mean and gradients are summed (not averaged) over data/context-parallel ranks.
+    """
+    batches = [_to_device(b, ctx.device, plan.loss_scale_per_token) for b in batches]
+    optimizer.zero_grad()
+    if plan.pp == 1:
+        chunk = chunks[0]
         total = torch.zeros((), device=ctx.device)
         for i, batch in enumerate(batches):
-            opt.sync_enabled(i == len(batches) - 1)
+            optimizer.sync_enabled(i == len(batches) - 1)
             loss = chunk(None, batch)
-            opt.scale_loss(loss).backward()
+            optimizer.scale_loss(loss).backward()
             total += loss.detach()
     else:
-        total = _pipelined(trainer, batches)
-    opt.finish_grad_sync()
+        total = _pipelined(chunks, batches, plan, ctx, optimizer)
+    optimizer.finish_grad_sync()
     # Each dp x cp rank holds its share of the global mean; the sum over them is the global mean.
     comm.all_reduce(total, ctx.group("dp_cp"))
     return total
 
 
-def _pipelined(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
-    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined, resolve_schedule_name
+def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: "RunPlan", ctx: "ParallelContext",
+               optimizer: "DistributedOptimizer") -> torch.Tensor:
+    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined
 
-    ctx, cfg, opt = trainer.ctx, trainer.cfg, trainer.optimizer
-    name = resolve_schedule_name(cfg.parallel.pipeline_schedule, cfg.parallel.vpp)
-    schedule = build_schedule(name, ctx.pp_size, cfg.parallel.vpp, len(batches), ctx.pp_rank)
+    schedule = build_schedule(plan.schedule, plan.pp, plan.vpp, len(batches), ctx.pp_rank)
     losses = forward_backward_pipelined(
-        trainer.chunks, batches, ctx, schedule, activation_shape(trainer), trainer.chunks[0].bc.tp.dtype,
-        loss_fn_scale=opt.scale_loss, before_last_backward=lambda chunk: opt.sync_enabled(True, chunk=chunk),
+        list(chunks), batches, ctx, schedule, plan.activation_shape, plan.precision.compute_dtype,
+        loss_fn_scale=optimizer.scale_loss,
+        before_last_backward=lambda chunk: optimizer.sync_enabled(True, chunk=chunk),
     )
     total = torch.zeros((), device=ctx.device)
     for loss in losses:
@@ -63,20 +66,11 @@ def _pipelined(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
     return total
 
 
-def activation_shape(trainer: "Trainer") -> tuple[int, int, int]:
-    """Shape of the tensor passed between stages: [s(/tp with SP)(/cp), micro-batch, hidden]."""
-    cfg, ctx = trainer.cfg, trainer.ctx
-    s = trainer.chunks[0].bc.sequence.local_length(cfg.model.seq_length)
-    if cfg.parallel.sequence_parallel and ctx.tp_size > 1:
-        s //= ctx.tp_size
-    return (s, cfg.train.micro_batch_size, cfg.model.hidden_size)
-
-
 @torch.no_grad()
-def evaluate(trainer: "Trainer", data: Any, global_batches: int) -> Optional[float]:
+def evaluate(chunks: Sequence[torch.nn.Module], data: Any, global_batches: int, *, plan: "RunPlan",
+             ctx: "ParallelContext") -> Optional[float]:
     """Mean validation loss over the first `global_batches` global batches of the validation split."""
-    ctx = trainer.ctx
-    for chunk in trainer.chunks:
+    for chunk in chunks:
         chunk.eval()
     if hasattr(data, "reset"):
         data.reset()
@@ -88,19 +82,19 @@ def evaluate(trainer: "Trainer", data: Any, global_batches: int) -> Optional[flo
             batches.extend(data.next_step())
         else:
             data.skip_step()
-            batches.extend({} for _ in range(trainer.micro_batches))
-    per_token = 1.0 / (global_batches * trainer.cfg.train.global_batch_size * trainer.cfg.model.seq_length)
+            batches.extend({} for _ in range(plan.num_microbatches))
+    per_token = 1.0 / (global_batches * plan.tokens_per_step)
     batches = [_to_device(b, ctx.device, per_token) for b in batches]
-    if ctx.pp_size == 1:
+    if plan.pp == 1:
         for batch in batches:
-            total += trainer.chunks[0](None, batch).float()
+            total += chunks[0](None, batch).float()
     else:
         from megascale.distributed.pipeline import forward_only_pipelined
 
-        for loss in forward_only_pipelined(trainer.chunks, batches, ctx, activation_shape(trainer),
-                                           trainer.chunks[0].bc.tp.dtype):
+        for loss in forward_only_pipelined(list(chunks), batches, ctx, plan.activation_shape,
+                                           plan.precision.compute_dtype):
             total += loss.float()
-    for chunk in trainer.chunks:
+    for chunk in chunks:
         chunk.train()
     comm.all_reduce(total, ctx.group("dp_cp"))
     return float(total)

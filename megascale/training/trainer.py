@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megascale.config import Config, ConfigError, num_microbatches, save_config, validate_layout
+from megascale.config import Config, ConfigError, save_config
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.model.gpt import build_model
 from megascale.perf.flops import device_peak, train_flops_per_token
+from megascale.run_plan import RunPlan, resolve_plan
 from megascale.training.metrics import MetricsSink, format_line
 from megascale.training.step import forward_backward, evaluate
 
@@ -33,25 +34,20 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device("cuda", local)
 
 
-def make_context(cfg: Config, device: torch.device) -> ParallelContext:
-    """ParallelContext for this process from cfg.parallel and the (initialised) world."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    dp = validate_layout(cfg, world)
-    p = cfg.parallel
-    layout = RankLayout(tp=p.tp, cp=p.cp, dp=dp, pp=p.pp, order=p.order)
-    return ParallelContext(layout, rank=rank, vpp=p.vpp, device=device)
+def world_position() -> tuple[int, int]:
+    """(rank, world size) of this process: from the initialised process group, else (0, 1)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def validate_runtime(cfg: Config, ctx: ParallelContext) -> None:
-    """Checks that need the layout: pipeline split and micro-batch counts."""
-    p = cfg.parallel
-    m = num_microbatches(cfg, ctx.dp_size)
-    if p.vpp > 1 and p.pp == 1:
-        raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1")
-    if p.vpp > 1 and m % p.pp:
-        raise ConfigError(f"interleaved pipeline needs micro-batches per step ({m}) divisible by parallel.pp={p.pp}; "
-                          f"adjust train.global_batch_size")
-    if ctx.device.type == "cpu" and cfg.train.dtype == "fp16":
+def make_context(plan: RunPlan, rank: int, device: torch.device) -> ParallelContext:
+    """ParallelContext of global rank `rank` under the plan's layout (creates its process groups)."""
+    layout = RankLayout(tp=plan.tp, cp=plan.cp, dp=plan.dp, pp=plan.pp, order=plan.order)
+    return ParallelContext(layout, rank=rank, vpp=plan.vpp, device=device)
+
+
+def validate_runtime(cfg: Config, device: torch.device) -> None:
+    """Checks the layout cannot make: precision support of the device and the data on disk."""
+    if device.type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 is not supported on CPU; use fp32 or bf16")
     check_data_paths(cfg)
 
@@ -83,8 +79,10 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg)
-        self.ctx = make_context(cfg, self.device)
-        validate_runtime(cfg, self.ctx)
+        rank, world = world_position()
+        self.plan = resolve_plan(cfg, world)  # again in every worker: the launcher resolved it before spawning
+        self.ctx = make_context(self.plan, rank, self.device)
+        validate_runtime(cfg, self.device)
         self.run_dir = Path(cfg.train.output_dir)
         self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard)
         if self.ctx.rank == 0:
@@ -96,8 +94,7 @@ class Trainer:
         if self.ctx.pp_size > 1 and self.ctx.pp_group is not None:
             # NCCL: the first op on the pp group must include every member, not a batched p2p.
             dist.barrier(group=self.ctx.pp_group)
-        self.chunks = build_model(cfg, self.ctx, self.rng)
-        self.micro_batches = num_microbatches(cfg, self.ctx.dp_size)
+        self.chunks = build_model(cfg, self.ctx, self.rng, plan=self.plan)
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.consumed_samples = 0
@@ -109,7 +106,7 @@ class Trainer:
             self.ckpt.prepare(self.state_shards())  # host buffers for async saves, under the first steps
         from megascale.data.loader import build_data
 
-        self.train_data, self.valid_data = build_data(cfg, self.ctx, self.consumed_samples)
+        self.train_data, self.valid_data = build_data(cfg, self.ctx, self.consumed_samples, plan=self.plan)
         self.peak = device_peak(self.device, cfg.train.peak_tflops)
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.memory_estimate_gb = 0.0
@@ -169,11 +166,11 @@ class Trainer:
         lines = [f"megascale: {self.ctx.describe()} | device {self.peak.device_name} | "
                  f"peak {self.peak.tflops:.3g} TFLOP/s ({self.peak.source})",
                  f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
-                 f"{params / 1e6:.2f}M params on this rank | {self.micro_batches} micro-batches/step | "
+                 f"{params / 1e6:.2f}M params on this rank | {self.plan.num_microbatches} micro-batches/step | "
                  f"{self.flops_per_token / 1e9:.3f} GFLOP/token"]
         from megascale.perf.memory import estimate_memory, format_memory
 
-        estimate = estimate_memory(self.cfg, self.ctx)
+        estimate = estimate_memory(self.cfg, self.plan)
         self.memory_estimate_gb = estimate.total_bytes / 2**30
         lines.append(format_memory(estimate))
         for line in lines:
@@ -184,7 +181,7 @@ class Trainer:
         """Run until train.steps; returns the metrics records this rank logged."""
         cfg = self.cfg
         records: list[dict] = []
-        tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        tokens_per_step = self.plan.tokens_per_step
         window_start, window_steps = time.perf_counter(), 0
         for chunk in self.chunks:
             chunk.train()
@@ -193,8 +190,8 @@ class Trainer:
                 batches = self.train_data.next_step()
             else:  # middle pipeline stages need no tokens: keep the position, skip the read
                 self.train_data.skip_step()
-                batches = [{} for _ in range(self.micro_batches)]
-            loss = forward_backward(self, batches)
+                batches = [{} for _ in range(self.plan.num_microbatches)]
+            loss = forward_backward(self.chunks, batches, plan=self.plan, ctx=self.ctx, optimizer=self.optimizer)
             self.ckpt.before_update()  # an async checkpoint's snapshot ran under this forward/backward
             stats = self.optimizer.step(self.step)
             self._report_checkpoint()
@@ -208,7 +205,8 @@ class Trainer:
                 elapsed = (time.perf_counter() - window_start) / window_steps
                 rec = self._record(loss, stats, elapsed, tokens_per_step)
                 if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.valid_data:
-                    rec["val_loss"] = evaluate(self, self.valid_data, cfg.train.eval_iters)
+                    rec["val_loss"] = evaluate(self.chunks, self.valid_data, cfg.train.eval_iters, plan=self.plan,
+                                              ctx=self.ctx)
                 self.sink.write(rec)
                 self.sink.print(format_line(rec, cfg.train.steps, self.peak.source))
                 if len(records) == 0 and self.device.type == "cuda" and self.memory_estimate_gb:

@@ -39,8 +39,8 @@ from megascale.distributed import comm
 from megascale.distributed.context_parallel.ring import RingSpec, ring_attention, zigzag_positions
 from megascale.distributed.sequence import sdpa_attention
 from megascale.distributed.topology import ParallelContext
+from megascale.run_plan import check_context_parallel
 
-MODES = ("ulysses", "ring", "hybrid")
 # Batch entries laid out [b, s] that follow the tokens; every other key passes through.
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -68,40 +68,6 @@ class CPSettings:
     ring_ranks: tuple[int, ...]
 
 
-def _ulysses_size(cfg: Config, cp: int) -> int:
-    mode, requested = cfg.parallel.cp_mode, cfg.parallel.ulysses_size
-    if mode == "ulysses":
-        return cp
-    if mode == "ring":
-        return 1
-    if requested is None:
-        raise ConfigError(f"parallel.cp_mode=hybrid needs parallel.ulysses_size, a divisor of parallel.cp={cp} "
-                          "(ranks per Ulysses group; the rest of cp forms the ring)")
-    if requested < 1 or cp % requested:
-        raise ConfigError(f"parallel.ulysses_size={requested} must divide parallel.cp={cp}")
-    return requested
-
-
-def validate_cp(cfg: Config, cp: int, tp: int) -> int:
-    """Check the model against context parallelism of size cp; returns the Ulysses size."""
-    m, p = cfg.model, cfg.parallel
-    if p.cp_mode not in MODES:
-        raise ConfigError(f"parallel.cp_mode={p.cp_mode!r} must be one of {', '.join(MODES)}")
-    ulysses = _ulysses_size(cfg, cp)
-    heads = m.num_heads // tp
-    if heads % ulysses:
-        raise ConfigError(f"query heads per tp rank num_heads/tp = {m.num_heads}/{tp} = {heads} are not divisible by "
-                          f"the Ulysses size {ulysses}; use cp_mode=ring or hybrid with a parallel.ulysses_size "
-                          f"dividing {heads}")
-    if m.seq_length % (2 * cp):
-        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * cp} (zigzag split)")
-    if ulysses < cp and m.attention_dropout > 0:
-        raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with "
-                          f"parallel.cp_mode={p.cp_mode} (ring attention has no dropout); set it to 0 or use "
-                          "cp_mode=ulysses")
-    return ulysses
-
-
 def build_cp_settings(ctx: ParallelContext, cfg: Config) -> CPSettings:
     """Validate the config for context parallelism and build this rank's groups.
 
@@ -109,7 +75,7 @@ def build_cp_settings(ctx: ParallelContext, cfg: Config) -> CPSettings:
     only the two groups it belongs to.
     """
     cp = ctx.cp_size
-    ulysses = validate_cp(cfg, cp, ctx.tp_size)
+    ulysses = check_context_parallel(cfg, cp, ctx.tp_size)
     ring = cp // ulysses
     cp_ranks = ctx.ranks("cp")
     group = ctx.group("cp")

@@ -83,7 +83,8 @@ def resolve_schedule_name(name: str, vpp: int) -> str:
     return name
 
 
-def _validate(name: str, pp: int, vpp: int, num_microbatches: int) -> None:
+def validate_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> None:
+    """ConfigError unless schedule `name` can run pp ranks x vpp chunks over num_microbatches micro-batches."""
     if name not in SCHEDULES + (FORWARD_ONLY,):
         raise ConfigError(f"parallel.pipeline_schedule={name!r} is not one of auto, {', '.join(SCHEDULES)}")
     if pp < 1 or vpp < 1:
@@ -199,7 +200,7 @@ def plan_times(orders: list[list[Compute]], pp: int, t_fwd: int = 1, t_bwd: int 
 def build_all_schedules(name: str, pp: int, vpp: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """Action lists of every pipeline rank (cached: the trainer asks for the same one every step)."""
     name = resolve_schedule_name(name, vpp)
-    _validate(name, pp, vpp, num_microbatches)
+    validate_schedule(name, pp, vpp, num_microbatches)
     orders = [compute_order(name, pp, vpp, num_microbatches, r) for r in range(pp)]
     times = plan_times(orders, pp)
     stages = pp * vpp
@@ -256,4 +257,4 @@ def format_compute(schedules: list[list[Action]]) -> str:
 
 __all__ = ["FORWARD_ONLY", "Action", "ActionKind", "FORWARD", "BACKWARD", "SEND_FWD", "RECV_FWD", "SEND_BWD", "RECV_BWD",
            "SCHEDULES", "build_schedule", "build_all_schedules", "compute_order", "format_schedule",
-           "format_compute", "bubble_fraction", "resolve_schedule_name", "plan_times"]
+           "format_compute", "bubble_fraction", "resolve_schedule_name", "validate_schedule", "plan_times"]

@@ -1,0 +1,313 @@
+"""The run plan: every fact derived from (config, world size), resolved once.
+
+`resolve_plan(cfg, world_size)` is the one function that turns a config and a
+world size into the layout facts the rest of the code needs: data-parallel size,
+micro-batches per step, the layers of every (pipeline rank, virtual chunk), the
+concrete pipeline schedule, the Ulysses/ring split of context parallelism,
+whether sequence parallelism is in effect, the shape of the activations sent
+between pipeline stages and the torch dtypes of the run. It is also the one
+place that raises layout errors, each a `ConfigError` naming the key and the fix.
+
+It is pure arithmetic (no process groups, nothing from torch.distributed), so
+`megascale train --nproc N` resolves it before any worker starts (a layout error
+is one line, printed once) and every worker resolves it again from its own world
+size; the trainer, step, data loader, memory estimate, `megascale plan` and the
+benchmarks take the resulting `RunPlan` instead of re-deriving its parts.
+
+`check_layout(cfg)` is the world-size-free part; `load_config` runs it so those
+errors surface as soon as the file is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+
+from megascale.config import Config, ConfigError
+from megascale.distributed.pipeline.partition import gpt_stage_cost, stage_layer_counts
+from megascale.distributed.pipeline.schedules import resolve_schedule_name, validate_schedule
+
+CP_MODES = ("ulysses", "ring", "hybrid")
+AXES = ("tp", "cp", "dp", "pp")
+NO_PIPELINE = "none"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The torch dtypes one `train.dtype` setting stands for.
+
+    param_dtype: dtype the model parameters are built in.
+    compute_dtype: dtype of activations, including those sent between pipeline stages.
+    grad_reduce_dtype: dtype gradients accumulate and are reduced in (the data-parallel
+      grad buffers are fp32 whatever the model dtype, so 16-bit runs lose nothing).
+    master_weights: the optimizer keeps an fp32 master copy (16-bit parameters).
+    loss_scaling: fp16 needs a dynamic loss scale to keep small gradients representable.
+    """
+
+    name: str
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    grad_reduce_dtype: torch.dtype
+    master_weights: bool
+    loss_scaling: bool
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per parameter element."""
+        return torch.finfo(self.param_dtype).bits // 8
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per activation element."""
+        return torch.finfo(self.compute_dtype).bits // 8
+
+
+def _precision(name: str, dtype: torch.dtype) -> Precision:
+    return Precision(name=name, param_dtype=dtype, compute_dtype=dtype, grad_reduce_dtype=torch.float32,
+                     master_weights=dtype != torch.float32, loss_scaling=dtype == torch.float16)
+
+
+PRECISIONS: Mapping[str, Precision] = MappingProxyType({
+    "fp32": _precision("fp32", torch.float32),
+    "bf16": _precision("bf16", torch.bfloat16),
+    "fp16": _precision("fp16", torch.float16),
+})
+"""`train.dtype` (and every `--dtype` flag) -> its dtypes; the one such map in the project."""
+
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({name: p.param_dtype for name, p in PRECISIONS.items()})
+"""`fp32|bf16|fp16` -> torch dtype (the parameter/compute dtype of that precision)."""
+
+
+def precision_of(name: str) -> Precision:
+    """The Precision of a `train.dtype` value; ConfigError naming the choices otherwise."""
+    if name not in PRECISIONS:
+        raise ConfigError(f"train.dtype={name!r} is not one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every layout fact of one run, derived from the config and the world size by `resolve_plan`.
+
+    Sizes: world_size = tp * pp * dp * cp; vpp model chunks per pipeline rank; order
+    is the rank order (fastest axis first); zero is the ZeRO stage (0 or 1).
+    """
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    vpp: int
+    order: str
+    zero: int
+    sequence_parallel: bool
+    """Norms, dropout and residuals are sharded over the sequence inside tp groups
+    (parallel.sequence_parallel and tp > 1)."""
+    cp_mode: str
+    ulysses_size: int
+    """Ranks of each Ulysses (all-to-all) sub-group of cp: cp for ulysses, 1 for ring."""
+    ring_size: int
+    """Ranks of each ring of cp: cp // ulysses_size."""
+    seq_length: int
+    global_batch_size: int
+    micro_batch_size: int
+    num_microbatches: int
+    """Micro-batches per rank per optimizer step: global_batch_size / (micro_batch_size * dp)."""
+    schedule: str
+    """Concrete pipeline schedule (1f1b, interleaved, gpipe), or 'none' without pipelining (pp = 1)."""
+    layer_split: str
+    """How the layers were cut over the pipeline stages: uniform, explicit or auto."""
+    stage_layer_counts: tuple[int, ...]
+    """Layers of every global stage (pp * vpp of them); chunk v of rank r is global stage v * pp + r."""
+    activation_shape: tuple[int, int, int]
+    """Tensor sent between pipeline stages: [seq / cp (/ tp with sequence parallelism), micro-batch, hidden]."""
+    precision: Precision
+
+    @property
+    def num_stages(self) -> int:
+        """Global pipeline stages: pp * vpp."""
+        return self.pp * self.vpp
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def local_seq_length(self) -> int:
+        """Tokens of each sequence held by one context-parallel rank."""
+        return self.seq_length // self.cp
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one global batch."""
+        return self.global_batch_size * self.seq_length
+
+    @property
+    def loss_scale_per_token(self) -> float:
+        """1 / tokens of the global batch: micro-batch losses then sum to the global mean loss."""
+        return 1.0 / self.tokens_per_step
+
+    def global_stage(self, pp_rank: int, chunk: int) -> int:
+        """Global stage of local chunk `chunk` on pipeline rank `pp_rank` (Megatron interleaving)."""
+        return chunk * self.pp + pp_rank
+
+    def chunk_layers(self, pp_rank: int) -> list[list[int]]:
+        """Global layer ids of each model chunk of pipeline rank `pp_rank`, in virtual-stage order."""
+        if not 0 <= pp_rank < self.pp:
+            raise ValueError(f"pipeline rank {pp_rank} is outside pp={self.pp}")
+        starts = [0]
+        for count in self.stage_layer_counts:
+            starts.append(starts[-1] + count)
+        stages = (self.global_stage(pp_rank, v) for v in range(self.vpp))
+        return [list(range(starts[s], starts[s + 1])) for s in stages]
+
+    @property
+    def rank_layer_counts(self) -> tuple[int, ...]:
+        """Layers held by each pipeline rank, all of its chunks together."""
+        return tuple(sum(self.stage_layer_counts[self.global_stage(r, v)] for v in range(self.vpp))
+                     for r in range(self.pp))
+
+    def describe(self) -> str:
+        """One line for logs: the layout, micro-batches and schedule."""
+        cp = f" x cp {self.cp} ({self.cp_mode})" if self.cp > 1 else ""
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        pipe = f", {self.schedule} schedule, layers per stage {list(self.stage_layer_counts)}" if self.pp > 1 else ""
+        return (f"tp {self.tp} x pp {self.pp} (vpp {self.vpp}){cp} x dp {self.dp} = {self.world_size} ranks{sp}, "
+                f"zero {self.zero}, {self.num_microbatches} micro-batches/step{pipe}, {self.precision.name}")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_order(order: str) -> tuple[str, ...]:
+    """The axes of a parallel.order string, fastest first; ConfigError unless each axis appears once."""
+    axes = tuple(part.strip() for part in order.split("-"))
+    if sorted(axes) != sorted(AXES):
+        raise ConfigError(f"parallel.order={order!r} must name each of tp, cp, dp, pp exactly once, "
+                          f"e.g. 'tp-cp-dp-pp'")
+    return axes
+
+
+def check_context_parallel(cfg: Config, cp: int, tp: int) -> int:
+    """Check the model against context parallelism of size cp; returns the Ulysses size."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp_mode not in CP_MODES:
+        raise ConfigError(f"parallel.cp_mode={p.cp_mode!r} must be one of {', '.join(CP_MODES)}")
+    ulysses = _ulysses_size(cfg, cp)
+    heads = m.num_heads // tp
+    if heads % ulysses:
+        raise ConfigError(f"query heads per tp rank num_heads/tp = {m.num_heads}/{tp} = {heads} are not divisible by "
+                          f"the Ulysses size {ulysses}; use cp_mode=ring or hybrid with a parallel.ulysses_size "
+                          f"dividing {heads}")
+    if m.seq_length % (2 * cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * cp} (zigzag split)")
+    if ulysses < cp and m.attention_dropout > 0:
+        raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with "
+                          f"parallel.cp_mode={p.cp_mode} (ring attention has no dropout); set it to 0 or use "
+                          "cp_mode=ulysses")
+    return ulysses
+
+
+def _ulysses_size(cfg: Config, cp: int) -> int:
+    mode, requested = cfg.parallel.cp_mode, cfg.parallel.ulysses_size
+    if mode == "ulysses":
+        return cp
+    if mode == "ring":
+        return 1
+    if requested is None:
+        raise ConfigError(f"parallel.cp_mode=hybrid needs parallel.ulysses_size, a divisor of parallel.cp={cp} "
+                          "(ranks per Ulysses group; the rest of cp forms the ring)")
+    if requested < 1 or cp % requested:
+        raise ConfigError(f"parallel.ulysses_size={requested} must divide parallel.cp={cp}")
+    return requested
+
+
+def check_layout(cfg: Config) -> int:
+    """Layout checks that need no world size (tp, sequence and context parallelism); returns the Ulysses size."""
+    m, p = cfg.model, cfg.parallel
+    check_order(p.order)
+    if p.tp > 1:
+        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
+                           ("model.ffn_hidden_size", m.ffn_size)):
+            if value % p.tp:
+                raise ConfigError(f"{key}={value} is not divisible by parallel.tp={p.tp}; choose tp dividing it")
+        if m.padded_vocab_size % p.tp:
+            raise ConfigError(f"padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}; "
+                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
+    if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
+                          "with parallel.sequence_parallel")
+    return check_context_parallel(cfg, p.cp, p.tp) if p.cp > 1 else 1
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """parallel.dp, or world_size / (tp*pp*cp) when it is left out; ConfigError when they do not fit."""
+    p = cfg.parallel
+    mp = p.tp * p.pp * p.cp
+    if p.dp is None:
+        if world_size % mp:
+            raise ConfigError(f"tp {p.tp} * pp {p.pp} * cp {p.cp} = {mp} does not divide world size {world_size}; "
+                              f"launch a multiple of {mp} ranks or change parallel.tp/pp/cp")
+        return world_size // mp
+    if mp * p.dp != world_size:
+        raise ConfigError(f"tp {p.tp} * pp {p.pp} * cp {p.cp} * dp {p.dp} = {mp * p.dp} != world size {world_size}; "
+                          f"launch {mp * p.dp} ranks (--nproc {mp * p.dp}) or leave parallel.dp out")
+    return p.dp
+
+
+def microbatches_per_step(cfg: Config, dp: int) -> int:
+    """Gradient-accumulation steps; ConfigError unless the global batch splits evenly over dp ranks."""
+    t = cfg.train
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"micro_batch_size {t.micro_batch_size} * dp {dp} = {per_step}")
+    return t.global_batch_size // per_step
+
+
+def _split_kind(split: object) -> str:
+    if split is None:
+        return "uniform"
+    if isinstance(split, str) or (isinstance(split, list) and len(split) == 1 and isinstance(split[0], str)
+                                  and split[0].strip().lower() == "auto"):
+        return "auto"
+    return "explicit"
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
+    """The run plan of cfg on world_size ranks; raises ConfigError naming the key and the fix."""
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} must be >= 1")
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    ulysses = check_layout(cfg)
+    dp = data_parallel_size(cfg, world_size)
+    micro = microbatches_per_step(cfg, dp)
+    # The partition checks pp/vpp first ("vpp > 1 needs pp > 1") and then the cut itself.
+    counts = stage_layer_counts(m.num_layers, p.pp, p.vpp, p.pipeline_layers, cost=gpt_stage_cost(m))
+    schedule = NO_PIPELINE
+    if p.pp > 1:
+        schedule = resolve_schedule_name(p.pipeline_schedule, p.vpp)
+        validate_schedule(schedule, p.pp, p.vpp, micro)
+    sequence_parallel = p.sequence_parallel and p.tp > 1
+    local_seq = m.seq_length // p.cp
+    return RunPlan(
+        world_size=world_size, tp=p.tp, pp=p.pp, dp=dp, cp=p.cp, vpp=p.vpp, order=p.order, zero=p.zero,
+        sequence_parallel=sequence_parallel, cp_mode=p.cp_mode, ulysses_size=ulysses, ring_size=p.cp // ulysses,
+        seq_length=m.seq_length, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+        num_microbatches=micro, schedule=schedule, layer_split=_split_kind(p.pipeline_layers),
+        stage_layer_counts=tuple(counts),
+        activation_shape=(local_seq // p.tp if sequence_parallel else local_seq, t.micro_batch_size, m.hidden_size),
+        precision=precision_of(t.dtype),
+    )
+
+
+__all__ = ["RunPlan", "Precision", "PRECISIONS", "DTYPES", "precision_of", "resolve_plan", "check_layout",
+           "check_context_parallel", "check_order", "data_parallel_size", "microbatches_per_step", "NO_PIPELINE"]
