@@ -79,7 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="message size of the bandwidth checks in MiB (default 64 on GPU, 1 on CPU)")
     parser.add_argument("--matmul-size", type=int, default=None,
                         help="side of the square matmul (default 8192 on GPU, 512 on CPU)")
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations per check (the median counts)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per check (the best counts)")
     parser.add_argument("--min-peak-fraction", type=float, default=0.4,
                         help="flag a GPU whose matmul reaches less than this fraction of its dense peak")
     parser.add_argument("--serial", choices=("auto", "yes", "no"), default="auto",

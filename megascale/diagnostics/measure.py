@@ -1,15 +1,15 @@
 """Measurements of one rank: matmul throughput and collective/point-to-point timings.
 
-Each function times an operation a few times after a warm-up and returns the
-median time, so one preempted iteration on a busy host does not decide the
-verdict. Bandwidths follow the nccl-tests convention ("bus bandwidth"): the
+Each function times an operation a few times after a warm-up and keeps the
+best (shortest) time: a rank or link that is persistently slow is slow in every
+iteration, while one preempted iteration on a busy host is noise that the best
+time discards (the same "best observed" rule as the MFU peak measurement). Bandwidths follow the nccl-tests convention ("bus bandwidth"): the
 rate one link would need for the collective to take the measured time, which
 makes groups of different sizes comparable.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -46,9 +46,9 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def median_time(op: Callable[[], Any], iters: int, warmup: int, sync: Callable[[], None],
-                slowdown: Slowdown = Slowdown()) -> float:
-    """Median seconds of ``op`` over ``iters`` timed runs after ``warmup`` untimed ones."""
+def best_time(op: Callable[[], Any], iters: int, warmup: int, sync: Callable[[], None],
+              slowdown: Slowdown = Slowdown()) -> float:
+    """Shortest seconds of ``op`` over ``iters`` timed runs after ``warmup`` untimed ones."""
     for _ in range(warmup):
         op()
     sync()
@@ -58,7 +58,7 @@ def median_time(op: Callable[[], Any], iters: int, warmup: int, sync: Callable[[
         op()
         sync()
         times.append(slowdown.apply(time.perf_counter() - start))
-    return statistics.median(times)
+    return min(times)
 
 
 def expected_peak_tflops(device: torch.device) -> tuple[str, Optional[float]]:
@@ -78,7 +78,7 @@ def matmul_tflops(device: torch.device, size: int, iters: int, warmup: int,
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    seconds = median_time(lambda: torch.matmul(a, b), iters, warmup, synchronizer(device), slowdown)
+    seconds = best_time(lambda: torch.matmul(a, b), iters, warmup, synchronizer(device), slowdown)
     return {"seconds": seconds, "tflops": 2 * size**3 / seconds / 1e12, "size": size, "dtype": str(dtype)}
 
 
@@ -88,21 +88,21 @@ def _buffer(numel: int, device: torch.device) -> torch.Tensor:
 
 def all_reduce_time(group: Any, nbytes: int, device: torch.device, iters: int, warmup: int,
                     slowdown: Slowdown = Slowdown()) -> dict:
-    """Median all-reduce time of an fp32 buffer of ``nbytes`` and its bus bandwidth."""
+    """Best all-reduce time of an fp32 buffer of ``nbytes`` and its bus bandwidth."""
     buf = _buffer(nbytes // 4, device)
     size = dist.get_world_size(group)
-    seconds = median_time(lambda: dist.all_reduce(buf, group=group), iters, warmup, synchronizer(device), slowdown)
+    seconds = best_time(lambda: dist.all_reduce(buf, group=group), iters, warmup, synchronizer(device), slowdown)
     nbytes = buf.numel() * 4
     return {"seconds": seconds, "bytes": nbytes, "busbw_gbps": nbytes / seconds * 2 * (size - 1) / size / 1e9}
 
 
 def all_gather_time(group: Any, nbytes: int, device: torch.device, iters: int, warmup: int,
                     slowdown: Slowdown = Slowdown()) -> dict:
-    """Median all-gather time producing ``nbytes`` in total (nbytes / size from each rank)."""
+    """Best all-gather time producing ``nbytes`` in total (nbytes / size from each rank)."""
     size = dist.get_world_size(group)
     shard = _buffer(nbytes // 4 // size, device)
     outputs = [torch.empty_like(shard) for _ in range(size)]
-    seconds = median_time(lambda: dist.all_gather(outputs, shard, group=group), iters, warmup,
+    seconds = best_time(lambda: dist.all_gather(outputs, shard, group=group), iters, warmup,
                           synchronizer(device), slowdown)
     total = shard.numel() * 4 * size
     return {"seconds": seconds, "bytes": total, "busbw_gbps": total / seconds * (size - 1) / size / 1e9}
@@ -110,9 +110,9 @@ def all_gather_time(group: Any, nbytes: int, device: torch.device, iters: int, w
 
 def latency_time(group: Any, device: torch.device, iters: int, warmup: int,
                  slowdown: Slowdown = Slowdown()) -> dict:
-    """Median time of a one-element all-reduce: the group's round-trip latency."""
+    """Best time of a one-element all-reduce: the group's round-trip latency."""
     buf = _buffer(1, device)
-    seconds = median_time(lambda: dist.all_reduce(buf, group=group), iters, warmup, synchronizer(device), slowdown)
+    seconds = best_time(lambda: dist.all_reduce(buf, group=group), iters, warmup, synchronizer(device), slowdown)
     return {"seconds": seconds, "latency_us": seconds * 1e6}
 
 
@@ -132,10 +132,10 @@ def ring_p2p_time(group: Any, members: list[int], rank: int, nbytes: int, device
         for request in requests:
             request.wait()
 
-    seconds = median_time(exchange, iters, warmup, synchronizer(device), slowdown)
+    seconds = best_time(exchange, iters, warmup, synchronizer(device), slowdown)
     nbytes = send.numel() * 4
     return {"seconds": seconds, "bytes": nbytes, "bw_gbps": nbytes / seconds / 1e9, "src": prev_rank, "dst": rank}
 
 
-__all__ = ["Slowdown", "median_time", "expected_peak_tflops", "matmul_tflops", "all_reduce_time",
+__all__ = ["Slowdown", "best_time", "expected_peak_tflops", "matmul_tflops", "all_reduce_time",
            "all_gather_time", "latency_time", "ring_p2p_time", "synchronizer"]
