@@ -3,9 +3,10 @@
 Each function times an operation a few times after a warm-up and keeps the
 best (shortest) time: a rank or link that is persistently slow is slow in every
 iteration, while one preempted iteration on a busy host is noise that the best
-time discards (the same "best observed" rule as the MFU peak measurement). Bandwidths follow the nccl-tests convention ("bus bandwidth"): the
-rate one link would need for the collective to take the measured time, which
-makes groups of different sizes comparable.
+time discards (the same "best observed" rule as the MFU peak measurement).
+Bandwidths follow the nccl-tests convention ("bus bandwidth"): the rate one
+link would need for the collective to take the measured time, which makes
+groups of different sizes comparable.
 """
 
 from __future__ import annotations
