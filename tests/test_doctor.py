@@ -179,6 +179,34 @@ def test_report_names_missing_and_timed_out_ranks():
     assert not report["healthy"]
 
 
+def test_timeout_record_marks_the_check_timed_out_and_the_rest_skipped():
+    from megascale.diagnostics.checks import RankRecord, timeout_record
+    from megascale.distributed.topology import ParallelContext
+
+    ctx = ParallelContext(RankLayout(tp=2, dp=2), rank=3, create_groups=False)
+    record = RankRecord(rank=3, host="h", device="cpu", coords=ctx.layout.coords(3), peak_tflops=None,
+                        results=[{"check": "matmul", "kind": None, "ranks": [3], "status": "ok", "tflops": 1.0}])
+    spec = CheckSpec("all_gather", "tp")
+    late = timeout_record(record, ctx, spec, "all_gather/tp [2, 3]")
+    assert late.done and not record.done and len(record.results) == 1  # the original is not touched
+    statuses = [(r["check"], r["kind"], r["status"]) for r in late.results]
+    assert statuses[1] == ("all_gather", "tp", "timeout") and late.results[1]["ranks"] == [2, 3]
+    assert statuses[2:] == [("latency", "tp", "skipped"), ("p2p", "tp", "skipped"), ("all_reduce", "dp", "skipped"),
+                            ("all_gather", "dp", "skipped"), ("latency", "dp", "skipped"), ("p2p", "dp", "skipped")]
+    in_barrier = timeout_record(record, ctx, spec, "all_gather/tp barrier")
+    assert in_barrier.results[1]["check"] == "barrier"
+
+
+def test_report_names_a_rank_that_exited_with_an_error_code():
+    layout = RankLayout(tp=2, dp=2)
+    records = {r: _record(r, layout, 1.0, {}) for r in range(4)}
+    records[1]["done"] = False
+    report = build_report(layout, records, threshold=0.2, min_peak_fraction=0.4, exit_codes={1: -9})
+    assert [f["message"] for f in report["findings"]] == ["rank 1 finish: missing (stopped before the end)",
+                                                          "rank 1 exit: error (exit code -9)"]
+    assert report["suspect_ranks"] == [1]
+
+
 # ----------------------------------------------------------------------------- command line
 
 def _doctor(*args: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
@@ -250,6 +278,22 @@ def test_four_ranks_tp2_slow_rank_drill(tmp_path):
     slow = {f["subject"] for f in report["findings"] if f["reason"] == "slow"}
     assert {"rank 3", "tp group [2, 3]", "dp group [1, 3]"} <= slow, proc.stdout
     assert "suspect ranks: 3" in proc.stdout and "rank 3 matmul" in proc.stdout
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank0_reports(tmp_path):
+    """`torchrun -m megascale.doctor`: every process is a rank, rank 0 collects the records and reports."""
+    json_path = tmp_path / "doctor.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "megascale.doctor", "--matmul-size", "128", "--iters", "3", "--size-mb", "0.25",
+                           "--slow-rank", "1", "--slow-factor", "5", "--json", str(json_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout + proc.stderr  # rank 0 exits 1: something is flagged
+    report = json.loads(json_path.read_text())
+    assert [row["rank"] for row in report["ranks"]] == [0, 1] and all(row["finished"] for row in report["ranks"])
+    assert report["suspect_ranks"] == [1] and "rank 1 matmul" in proc.stdout
+    assert proc.stdout.count("suspect ranks:") == 1  # one report, from rank 0
 
 
 def test_hung_rank_is_reported_and_the_doctor_finishes(tmp_path):

@@ -144,6 +144,9 @@ def build_report(layout: RankLayout, records: dict[int, Optional[dict]], thresho
                                       detail="published nothing" + (f"; exit code {code}" if code is not None else "")))
         elif not row["finished"]:
             primary.append(Finding(f"rank {rank}", "finish", "missing", (rank,), detail="stopped before the end"))
+        code = (exit_codes or {}).get(rank)
+        if records.get(rank) and code:  # died (killed, crashed) after publishing something
+            primary.append(Finding(f"rank {rank}", "exit", "error", (rank,), detail=f"exit code {code}"))
     flagged = {subject for finding in primary for subject in (finding.subject,)}
     for row in ranks:
         row["flagged"] = f"rank {row['rank']}" in flagged
