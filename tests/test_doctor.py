@@ -201,7 +201,8 @@ def test_report_names_a_rank_that_exited_with_an_error_code():
     layout = RankLayout(tp=2, dp=2)
     records = {r: _record(r, layout, 1.0, {}) for r in range(4)}
     records[1]["done"] = False
-    report = build_report(layout, records, threshold=0.2, min_peak_fraction=0.4, exit_codes={1: -9})
+    # rank 0 finished: its -15 is the launcher ending it after rank 1 failed, not a fault of its own
+    report = build_report(layout, records, threshold=0.2, min_peak_fraction=0.4, exit_codes={1: -9, 0: -15})
     assert [f["message"] for f in report["findings"]] == ["rank 1 finish: missing (stopped before the end)",
                                                           "rank 1 exit: error (exit code -9)"]
     assert report["suspect_ranks"] == [1]
@@ -308,3 +309,74 @@ def test_hung_rank_is_reported_and_the_doctor_finishes(tmp_path):
     assert row["all_reduce"]["status"] == "timeout" and "rank 1 timeout" in row["all_reduce"]["detail"]
     assert 1 in report["suspect_ranks"]
     assert "TIMEOUT" in proc.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of pid, from /proc (no psutil)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        kids = [child for child, parent in parents.items() if parent == current]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+@pytest.mark.slow
+def test_rank_stopped_from_outside_is_named_and_the_doctor_finishes(tmp_path):
+    """SIGSTOP rank 1 once it has started its checks: the launcher ends it and the report names it."""
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    json_path = tmp_path / "doctor.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "megascale.cli", "doctor", "--nproc", "2", "--timeout", "5",
+                             "--matmul-size", "256", "--iters", "100", "--size-mb", "0.25", "--json", str(json_path)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        worker, address = None, None
+        while worker is None and time.monotonic() < deadline and proc.poll() is None:
+            for pid in _children(proc.pid):
+                environ = _environ(pid)
+                if environ.get("RANK") == "1" and "MEGASCALE_DOCTOR_STORE" in environ:
+                    worker, address = pid, environ["MEGASCALE_DOCTOR_STORE"]
+            time.sleep(0.2)
+        assert worker is not None, "rank 1 never started"
+        host, port = address.rsplit(":", 1)
+        store = dist.PrefixStore("megascale-doctor/0/results",
+                                 dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60)))
+        # both ranks' first records: both are past start-up and into their checks
+        while not store.check(["rank/0", "rank/1"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(worker, signal.SIGSTOP)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stdout + stderr
+    report = json.loads(json_path.read_text())
+    by_subject = {(f["subject"], f["check"]): f for f in report["findings"]}
+    assert by_subject[("rank 1", "heartbeat")]["reason"] == "timeout"
+    assert "exit code -9" in by_subject[("rank 1", "exit")]["message"]
+    assert report["suspect_ranks"] == [1], report["findings"]
+    assert "rank 1 heartbeat: timeout" in stdout

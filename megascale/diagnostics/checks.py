@@ -95,11 +95,18 @@ class Deadline:
     publishes a ``timeout`` record through ``on_timeout`` and exits the process.
     It exits with status 0 on purpose: torch's elastic agent tears down every
     worker as soon as one fails, which would stop healthy ranks from reporting.
+    The thread also calls ``heartbeat`` about once a second, so whoever collects
+    the results can tell a rank that is busy from one that is frozen (stopped,
+    or stuck where no Python thread runs).
     """
 
-    def __init__(self, timeout_s: float, on_timeout: Callable[[CheckSpec, str], None]) -> None:
+    HEARTBEAT_S = 1.0
+
+    def __init__(self, timeout_s: float, on_timeout: Callable[[CheckSpec, str], None],
+                 heartbeat: Optional[Callable[[], None]] = None) -> None:
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
+        self.heartbeat = heartbeat
         self._lock = threading.Lock()
         self._label: Optional[str] = None
         self._spec = CheckSpec("matmul")
@@ -124,9 +131,17 @@ class Deadline:
         self._thread.join(timeout=1.0)
 
     def _watch(self) -> None:
+        last_beat = 0.0
         while not self._stop.wait(0.05):
+            now = time.monotonic()
+            if self.heartbeat is not None and now - last_beat >= self.HEARTBEAT_S:
+                last_beat = now
+                try:
+                    self.heartbeat()
+                except Exception:  # a missed beat only makes this rank look frozen for a moment
+                    pass
             with self._lock:
-                expired = self._label if self._label and time.monotonic() - self._started > self.timeout_s else None
+                expired = self._label if self._label and now - self._started > self.timeout_s else None
                 spec = self._spec
             if expired:
                 self.on_timeout(spec, expired)
@@ -145,11 +160,13 @@ class RankRecord:
     peak_tflops: Optional[float]
     results: list[dict] = field(default_factory=list)
     done: bool = False
+    pid: int = field(default_factory=os.getpid)
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
         return {"rank": self.rank, "host": self.host, "device": self.device, "coords": self.coords,
-                "peak_tflops": self.peak_tflops, "results": list(self.results), "done": self.done}
+                "peak_tflops": self.peak_tflops, "results": list(self.results), "done": self.done,
+                "pid": self.pid}
 
 
 def new_record(ctx: ParallelContext) -> RankRecord:

@@ -132,8 +132,13 @@ def _measurements(ranks: list[dict], groups: list[dict], links: list[dict],
 
 
 def build_report(layout: RankLayout, records: dict[int, Optional[dict]], threshold: float,
-                 min_peak_fraction: float, exit_codes: Optional[dict[int, int]] = None) -> dict:
-    """The whole verdict as a JSON-ready dict: rows, findings, suspect ranks and ``healthy``."""
+                 min_peak_fraction: float, exit_codes: Optional[dict[int, int]] = None,
+                 frozen: Optional[dict[int, float]] = None) -> dict:
+    """The whole verdict as a JSON-ready dict: rows, findings, suspect ranks and ``healthy``.
+
+    ``exit_codes`` are the non-zero exit codes of ranks (from the launcher);
+    ``frozen`` maps a rank the launcher had to end to its seconds without a heartbeat.
+    """
     ranks, groups, links = rank_rows(layout, records), group_rows(layout, records), link_rows(layout, records)
     findings = find_problems(_measurements(ranks, groups, links, records), threshold, min_peak_fraction)
     primary = [f for f in findings if f.reason != "skipped"] or findings  # skips follow from another failure
@@ -144,10 +149,15 @@ def build_report(layout: RankLayout, records: dict[int, Optional[dict]], thresho
                                       detail="published nothing" + (f"; exit code {code}" if code is not None else "")))
         elif not row["finished"]:
             primary.append(Finding(f"rank {rank}", "finish", "missing", (rank,), detail="stopped before the end"))
+        if rank in (frozen or {}):
+            primary.append(Finding(f"rank {rank}", "heartbeat", "timeout", (rank,),
+                                   detail=f"no heartbeat for {frozen[rank]:.0f} s (stopped or frozen); ended"))
         code = (exit_codes or {}).get(rank)
-        if records.get(rank) and code:  # died (killed, crashed) after publishing something
+        # A rank that died (killed, crashed) after publishing something; once a rank is done, an exit code
+        # is the launcher ending it because another rank failed, which says nothing about this one.
+        if records.get(rank) and code and not row["finished"]:
             primary.append(Finding(f"rank {rank}", "exit", "error", (rank,), detail=f"exit code {code}"))
-    flagged = {subject for finding in primary for subject in (finding.subject,)}
+    flagged = {finding.subject for finding in primary}
     for row in ranks:
         row["flagged"] = f"rank {row['rank']}" in flagged
     return {

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,19 +73,32 @@ def wait_for_records(store: Any, world_size: int, wait_s: float) -> dict[int, Op
         time.sleep(0.1)
 
 
-def _result_store(env_rank: int, world_size: int, timeout_s: float) -> tuple[Any, bool]:
-    """(store client, whether this process owns the report) for a rank of a multi-rank run."""
-    timeout = timedelta(seconds=max(timeout_s, 30.0))
+def _store_address() -> tuple[str, int, bool]:
+    """(host, port, launched by --nproc) of the store the results go to."""
     address = os.environ.get(STORE_ENV)
     if address:
         host, port = address.rsplit(":", 1)
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timeout), False
+        return host, int(port), True
     env = read_dist_env()
+    return env.master_addr, env.master_port, False
+
+
+def _result_store(env_rank: int, world_size: int, timeout_s: float) -> tuple[Any, bool]:
+    """(store, whether this process owns the report) for a rank of a multi-rank run."""
+    timeout = timedelta(seconds=max(timeout_s, 30.0))
+    host, port, launched = _store_address()
+    if launched:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout), False
     # torchrun may serve its own store on MASTER_PORT; then every rank is a client of it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(env.master_addr, env.master_port, world_size, is_master=env_rank == 0 and not agent_store,
+    store = dist.TCPStore(host, port, world_size, is_master=env_rank == 0 and not agent_store,
                           timeout=timeout, wait_for_workers=False)
     return store, env_rank == 0
+
+
+def _results_view(store: Any) -> Any:
+    """The results namespace of a store (one per elastic restart, so a restart never reads stale records)."""
+    return dist.PrefixStore(f"{STORE_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/results", store)
 
 
 def _init_group(store: Any, rank: int, world_size: int, local_rank: int, timeout_s: float) -> torch.device:
@@ -105,13 +120,18 @@ def run_rank(options: DoctorOptions, request: LayoutRequest) -> Optional[dict]:
         return run_single(options, request)
     layout = request.layout(env.world_size)
     base, owns_report = _result_store(env.rank, env.world_size, options.timeout_s)
-    results = dist.PrefixStore(f"{STORE_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/results", base)
+    results = _results_view(base)
+    # The watchdog thread gets a connection of its own: the main thread may be inside the store client.
+    host, port, _ = _store_address()
+    watch = _results_view(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)))
     device = _init_group(base, env.rank, env.world_size, env.local_rank, options.timeout_s)
     try:
         ctx = ParallelContext(layout, rank=env.rank, device=device)
         record = new_record(ctx)
         publish = _publisher(results)
-        deadline = Deadline(options.timeout_s, _on_timeout(ctx, record, results, base, options))
+        publish(record)
+        deadline = Deadline(options.timeout_s, _on_timeout(ctx, record, watch, options),
+                            heartbeat=lambda: watch.set(beat_key(env.rank), repr(time.time())))
         try:
             run_checks(ctx, options, record, publish, deadline)
         finally:
@@ -124,29 +144,24 @@ def run_rank(options: DoctorOptions, request: LayoutRequest) -> Optional[dict]:
         dist.destroy_process_group()
 
 
+def beat_key(rank: int) -> str:
+    """Store key of one rank's heartbeat."""
+    return f"beat/{rank}"
+
+
 def _publisher(store: Any) -> Callable[[RankRecord], None]:
     return lambda record: store.set(record_key(record.rank), json.dumps(record.to_dict()))
 
 
-def _on_timeout(ctx: ParallelContext, record: RankRecord, results: Any, base: Any,
+def _on_timeout(ctx: ParallelContext, record: RankRecord, watch: Any,
                 options: DoctorOptions) -> Callable[[CheckSpec, str], None]:
-    """What the deadline thread does: publish a timeout record through a connection of its own."""
+    """What the deadline thread does when a check makes no progress: publish a timeout record."""
 
     def on_timeout(spec: CheckSpec, label: str) -> None:
         print(f"megascale doctor: rank {ctx.rank}: {label} made no progress in {options.timeout_s:g} s; "
               f"reporting a timeout and leaving", file=sys.stderr)
         try:
-            # The main thread may be inside the store client: this thread uses its own connection.
-            address = os.environ.get(STORE_ENV)
-            if address:
-                host, port = address.rsplit(":", 1)
-            else:
-                env = read_dist_env()
-                host, port = env.master_addr, str(env.master_port)
-            own = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-            prefix = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            store = dist.PrefixStore(f"{STORE_PREFIX}/{prefix}/results", own)
-            _publisher(store)(timeout_record(record, ctx, spec, label))
+            _publisher(watch)(timeout_record(record, ctx, spec, label))
         except Exception as err:  # the report then shows this rank as not finished
             print(f"megascale doctor: rank {ctx.rank}: could not publish the timeout: {err}", file=sys.stderr)
 
@@ -160,6 +175,62 @@ def run_single(options: DoctorOptions, request: LayoutRequest) -> dict:
     ctx = ParallelContext(layout, rank=0, device=device, create_groups=False)
     record = run_checks(ctx, options, new_record(ctx), lambda _record: None)
     return build_report(layout, {0: record.to_dict()}, options.threshold, options.min_peak_fraction)
+
+
+class FrozenRankReaper:
+    """Thread of the --nproc launcher that ends ranks whose heartbeat stopped while others finished.
+
+    A rank that is stopped (SIGSTOP, a debugger) or frozen where no Python thread
+    runs cannot time itself out, and torch's elastic agent would wait for it
+    forever. Once every rank is either done or has sent no heartbeat for
+    ``stale_s``, the frozen ones are killed by pid; the agent then returns and
+    the report names them.
+    """
+
+    def __init__(self, results: Any, nproc: int, stale_s: float) -> None:
+        self.results = results
+        self.nproc = nproc
+        self.stale_s = stale_s
+        self.killed: dict[int, float] = {}  # rank -> seconds without a heartbeat when it was killed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="doctor-reaper", daemon=True)
+
+    def __enter__(self) -> "FrozenRankReaper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        seen: dict[int, tuple[Any, float]] = {}
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
+            records = read_records(self.results, self.nproc)
+            for rank in range(self.nproc):
+                key = beat_key(rank)
+                # A new record counts as a sign of life too: it comes before the first heartbeat.
+                activity = (self.results.get(key) if self.results.check([key]) else b"", json.dumps(records[rank]))
+                if rank not in seen or seen[rank][0] != activity:
+                    seen[rank] = (activity, now)
+            silent = {rank: now - seen[rank][1] for rank in range(self.nproc)}
+            frozen = [rank for rank, record in records.items() if record and not record.get("done")
+                      and silent[rank] > self.stale_s and rank not in self.killed]
+            waiting = [rank for rank, record in records.items() if not (record and record.get("done"))
+                       and silent[rank] <= self.stale_s]
+            if frozen and not waiting:
+                for rank in frozen:
+                    self._kill(rank, int(records[rank]["pid"]), silent[rank])
+
+    def _kill(self, rank: int, pid: int, silent_s: float) -> None:
+        print(f"megascale doctor: rank {rank} (pid {pid}) sent no heartbeat for {silent_s:.0f} s while the "
+              f"others finished: ending it", file=sys.stderr)
+        self.killed[rank] = silent_s
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def launch_local(worker_argv: list[str], nproc: int, options: DoctorOptions, request: LayoutRequest) -> dict:
@@ -176,8 +247,11 @@ def launch_local(worker_argv: list[str], nproc: int, options: DoctorOptions, req
     os.environ[STORE_ENV] = f"127.0.0.1:{store.port}"
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per launch: no stale keys
     exit_codes: dict[int, int] = {}
+    results = dist.PrefixStore(f"{STORE_PREFIX}/0/results", store)
+    reaper = FrozenRankReaper(results, nproc, stale_s=max(10.0, min(options.timeout_s, 30.0)))
     try:
-        run(launcher)
+        with reaper:
+            run(launcher)
     except ChildFailedError as err:
         exit_codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
     finally:
@@ -186,10 +260,9 @@ def launch_local(worker_argv: list[str], nproc: int, options: DoctorOptions, req
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    results = dist.PrefixStore(f"{STORE_PREFIX}/0/results", store)
     return build_report(layout, read_records(results, nproc), options.threshold, options.min_peak_fraction,
-                        exit_codes)
+                        exit_codes, frozen=reaper.killed)
 
 
 __all__ = ["LayoutRequest", "run_rank", "run_single", "launch_local", "read_records", "wait_for_records",
-           "STORE_ENV"]
+           "STORE_ENV", "FrozenRankReaper", "beat_key"]
