@@ -214,20 +214,21 @@ def run_checks(ctx: ParallelContext, options: DoctorOptions, record: RankRecord,
     serial = options.is_serial(ctx.device) and ctx.world_size > 1
     for position, spec in enumerate(specs):
         units = _units(spec, ctx.layout)
-        measured = False
+        in_barrier = False
         try:
             for index, members in enumerate(units):
+                in_barrier = False
                 if ctx.rank in members:
                     if deadline is not None:
                         deadline.arm(spec, f"{spec.label} {members}")
                     values = _measure(spec, ctx, members, options)
                     record.results.append(_result(spec, members, "ok", **values))
-                    measured = True
                 if serial or index == len(units) - 1:
+                    in_barrier = True
                     _barrier(ctx, deadline, spec)
         except Exception as err:  # any failure ends this rank's checks; the report names it
-            # A failure after this rank's own measurement was in the barrier that follows it.
-            failed = CheckSpec("barrier", spec.kind) if measured else spec
+            # A barrier failure means some other rank did not arrive, not that this rank's measurement broke.
+            failed = CheckSpec("barrier", spec.kind) if in_barrier else spec
             record.results.append(_result(failed, _my_members(spec, ctx), "error",
                                           error=f"{type(err).__name__}: {err}".strip()[:500]))
             record.results += [_result(later, _my_members(later, ctx), "skipped") for later in specs[position + 1:]]

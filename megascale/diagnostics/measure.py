@@ -129,8 +129,9 @@ def ring_p2p_time(group: Any, members: list[int], rank: int, nbytes: int, device
     send, recv = _buffer(nbytes // 4, device), _buffer(nbytes // 4, device)
 
     def exchange() -> None:
-        requests = [dist.isend(send, next_rank, group=group), dist.irecv(recv, prev_rank, group=group)]
-        for request in requests:
+        # Batched so NCCL posts both in one group: a lone send to a peer that is itself sending can deadlock.
+        ops = [dist.P2POp(dist.isend, send, next_rank, group), dist.P2POp(dist.irecv, recv, prev_rank, group)]
+        for request in dist.batch_isend_irecv(ops):
             request.wait()
 
     seconds = best_time(exchange, iters, warmup, synchronizer(device), slowdown)
