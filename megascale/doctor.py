@@ -155,7 +155,7 @@ def main(argv: list[str]) -> int:
         if read_dist_env().world_size <= 1:
             _print_environment()
             print()
-        report = run_rank(options, request)
+        report = run_rank(options, request, on_report=lambda late: _finish(late, args.json))
     except LayoutError as err:
         raise UserError(f"{err} (--tp/--pp/--cp)") from None
     if report is None:  # a rank that is not the one reporting

@@ -297,6 +297,22 @@ def test_under_torchrun_rank0_reports(tmp_path):
     assert proc.stdout.count("suspect ranks:") == 1  # one report, from rank 0
 
 
+@pytest.mark.slow
+def test_under_torchrun_a_hung_rank0_still_reports(tmp_path):
+    """Rank 0 owns the report under torchrun: when its own check times out it still reports, exit 1."""
+    json_path = tmp_path / "doctor.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "megascale.doctor", "--matmul-size", "128", "--iters", "3", "--size-mb", "0.25",
+                           "--hang-rank", "0", "--timeout", "5", "--json", str(json_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    report = json.loads(json_path.read_text())
+    row = report["groups"][0]
+    assert row["all_reduce"]["status"] == "timeout" and "rank 0 timeout" in row["all_reduce"]["detail"], row
+    assert 0 in report["suspect_ranks"] and "TIMEOUT" in proc.stdout
+
+
 def test_hung_rank_is_reported_and_the_doctor_finishes(tmp_path):
     """Rank 1 never joins its first collective: its timeout is reported, the doctor ends, exit 1."""
     json_path = tmp_path / "doctor.json"

@@ -92,9 +92,10 @@ class Deadline:
     """Watchdog thread: if one unit of a check outlives the timeout, report it and end this rank.
 
     A rank stuck in a collective cannot be interrupted from Python, so the thread
-    publishes a ``timeout`` record through ``on_timeout`` and exits the process.
-    It exits with status 0 on purpose: torch's elastic agent tears down every
-    worker as soon as one fails, which would stop healthy ranks from reporting.
+    publishes a ``timeout`` record through ``on_timeout`` and exits the process
+    with the status ``on_timeout`` returns. That is 0 for a rank that does not
+    report, on purpose: torch's elastic agent tears down every worker as soon as
+    one fails, which would stop healthy ranks from reporting.
     The thread also calls ``heartbeat`` about once a second, so whoever collects
     the results can tell a rank that is busy from one that is frozen (stopped,
     or stuck where no Python thread runs).
@@ -102,7 +103,7 @@ class Deadline:
 
     HEARTBEAT_S = 1.0
 
-    def __init__(self, timeout_s: float, on_timeout: Callable[[CheckSpec, str], None],
+    def __init__(self, timeout_s: float, on_timeout: Callable[[CheckSpec, str], Optional[int]],
                  heartbeat: Optional[Callable[[], None]] = None) -> None:
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
@@ -144,9 +145,10 @@ class Deadline:
                 expired = self._label if self._label and now - self._started > self.timeout_s else None
                 spec = self._spec
             if expired:
-                self.on_timeout(spec, expired)
+                code = self.on_timeout(spec, expired)
+                sys.stdout.flush()
                 sys.stderr.flush()
-                os._exit(0)
+                os._exit(code or 0)
 
 
 @dataclass

@@ -113,8 +113,13 @@ def _init_group(store: Any, rank: int, world_size: int, local_rank: int, timeout
     return device
 
 
-def run_rank(options: DoctorOptions, request: LayoutRequest) -> Optional[dict]:
-    """Run the checks as this process's rank; returns the report where this process owns it, else None."""
+def run_rank(options: DoctorOptions, request: LayoutRequest,
+             on_report: Optional[Callable[[dict], int]] = None) -> Optional[dict]:
+    """Run the checks as this process's rank; returns the report where this process owns it, else None.
+
+    ``on_report`` prints a report and returns the exit code; the rank that owns
+    the report calls it itself if its own checks time out, before it leaves.
+    """
     env = read_dist_env()
     if env.world_size <= 1:
         return run_single(options, request)
@@ -130,7 +135,8 @@ def run_rank(options: DoctorOptions, request: LayoutRequest) -> Optional[dict]:
         record = new_record(ctx)
         publish = _publisher(results)
         publish(record)
-        deadline = Deadline(options.timeout_s, _on_timeout(ctx, record, watch, options),
+        finish = _late_report(watch, layout, options, on_report) if owns_report and on_report else None
+        deadline = Deadline(options.timeout_s, _on_timeout(ctx, record, watch, options, finish),
                             heartbeat=lambda: watch.set(beat_key(env.rank), repr(time.time())))
         try:
             run_checks(ctx, options, record, publish, deadline)
@@ -153,17 +159,29 @@ def _publisher(store: Any) -> Callable[[RankRecord], None]:
     return lambda record: store.set(record_key(record.rank), json.dumps(record.to_dict()))
 
 
-def _on_timeout(ctx: ParallelContext, record: RankRecord, watch: Any,
-                options: DoctorOptions) -> Callable[[CheckSpec, str], None]:
-    """What the deadline thread does when a check makes no progress: publish a timeout record."""
+def _late_report(watch: Any, layout: RankLayout, options: DoctorOptions,
+                 on_report: Callable[[dict], int]) -> Callable[[], int]:
+    """The reporting rank's last act after its own check timed out: report what everyone published."""
 
-    def on_timeout(spec: CheckSpec, label: str) -> None:
+    def finish() -> int:
+        records = wait_for_records(watch, layout.world_size, options.timeout_s + 10.0)
+        return on_report(build_report(layout, records, options.threshold, options.min_peak_fraction))
+
+    return finish
+
+
+def _on_timeout(ctx: ParallelContext, record: RankRecord, watch: Any, options: DoctorOptions,
+                finish: Optional[Callable[[], int]] = None) -> Callable[[CheckSpec, str], int]:
+    """What the deadline thread does when a check makes no progress: publish a timeout record (and report)."""
+
+    def on_timeout(spec: CheckSpec, label: str) -> int:
         print(f"megascale doctor: rank {ctx.rank}: {label} made no progress in {options.timeout_s:g} s; "
               f"reporting a timeout and leaving", file=sys.stderr)
         try:
             _publisher(watch)(timeout_record(record, ctx, spec, label))
         except Exception as err:  # the report then shows this rank as not finished
             print(f"megascale doctor: rank {ctx.rank}: could not publish the timeout: {err}", file=sys.stderr)
+        return finish() if finish is not None else 0
 
     return on_timeout
 
