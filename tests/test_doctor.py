@@ -179,6 +179,25 @@ def test_report_names_missing_and_timed_out_ranks():
     assert not report["healthy"]
 
 
+def test_a_failed_group_blames_the_rank_that_never_arrived():
+    layout = RankLayout(tp=2, dp=2)
+    records = {r: _record(r, layout, 1.0, {}) for r in range(4)}
+    waited = {"status": "timeout", "arrived": True, "error": "no progress in all_reduce/tp [2, 3]"}
+    absent = {"status": "timeout", "arrived": False, "error": "never arrived at all_reduce/tp [2, 3]"}
+    for rank, failure in ((2, waited), (3, absent)):
+        for result in records[rank]["results"]:
+            if result["kind"] == "tp" and result["check"] == "all_reduce":
+                result.update(failure)
+                result.pop("seconds")
+    report = build_report(layout, records, threshold=0.2, min_peak_fraction=0.4)
+    finding = next(f for f in report["findings"] if f["subject"] == "tp group [2, 3]")
+    assert finding["reason"] == "timeout" and finding["ranks"] == [3]
+    assert report["suspect_ranks"] == [3]
+    records[3]["results"][1]["arrived"] = True  # both waited inside: the group is to blame, not one rank
+    report = build_report(layout, records, threshold=0.2, min_peak_fraction=0.4)
+    assert report["suspect_ranks"] == [2, 3]
+
+
 def test_timeout_record_marks_the_check_timed_out_and_the_rest_skipped():
     from megascale.diagnostics.checks import RankRecord, timeout_record
     from megascale.distributed.topology import ParallelContext
@@ -193,8 +212,12 @@ def test_timeout_record_marks_the_check_timed_out_and_the_rest_skipped():
     assert statuses[1] == ("all_gather", "tp", "timeout") and late.results[1]["ranks"] == [2, 3]
     assert statuses[2:] == [("latency", "tp", "skipped"), ("p2p", "tp", "skipped"), ("all_reduce", "dp", "skipped"),
                             ("all_gather", "dp", "skipped"), ("latency", "dp", "skipped"), ("p2p", "dp", "skipped")]
+    assert late.results[1]["arrived"] is True
     in_barrier = timeout_record(record, ctx, spec, "all_gather/tp barrier")
     assert in_barrier.results[1]["check"] == "barrier"
+    absent = timeout_record(record, ctx, spec, "all_gather/tp [2, 3] (not arrived)")
+    assert absent.results[1]["arrived"] is False
+    assert absent.results[1]["error"] == "never arrived at all_gather/tp [2, 3] within the check timeout"
 
 
 def test_report_names_a_rank_that_exited_with_an_error_code():
@@ -310,7 +333,7 @@ def test_under_torchrun_a_hung_rank0_still_reports(tmp_path):
     report = json.loads(json_path.read_text())
     row = report["groups"][0]
     assert row["all_reduce"]["status"] == "timeout" and "rank 0 timeout" in row["all_reduce"]["detail"], row
-    assert 0 in report["suspect_ranks"] and "TIMEOUT" in proc.stdout
+    assert report["suspect_ranks"] == [0] and "TIMEOUT" in proc.stdout, report["findings"]
 
 
 def test_hung_rank_is_reported_and_the_doctor_finishes(tmp_path):
@@ -323,7 +346,8 @@ def test_hung_rank_is_reported_and_the_doctor_finishes(tmp_path):
     assert [row["status"] for row in report["ranks"]] == ["ok", "ok"]  # both matmuls ran
     row = report["groups"][0]
     assert row["all_reduce"]["status"] == "timeout" and "rank 1 timeout" in row["all_reduce"]["detail"]
-    assert 1 in report["suspect_ranks"]
+    assert "rank 1 timeout: never arrived at all_reduce/dp [0, 1]" in row["all_reduce"]["detail"]
+    assert report["suspect_ranks"] == [1], report["findings"]  # rank 0 only waited for it
     assert "TIMEOUT" in proc.stdout
 
 

@@ -30,6 +30,9 @@ from megascale.diagnostics import measure
 from megascale.distributed.topology import AXES, GROUP_AXES, ParallelContext, RankLayout
 
 GROUP_CHECKS = ("all_reduce", "all_gather", "latency", "p2p")
+# Deadline label suffix of a rank that timed out before it reached a collective: it, not the peers
+# waiting inside the collective for it, is the one to blame.
+NOT_ARRIVED = "(not arrived)"
 
 
 @dataclass(frozen=True)
@@ -187,9 +190,6 @@ def _units(spec: CheckSpec, layout: RankLayout) -> list[list[int]]:
 def _measure(spec: CheckSpec, ctx: ParallelContext, members: list[int], options: DoctorOptions) -> dict:
     device, iters, warmup = ctx.device, options.iters, options.warmup
     slowdown = options.slowdown(ctx.rank)
-    if options.hang_rank == ctx.rank and spec.kind is not None:
-        while True:  # drill: this rank never joins its first collective; its deadline reports it
-            time.sleep(1.0)
     if spec.name == "matmul":
         return measure.matmul_tflops(device, options.matmul_dim(device), iters, warmup, slowdown)
     group = ctx.group(spec.kind)
@@ -221,6 +221,8 @@ def run_checks(ctx: ParallelContext, options: DoctorOptions, record: RankRecord,
             for index, members in enumerate(units):
                 in_barrier = False
                 if ctx.rank in members:
+                    if options.hang_rank == ctx.rank and spec.kind is not None:
+                        _hang(spec, members, deadline)
                     if deadline is not None:
                         deadline.arm(spec, f"{spec.label} {members}")
                     values = _measure(spec, ctx, members, options)
@@ -246,6 +248,14 @@ def run_checks(ctx: ParallelContext, options: DoctorOptions, record: RankRecord,
     return record
 
 
+def _hang(spec: CheckSpec, members: list[int], deadline: Optional[Deadline]) -> None:
+    """Drill: never arrive at this collective (as a rank stuck before it would); the deadline reports it."""
+    if deadline is not None:
+        deadline.arm(spec, f"{spec.label} {members} {NOT_ARRIVED}")
+    while True:
+        time.sleep(1.0)
+
+
 def _barrier(ctx: ParallelContext, deadline: Optional[Deadline], spec: CheckSpec) -> None:
     if ctx.world_size <= 1:
         return
@@ -263,9 +273,11 @@ def timeout_record(record: RankRecord, ctx: ParallelContext, spec: CheckSpec, la
     specs = plan_checks(ctx.layout)
     in_barrier = label.endswith("barrier")
     failed = CheckSpec("barrier", spec.kind) if in_barrier else spec
+    arrived = not label.endswith(NOT_ARRIVED)
+    where = f"never arrived at {label.removesuffix(NOT_ARRIVED).strip()}" if not arrived else f"no progress in {label}"
     result = RankRecord(**{**record.__dict__, "results": list(record.results)})
-    result.results.append(_result(failed, _my_members(spec, ctx), "timeout",
-                                  error=f"no progress in {label} within the check timeout"))
+    result.results.append(_result(failed, _my_members(spec, ctx), "timeout", arrived=arrived,
+                                  error=f"{where} within the check timeout"))
     result.results += [_result(later, _my_members(later, ctx), "skipped") for later in specs[specs.index(spec) + 1:]]
     result.done = True
     return result

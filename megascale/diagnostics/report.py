@@ -32,9 +32,14 @@ def _find(record: Optional[dict], check: str, kind: Optional[str], ranks: list[i
 
 
 def _combine(records: dict[int, Optional[dict]], members: list[int], check: str, kind: Optional[str],
-             measured_by: Optional[list[int]] = None) -> tuple[str, str, list[dict]]:
-    """(status, detail, ok results) of one unit over the ranks that measure it."""
+             measured_by: Optional[list[int]] = None) -> tuple[str, str, list[dict], list[int]]:
+    """(status, detail, ok results, culprit ranks) of one unit over the ranks that measure it.
+
+    The culprits are the ranks with the worst status; among ranks that timed
+    out, those that never arrived at the collective (the others waited for them).
+    """
     statuses: dict[int, tuple[str, str]] = {}
+    absent: set[int] = set()
     oks: list[dict] = []
     for rank in measured_by or members:
         result = _find(records.get(rank), check, kind, members)
@@ -42,14 +47,17 @@ def _combine(records: dict[int, Optional[dict]], members: list[int], check: str,
             statuses[rank] = ("missing", "no result")
         elif result["status"] != OK:
             statuses[rank] = (result["status"], result.get("error", ""))
+            if result.get("arrived") is False:
+                absent.add(rank)
         else:
             oks.append(result)
     if not statuses:
-        return OK, "", oks
+        return OK, "", oks, []
     worst = min((status for status, _ in statuses.values()), key=STATUS_ORDER.index)
     detail = "; ".join(f"rank {rank} {status}" + (f": {why}" if why and status != "skipped" else "")
                        for rank, (status, why) in sorted(statuses.items()))
-    return worst, detail, oks
+    culprits = sorted(rank for rank, (status, _) in statuses.items() if status == worst)
+    return worst, detail, oks, sorted(absent & set(culprits)) or culprits
 
 
 def rank_rows(layout: RankLayout, records: dict[int, Optional[dict]]) -> list[dict]:
@@ -57,7 +65,7 @@ def rank_rows(layout: RankLayout, records: dict[int, Optional[dict]]) -> list[di
     rows = []
     for rank in range(layout.world_size):
         record = records.get(rank) or {}
-        status, detail, oks = _combine(records, [rank], "matmul", None)
+        status, detail, oks, _ = _combine(records, [rank], "matmul", None)
         rows.append({"rank": rank, "host": record.get("host"), "device": record.get("device"),
                      "coords": layout.coords(rank), "matmul_tflops": oks[0]["tflops"] if oks else None,
                      "peak_tflops": record.get("peak_tflops"), "status": status, "detail": detail,
@@ -74,9 +82,9 @@ def group_rows(layout: RankLayout, records: dict[int, Optional[dict]]) -> list[d
         for members in layout.all_groups(GROUP_AXES[kind]):
             row: dict[str, Any] = {"kind": kind, "ranks": members}
             for check in COLLECTIVES:
-                status, detail, oks = _combine(records, members, check, kind)
+                status, detail, oks, culprits = _combine(records, members, check, kind)
                 seconds = max((r["seconds"] for r in oks), default=None) if status == OK else None
-                row[check] = {"status": status, "detail": detail, "seconds": seconds,
+                row[check] = {"status": status, "detail": detail, "seconds": seconds, "culprits": culprits,
                               **_rates(check, oks, seconds, len(members))}
             rows.append(row)
     return rows
@@ -100,7 +108,7 @@ def link_rows(layout: RankLayout, records: dict[int, Optional[dict]]) -> list[di
         for members in layout.all_groups(GROUP_AXES[kind]):
             for index, dst in enumerate(members):
                 src = members[index - 1]
-                status, detail, oks = _combine(records, members, "p2p", kind, measured_by=[dst])
+                status, detail, oks, _ = _combine(records, members, "p2p", kind, measured_by=[dst])
                 rows.append({"kind": kind, "src": src, "dst": dst, "status": status, "detail": detail,
                              "bw_gbps": oks[0]["bw_gbps"] if oks else None,
                              "seconds": oks[0]["seconds"] if oks else None})
@@ -117,7 +125,9 @@ def _measurements(ranks: list[dict], groups: list[dict], links: list[dict],
             cell = row[check]
             latency = check == "latency"
             value = cell.get("latency_us" if latency else "busbw_gbps")
-            items.append(Measurement(f"{row['kind']} group {row['ranks']}", check, tuple(row["ranks"]), cell["status"],
+            # a failed unit blames its culprits; a slow one, all its members
+            involved = tuple(cell["culprits"] or row["ranks"])
+            items.append(Measurement(f"{row['kind']} group {row['ranks']}", check, involved, cell["status"],
                                      value, "us" if latency else "GB/s", higher_is_better=not latency,
                                      detail=cell["detail"], peer_group=f"{check}/{row['kind']}"))
     items += [Measurement(f"{row['kind']} link {row['src']}->{row['dst']}", "p2p", (row["src"], row["dst"]),
