@@ -61,8 +61,9 @@ def report() -> list[tuple[str, str]]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Options of `megascale doctor`."""
+    # No abbreviations: the launcher strips --nproc/--json from the ranks' argv by their full names.
     parser = argparse.ArgumentParser(
-        prog="megascale doctor", description="Check the environment, every device and every communication group.",
+        allow_abbrev=False, prog="megascale doctor", description="Check the environment, every device and every communication group.",
         epilog="exit codes: 0 healthy, 1 a rank, group or link flagged, 2 usage error. "
                "Also runs as one rank per process: torchrun --nproc-per-node N -m megascale.doctor [options]")
     parser.add_argument("--nproc", type=int, default=None, help="start N local ranks through torch's elastic launcher")
@@ -104,6 +105,10 @@ def _options(args: argparse.Namespace) -> DoctorOptions:
         raise UserError(f"--timeout {args.timeout} must be > 0 seconds")
     if args.size_mb is not None and args.size_mb <= 0:
         raise UserError(f"--size-mb {args.size_mb} must be > 0")
+    if args.matmul_size is not None and args.matmul_size < 1:
+        raise UserError(f"--matmul-size {args.matmul_size} must be >= 1")
+    if not 0.0 <= args.min_peak_fraction <= 1.0:
+        raise UserError(f"--min-peak-fraction {args.min_peak_fraction} must be in [0, 1], e.g. 0.4")
     if args.slow_factor < 1.0:
         raise UserError(f"--slow-factor {args.slow_factor} must be >= 1")
     return DoctorOptions(threshold=args.threshold, timeout_s=args.timeout, size_mb=args.size_mb,

@@ -239,6 +239,15 @@ def _doctor(*args: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def test_unknown_option_is_a_usage_error(capsys):
+    from megascale.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor", "--nprocs", "2"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --nprocs" in capsys.readouterr().err
+
+
 def test_help_prints_help_and_does_not_run(capsys):
     from megascale.cli import main
 
@@ -253,6 +262,7 @@ def test_help_prints_help_and_does_not_run(capsys):
     (["--nproc", "4", "--tp", "3"], "does not divide world size 4"),
     (["--threshold", "1.5"], "--threshold 1.5 must be in [0, 1)"),
     (["--nproc", "2", "--slow-rank", "5"], "--slow-rank 5 is not a rank of --nproc 2"),
+    (["--min-peak-fraction", "2"], "--min-peak-fraction 2.0 must be in [0, 1]"),
 ])
 def test_usage_errors_exit_2_with_one_line(args, message, capsys):
     from megascale.cli import main
