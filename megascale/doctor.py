@@ -63,7 +63,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """Options of `megascale doctor`."""
     # No abbreviations: the launcher strips --nproc/--json from the ranks' argv by their full names.
     parser = argparse.ArgumentParser(
-        allow_abbrev=False, prog="megascale doctor", description="Check the environment, every device and every communication group.",
+        allow_abbrev=False, prog="megascale doctor",
+        description="Check the environment, every device and every communication group.",
         epilog="exit codes: 0 healthy, 1 a rank, group or link flagged, 2 usage error. "
                "Also runs as one rank per process: torchrun --nproc-per-node N -m megascale.doctor [options]")
     parser.add_argument("--nproc", type=int, default=None, help="start N local ranks through torch's elastic launcher")
