@@ -19,7 +19,7 @@ COMMANDS = {
     "convert": ("megascale.checkpoint.convert", "convert checkpoints to/from HuggingFace format"),
     "generate": ("megascale.generate", "sample a continuation from a trained checkpoint"),
     "plan": ("megascale.perf.plan", "estimate memory and time of a layout"),
-    "doctor": ("megascale.doctor", "check the environment: torch, devices, kernels, accelerators"),
+    "doctor": ("megascale.doctor", "check the environment, every device and every communication group"),
     "bench": ("megascale.bench", "benchmarks: tp, pipeline, dp, kernels, mfu, checkpoint"),
 }
 
