@@ -108,6 +108,7 @@ def _build_layer(args: argparse.Namespace, ctx: Any, overlap: bool) -> torch.nn.
     from megascale.model.block import TransformerBlock
     from megascale.model.gpt import DTYPES
     from megascale.model.layers import BuildContext
+    from megascale.seeds import tensor_parallel_seed
 
     cfg = load_config(None, [f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
                              f"model.seq_length={args.seq}", "model.num_layers=1", f"parallel.tp={args.nproc}",
@@ -116,7 +117,7 @@ def _build_layer(args: argparse.Namespace, ctx: Any, overlap: bool) -> torch.nn.
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size, sequence_parallel=True,
                     overlap=overlap, seed=cfg.train.seed, device=ctx.device, dtype=DTYPES[args.dtype])
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend),
-                      rng=RNGTracker(cfg.train.seed + ctx.tp_rank, ctx.device))
+                      rng=RNGTracker(tensor_parallel_seed(cfg.train.seed, ctx.tp_rank), ctx.device))
     return TransformerBlock(0, bc, "none")
 
 
