@@ -8,7 +8,9 @@ current writer does, these files must load:
 - every global tensor assembles bit-identically (sha256 of its bytes);
 - a trainer loading it under the saved layout, under tp=1 on one process and under
   other 2-rank layouts holds exactly the right slice of every tensor, optimizer state
-  included, and trains on with the recorded losses. Step 5's loss depends on the
+  included, restores its RNG streams only under the saved layout (this format's extra
+  state also carries copies of layout and config, which loading ignores), and trains on
+  with the recorded losses. Step 5's loss depends on the
   weights only, step 6's also on the Adam moments, the step counter and the
   schedule. Only the reduction order differs between layouts (fp32, CPU): 1e-5
   relative, far below what a wrong slice, moment or step changes;
@@ -45,13 +47,14 @@ def _sha256(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _config(out: Path, layout: list[str]):
+def _config(out: Path, layout: list[str], save_final: bool = False):
     from megascale.config import load_config
 
     steps = REFERENCE["saved_step"] + len(REFERENCE["next_losses"])
     return load_config(FIXTURE / "config.yaml", [
         *layout, f"train.output_dir={out}", f"train.steps={steps}", f"checkpoint.load={STEP_DIR}",
-        "checkpoint.save_final=false", "checkpoint.interval=0", f"data.paths=[{FIXTURE / 'data' / 'tokens'}]",
+        f"checkpoint.save_final={str(save_final).lower()}", "checkpoint.interval=0", "checkpoint.async=false",
+        f"data.paths=[{FIXTURE / 'data' / 'tokens'}]",
         f"data.cache_dir={out / 'cache'}", "kernels.backend=torch"])
 
 
@@ -63,13 +66,23 @@ def _expected_piece(full: torch.Tensor, shard) -> torch.Tensor:
     return box
 
 
-def _load_and_resume(out: Path, layout: list[str]) -> dict:
+def _load_and_resume(out: Path, layout: list[str], save_final: bool = False) -> dict:
     """Build a trainer that loads the fixture; check its shards against the global tensors; train on."""
     from megascale.checkpoint.convert import read_global_state
+    from megascale.distributed.random import RNGTracker
+    from megascale.seeds import tensor_parallel_seed
     from megascale.training.trainer import Trainer
 
     full = read_global_state(STEP_DIR, include_optim=True)
-    trainer = Trainer(_config(out, layout))
+    trainer = Trainer(_config(out, layout, save_final))
+    # With dropout 0 nothing draws from the tp stream, so its state tells where it came from:
+    # the checkpoint's (restored) or this rank's fresh seed (not restored).
+    ctx = trainer.ctx
+    stored = json.loads((STEP_DIR / "extra_state.json").read_text())["rng"][str(ctx.rank)]["tracker"]["state"]
+    fresh = RNGTracker(tensor_parallel_seed(trainer.cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.cp_rank),
+                       ctx.device).state.tolist()
+    rng_state = trainer.rng.state.tolist()
+    rng_source = "checkpoint" if rng_state == stored else "fresh" if rng_state == fresh else "neither"
     wrong = []
     names = set()
     for shard in trainer.state_shards():
@@ -80,6 +93,7 @@ def _load_and_resume(out: Path, layout: list[str]) -> dict:
     step = trainer.step
     records = trainer.train()
     return {"wrong": wrong, "names": sorted(names), "step": step, "logging": trainer.ctx.is_logging_rank,
+            "rng_source": rng_source, "rng_ambiguous": stored == fresh,
             "losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records]}
 
 
@@ -88,12 +102,14 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict:
             for label, layout in TWO_RANK_LAYOUTS.items()}
 
 
-def _check_resumed(results: list[dict], label: str) -> None:
+def _check_resumed(results: list[dict], label: str, same_layout: bool) -> None:
     names = set().union(*(set(r["names"]) for r in results))
     assert names == set(REFERENCE["tensors"]), f"{label}: loaded {sorted(names ^ set(REFERENCE['tensors']))}"
     for rank, res in enumerate(results):
         assert res["wrong"] == [], f"{label} rank {rank}: wrong values in {res['wrong']}"
         assert res["step"] == REFERENCE["saved_step"], (label, res["step"])
+        if not res["rng_ambiguous"]:
+            assert res["rng_source"] == ("checkpoint" if same_layout else "fresh"), (label, rank, res["rng_source"])
     logged = [r for r in results if r["logging"]]
     assert len(logged) == 1
     losses, ref = logged[0]["losses"], REFERENCE["next_losses"]
@@ -116,13 +132,23 @@ def test_global_tensors_are_bit_identical() -> None:
 
 
 def test_load_one_rank_tp1_and_resume(tmp_path: Path) -> None:
-    _check_resumed([_load_and_resume(tmp_path / "tp1", ONE_RANK)], "tp1 on one process")
+    """Also: the checkpoint the resumed run writes records layout and config once, in metadata.json."""
+    _check_resumed([_load_and_resume(tmp_path / "tp1", ONE_RANK, save_final=True)], "tp1 on one process",
+                   same_layout=False)
+    root = tmp_path / "tp1" / "checkpoints"
+    step_dir = root / (root / "latest").read_text().strip()
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    assert meta["layout"]["world_size"] == 1 and meta["layout"]["tp"] == 1
+    assert meta["config"]["model"]["hidden_size"] == 32
+    extra = json.loads((step_dir / "extra_state.json").read_text())
+    assert not {"layout", "config", "world_size"} & set(extra), sorted(extra)
+    assert extra["step"] == REFERENCE["saved_step"] + len(REFERENCE["next_losses"])
 
 
 def test_load_two_rank_layouts_and_resume(tmp_path: Path) -> None:
     results = run_distributed(_two_rank_worker, 2, str(tmp_path))
-    for label in TWO_RANK_LAYOUTS:
-        _check_resumed([r[label] for r in results], label)
+    for label, layout in TWO_RANK_LAYOUTS.items():
+        _check_resumed([r[label] for r in results], label, same_layout=layout == SAVED)
 
 
 def test_convert_to_hf(tmp_path: Path) -> None:
