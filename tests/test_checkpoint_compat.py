@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from dist_utils import run_distributed
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint_v1"
-REFERENCE = json.loads((FIXTURE / "reference.json").read_text())
-STEP_DIR = FIXTURE / REFERENCE["step_dir"]
+RECORDED = json.loads((FIXTURE / "reference.json").read_text())
+STEP_DIR = FIXTURE / RECORDED["step_dir"]
 LOSS_RTOL = 1e-5
 
 # (overrides, world size): the saved layout, then reshaped ones.
@@ -50,7 +50,7 @@ def _sha256(tensor: torch.Tensor) -> str:
 def _config(out: Path, layout: list[str], save_final: bool = False):
     from megascale.config import load_config
 
-    steps = REFERENCE["saved_step"] + len(REFERENCE["next_losses"])
+    steps = RECORDED["saved_step"] + len(RECORDED["next_losses"])
     return load_config(FIXTURE / "config.yaml", [
         *layout, f"train.output_dir={out}", f"train.steps={steps}", f"checkpoint.load={STEP_DIR}",
         f"checkpoint.save_final={str(save_final).lower()}", "checkpoint.interval=0", "checkpoint.async=false",
@@ -104,28 +104,28 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict:
 
 def _check_resumed(results: list[dict], label: str, same_layout: bool) -> None:
     names = set().union(*(set(r["names"]) for r in results))
-    assert names == set(REFERENCE["tensors"]), f"{label}: loaded {sorted(names ^ set(REFERENCE['tensors']))}"
+    assert names == set(RECORDED["tensors"]), f"{label}: loaded {sorted(names ^ set(RECORDED['tensors']))}"
     for rank, res in enumerate(results):
         assert res["wrong"] == [], f"{label} rank {rank}: wrong values in {res['wrong']}"
-        assert res["step"] == REFERENCE["saved_step"], (label, res["step"])
+        assert res["step"] == RECORDED["saved_step"], (label, res["step"])
         if not res["rng_ambiguous"]:
             assert res["rng_source"] == ("checkpoint" if same_layout else "fresh"), (label, rank, res["rng_source"])
     logged = [r for r in results if r["logging"]]
     assert len(logged) == 1
-    losses, ref = logged[0]["losses"], REFERENCE["next_losses"]
+    losses, ref = logged[0]["losses"], RECORDED["next_losses"]
     assert len(losses) == len(ref), (label, losses)
     for got, want in zip(losses, ref):
         assert abs(got - want) <= LOSS_RTOL * want, (label, losses, ref)
-    for got, want in zip(logged[0]["grad_norms"], REFERENCE["next_grad_norms"]):
-        assert abs(got - want) <= 1e-4 * want, (label, logged[0]["grad_norms"], REFERENCE["next_grad_norms"])
+    for got, want in zip(logged[0]["grad_norms"], RECORDED["next_grad_norms"]):
+        assert abs(got - want) <= 1e-4 * want, (label, logged[0]["grad_norms"], RECORDED["next_grad_norms"])
 
 
 def test_global_tensors_are_bit_identical() -> None:
     from megascale.checkpoint.convert import read_global_state
 
     state = read_global_state(STEP_DIR, include_optim=True)
-    assert set(state) == set(REFERENCE["tensors"])
-    for name, ref in REFERENCE["tensors"].items():
+    assert set(state) == set(RECORDED["tensors"])
+    for name, ref in RECORDED["tensors"].items():
         tensor = state[name]
         assert list(tensor.shape) == ref["shape"] and str(tensor.dtype) == f"torch.{ref['dtype']}", name
         assert _sha256(tensor) == ref["sha256"], name
@@ -142,7 +142,7 @@ def test_load_one_rank_tp1_and_resume(tmp_path: Path) -> None:
     assert meta["config"]["model"]["hidden_size"] == 32
     extra = json.loads((step_dir / "extra_state.json").read_text())
     assert not {"layout", "config", "world_size"} & set(extra), sorted(extra)
-    assert extra["step"] == REFERENCE["saved_step"] + len(REFERENCE["next_losses"])
+    assert extra["step"] == RECORDED["saved_step"] + len(RECORDED["next_losses"])
 
 
 def test_load_two_rank_layouts_and_resume(tmp_path: Path) -> None:
@@ -167,7 +167,7 @@ def test_convert_to_hf(tmp_path: Path) -> None:
     weights = {k: v for k, v in read_global_state(STEP_DIR).items() if not k.startswith("optim.")}
     assert set(back) == set(weights)
     for name, tensor in weights.items():
-        assert _sha256(back[name]) == REFERENCE["tensors"][name]["sha256"], name
+        assert _sha256(back[name]) == RECORDED["tensors"][name]["sha256"], name
         assert torch.equal(back[name], tensor), name
 
 

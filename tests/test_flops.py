@@ -23,7 +23,7 @@ def test_gpt3_175b_by_hand() -> None:
 
 
 def test_megatron_mfu_column_of_megascale_table() -> None:
-    """REFERENCE.md: 1,466.8k tokens/s on 12,288 A100s (312 TFLOP/s) is 41.2% MFU."""
+    """MegaScale paper, Megatron-LM column: 1,466.8k tokens/s on 12,288 A100s (312 TFLOP/s) is 41.2% MFU."""
     m = load_config(None, GPT3).model
     mfu = train_flops_per_token(m) * 1_466_800 / 12_288 / 312e12
     assert round(100 * mfu, 1) == 41.2
