@@ -23,7 +23,7 @@ def test_gpt3_175b_by_hand() -> None:
 
 
 def test_megatron_mfu_column_of_megascale_table() -> None:
-    """REFERENCE.md: 1,466.8k tokens/s on 12,288 A100s (312 TFLOP/s) is 41.2% MFU."""
+    """MegaScale paper, Megatron-LM column: 1,466.8k tokens/s on 12,288 A100s (312 TFLOP/s) is 41.2% MFU."""
     m = load_config(None, GPT3).model
     mfu = train_flops_per_token(m) * 1_466_800 / 12_288 / 312e12
     assert round(100 * mfu, 1) == 41.2
@@ -49,3 +49,37 @@ def test_sliding_window_counts_window_keys() -> None:
     windowed = forward_flops_per_token(load_config(None, base + ["model.attention=sliding_window",
                                                                  "model.window_size=256"]).model)
     assert full - windowed == 4 * (1024 - 256) * 64
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["model.num_kv_heads=2", "model.activation=swiglu", "model.ffn_hidden_size=160"],
+    ["model.attention=sliding_window", "model.window_size=8"],
+], ids=["mha-gelu", "gqa-swiglu", "sliding-window"])
+def test_partitioner_and_benchmark_count_the_trainers_flops(extra: list[str]) -> None:
+    """The pipeline's `auto` cost model and the benchmark's shape-based count are the MFU count."""
+    from megascale.distributed.pipeline.partition import gpt_stage_cost
+    from megascale.perf.flops import gpt_train_flops_per_token
+
+    m = load_config(None, ["model.num_layers=3", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=200",
+                           "model.seq_length=32", "model.activation=gelu", *extra]).model
+    cost = gpt_stage_cost(m)
+    assert m.num_layers * cost.layer + cost.head == forward_flops_per_token(m)
+    if m.attention != "sliding_window":  # the benchmark's GPT has full attention
+        bench = gpt_train_flops_per_token(m.num_layers, m.hidden_size, m.num_heads, m.seq_length, m.padded_vocab_size,
+                                          kv_heads=m.kv_heads, ffn=m.ffn_size, swiglu=m.activation == "swiglu")
+        assert bench == train_flops_per_token(m)
+
+
+def test_peak_table_reads_device_names() -> None:
+    import torch
+
+    from megascale.perf.flops import device_peak, table_peak
+
+    assert table_peak("NVIDIA H100 80GB HBM3") == 989.0
+    assert table_peak("NVIDIA H200") == 989.0
+    assert table_peak("NVIDIA A100-SXM4-80GB") == 312.0
+    assert table_peak("NVIDIA H100 PCIe") == 756.0  # not the SXM part's figure
+    assert table_peak("Tesla V100-SXM2-32GB") is None
+    peak = device_peak(torch.device("cpu"), configured=123.0)
+    assert (peak.tflops, peak.source) == (123.0, "config")

@@ -1,4 +1,4 @@
-"""The kernel and MFU benchmarks run on CPU (tiny sizes) and count FLOPs as DESIGN.md defines them."""
+"""The kernel and MFU benchmarks run on CPU (tiny sizes) and count FLOPs with megascale.perf.flops."""
 
 from __future__ import annotations
 
@@ -8,26 +8,27 @@ import pytest
 
 from megascale.bench import kernels as kernels_bench
 from megascale.bench import mfu
+from megascale.perf.flops import gpt_train_flops_per_token
 
 
 def test_flops_formula_matches_classic_gpt_closed_form() -> None:
     l, h, s, v = 24, 2048, 2048, 50304
     closed = 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
-    assert mfu.model_flops_per_token(l, h, 16, s, v) == pytest.approx(closed, rel=1e-12)
+    assert gpt_train_flops_per_token(l, h, 16, s, v) == pytest.approx(closed, rel=1e-12)
 
 
 def test_flops_formula_reproduces_megatron_mfu_from_reference() -> None:
-    # REFERENCE.md: 175B, 12,288 A100s, 1,466.8k tokens/s -> 41.2% MFU at 312 TFLOP/s.
-    per_token = mfu.model_flops_per_token(96, 12288, 96, 2048, 64000)
+    # MegaScale paper, Megatron-LM column: 175B, 12,288 A100s, 1,466.8k tokens/s -> 41.2% MFU at 312 TFLOP/s.
+    per_token = gpt_train_flops_per_token(96, 12288, 96, 2048, 64000)
     assert per_token * 1466.8e3 / 12288 / 312e12 == pytest.approx(0.412, abs=5e-4)
 
 
 def test_gqa_and_swiglu_change_matmul_sizes() -> None:
-    mha = mfu.model_flops_per_token(2, 256, 8, 128, 1000)
-    gqa = mfu.model_flops_per_token(2, 256, 8, 128, 1000, kv_heads=2)
+    mha = gpt_train_flops_per_token(2, 256, 8, 128, 1000)
+    gqa = gpt_train_flops_per_token(2, 256, 8, 128, 1000, kv_heads=2)
     # k and v projections shrink from 2h^2 to 2h^2/4 per layer: 2 flops x 3 (fwd+bwd) x 2 layers.
     assert mha - gqa == pytest.approx(3 * 2 * 2 * 256 * (2 * 256 - 2 * 64))
-    swiglu = mfu.model_flops_per_token(2, 256, 8, 128, 1000, ffn=1024, swiglu=True)
+    swiglu = gpt_train_flops_per_token(2, 256, 8, 128, 1000, ffn=1024, swiglu=True)
     assert swiglu - mha == pytest.approx(3 * 2 * 2 * 256 * 1024)
 
 

@@ -5,10 +5,11 @@ embeddings, 4h tanh-GeLU MLP, SDPA causal attention, bf16 autocast, fused
 AdamW), run eager and under torch.compile. The megascale side runs the real
 trainer with kernels.backend=cuda and =torch on the same shapes.
 
-MFU = model FLOPs per token (Narayanan et al. 2021, no recompute, causal mask
-not halved; 72 l h^2 (1 + s/6h + V/12lh) for this GPT) x tokens/s / dense
-peak. Peaks: H100/H200 989, A100 312 bf16 TFLOP/s; other devices take
---peak-tflops, or a measured matmul peak that is labelled "measured".
+MFU = model FLOPs per token (megascale.perf.flops, the count the trainer logs:
+Narayanan et al. 2021, no recompute, causal mask not halved; 72 l h^2 (1 + s/6h
++ V/12lh) for this GPT) x tokens/s / dense peak. Peaks come from the table in
+megascale.perf.flops; other devices take --peak-tflops, or a measured matmul
+peak that is labelled "measured".
 
     megascale bench mfu --model 1.3b --steps 20 --micro-batch 4
     megascale bench mfu --tiny --device cpu          # seconds, for tests
@@ -23,13 +24,13 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DENSE_BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+from megascale.perf.flops import device_peak, gpt_train_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,6 @@ PRESETS = {
 def padded_vocab(vocab: int, multiple: int = 128) -> int:
     """Vocabulary rounded up as the model pads it (GPT-2's 50257 -> 50304)."""
     return multiple * math.ceil(vocab / multiple)
-
-
-def model_flops_per_token(layers: int, hidden: int, heads: int, seq: int, vocab: int, kv_heads: Optional[int] = None,
-                          ffn: Optional[int] = None, swiglu: bool = False) -> float:
-    """Training (fwd + bwd = 3x fwd) matmul FLOPs per token, attention not halved for causality."""
-    kv_heads = kv_heads or heads
-    head_dim = hidden // heads
-    ffn = ffn or 4 * hidden
-    qkv = 2 * hidden * (heads + 2 * kv_heads) * head_dim
-    scores_and_values = 2 * 2 * seq * heads * head_dim
-    proj = 2 * heads * head_dim * hidden
-    mlp = 2 * hidden * ffn * (3 if swiglu else 2)
-    logits = 2 * hidden * vocab
-    return 3.0 * (layers * (qkv + scores_and_values + proj + mlp) + logits)
 
 
 # ----------------------------------------------------------------------------- baseline GPT
@@ -166,37 +153,6 @@ def run_megascale(preset: Preset, device: str, micro_batch: int, steps: int, bac
 # ----------------------------------------------------------------------------- peak and report
 
 
-def measured_matmul_tflops(device: str) -> float:
-    """Dense matmul throughput measured here (bf16 on CUDA, fp32 on CPU)."""
-    on_cuda = device.startswith("cuda")
-    n = 8192 if on_cuda else 512
-    dtype = torch.bfloat16 if on_cuda else torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    if on_cuda:
-        torch.cuda.synchronize()
-    reps = 20 if on_cuda else 3
-    begin = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if on_cuda:
-        torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - begin) / 1e12
-
-
-def device_peak(device: str, override: Optional[float]) -> tuple[float, str]:
-    """(peak TFLOP/s, where it came from)."""
-    if override:
-        return override, "--peak-tflops"
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name()
-        for key, peak in DENSE_BF16_PEAK_TFLOPS.items():
-            if key in name:
-                return peak, f"{key} dense bf16"
-    return measured_matmul_tflops(device), "measured"
-
-
 def main(argv: list[str]) -> int:
     """Parse arguments, run baseline (eager, compiled) and megascale (cuda, torch kernels), print a table."""
     parser = argparse.ArgumentParser(prog="megascale bench mfu", description=__doc__.split("\n")[0])
@@ -221,9 +177,11 @@ def main(argv: list[str]) -> int:
     warmup = args.warmup if args.warmup is not None else (3 if on_cuda else 1)
     micro_batch = args.micro_batch or (4 if on_cuda else 2)
     compile_ = on_cuda and not args.no_compile
-    peak, peak_source = device_peak(args.device, args.peak_tflops)
-    flops_token = model_flops_per_token(preset.layers, preset.hidden, preset.heads, preset.seq,
-                                        padded_vocab(preset.vocab))
+    # A big matmul when measuring on CUDA: small ones stay far below the tensor-core peak.
+    peak_info = device_peak(torch.device(args.device), args.peak_tflops, measure_size=8192 if on_cuda else 512)
+    peak, peak_source = peak_info.tflops, peak_info.source
+    flops_token = gpt_train_flops_per_token(preset.layers, preset.hidden, preset.heads, preset.seq,
+                                            padded_vocab(preset.vocab))
     tokens_step = micro_batch * preset.seq
 
     rows: list[dict[str, Any]] = []

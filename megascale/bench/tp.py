@@ -116,12 +116,13 @@ def _build_layer(args: argparse.Namespace, ctx: Any, plan: Any, overlap: bool) -
     from megascale.kernels import get_ops
     from megascale.model.block import TransformerBlock
     from megascale.model.layers import BuildContext
+    from megascale.seeds import tensor_parallel_seed
 
     cfg = _bench_config(args, overlap)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size, sequence_parallel=True,
                     overlap=overlap, seed=cfg.train.seed, device=ctx.device, dtype=plan.precision.param_dtype)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend),
-                      rng=RNGTracker(cfg.train.seed + ctx.tp_rank, ctx.device))
+                      rng=RNGTracker(tensor_parallel_seed(cfg.train.seed, ctx.tp_rank), ctx.device))
     return TransformerBlock(0, bc, "none")
 
 

@@ -6,8 +6,9 @@ A checkpoint root (``<output_dir>/checkpoints``) holds::
     step_00000100/                one checkpoint (zero-padded: lexical order = step order)
         rank_00000.safetensors    the pieces rank 0 wrote (safetensors: no pickle)
         rank_00003.safetensors    ... one file per rank that had something to write
-        metadata.json             global name -> stored pieces (box, flat range, dtype, file, bytes, checksum)
-        extra_state.json          rank 0's extra state (step, RNG, data position, config, ...)
+        metadata.json             global name -> stored pieces (box, flat range, dtype, file, bytes, checksum),
+                                  plus the one record of the parallel layout and the run's config
+        extra_state.json          rank 0's extra state (step, its RNG, data position, ...)
         extra/rank_00001.json     every other rank's extra state (used when the layout is unchanged)
         COMMITTED                 commit marker, written last, after every rank finished
     .step_00000200.partial/       a save in progress (or one that crashed): never loaded

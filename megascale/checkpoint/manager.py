@@ -93,6 +93,7 @@ class CheckpointManager:
         self._snapshot_done: Optional[threading.Event] = None
         self._broadcast_cache: Optional[tuple[tuple, list[bool]]] = None
         self._own_extra = False
+        self._stored_layout: Optional[dict] = None
 
     # ------------------------------------------------------------------------------------------ save
     def save(self, step: int, shards: list[TensorShard], extra_state: dict) -> None:
@@ -325,7 +326,8 @@ class CheckpointManager:
                     self._broadcast_replicas(shards, mask)
                 self.last_load_stats = {"path": str(step_dir), "load_s": time.perf_counter() - start,
                                         "bytes_read": bytes_read, "fallbacks": failures,
-                                        "own_extra": self._own_extra}
+                                        "own_extra": self._own_extra, "layout": self._stored_layout,
+                                        "same_layout": self._stored_layout == _layout_of(self.ctx)}
                 return extra
             layout_errors = [s[1] for s in bad if s[0] == "layout"]
             if layout_errors:
@@ -371,7 +373,10 @@ class CheckpointManager:
             todo = [s for s, common in zip(shards, mask) if not common]
         bytes_read = load_shards(step_dir, todo, metadata=meta)
         own = step_dir / "extra" / f"rank_{self.rank:05d}.json"
-        same_layout = meta.get("layout") == _layout_of(self.ctx)
+        # metadata.json is the one record of the layout (and config) a checkpoint was written
+        # under; extra state written before that held copies of both, which are ignored.
+        self._stored_layout = meta.get("layout")
+        same_layout = self._stored_layout == _layout_of(self.ctx)
         extra_path = own if self.rank != 0 and same_layout and own.is_file() else step_dir / EXTRA_FILE
         extra = decode_extra(read_json(extra_path))
         self._own_extra = extra_path == own or self.rank == 0

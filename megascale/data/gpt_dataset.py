@@ -29,6 +29,7 @@ import numpy as np
 
 from megascale.data.indexed import IndexedDataset
 from megascale.errors import UserError
+from megascale.seeds import DOC_SHUFFLE_STREAM, SAMPLE_SHUFFLE_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def build_doc_idx(documents: np.ndarray, num_epochs: int, seed: int) -> np.ndarr
     """documents shuffled independently in every epoch, epochs concatenated."""
     n = len(documents)
     epochs = np.repeat(np.arange(num_epochs, dtype=np.int64), n)
-    keys = hash_keys(seed, 1, np.arange(num_epochs * n, dtype=np.int64))
+    keys = hash_keys(seed, DOC_SHUFFLE_STREAM, np.arange(num_epochs * n, dtype=np.int64))
     order = np.lexsort((keys, epochs))  # sort by epoch, then by key: a permutation per epoch
     dtype = np.int32 if documents.max(initial=0) < 2**31 else np.int64
     return documents[order % n].astype(dtype) if n else np.zeros(0, dtype=dtype)
@@ -98,7 +99,7 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, nu
 def build_shuffle_idx(num_samples: int, block: int, seed: int) -> np.ndarray:
     """Samples shuffled within consecutive blocks of `block` (num_samples is a multiple of block)."""
     blocks = np.arange(num_samples, dtype=np.int64) // block
-    keys = hash_keys(seed, 2, np.arange(num_samples, dtype=np.int64))
+    keys = hash_keys(seed, SAMPLE_SHUFFLE_STREAM, np.arange(num_samples, dtype=np.int64))
     return np.lexsort((keys, blocks)).astype(np.int64)
 
 

@@ -18,8 +18,7 @@ from typing import Iterator
 
 import torch
 
-# Offset that separates the tensor-parallel stream from the default one.
-_TP_SEED_OFFSET = 2718
+from megascale.seeds import stage_seed, tensor_parallel_seed
 
 
 def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device, cp_rank: int = 0) -> "RNGTracker":
@@ -27,11 +26,10 @@ def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device,
 
     The default stream is the same on every tp rank and differs across pipeline
     stages and context-parallel ranks (which hold other layers / other tokens), so
-    no two of those draw correlated masks.
+    no two of those draw correlated masks. The seeds come from `megascale.seeds`.
     """
-    stage_seed = seed + 100 * pp_rank + 7919 * cp_rank
-    torch.manual_seed(stage_seed)
-    return RNGTracker(stage_seed + _TP_SEED_OFFSET + tp_rank, device)
+    torch.manual_seed(stage_seed(seed, pp_rank, cp_rank))
+    return RNGTracker(tensor_parallel_seed(seed, tp_rank, pp_rank, cp_rank), device)
 
 
 class RNGTracker:

@@ -23,6 +23,7 @@ from megascale.distributed.topology import ParallelContext
 from megascale.model.block import TransformerBlock
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
 from megascale.run_plan import RunPlan, precision_of
+from megascale.seeds import tensor_parallel_seed
 
 
 class GPTChunk(nn.Module):
@@ -148,7 +149,7 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     p = cfg.parallel
     precision = plan.precision if plan is not None else precision_of(cfg.train.dtype)
     if rng is None:
-        rng = RNGTracker(cfg.train.seed + 2718 + ctx.tp_rank, ctx.device)
+        rng = RNGTracker(tensor_parallel_seed(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.cp_rank), ctx.device)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
                     device=ctx.device, dtype=precision.param_dtype)

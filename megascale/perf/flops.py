@@ -23,8 +23,11 @@ import torch
 
 from megascale.config import ModelConfig
 
-# Dense bf16 TFLOP/s per device (SXM parts). 1979 for H100 is the sparse figure: never use it.
+# Dense bf16 TFLOP/s per device (SXM parts unless named). 1979 for H100 is the sparse figure:
+# never use it. The one peak table: the trainer, the benchmarks and `megascale plan` read it
+# through `table_peak`/`device_peak`.
 PEAK_TFLOPS = {
+    "H100 PCIE": 756.0,
     "H200": 989.0,
     "H100": 989.0,
     "H800": 989.0,
@@ -32,25 +35,77 @@ PEAK_TFLOPS = {
     "A800": 312.0,
 }
 
+# Backward costs twice the forward (gradients of inputs and of weights): training = 3 x forward.
+TRAIN_FORWARD_MULTIPLE = 3.0
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """The sizes one transformer layer's matmul FLOPs depend on.
+
+    keys: how many keys each query attends to (the sequence, or a sliding window);
+    gated_mlp: SwiGLU-style MLP with three matrices instead of two.
+    """
+
+    hidden: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    keys: int
+    gated_mlp: bool
+
+    @classmethod
+    def of(cls, m: ModelConfig, seq_length: Optional[int] = None) -> "LayerDims":
+        """The dims of a configured model's layers (at `seq_length`, default the model's)."""
+        s = seq_length or m.seq_length
+        keys = min(m.window_size, s) if m.attention == "sliding_window" else s
+        return cls(hidden=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                   ffn=m.ffn_size, keys=keys, gated_mlp=m.activation == "swiglu")
+
+
+def attention_core_flops(dims: LayerDims) -> float:
+    """Forward FLOPs per token of q.k scores and the weighted sum of values (no weights: what
+    selective recompute redoes). Not halved for the causal mask."""
+    return 2.0 * 2 * dims.keys * dims.num_heads * dims.head_dim
+
+
+def layer_forward_flops(dims: LayerDims) -> float:
+    """Forward matmul FLOPs per token of one transformer layer: qkv, attention core, output
+    projection, MLP. The one per-layer count behind MFU, `pipeline_layers: auto` and the benchmarks."""
+    h, d = dims.hidden, dims.head_dim
+    qkv = 2 * h * (dims.num_heads + 2 * dims.kv_heads) * d
+    proj = 2 * dims.num_heads * d * h
+    mlp = 2 * (3 if dims.gated_mlp else 2) * h * dims.ffn
+    return float(qkv + proj + mlp) + attention_core_flops(dims)
+
+
+def logits_forward_flops(hidden: int, padded_vocab: int) -> float:
+    """Forward FLOPs per token of the output layer (the padded rows are computed too)."""
+    return 2.0 * hidden * padded_vocab
+
 
 def forward_flops_per_token(m: ModelConfig, seq_length: Optional[int] = None) -> float:
     """Forward matmul FLOPs per token of the whole model."""
-    s = seq_length or m.seq_length
-    h, d, nq, nkv = m.hidden_size, m.head_dim, m.num_heads, m.kv_heads
-    keys = min(m.window_size, s) if m.attention == "sliding_window" else s
-    qkv = 2 * h * (nq + 2 * nkv) * d
-    scores = 2 * keys * nq * d
-    over_values = 2 * keys * nq * d
-    proj = 2 * nq * d * h
-    mlp_mats = 3 if m.activation == "swiglu" else 2
-    mlp = 2 * mlp_mats * h * m.ffn_size
-    logits = 2 * h * m.padded_vocab_size
-    return m.num_layers * (qkv + scores + over_values + proj + mlp) + logits
+    layers = m.num_layers * layer_forward_flops(LayerDims.of(m, seq_length))
+    return layers + logits_forward_flops(m.hidden_size, m.padded_vocab_size)
 
 
 def train_flops_per_token(m: ModelConfig, seq_length: Optional[int] = None) -> float:
     """Model FLOPs per trained token: 3 x forward (no recompute counted)."""
-    return 3.0 * forward_flops_per_token(m, seq_length)
+    return TRAIN_FORWARD_MULTIPLE * forward_flops_per_token(m, seq_length)
+
+
+def gpt_train_flops_per_token(layers: int, hidden: int, heads: int, seq: int, padded_vocab: int,
+                              kv_heads: Optional[int] = None, ffn: Optional[int] = None,
+                              swiglu: bool = False) -> float:
+    """`train_flops_per_token` for a GPT given by its sizes instead of a ModelConfig (benchmarks).
+
+    kv_heads defaults to heads (MHA), ffn to 4 x hidden.
+    """
+    dims = LayerDims(hidden=hidden, num_heads=heads, kv_heads=kv_heads or heads, head_dim=hidden // heads,
+                     ffn=ffn or 4 * hidden, keys=seq, gated_mlp=swiglu)
+    return TRAIN_FORWARD_MULTIPLE * (layers * layer_forward_flops(dims) + logits_forward_flops(hidden, padded_vocab))
 
 
 def classic_gpt_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
@@ -60,15 +115,13 @@ def classic_gpt_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) 
 
 def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_length: Optional[int] = None) -> float:
     """FLOPs actually executed, counting recomputation (for HFU)."""
-    fwd = forward_flops_per_token(m, seq_length)
-    if recompute == "full":
-        layer_part = fwd - 2 * m.hidden_size * m.padded_vocab_size
-        return 3.0 * fwd + layer_part
-    if recompute == "selective":
-        s = seq_length or m.seq_length
-        keys = min(m.window_size, s) if m.attention == "sliding_window" else s
-        return 3.0 * fwd + m.num_layers * 4 * keys * m.num_heads * m.head_dim
-    return 3.0 * fwd
+    dims = LayerDims.of(m, seq_length)
+    model_flops = train_flops_per_token(m, seq_length)
+    if recompute == "full":  # every layer's forward runs again in the backward
+        return model_flops + m.num_layers * layer_forward_flops(dims)
+    if recompute == "selective":  # only the attention core runs again
+        return model_flops + m.num_layers * attention_core_flops(dims)
+    return model_flops
 
 
 @dataclass(frozen=True)
@@ -80,18 +133,31 @@ class Peak:
     device_name: str
 
 
-def device_peak(device: torch.device, configured: Optional[float] = None) -> Peak:
-    """Dense peak for MFU: from config, else the table, else a measured matmul peak (labelled)."""
+def device_peak(device: torch.device, configured: Optional[float] = None, measure_size: int = 1024) -> Peak:
+    """Dense peak for MFU: from config, else the table, else a measured matmul peak (labelled).
+
+    measure_size: side of the square matmul timed when the device is not in the table.
+    """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = "cpu"
     if configured:
         return Peak(float(configured), "config", name)
-    for key, tflops in PEAK_TFLOPS.items():
-        if key in name.upper():
-            return Peak(tflops, "table", name)
-    return Peak(measure_matmul_tflops(device), "measured", name)
+    tflops = table_peak(name)
+    if tflops is not None:
+        return Peak(tflops, "table", name)
+    return Peak(measure_matmul_tflops(device, measure_size), "measured", name)
+
+
+def table_peak(device_name: str) -> Optional[float]:
+    """Dense bf16 peak of a device from its name (e.g. 'NVIDIA H100 80GB HBM3'), or None if not in the table.
+
+    The longest matching key wins, so 'H100 PCIe' is not read as an SXM H100.
+    """
+    upper = device_name.upper()
+    matches = [key for key in PEAK_TFLOPS if key in upper]
+    return PEAK_TFLOPS[max(matches, key=len)] if matches else None
 
 
 def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float = 0.3) -> float:

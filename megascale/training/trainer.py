@@ -149,8 +149,10 @@ class Trainer:
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if not weights_only:
             self.optimizer.load_extra_state(extra.get("optimizer", {}))
+        # A rank's RNG streams belong to its place in the layout: restore them only under the
+        # layout the checkpoint was written with (recorded once, in its metadata).
         rng = extra.get("rng", {}).get(str(self.ctx.rank))
-        if rng is not None and extra.get("world_size") == self.ctx.world_size:
+        if rng is not None and self.ckpt.last_load_stats.get("same_layout"):
             torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
             self.rng.load_state_dict(rng["tracker"])
         if self.ctx.is_logging_rank:
@@ -267,21 +269,15 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current state (asynchronously when configured)."""
+        # Every rank writes its own extra state: it holds this rank's streams only. Layout and
+        # config are recorded once per checkpoint, by the checkpoint manager in metadata.json.
         rng = {str(self.ctx.rank): {"cpu": torch.get_rng_state().tolist(), "tracker": self.rng.state_dict()}}
-        if dist.is_initialized() and self.ctx.world_size > 1:
-            gathered: list = [None] * self.ctx.world_size
-            dist.all_gather_object(gathered, rng)
-            rng = {k: v for part in gathered for k, v in part.items()}
         extra = {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
             "skipped_steps": self.skipped_steps,
             "optimizer": self.optimizer.extra_state(),
             "rng": rng,
-            "world_size": self.ctx.world_size,
-            "layout": {"tp": self.ctx.tp_size, "pp": self.ctx.pp_size, "dp": self.ctx.dp_size,
-                       "cp": self.ctx.cp_size, "vpp": self.cfg.parallel.vpp, "zero": self.cfg.parallel.zero},
-            "config": self.cfg.to_dict(),
         }
         self.optimizer.wait_params()  # zero=1: updated params may still be in flight to this rank
         self.ckpt.save(self.step, self.state_shards(), extra)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from megascale.config import ConfigError
+from megascale.perf.flops import LayerDims, layer_forward_flops, logits_forward_flops
 
 if TYPE_CHECKING:
     from megascale.config import ModelConfig
@@ -60,18 +61,12 @@ class StageCost:
 def gpt_stage_cost(model: "ModelConfig") -> StageCost:
     """Forward matmul FLOPs per token of one GPT layer, the embedding (a lookup: 0) and the head.
 
-    The output layer costs 2*h*Vp per token: for GPT-2 small (h 768, V 50k) that is
-    about four layers, which is why the last stage should hold fewer layers.
-    Attention is counted unmasked, like the MFU definition.
+    The same per-layer count as MFU (`megascale.perf.flops`). The output layer costs
+    2*h*Vp per token: for GPT-2 small (h 768, V 50k) that is about four layers, which
+    is why the last stage should hold fewer layers.
     """
-    h, s, d = model.hidden_size, model.seq_length, model.head_dim
-    nq, nkv = model.num_heads, model.kv_heads
-    qkv = 2 * h * (nq + 2 * nkv) * d
-    attention = 2 * 2 * s * nq * d  # scores and weighted sum of values
-    proj = 2 * nq * d * h
-    mlp = 2 * h * model.ffn_size * (3 if model.activation == "swiglu" else 2)
-    return StageCost(layer=float(qkv + attention + proj + mlp), embedding=0.0,
-                     head=float(2 * h * model.padded_vocab_size))
+    return StageCost(layer=layer_forward_flops(LayerDims.of(model)), embedding=0.0,
+                     head=logits_forward_flops(model.hidden_size, model.padded_vocab_size))
 
 
 def _check_sizes(num_layers: int, pp: int, vpp: int) -> None:

@@ -12,7 +12,6 @@ reduce-scattered along the sequence). The embedding is vocabulary-parallel.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -24,6 +23,7 @@ from torch import nn
 from megascale.distributed import comm
 from megascale.distributed.tensor_parallel import overlap as tp_overlap
 from megascale.distributed.sharding import ShardSpec, full_spec, set_shard, split_spec
+from megascale.seeds import weight_init_seed
 
 
 @dataclass(frozen=True)
@@ -45,15 +45,9 @@ class TPSettings:
         return self.sequence_parallel and self.size > 1
 
 
-def name_seed(seed: int, name: str) -> int:
-    """Deterministic 63-bit seed for a parameter name (independent of layout and Python hashing)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def init_global(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
     """The full global tensor of a weight: N(0, std) from a per-name generator, on CPU in fp32."""
-    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    gen = torch.Generator().manual_seed(weight_init_seed(seed, name))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
