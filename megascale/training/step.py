@@ -31,6 +31,7 @@ def forward_backward(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
     scale = loss_scale_per_token(trainer)
     batches = [_to_device(b, ctx.device, scale) for b in batches]
     opt.zero_grad()
+    trainer.progress.collective = "forward_backward" if ctx.pp_size == 1 else "pipeline forward_backward (p2p)"
     if ctx.pp_size == 1:
         chunk = trainer.chunks[0]
         total = torch.zeros((), device=ctx.device)
@@ -41,7 +42,9 @@ def forward_backward(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
             total += loss.detach()
     else:
         total = _pipelined(trainer, batches)
+    trainer.progress.collective = "dp_cp gradient reduce"
     opt.finish_grad_sync()
+    trainer.progress.collective = "dp_cp all_reduce (loss)"
     # Each dp x cp rank holds its share of the global mean; the sum over them is the global mean.
     comm.all_reduce(total, ctx.group("dp_cp"))
     return total
