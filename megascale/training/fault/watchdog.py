@@ -186,7 +186,8 @@ class Watchdog:
     # ---------------------------------------------------------------------------- diagnosis
     def diagnose(self, now: float, own_stuck: bool) -> HangVerdict:
         """Name the ranks to blame: silent ones first; else the stuck ranks furthest behind."""
-        self.refresh(now, list(range(self.layout.world_size)) if self.layout.world_size <= WATCH_ALL_UP_TO else None)
+        everyone = [r for r in range(self.layout.world_size) if r != self.rank]
+        self.refresh(now, everyone if self.layout.world_size <= WATCH_ALL_UP_TO else None)
         silence_limit = max(3 * self.interval, 2.0)
         silent = sorted(r for r, view in self.peers.items()
                         if self.silent_for(r, now) > silence_limit and self._peer_timeout(view) is not None)
