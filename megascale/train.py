@@ -89,6 +89,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
+    from megascale.training.fault.inject import ENV_VAR, parse_fault_spec
+
+    parse_fault_spec(cfg.fault.inject or os.environ.get(ENV_VAR))  # a malformed spec fails here, once
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc} must be >= 1")

@@ -183,3 +183,13 @@ def test_crash_in_save_leaves_the_previous_checkpoint_latest(tmp_path):
     assert (ckpts / step_dir_name(2)).is_dir() and not (ckpts / step_dir_name(4)).exists()
     assert step_dir_name(2) in (ckpts / "latest").read_text()
     assert list((ckpts / partial_dir_name(4)).glob("*.safetensors"))  # the data was written, never committed
+
+
+def test_malformed_spec_stops_the_launch_with_one_line(tmp_path):
+    proc = _train(tmp_path / "run", "fault.inject=kill:rank=0", env={"MEGASCALE_FAULT": ""})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "megascale: error: fault.inject (or MEGASCALE_FAULT): item 'kill:rank=0': missing step=; expected "
+        "ACTION:rank=R:step=S[:key=value...] with ACTION in kill|hang|raise|slow|nan|crash_in_save, "
+        "e.g. 'kill:rank=1:step=5;slow:rank=0:step=3:seconds=2'"]
+    assert not (tmp_path / "run").exists()
