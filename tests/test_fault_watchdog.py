@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -229,7 +231,8 @@ def _supports_max_restarts() -> bool:
     from megascale.train import parse_args
 
     try:
-        parse_args(["--config", "x", "--max-restarts", "1"])
+        with contextlib.redirect_stderr(io.StringIO()):
+            parse_args(["--config", "x", "--max-restarts", "1"])
     except SystemExit:
         return False
     return True
