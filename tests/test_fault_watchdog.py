@@ -166,14 +166,15 @@ def test_watched_ranks_stay_within_groups_for_large_jobs():
     assert all(sum(a != b for a, b in zip(big.coords(9).values(), big.coords(p).values())) <= 1 for p in peers)
 
 
-def test_collective_timeout_and_nccl_settings():
+def test_collective_timeout_and_nccl_settings(tmp_path):
     assert collective_timeout_s(_fault_cfg()) == 60.0 + 60.0
     assert collective_timeout_s(_fault_cfg(collective_timeout_s=42.0)) == 42.0
     env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "7"}
-    added = configure_nccl(Path("/run"), env)
+    added = configure_nccl(tmp_path, env)
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "7" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in added
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/run/hang/nccl_trace_rank_"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "hang" / "nccl_trace_rank_")
+    assert (tmp_path / "hang").is_dir()
 
 
 # ----------------------------------------------------------------------------- real runs

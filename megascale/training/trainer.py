@@ -218,6 +218,7 @@ class Trainer:
             self.consumed_samples += cfg.train.global_batch_size
             self.skipped_steps += int(stats.skipped)
             window_steps += 1
+            self.progress.collective = "log and evaluate"
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

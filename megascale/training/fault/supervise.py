@@ -41,6 +41,8 @@ def configure_nccl(run_dir: Path, environ: Optional[dict[str, str]] = None) -> d
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir) / "hang" / "nccl_trace_rank_"),
     }
     added = {key: value for key, value in wanted.items() if key not in env}
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in added:
+        (Path(run_dir) / "hang").mkdir(parents=True, exist_ok=True)  # the recorder does not create directories
     env.update(added)
     return added
 
