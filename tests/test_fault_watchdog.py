@@ -209,7 +209,7 @@ def _freeze_and_wait(out: Path, proc: subprocess.Popen, rank: int, at_step: int)
 def test_frozen_rank_is_named_and_the_job_exits(tmp_path):
     """SIGSTOP one of two ranks from outside: the other names it within the step timeout + 10 s and exits."""
     out = tmp_path / "run"
-    proc = start_train(out, "train.steps=200", *HANG, nproc=2)
+    proc = start_train(out, "train.steps=200", "model.num_layers=2", *HANG, nproc=2)
     pid = None
     try:
         pid, stopped_at = _freeze_and_wait(out, proc, rank=1, at_step=3)

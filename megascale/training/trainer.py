@@ -200,12 +200,12 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         while self.step < cfg.train.steps:
+            self.progress.enter("step", self.step + 1)
             if self.ctx.is_first_stage or self.ctx.is_last_stage:
                 batches = self.train_data.next_step()
             else:  # middle pipeline stages need no tokens: keep the position, skip the read
                 self.train_data.skip_step()
                 batches = [{} for _ in range(self.micro_batches)]
-            self.progress.enter("step", self.step + 1)
             self.faults.at("step_start", self.step + 1)
             loss = forward_backward(self, batches)
             loss = self.faults.poison_loss(loss, self.step + 1)
