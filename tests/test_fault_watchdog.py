@@ -275,3 +275,20 @@ def test_frozen_pipeline_rank_restarts_and_matches_the_fault_free_loss(tmp_path)
     final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["step"] == expected["step"] == 14
     assert abs(final["loss"] - expected["loss"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_checkpoint_writer_hang_trips_the_checkpoint_timeout(tmp_path):
+    """The async writer hangs in a save; the next save waits on it in phase checkpoint_save and times out."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml", f"train.output_dir={out}",
+            *SMALL, "model.num_layers=2", "train.steps=40", "checkpoint.interval=2", "fault.heartbeat_s=1",
+            "fault.checkpoint_timeout_s=4", "fault.inject=hang:rank=0:step=2:point=in_save:mode=sleep"]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
+    events = read_events(out, "hang")
+    assert len(events) == 1 and events[0]["ranks"] == [0] and "in phase checkpoint_save" in events[0]["summary"]
+    dump = (out / "hang" / "0" / "rank_0.txt").read_text()
+    assert "phase: checkpoint_save" in dump and "write_rank_file" in dump  # the writer thread's stack
+    assert max(metrics_steps(out)) == 4  # training went on under the hung save until the next one
