@@ -212,6 +212,12 @@ class FaultConfig:
     preempt_grace_s: float = _f(60.0, "seconds after the preemption signal in which a final checkpoint may be written")
     inject: Optional[str] = _f(None, "fault injection for tests and drills, e.g. 'kill:rank=1:step=5' "
                                      "(see docs/reliability.md); also read from MEGASCALE_FAULT")
+    watchdog: bool = _f(True, "run the per-rank hang watchdog thread (heartbeats, phase timeouts, stack dumps)")
+    heartbeat_store: str = _f("auto", "where heartbeats go: the launcher's c10d store, files in "
+                                      "<output_dir>/.heartbeats, or auto (the store when the elastic agent hosts it, "
+                                      "else files)", ("auto", "store", "files"))
+    collective_timeout_s: float = _f(0.0, "process-group timeout for one collective; 0 = the longest phase timeout "
+                                          "plus 60 s, so the watchdog names the hung rank before a collective times out")
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 from megascale.config import Config, ConfigError
 from megascale.distributed.pipeline.partition import gpt_stage_cost, stage_layer_counts
 from megascale.distributed.pipeline.schedules import resolve_schedule_name, validate_schedule
+from megascale.distributed.topology import RankLayout
 
 CP_MODES = ("ulysses", "ring", "hybrid")
 AXES = ("tp", "cp", "dp", "pp")
@@ -151,6 +152,10 @@ class RunPlan:
     def loss_scale_per_token(self) -> float:
         """1 / tokens of the global batch: micro-batch losses then sum to the global mean loss."""
         return 1.0 / self.tokens_per_step
+
+    def rank_layout(self) -> RankLayout:
+        """The rank <-> (tp, cp, dp, pp) coordinate arithmetic of this layout (no process groups)."""
+        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.order)
 
     def global_stage(self, pp_rank: int, chunk: int) -> int:
         """Global stage of local chunk `chunk` on pipeline rank `pp_rank` (Megatron interleaving)."""

@@ -9,7 +9,9 @@ torchrun) with a standalone c10d rendezvous.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 from megascale.config import Config, ConfigError, load_config
@@ -42,6 +44,9 @@ def launch_local(argv: list[str], nproc: int) -> int:
         worker_args = argv[:idx] + argv[idx + 2:]
     launcher = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module",
                                              "megascale.train", *worker_args])
+    # The elastic agent passes its own default (1) to workers unless the launcher's environment sets
+    # it; 3 makes a timed-out NCCL collective end the worker, so the group restarts.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     try:
         run(launcher)
     except ChildFailedError as err:
@@ -54,15 +59,26 @@ def launch_local(argv: list[str], nproc: int) -> int:
 
 def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
     """Initialise the process group from the environment (if any) and train."""
-    from megascale.distributed.topology import init_process_group
-    from megascale.training.trainer import Trainer
+    from megascale.distributed.topology import init_process_group, read_dist_env
+    from megascale.training.fault.progress import Progress
+    from megascale.training.fault.supervise import collective_timeout_s, configure_nccl, start_watchdog
+    from megascale.training.trainer import Trainer, check_data_paths
 
     if backend is None and cfg.train.device == "cpu":
         backend = "gloo"
-    init_process_group(backend=backend)
+    # Hang watchdog: from launch on, so a rank stuck before its first step is named too.
+    check_data_paths(cfg)  # nothing is written to the run directory before this check
+    env = read_dist_env()
+    progress = Progress()
+    watchdog = start_watchdog(cfg, env.rank, env.world_size, progress)
+    if backend != "gloo":
+        configure_nccl(Path(cfg.train.output_dir))
     try:
-        return Trainer(cfg).train()
+        init_process_group(backend=backend, timeout_s=collective_timeout_s(cfg.fault))
+        return Trainer(cfg, progress=progress).train()
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -74,6 +90,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
+    from megascale.training.fault.inject import ENV_VAR, parse_fault_spec
+
+    parse_fault_spec(cfg.fault.inject or os.environ.get(ENV_VAR))  # a malformed spec fails here, once
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc} must be >= 1")

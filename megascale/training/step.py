@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from megascale.distributed import comm
+from megascale.training.fault.progress import Progress
 
 if TYPE_CHECKING:
     from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
@@ -26,14 +27,18 @@ def _to_device(batch: dict, device: torch.device, loss_scale: float) -> dict:
 
 
 def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, plan: "RunPlan",
-                     ctx: "ParallelContext", optimizer: "DistributedOptimizer") -> torch.Tensor:
+                     ctx: "ParallelContext", optimizer: "DistributedOptimizer",
+                     progress: Optional[Progress] = None) -> torch.Tensor:
     """Run every micro-batch of this step; returns the global mean loss (valid on the last stage).
 
     Micro-batch losses are scaled by 1 / tokens of the global batch, so they sum to the global
-    mean and gradients are summed (not averaged) over data/context-parallel ranks.
+    mean and gradients are summed (not averaged) over data/context-parallel ranks. `progress`
+    (the hang watchdog's phase marks) learns which collective the step is in.
     """
     batches = [_to_device(b, ctx.device, plan.loss_scale_per_token) for b in batches]
     optimizer.zero_grad()
+    progress = progress or Progress()
+    progress.collective = "forward_backward" if plan.pp == 1 else "pipeline forward_backward (p2p)"
     if plan.pp == 1:
         chunk = chunks[0]
         total = torch.zeros((), device=ctx.device)
@@ -44,7 +49,9 @@ def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, 
             total += loss.detach()
     else:
         total = _pipelined(chunks, batches, plan, ctx, optimizer)
+    progress.collective = "dp_cp gradient reduce"
     optimizer.finish_grad_sync()
+    progress.collective = "dp_cp all_reduce (loss)"
     # Each dp x cp rank holds its share of the global mean; the sum over them is the global mean.
     comm.all_reduce(total, ctx.group("dp_cp"))
     return total

@@ -7,6 +7,7 @@ import os
 import resource
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -14,10 +15,12 @@ import torch.distributed as dist
 from megascale.config import Config, ConfigError, save_config
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sharding import TensorShard, param_shard
-from megascale.distributed.topology import ParallelContext, RankLayout
+from megascale.distributed.topology import ParallelContext
 from megascale.model.gpt import build_model
 from megascale.perf.flops import device_peak, train_flops_per_token
 from megascale.run_plan import RunPlan, resolve_plan
+from megascale.training.fault.inject import FaultInjector
+from megascale.training.fault.progress import Progress
 from megascale.training.metrics import MetricsSink, format_line
 from megascale.training.step import forward_backward, evaluate
 
@@ -41,8 +44,7 @@ def world_position() -> tuple[int, int]:
 
 def make_context(plan: RunPlan, rank: int, device: torch.device) -> ParallelContext:
     """ParallelContext of global rank `rank` under the plan's layout (creates its process groups)."""
-    layout = RankLayout(tp=plan.tp, cp=plan.cp, dp=plan.dp, pp=plan.pp, order=plan.order)
-    return ParallelContext(layout, rank=rank, vpp=plan.vpp, device=device)
+    return ParallelContext(plan.rank_layout(), rank=rank, vpp=plan.vpp, device=device)
 
 
 def validate_runtime(cfg: Config, device: torch.device) -> None:
@@ -76,12 +78,15 @@ def check_data_paths(cfg: Config) -> None:
 class Trainer:
     """Builds everything from one Config and runs `train()`; usable in-process or as one torchrun rank."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, progress: Optional[Progress] = None) -> None:
         self.cfg = cfg
+        # Fault tolerance: phase marks read by the hang watchdog; injected faults for drills.
+        self.progress = progress or Progress()
         self.device = resolve_device(cfg)
         rank, world = world_position()
         self.plan = resolve_plan(cfg, world)  # again in every worker: the launcher resolved it before spawning
         self.ctx = make_context(self.plan, rank, self.device)
+        self.faults = FaultInjector.from_config(cfg, self.ctx.rank)
         validate_runtime(cfg, self.device)
         self.run_dir = Path(cfg.train.output_dir)
         self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard)
@@ -100,7 +105,9 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_steps = 0
         self.ckpt = self._build_checkpointing()
+        self.progress.enter("checkpoint_load")
         self._resume()
+        self.progress.enter("startup")
         c = cfg.checkpoint
         if c.interval or c.save_final:
             self.ckpt.prepare(self.state_shards())  # host buffers for async saves, under the first steps
@@ -121,7 +128,10 @@ class Trainer:
     def _build_checkpointing(self):
         from megascale.checkpoint.manager import CheckpointManager
 
-        return CheckpointManager(self.run_dir / "checkpoints", self.ctx, self.cfg)
+        manager = CheckpointManager(self.run_dir / "checkpoints", self.ctx, self.cfg)
+        if self.faults.active:
+            manager.fault_hook = self.faults.checkpoint_hook(lambda: manager.last_save_stats.get("step", 0))
+        return manager
 
     def state_shards(self) -> list[TensorShard]:
         """Model and optimizer state of this rank as checkpoint shards."""
@@ -188,12 +198,18 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         while self.step < cfg.train.steps:
+            self.progress.enter("step", self.step + 1)
             if self.ctx.is_first_stage or self.ctx.is_last_stage:
                 batches = self.train_data.next_step()
             else:  # middle pipeline stages need no tokens: keep the position, skip the read
                 self.train_data.skip_step()
                 batches = [{} for _ in range(self.plan.num_microbatches)]
-            loss = forward_backward(self.chunks, batches, plan=self.plan, ctx=self.ctx, optimizer=self.optimizer)
+            self.faults.at("step_start", self.step + 1)
+            loss = forward_backward(self.chunks, batches, plan=self.plan, ctx=self.ctx, optimizer=self.optimizer,
+                                    progress=self.progress)
+            loss = self.faults.poison_loss(loss, self.step + 1)
+            self.faults.at("after_forward", self.step + 1)
+            self.progress.collective = "optimizer"
             self.ckpt.before_update()  # an async checkpoint's snapshot ran under this forward/backward
             stats = self.optimizer.step(self.step)
             self._report_checkpoint()
@@ -201,6 +217,7 @@ class Trainer:
             self.consumed_samples += cfg.train.global_batch_size
             self.skipped_steps += int(stats.skipped)
             window_steps += 1
+            self.progress.collective = "log and evaluate"
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -218,8 +235,11 @@ class Trainer:
                 records.append(rec)
                 window_start, window_steps = time.perf_counter(), 0
             if self._should_save():
+                self.progress.enter("checkpoint_save")
                 self.save()
+        self.progress.enter("checkpoint_save")
         self.ckpt.wait()
+        self.progress.enter("done")
         self._report_checkpoint()
         self.sink.close()
         return records
