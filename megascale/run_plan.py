@@ -93,29 +93,41 @@ def precision_of(name: str) -> Precision:
 class RunPlan:
     """Every layout fact of one run, derived from the config and the world size by `resolve_plan`.
 
-    Sizes: world_size = tp * pp * dp * cp; vpp model chunks per pipeline rank; order
-    is the rank order (fastest axis first); zero is the ZeRO stage (0 or 1).
+    Frozen: it is resolved once and handed to whatever needs a fact, never patched.
+    world_size = tp * pp * dp * cp always holds.
     """
 
     world_size: int
+    """Ranks of the run."""
     tp: int
+    """Tensor-parallel size."""
     pp: int
+    """Pipeline-parallel size (pipeline ranks)."""
     dp: int
+    """Data-parallel size: parallel.dp, or derived as world_size / (tp * pp * cp)."""
     cp: int
+    """Context-parallel size."""
     vpp: int
+    """Model chunks (virtual stages) per pipeline rank."""
     order: str
+    """Rank order, fastest-varying axis first (e.g. tp-cp-dp-pp)."""
     zero: int
+    """0 = replicated optimizer state, 1 = ZeRO-1 (state sharded over dp x cp)."""
     sequence_parallel: bool
     """Norms, dropout and residuals are sharded over the sequence inside tp groups
     (parallel.sequence_parallel and tp > 1)."""
     cp_mode: str
+    """Context-parallel algorithm: ulysses, ring or hybrid."""
     ulysses_size: int
     """Ranks of each Ulysses (all-to-all) sub-group of cp: cp for ulysses, 1 for ring."""
     ring_size: int
     """Ranks of each ring of cp: cp // ulysses_size."""
     seq_length: int
+    """Training sequence length in tokens (whole sequence, before the cp split)."""
     global_batch_size: int
+    """Sequences per optimizer step over all data-parallel ranks."""
     micro_batch_size: int
+    """Sequences per forward pass per rank."""
     num_microbatches: int
     """Micro-batches per rank per optimizer step: global_batch_size / (micro_batch_size * dp)."""
     schedule: str
@@ -127,6 +139,7 @@ class RunPlan:
     activation_shape: tuple[int, int, int]
     """Tensor sent between pipeline stages: [seq / cp (/ tp with sequence parallelism), micro-batch, hidden]."""
     precision: Precision
+    """The torch dtypes of train.dtype."""
 
     @property
     def num_stages(self) -> int:

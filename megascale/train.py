@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Optional
 
 from megascale.config import Config, ConfigError, load_config
-from megascale.run_plan import resolve_plan
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -96,6 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc} must be >= 1")
+        from megascale.run_plan import resolve_plan
         from megascale.training.trainer import check_data_paths
 
         resolve_plan(cfg, args.nproc)  # a layout error fails here, once, before any worker starts

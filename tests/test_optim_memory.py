@@ -6,7 +6,8 @@ import pytest
 
 from megascale.config import load_config
 from megascale.distributed.topology import ParallelContext, RankLayout
-from megascale.perf.memory import _activation_bytes_per_layer, _inflight, _stage_estimate, estimate_memory, format_memory
+from megascale.perf.memory import (_activation_bytes_per_layer, _inflight, _stage_estimate, estimate_memory,
+                                   format_memory)
 from megascale.run_plan import resolve_plan
 
 

@@ -119,6 +119,20 @@ def test_vpp_explicit_split_memory_sums_each_ranks_chunks() -> None:
     assert [e.layers for e in stage_estimates(cfg, plan)] == [4, 4]
 
 
+def test_checkpoint_simulator_takes_the_plans_split() -> None:
+    """The simulator's shards of a real layout hold the layers the real model chunks hold."""
+    from megascale.checkpoint.simulate import SimLayout, SimModel, rank_shards, reference_value
+
+    cfg, plan = _plan(["parallel.pp=2", "parallel.pipeline_layers=auto", "model.vocab_size=30000",
+                       "model.seq_length=64"], 4)
+    layout = SimLayout.from_plan(plan)
+    for rank in range(plan.world_size):
+        shards = rank_shards(SimModel(num_layers=cfg.model.num_layers), layout, rank, reference_value(0))
+        held = sorted({int(s.name.split(".")[1]) for s in shards if s.name.startswith("layers.")})
+        real = build_model(cfg, _ctx(plan, rank))
+        assert held == sorted(i for chunk in real for i in chunk.layer_ids), rank
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     data_dir = tmp_path_factory.mktemp("plan_data")
