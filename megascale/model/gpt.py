@@ -16,8 +16,10 @@ from torch import nn
 from megascale.config import Config
 from megascale.distributed import comm
 from megascale.distributed.random import RNGTracker
-from megascale.distributed.tensor_parallel.layers import (TPSettings, VocabParallelEmbedding, make_param, parallel_logits,
-                                                   replicated_param, split_spec)
+from megascale.distributed.sharding import OUTPUT_WEIGHT, WORD_EMBEDDING_MODULE
+from megascale.distributed.tensor_parallel.layers import (TPSettings, VocabParallelEmbedding, make_param,
+                                                          materialize_params, parallel_logits, replicated_param,
+                                                          split_spec)
 from megascale.distributed.topology import ParallelContext
 from megascale.model.block import TransformerBlock
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
@@ -35,7 +37,7 @@ class GPTChunk(nn.Module):
         self.bc, self.first, self.last = bc, first, last
         self.layer_ids = list(layer_ids)
         if first:
-            self.word_embeddings = VocabParallelEmbedding("embedding.word_embeddings", m.padded_vocab_size,
+            self.word_embeddings = VocabParallelEmbedding(WORD_EMBEDDING_MODULE, m.padded_vocab_size,
                                                           m.hidden_size, bc.tp, m.init_std)
             if m.position == "learned":
                 self.position_embeddings = replicated_param("embedding.position_embeddings.weight",
@@ -52,10 +54,10 @@ class GPTChunk(nn.Module):
             elif m.tie_embeddings:
                 # A copy of the first stage's embedding; same init (seeded by name), grads summed over
                 # the embedding group, written to checkpoints by the first stage only.
-                self.output_embedding = VocabParallelEmbedding("embedding.word_embeddings", m.padded_vocab_size,
+                self.output_embedding = VocabParallelEmbedding(WORD_EMBEDDING_MODULE, m.padded_vocab_size,
                                                                m.hidden_size, bc.tp, m.init_std, primary=False)
             else:
-                spec = split_spec("output.weight", (m.padded_vocab_size, m.hidden_size), 0, bc.tp.rank, bc.tp.size)
+                spec = split_spec(OUTPUT_WEIGHT, (m.padded_vocab_size, m.hidden_size), 0, bc.tp.rank, bc.tp.size)
                 self.output = make_param(spec, bc.tp, "normal", m.init_std)
 
     def head_weight(self) -> torch.Tensor:
@@ -146,8 +148,16 @@ class GPTChunk(nn.Module):
         return losses.float().sum() * scale
 
 
-def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None) -> list[GPTChunk]:
-    """This rank's model chunks (one per virtual stage), parameters already sharded and placed."""
+def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None, materialize: bool = True,
+                chunk_layers: Optional[list[list[int]]] = None) -> list[GPTChunk]:
+    """This rank's model chunks (one per virtual stage), parameters already sharded and placed.
+
+    The chunks are built on the meta device and then materialised one parameter
+    at a time, so no more than one global tensor exists at once. materialize=False
+    leaves them on meta (shapes and shard specs only, no storage: a parameter
+    table). chunk_layers overrides the layer ids of each chunk (default: the
+    configured pipeline split). Building needs no process groups unless cp > 1.
+    """
     from megascale.kernels import get_ops
 
     p = cfg.parallel
@@ -155,7 +165,7 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
         rng = RNGTracker(cfg.train.seed + 2718 + ctx.tp_rank, ctx.device)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
-                    device=ctx.device, dtype=DTYPES[cfg.train.dtype])
+                    device=ctx.device, dtype=DTYPES[cfg.train.dtype], defer_init=True)
     cp = None
     if ctx.cp_size > 1:
         from megascale.distributed.context_parallel.attention import build_cp_settings
@@ -163,12 +173,16 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
         cp = build_cp_settings(ctx, cfg)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
                       recompute=cfg.train.recompute, cp=cp)
-    chunk_layers = stage_layers(cfg, ctx)
+    if chunk_layers is None:
+        chunk_layers = stage_layers(cfg, ctx)
     chunks = []
     for v, layer_ids in enumerate(chunk_layers):
         first = ctx.pp_rank == 0 and v == 0
         last = ctx.pp_rank == ctx.pp_size - 1 and v == len(chunk_layers) - 1
         chunks.append(GPTChunk(layer_ids, first, last, bc, cfg.train.recompute_layers))
+    if materialize:
+        for chunk in chunks:
+            materialize_params(chunk)
     return chunks
 
 

@@ -1,7 +1,9 @@
 """Analytic per-rank memory estimate: parameters, gradients, optimizer state, activations.
 
-Parameters are counted from the model config exactly as the model shards them
-(tp-split matrices, replicated norms and row-parallel biases). Gradients live in
+Parameters are counted from the parameter table (`megascale.model.params`), the
+real model built on the meta device, so the count is exactly what each rank holds
+(tp-split matrices, replicated norms and row-parallel biases, the tied embedding
+copy on the last stage). Gradients live in
 the fp32 bucket buffers of the data-parallel optimizer (4 bytes per parameter
 whatever the model dtype); optimizer state is two fp32 moments plus, for 16-bit
 models, an fp32 master copy, divided over dp x cp with ZeRO-1.
@@ -23,10 +25,11 @@ they are an upper bound when dropout is 0 or flash attention is used.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
-from megascale.config import Config, ModelConfig, num_microbatches
+from megascale.config import Config, num_microbatches
 from megascale.distributed.topology import ParallelContext, RankLayout
+from megascale.model.params import ParamTable, param_table
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2 ** 30
@@ -50,24 +53,6 @@ class MemoryEstimate:
     def total_bytes(self) -> float:
         """Sum of the four parts."""
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-
-
-def layer_params(m: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one tp rank."""
-    h, d, ffn = m.hidden_size, m.head_dim, m.ffn_size
-    qkv_rows = (m.num_heads + 2 * m.kv_heads) * d
-    bias = 1 if m.bias else 0
-    count = qkv_rows * h // tp + bias * qkv_rows // tp  # qkv, column-parallel
-    count += h * m.num_heads * d // tp + bias * h  # proj, row-parallel (bias replicated)
-    gates = 2 if m.activation == "swiglu" else 1
-    count += gates * ffn * h // tp + bias * gates * ffn // tp  # fc1, column-parallel
-    count += h * ffn // tp + bias * h  # fc2, row-parallel
-    norm = h * (2 if m.norm == "layernorm" and m.bias else 1)
-    count += norm * (1 if m.parallel_block else 2)
-    if m.attention == "lfa":
-        # Two causal kernel-2 convolutions h -> h/2 -> h with bias, and an RMSNorm (kept whole on each rank).
-        count += 2 * (h * (h // 2) * 2) + h // 2 + h + h
-    return count
 
 
 def stage_layer_counts(cfg: Config, pp: int) -> list[int]:
@@ -107,18 +92,14 @@ def _inflight(cfg: Config, pp: int, stage: int, microbatches: int) -> float:
     return inflight
 
 
-def _stage_estimate(cfg: Config, layout: RankLayout, stage: int, layers: int) -> MemoryEstimate:
+def _stage_estimate(cfg: Config, layout: RankLayout, stage: int, layers: int,
+                    table: Optional[ParamTable] = None) -> MemoryEstimate:
     m, t = cfg.model, cfg.train
     tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
     first, last = stage == 0, stage == pp - 1
-    embed = m.padded_vocab_size * m.hidden_size // tp
-    count = layers * layer_params(m, tp)
-    if first:
-        count += embed + (m.seq_length * m.hidden_size if m.position == "learned" else 0)
-    if last:
-        count += m.hidden_size * (2 if m.norm == "layernorm" and m.bias else 1)  # final norm
-        if not m.tie_embeddings or not first:
-            count += embed  # untied output, or the tied copy on the last stage
+    if table is None:
+        table = param_table(cfg, layout)
+    count = table.local_numel(stage)
     dtype_bytes = DTYPE_BYTES[t.dtype]
     optimizer = count * (8 + (4 if t.dtype != "fp32" else 0))
     if cfg.parallel.zero == 1:
@@ -147,7 +128,8 @@ def estimate_memory(cfg: Config, ctx_or_layout: Union[ParallelContext, RankLayou
     """Per-rank memory estimate for cfg under the given layout; the most loaded pipeline stage."""
     layout = ctx_or_layout.layout if isinstance(ctx_or_layout, ParallelContext) else ctx_or_layout
     counts = stage_layer_counts(cfg, layout.pp)
-    estimates = [_stage_estimate(cfg, layout, stage, n) for stage, n in enumerate(counts)]
+    table = param_table(cfg, layout)
+    estimates = [_stage_estimate(cfg, layout, stage, n, table) for stage, n in enumerate(counts)]
     return max(estimates, key=lambda e: e.total_bytes)
 
 
