@@ -47,7 +47,7 @@ def _sim_model(total_gb: float) -> SimModel:
     vocab = 32 * hidden
     per_layer = 12 * (16 * hidden * hidden + 2 * hidden)  # bytes: fp32 param + 2 fp32 moments
     layers = max(1, round((total_gb * 1e9 - 12 * vocab * hidden) / per_layer))
-    return SimModel(num_layers=layers, hidden=hidden, ffn=4 * hidden, vocab=vocab, kv_groups_rows=3 * hidden)
+    return SimModel(num_layers=layers, hidden=hidden, ffn=4 * hidden, vocab=vocab)
 
 
 def _constant_value(name: str, shape: tuple, offsets: tuple, local: tuple) -> torch.Tensor:

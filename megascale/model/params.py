@@ -185,18 +185,20 @@ def param_table(model_or_cfg: Union[Config, ModelConfig],
     tp = pp = 1 unless `layout` says otherwise). A RankLayout contributes tp and pp.
     """
     from megascale.distributed.pipeline.partition import gpt_stage_cost
+    from megascale.distributed.random import RNGTracker
     from megascale.model.gpt import build_model
 
     model_layout = _resolve_layout(model_or_cfg, layout)
     cfg = _as_config(model_or_cfg, model_layout)
     rank_layout = RankLayout(tp=model_layout.tp, pp=model_layout.pp)
+    rng = RNGTracker(cfg.train.seed, torch.device("cpu"))  # layers keep a reference; a meta model never draws
     entries: list[ParamSpec] = []
     for pp_rank in range(model_layout.pp):
         # tp rank 0 stands for all: names, global shapes and split dims are the same on every tp rank.
         ctx = ParallelContext(rank_layout, rank=rank_layout.rank(pp=pp_rank), vpp=model_layout.vpp,
                               device=torch.device("cpu"), create_groups=False)
         chunk_layers = model_layout.chunk_layers(cfg.model.num_layers, pp_rank, gpt_stage_cost(cfg.model))
-        chunks = build_model(cfg, ctx, materialize=False, chunk_layers=chunk_layers)
+        chunks = build_model(cfg, ctx, rng, materialize=False, chunk_layers=chunk_layers)
         for index, chunk in enumerate(chunks):
             for param in chunk.parameters():
                 spec = get_shard(param)
