@@ -191,6 +191,21 @@ def test_checkpoint_simulator_hands_out_the_real_models_shards(layout: SimLayout
         params = [s for s in shards if not s.name.startswith("optim.")]
         assert [s.key + (s.global_shape,) for s in params] == [s.key + (s.global_shape,) for s in real], rank
     assert sim.numel() == param_table(sim.model_config()).numel()
+    # replicas: exactly the ranks whose shards hold the same piece
+    table = sim.table(layout)
+    ranks = RankLayout(tp=layout.tp, cp=layout.cp, dp=layout.dp, pp=layout.pp)
+    holders: dict[tuple, set[int]] = {}
+    for rank in range(layout.world):
+        for s in rank_shards(sim, layout, rank, reference_value(0), optim_states=(), table=table):
+            holders.setdefault(s.key, set()).add(rank)
+    for entry in table.entries:
+        for tp_rank in range(layout.tp):
+            shard = entry.shard(tp_rank, layout.tp)
+            key = (entry.name, shard.offsets, shard.local_shape, None)
+            # the tied embedding's first-stage slice and last-stage copy are one piece, held by both stages
+            same = [e for e in table.entries if e.name == entry.name]
+            expected = set().union(*(table.replicas(e, tp_rank, ranks) for e in same))
+            assert holders[key] == expected, (entry.name, tp_rank)
 
 
 LLAMA = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, vocab_size=100,

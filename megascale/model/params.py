@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +24,9 @@ from megascale.config import Config, ModelConfig
 from megascale.distributed.sharding import (OUTPUT_WEIGHT, TIED_EMBEDDING, ShardSpec, full_spec, get_shard,
                                             output_weight_name, split_spec)
 from megascale.distributed.topology import ParallelContext, RankLayout
+
+if TYPE_CHECKING:
+    from megascale.distributed.pipeline.partition import StageCost
 
 __all__ = ["ModelLayout", "ParamSpec", "ParamTable", "param_table", "TIED_EMBEDDING", "OUTPUT_WEIGHT",
            "output_weight_name"]
@@ -52,7 +55,7 @@ class ModelLayout:
         tp, pp = (layout.tp, layout.pp) if layout is not None else (p.tp, p.pp)
         return cls(tp=tp, pp=pp, vpp=p.vpp, pipeline_layers=p.pipeline_layers)
 
-    def chunk_layers(self, num_layers: int, pp_rank: int, cost: object = None) -> list[list[int]]:
+    def chunk_layers(self, num_layers: int, pp_rank: int, cost: Optional["StageCost"] = None) -> list[list[int]]:
         """Global layer ids of each chunk of pipeline rank pp_rank (chunk v is global stage v * pp + pp_rank)."""
         if self.stage_layers is None:
             from megascale.distributed.pipeline.partition import layers_for_rank
@@ -149,6 +152,19 @@ class ParamTable:
     def rank_shards(self, tp_rank: int, pp_rank: int) -> list[ShardSpec]:
         """The ShardSpecs of the (tp_rank, pp_rank) model rank, in the order its chunks hold them."""
         return [e.shard(tp_rank, self.layout.tp) for e in self.held_by(pp_rank)]
+
+    def replicas(self, entry: ParamSpec, tp_rank: int, ranks: RankLayout) -> list[int]:
+        """Global ranks of `ranks` holding the same values as tp rank tp_rank's slice of entry.
+
+        Every dp and cp rank of the entry's pipeline rank holds it; a tp-replicated
+        parameter is held whole by every tp rank as well.
+        """
+        if (ranks.tp, ranks.pp) != (self.layout.tp, self.layout.pp):
+            raise ValueError(f"rank layout tp {ranks.tp} pp {ranks.pp} is not the table's "
+                             f"tp {self.layout.tp} pp {self.layout.pp}")
+        tp_ranks = range(ranks.tp) if entry.tp_replicated else [tp_rank]
+        return sorted(ranks.rank(tp=t, cp=c, dp=d, pp=entry.pp_rank)
+                      for t in tp_ranks for c in range(ranks.cp) for d in range(ranks.dp))
 
 
 def _as_config(model_or_cfg: Union[Config, ModelConfig], layout: ModelLayout) -> Config:
