@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megascale.checkpoint import hf
-from megascale.checkpoint.hf import llama_config, gpt2_config, rename_coverage, to_hf
+from megascale.checkpoint.hf import gpt2_config, llama_config, rename_coverage, to_hf
 from megascale.checkpoint.simulate import SimLayout, SimModel, rank_shards, reference_value
 from megascale.config import Config, ModelConfig, load_config
 from megascale.distributed.sharding import OUTPUT_WEIGHT, TIED_EMBEDDING, get_shard, param_shard
