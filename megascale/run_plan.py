@@ -27,8 +27,16 @@ from typing import Mapping
 import torch
 
 from megascale.config import Config, ConfigError
-from megascale.distributed.pipeline.partition import gpt_stage_cost, stage_layer_counts
-from megascale.distributed.pipeline.schedules import resolve_schedule_name, validate_schedule
+from megascale.distributed.pipeline.partition import (
+    chunk_layer_ids,
+    global_stage,
+    gpt_stage_cost,
+    stage_layer_counts,
+)
+from megascale.distributed.pipeline.schedules import (
+    resolve_schedule_name,
+    validate_schedule,
+)
 from megascale.distributed.topology import RankLayout
 
 CP_MODES = ("ulysses", "ring", "hybrid")
@@ -172,17 +180,11 @@ class RunPlan:
 
     def global_stage(self, pp_rank: int, chunk: int) -> int:
         """Global stage of local chunk `chunk` on pipeline rank `pp_rank` (Megatron interleaving)."""
-        return chunk * self.pp + pp_rank
+        return global_stage(self.pp, pp_rank, chunk)
 
     def chunk_layers(self, pp_rank: int) -> list[list[int]]:
         """Global layer ids of each model chunk of pipeline rank `pp_rank`, in virtual-stage order."""
-        if not 0 <= pp_rank < self.pp:
-            raise ValueError(f"pipeline rank {pp_rank} is outside pp={self.pp}")
-        starts = [0]
-        for count in self.stage_layer_counts:
-            starts.append(starts[-1] + count)
-        stages = (self.global_stage(pp_rank, v) for v in range(self.vpp))
-        return [list(range(starts[s], starts[s + 1])) for s in stages]
+        return chunk_layer_ids(self.stage_layer_counts, self.pp, self.vpp, pp_rank)
 
     @property
     def rank_layer_counts(self) -> tuple[int, ...]:

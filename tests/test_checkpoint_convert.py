@@ -21,6 +21,8 @@ from megascale.checkpoint.convert import (checkpoint_to_hf, hf_to_checkpoint, ma
 from megascale.checkpoint.hf import from_hf, merge_qkv, split_qkv, to_hf
 from megascale.cli import main as cli_main
 from megascale.config import ModelConfig
+from megascale.distributed.sharding import OUTPUT_WEIGHT, TIED_EMBEDDING
+from megascale.model.params import param_table
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
@@ -34,27 +36,8 @@ GPT2 = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64
 
 def _random_state(model: ModelConfig) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    h, f, d = model.hidden_size, model.ffn_size, model.head_dim
-    rows = (model.num_heads + 2 * model.kv_heads) * d
-    shapes = {"embedding.word_embeddings.weight": (model.padded_vocab_size, h), "final_norm.weight": (h,)}
-    if model.position == "learned":
-        shapes["embedding.position_embeddings.weight"] = (model.seq_length, h)
-    if not model.tie_embeddings:
-        shapes["output.weight"] = (model.padded_vocab_size, h)
-    for i in range(model.num_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "input_norm.weight": (h,), p + "post_attention_norm.weight": (h,),
-                       p + "attention.qkv.weight": (rows, h), p + "attention.proj.weight": (h, model.num_heads * d),
-                       p + "mlp.fc1.weight": (2, f, h) if model.activation == "swiglu" else (f, h),
-                       p + "mlp.fc2.weight": (h, f)})
-        if model.bias:
-            shapes.update({p + "input_norm.bias": (h,), p + "post_attention_norm.bias": (h,),
-                           p + "attention.qkv.bias": (rows,), p + "attention.proj.bias": (h,),
-                           p + "mlp.fc1.bias": (f,), p + "mlp.fc2.bias": (h,)})
-    if model.bias:
-        shapes["final_norm.bias"] = (h,)
-    state = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    for name in ("embedding.word_embeddings.weight", "output.weight"):
+    state = {k: torch.randn(s, generator=g) for k, s in param_table(model).shapes().items()}
+    for name in (TIED_EMBEDDING, OUTPUT_WEIGHT):
         if name in state:
             state[name][model.vocab_size:] = 0  # padding rows are not part of the HF model
     return state

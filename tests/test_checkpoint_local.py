@@ -27,7 +27,7 @@ from megascale.config import Config
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.errors import UserError
 
-MODEL = SimModel(num_layers=6, hidden=8, ffn=16, vocab=32, kv_groups_rows=24)
+MODEL = SimModel(num_layers=6, hidden=8, ffn=16, vocab=32)
 
 
 def _manager(root: Path, **checkpoint) -> CheckpointManager:

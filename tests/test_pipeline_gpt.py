@@ -66,7 +66,7 @@ def _pipelined(overrides: list[str], rank: int, world: int) -> tuple[list[float]
     from megascale.config import load_config
     from megascale.distributed import comm
     from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined, resolve_schedule_name
-    from megascale.distributed.sharding import gather_full, get_shard
+    from megascale.distributed.sharding import TIED_EMBEDDING, gather_full, get_shard
     from megascale.distributed.topology import ParallelContext, RankLayout
     from megascale.model import build_model
 
@@ -86,7 +86,7 @@ def _pipelined(overrides: list[str], rank: int, world: int) -> tuple[list[float]
             grad = param.grad
             if getattr(param, "sequence_parallel_grad", False):
                 comm.all_reduce(grad, ctx.group("tp"))  # what the data-parallel optimizer does
-            if spec.global_name == "embedding.word_embeddings.weight" and cfg.model.tie_embeddings:
+            if spec.global_name == TIED_EMBEDDING and cfg.model.tie_embeddings:
                 comm.all_reduce(grad, ctx.group("embedding"))  # tied copy on the last stage
                 if not spec.primary:
                     continue

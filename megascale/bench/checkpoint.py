@@ -45,9 +45,12 @@ RESHARDED = SimLayout(tp=1, dp=4, zero=1)
 def _sim_model(total_gb: float) -> SimModel:
     hidden = 1024 if total_gb >= 1.0 else 256
     vocab = 32 * hidden
-    per_layer = 12 * (16 * hidden * hidden + 2 * hidden)  # bytes: fp32 param + 2 fp32 moments
-    layers = max(1, round((total_gb * 1e9 - 12 * vocab * hidden) / per_layer))
-    return SimModel(num_layers=layers, hidden=hidden, ffn=4 * hidden, vocab=vocab, kv_groups_rows=3 * hidden)
+    one, two = (SimModel(num_layers=n, hidden=hidden, ffn=4 * hidden, vocab=vocab) for n in (1, 2))
+    # bytes: fp32 parameter + two fp32 moments, counted from the parameter table
+    per_layer = 12 * (two.numel() - one.numel())
+    rest = 12 * one.numel() - per_layer
+    layers = max(1, round((total_gb * 1e9 - rest) / per_layer))
+    return SimModel(num_layers=layers, hidden=hidden, ffn=4 * hidden, vocab=vocab)
 
 
 def _constant_value(name: str, shape: tuple, offsets: tuple, local: tuple) -> torch.Tensor:

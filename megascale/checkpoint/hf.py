@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megascale.config import ModelConfig
+from megascale.distributed.sharding import OUTPUT_WEIGHT, TIED_EMBEDDING
 from megascale.errors import UserError
 
 ARCHES = ("llama", "gpt2")
@@ -72,7 +73,7 @@ def _unpad(t: torch.Tensor, model: ModelConfig) -> torch.Tensor:
 def _pad(t: torch.Tensor, model: ModelConfig) -> torch.Tensor:
     if t.shape[0] > model.padded_vocab_size:
         raise UserError(f"HF embedding has {t.shape[0]} rows but vocab_size is {model.vocab_size}")
-    out = torch.zeros((model.padded_vocab_size, *t.shape[1:]), dtype=t.dtype)
+    out = torch.zeros((model.padded_vocab_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     out[: t.shape[0]] = t
     return out
 
@@ -109,7 +110,7 @@ def to_hf(state: dict[str, torch.Tensor], model: ModelConfig, arch: str) -> tupl
     """megascale global tensors -> (HF state dict, HF config.json dict)."""
     _check_arch(model, arch)
     get = state.__getitem__
-    out = {_WORD_EMBEDDING[arch]: _unpad(get("embedding.word_embeddings.weight"), model)}
+    out = {_WORD_EMBEDDING[arch]: _unpad(get(TIED_EMBEDDING), model)}
     out.update({theirs: get(ours) for ours, theirs in _TOP_RENAMES[arch]})
     for i in range(model.num_layers):
         src, dst = f"layers.{i}.", _LAYER_PREFIX[arch].format(i)
@@ -124,7 +125,7 @@ def to_hf(state: dict[str, torch.Tensor], model: ModelConfig, arch: str) -> tupl
             out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t().contiguous()
             out[dst + "attn.c_attn.bias"] = torch.cat([qb, kb, vb], 0)
     if not model.tie_embeddings:
-        out["lm_head.weight"] = _unpad(get("output.weight"), model)
+        out["lm_head.weight"] = _unpad(get(OUTPUT_WEIGHT), model)
     return out, (llama_config if arch == "llama" else gpt2_config)(model)
 
 
@@ -189,7 +190,7 @@ def from_hf(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.
             raise UserError(f"HF checkpoint lacks tensor {name}; is it a {arch} model saved with save_pretrained?")
         return hf[name]
 
-    out = {"embedding.word_embeddings.weight": _pad(get(_WORD_EMBEDDING[arch]), model)}
+    out = {TIED_EMBEDDING: _pad(get(_WORD_EMBEDDING[arch]), model)}
     out.update({ours: get(theirs) for ours, theirs in _TOP_RENAMES[arch]})
     h = model.hidden_size
     for i in range(model.num_layers):
@@ -204,5 +205,48 @@ def from_hf(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.
             out[dst + "attention.qkv.weight"] = merge_qkv(w[:h], w[h:2 * h], w[2 * h:], model)
             out[dst + "attention.qkv.bias"] = merge_qkv(b[:h], b[h:2 * h], b[2 * h:], model)
     if not model.tie_embeddings:
-        out["output.weight"] = _pad(get("lm_head.weight"), model)
+        out[OUTPUT_WEIGHT] = _pad(get("lm_head.weight"), model)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+class _Recorder(dict):
+    """A state dict that remembers which keys were read."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def rename_coverage(model: ModelConfig, arch: str) -> list[str]:
+    """Problems with the rename tables for this model: [] when they cover the real model exactly.
+
+    Runs both directions on meta tensors shaped like the parameter table of the
+    real model: every parameter must be read by `to_hf`, every HF tensor it
+    writes must be read back by `from_hf`, and the round trip must give back the
+    table's names and global shapes.
+    """
+    from megascale.model.params import param_table
+
+    shapes = param_table(model).shapes()
+    ours = _Recorder({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
+    problems: list[str] = []
+    try:
+        hf, _ = to_hf(ours, model, arch)
+    except KeyError as err:
+        return [f"to_hf reads {err}, which the model does not have"]
+    problems += [f"parameter {name} has no HF name" for name in sorted(set(shapes) - ours.read)]
+    theirs = _Recorder(hf)
+    try:
+        back = from_hf(theirs, model)
+    except UserError as err:
+        return problems + [f"from_hf: {err}"]
+    problems += [f"HF tensor {name} maps to no parameter" for name in sorted(set(hf) - theirs.read)]
+    problems += [f"from_hf makes {name}, which the model does not have" for name in sorted(set(back) - set(shapes))]
+    problems += [f"from_hf does not make parameter {name}" for name in sorted(set(shapes) - set(back))]
+    problems += [f"{name}: round trip gives shape {tuple(back[name].shape)}, the model has {shape}"
+                 for name, shape in shapes.items() if name in back and tuple(back[name].shape) != shape]
+    return problems

@@ -1,9 +1,10 @@
 """Synthetic sharded training state under any layout, without building a model.
 
 Tests and `megascale bench checkpoint` use this to produce exactly the TensorShards a
-real run would hand to the CheckpointManager: tp slices along the model's split dims,
-layers spread over (virtual) pipeline stages with the tied embedding copy on the last
-stage, replicas over dp and cp, and optimizer state either replicated (zero=0) or cut
+real run would hand to the CheckpointManager: the parameters, split dims and tied
+embedding copy come from the parameter table of the real model (built on the meta
+device, `megascale.model.params`), layers spread over (virtual) pipeline stages,
+replicas over dp and cp, and optimizer state either replicated (zero=0) or cut
 into a ZeRO-1 rank's flat range of the stage's flattened parameters (zero=1), which
 slices straight through tensors the way Megatron's distributed optimizer does.
 """
@@ -16,8 +17,10 @@ from typing import Callable, Optional
 
 import torch
 
-from megascale.distributed.sharding import TensorShard, full_spec, split_spec
+from megascale.config import ModelConfig
+from megascale.distributed.sharding import TensorShard
 from megascale.distributed.topology import DEFAULT_ORDER, RankLayout
+from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.run_plan import RunPlan
 
 # value_fn(name, global_shape, offsets, local_shape) -> the box's values
@@ -62,42 +65,34 @@ class SimLayout:
 
 @dataclass(frozen=True)
 class SimModel:
-    """Sizes of the synthetic GPT; param_specs() lists (name, global shape, tp split dim)."""
+    """Sizes of a small Llama-style GPT (RMSNorm, SwiGLU, RoPE, no biases, tied embedding, unpadded vocabulary).
+
+    Its parameters are those of the real model of `model_config()`, read from the parameter table.
+    """
 
     num_layers: int = 4
     hidden: int = 16
     ffn: int = 32
     vocab: int = 64
-    kv_groups_rows: int = 48  # (nq + 2*nkv) * d rows of the fused qkv
+    heads: int = 4
+    kv_heads: Optional[int] = None
 
-    def embedding(self) -> list[tuple[str, tuple[int, ...], Optional[int]]]:
-        """Parameters of the first stage."""
-        return [("embedding.word_embeddings.weight", (self.vocab, self.hidden), 0)]
+    def model_config(self) -> ModelConfig:
+        """The model section these sizes describe."""
+        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden, num_heads=self.heads,
+                           num_kv_heads=self.kv_heads, ffn_hidden_size=self.ffn, vocab_size=self.vocab,
+                           vocab_pad_multiple=1, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
+                           tie_embeddings=True)
 
-    def layer(self, i: int) -> list[tuple[str, tuple[int, ...], Optional[int]]]:
-        """Parameters of layer i."""
-        h, f, p = self.hidden, self.ffn, f"layers.{i}."
-        return [(p + "input_norm.weight", (h,), None),
-                (p + "attention.qkv.weight", (self.kv_groups_rows, h), 0),
-                (p + "attention.proj.weight", (h, h), 1),
-                (p + "post_attention_norm.weight", (h,), None),
-                (p + "mlp.fc1.weight", (2, f, h), 1),
-                (p + "mlp.fc2.weight", (h, f), 1)]
-
-    def head(self) -> list[tuple[str, tuple[int, ...], Optional[int]]]:
-        """Parameters of the last stage (the tied embedding copy is added separately)."""
-        return [("final_norm.weight", (self.hidden,), None)]
+    def table(self, layout: "SimLayout") -> ParamTable:
+        """The parameter table of this model under layout (the layout's stage split taken as given)."""
+        counts = tuple(len(ids) for ids in stage_layer_ids(layout, self.num_layers))
+        return param_table(self.model_config(),
+                           ModelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, stage_layers=counts))
 
     def numel(self) -> int:
         """Unique parameter elements."""
-        specs = self.embedding() + self.head() + [s for i in range(self.num_layers) for s in self.layer(i)]
-        total = 0
-        for _, shape, _ in specs:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return param_table(self.model_config()).numel()
 
 
 def stage_layer_ids(layout: SimLayout, num_layers: int) -> list[list[int]]:
@@ -132,31 +127,20 @@ def reference_value(seed: int = 0) -> ValueFn:
 
 def rank_shards(model: SimModel, layout: SimLayout, rank: int, value_fn: ValueFn,
                 optim_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq"),
-                dtype: torch.dtype = torch.float32) -> list[TensorShard]:
-    """The TensorShards rank `rank` of `layout` holds: its parameters, then its optimizer state."""
+                dtype: torch.dtype = torch.float32, table: Optional[ParamTable] = None) -> list[TensorShard]:
+    """The TensorShards rank `rank` of `layout` holds: its parameters, then its optimizer state.
+
+    table: `model.table(layout)`, when the caller already has it (it is the same for every rank).
+    """
     c = layout.coords(rank)
-    tp_rank, pp_rank = c["tp"], c["pp"]
-    stages = stage_layer_ids(layout, model.num_layers)
-    last_virtual = layout.pp * layout.vpp - 1
-    params: list[tuple[str, tuple[int, ...], Optional[int], bool]] = []
-    for chunk in range(layout.vpp):
-        virtual = chunk * layout.pp + pp_rank
-        if virtual == 0:
-            params += [(n, s, d, True) for n, s, d in model.embedding()]
-        for i in stages[virtual]:
-            params += [(n, s, d, True) for n, s, d in model.layer(i)]
-        if virtual == last_virtual:
-            params += [(n, s, d, True) for n, s, d in model.head()]
-            if pp_rank != 0:  # tied output embedding: a non-primary copy on the last stage
-                params += [(n, s, d, False) for n, s, d in model.embedding()]
+    if table is None:
+        table = model.table(layout)
     shards: list[TensorShard] = []
     boxes = []
-    for name, shape, split, primary in params:
-        spec = (split_spec(name, shape, split, tp_rank, layout.tp) if split is not None
-                else full_spec(name, shape, tp_rank, layout.tp))
-        tensor = value_fn(name, spec.global_shape, spec.offsets, spec.local_shape).to(dtype)
-        shards.append(TensorShard(name, spec.global_shape, spec.offsets, spec.local_shape, tensor))
-        if primary:
+    for spec in table.rank_shards(c["tp"], c["pp"]):
+        tensor = value_fn(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape).to(dtype)
+        shards.append(TensorShard(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape, tensor))
+        if spec.primary:  # the tied copy has no optimizer state of its own in a checkpoint
             boxes.append(spec)
     for state in optim_states:
         prefix = f"optim.{state}."

@@ -16,6 +16,20 @@ import torch
 
 _ATTR = "_megascale_shard"
 
+# The word embedding, which the output layer reuses when model.tie_embeddings is set.
+# Its module name builds the layer; its parameter name is the one checkpoints, the
+# optimizer's tied-gradient sum and HF conversion key on. With pp > 1 the last
+# stage holds a copy under the same name, marked by ShardSpec.primary = False.
+WORD_EMBEDDING_MODULE = "embedding.word_embeddings"
+TIED_EMBEDDING = f"{WORD_EMBEDDING_MODULE}.weight"
+# The untied output projection.
+OUTPUT_WEIGHT = "output.weight"
+
+
+def output_weight_name(tie_embeddings: bool) -> str:
+    """Global name of the tensor the output layer multiplies with: the embedding when tied."""
+    return TIED_EMBEDDING if tie_embeddings else OUTPUT_WEIGHT
+
 
 @dataclass(frozen=True)
 class ShardSpec:

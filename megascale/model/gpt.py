@@ -17,8 +17,16 @@ from megascale.config import Config
 from megascale.distributed import comm
 from megascale.distributed.random import RNGTracker
 from megascale.distributed.sequence import SequenceLayout, build_sequence_layout
-from megascale.distributed.tensor_parallel.layers import (TPSettings, VocabParallelEmbedding, make_param, parallel_logits,
-                                                   replicated_param, split_spec)
+from megascale.distributed.sharding import OUTPUT_WEIGHT, WORD_EMBEDDING_MODULE
+from megascale.distributed.tensor_parallel.layers import (
+    TPSettings,
+    VocabParallelEmbedding,
+    make_param,
+    materialize_params,
+    parallel_logits,
+    replicated_param,
+    split_spec,
+)
 from megascale.distributed.topology import ParallelContext
 from megascale.model.block import TransformerBlock
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
@@ -36,7 +44,7 @@ class GPTChunk(nn.Module):
         self.bc, self.first, self.last = bc, first, last
         self.layer_ids = list(layer_ids)
         if first:
-            self.word_embeddings = VocabParallelEmbedding("embedding.word_embeddings", m.padded_vocab_size,
+            self.word_embeddings = VocabParallelEmbedding(WORD_EMBEDDING_MODULE, m.padded_vocab_size,
                                                           m.hidden_size, bc.tp, m.init_std)
             if m.position == "learned":
                 self.position_embeddings = replicated_param("embedding.position_embeddings.weight",
@@ -53,10 +61,10 @@ class GPTChunk(nn.Module):
             elif m.tie_embeddings:
                 # A copy of the first stage's embedding; same init (seeded by name), grads summed over
                 # the embedding group, written to checkpoints by the first stage only.
-                self.output_embedding = VocabParallelEmbedding("embedding.word_embeddings", m.padded_vocab_size,
+                self.output_embedding = VocabParallelEmbedding(WORD_EMBEDDING_MODULE, m.padded_vocab_size,
                                                                m.hidden_size, bc.tp, m.init_std, primary=False)
             else:
-                spec = split_spec("output.weight", (m.padded_vocab_size, m.hidden_size), 0, bc.tp.rank, bc.tp.size)
+                spec = split_spec(OUTPUT_WEIGHT, (m.padded_vocab_size, m.hidden_size), 0, bc.tp.rank, bc.tp.size)
                 self.output = make_param(spec, bc.tp, "normal", m.init_std)
 
     def head_weight(self) -> torch.Tensor:
@@ -136,13 +144,19 @@ class GPTChunk(nn.Module):
 
 
 def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None,
-                plan: Optional[RunPlan] = None, sequence: Optional[SequenceLayout] = None) -> list[GPTChunk]:
+                plan: Optional[RunPlan] = None, sequence: Optional[SequenceLayout] = None,
+                materialize: bool = True, chunk_layers: Optional[list[list[int]]] = None) -> list[GPTChunk]:
     """This rank's model chunks (one per virtual stage), parameters already sharded and placed.
 
-    With the run's `plan` the chunks hold the plan's layers; without one (a model built
-    outside a training run) the split is computed from cfg by the same partition rules.
-    sequence: the run's sequence layout; by default built here from ctx and
-    cfg (`build_sequence_layout`), which creates the context-parallel sub-groups.
+    With the run's `plan` the chunks hold the plan's layers and dtype; without one (a
+    model built outside a training run) the split is computed from cfg by the same
+    partition rules, and `chunk_layers` may override it. sequence: the run's
+    sequence layout; by default built here from ctx and cfg (`build_sequence_layout`),
+    which creates the context-parallel sub-groups.
+
+    The chunks are built on the meta device and then materialised one parameter
+    at a time, so no more than one global tensor exists at once. materialize=False
+    leaves them on meta (shapes and shard specs only, no storage: a parameter table).
     """
     from megascale.kernels import get_ops
 
@@ -152,17 +166,21 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
         rng = RNGTracker(tensor_parallel_seed(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.cp_rank), ctx.device)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
-                    device=ctx.device, dtype=precision.param_dtype)
+                    device=ctx.device, dtype=precision.param_dtype, defer_init=True)
     if sequence is None:
         sequence = build_sequence_layout(ctx, cfg)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
                       recompute=cfg.train.recompute, sequence=sequence)
-    chunk_layers = plan.chunk_layers(ctx.pp_rank) if plan is not None else stage_layers(cfg, ctx)
+    if chunk_layers is None:
+        chunk_layers = plan.chunk_layers(ctx.pp_rank) if plan is not None else stage_layers(cfg, ctx)
     chunks = []
     for v, layer_ids in enumerate(chunk_layers):
         first = ctx.pp_rank == 0 and v == 0
         last = ctx.pp_rank == ctx.pp_size - 1 and v == len(chunk_layers) - 1
         chunks.append(GPTChunk(layer_ids, first, last, bc, cfg.train.recompute_layers))
+    if materialize:
+        for chunk in chunks:
+            materialize_params(chunk)
     return chunks
 
 

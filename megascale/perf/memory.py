@@ -1,7 +1,9 @@
 """Analytic per-rank memory estimate: parameters, gradients, optimizer state, activations.
 
-Parameters are counted from the model config exactly as the model shards them
-(tp-split matrices, replicated norms and row-parallel biases). Gradients live in
+Parameters are counted from the parameter table (`megascale.model.params`), the
+real model built on the meta device, so the count is exactly what each rank holds
+(tp-split matrices, replicated norms and row-parallel biases, the tied embedding
+copy on the last stage). Gradients live in
 the fp32 bucket buffers of the data-parallel optimizer (4 bytes per parameter
 whatever the model dtype); optimizer state is two fp32 moments plus, for 16-bit
 models, an fp32 master copy, divided over dp x cp with ZeRO-1.
@@ -23,8 +25,10 @@ they are an upper bound when dropout is 0 or flash attention is used.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from megascale.config import Config, ModelConfig
+from megascale.config import Config
+from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.run_plan import NO_PIPELINE, RunPlan
 
 GIB = 2 ** 30
@@ -48,24 +52,6 @@ class MemoryEstimate:
     def total_bytes(self) -> float:
         """Sum of the four parts."""
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-
-
-def layer_params(m: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one tp rank."""
-    h, d, ffn = m.hidden_size, m.head_dim, m.ffn_size
-    qkv_rows = (m.num_heads + 2 * m.kv_heads) * d
-    bias = 1 if m.bias else 0
-    count = qkv_rows * h // tp + bias * qkv_rows // tp  # qkv, column-parallel
-    count += h * m.num_heads * d // tp + bias * h  # proj, row-parallel (bias replicated)
-    gates = 2 if m.activation == "swiglu" else 1
-    count += gates * ffn * h // tp + bias * gates * ffn // tp  # fc1, column-parallel
-    count += h * ffn // tp + bias * h  # fc2, row-parallel
-    norm = h * (2 if m.norm == "layernorm" and m.bias else 1)
-    count += norm * (1 if m.parallel_block else 2)
-    if m.attention == "lfa":
-        # Two causal kernel-2 convolutions h -> h/2 -> h with bias, and an RMSNorm (kept whole on each rank).
-        count += 2 * (h * (h // 2) * 2) + h // 2 + h + h
-    return count
 
 
 def _activation_bytes_per_layer(cfg: Config, tp: int, cp: int, recompute: str) -> float:
@@ -92,20 +78,19 @@ def _inflight(schedule: str, pp: int, vpp: int, stage: int, microbatches: int) -
     return inflight
 
 
-def _stage_estimate(cfg: Config, plan: RunPlan, stage: int) -> MemoryEstimate:
-    """Estimate for pipeline rank `stage`, which holds the plan's layers of that rank."""
+def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[ParamTable] = None) -> MemoryEstimate:
+    """Estimate for pipeline rank `stage`, which holds the plan's layers of that rank.
+
+    Parameter counts come from the model's own parameter table (`table`, built
+    from the plan's layout when not given), so they match the real model exactly.
+    """
     m, t = cfg.model, cfg.train
     tp, pp, cp, dp = plan.tp, plan.pp, plan.cp, plan.dp
     layers = plan.rank_layer_counts[stage]
     first, last = stage == 0, stage == pp - 1
-    embed = m.padded_vocab_size * m.hidden_size // tp
-    count = layers * layer_params(m, tp)
-    if first:
-        count += embed + (m.seq_length * m.hidden_size if m.position == "learned" else 0)
-    if last:
-        count += m.hidden_size * (2 if m.norm == "layernorm" and m.bias else 1)  # final norm
-        if not m.tie_embeddings or not first:
-            count += embed  # untied output, or the tied copy on the last stage
+    if table is None:
+        table = param_table(cfg, ModelLayout.from_plan(plan))
+    count = table.local_numel(stage)
     dtype_bytes = plan.precision.param_bytes
     optimizer = count * (8 + (4 if plan.precision.master_weights else 0))
     if plan.zero == 1:
@@ -131,7 +116,8 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int) -> MemoryEstimate:
 
 def stage_estimates(cfg: Config, plan: RunPlan) -> list[MemoryEstimate]:
     """Per-rank memory estimate of every pipeline rank, with the plan's layer split."""
-    return [_stage_estimate(cfg, plan, stage) for stage in range(plan.pp)]
+    table = param_table(cfg, ModelLayout.from_plan(plan))
+    return [_stage_estimate(cfg, plan, stage, table) for stage in range(plan.pp)]
 
 
 def estimate_memory(cfg: Config, plan: RunPlan) -> MemoryEstimate:

@@ -34,14 +34,12 @@ from megascale.config import Config
 from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, reverse_params
 from megascale.distributed.data_parallel.flat_comm import FlatComm
 from megascale.distributed.data_parallel.update import OptimizerState
-from megascale.distributed.sharding import ShardSpec, TensorShard
+from megascale.distributed.sharding import TIED_EMBEDDING, ShardSpec, TensorShard
 from megascale.distributed.topology import ParallelContext
 from megascale.errors import UserError
 from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_squares
 from megascale.optim.loss_scale import LossScaler
 from megascale.optim.schedules import lr_at
-
-TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 @dataclass

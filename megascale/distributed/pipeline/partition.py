@@ -220,17 +220,19 @@ def layers_for_rank(num_layers: int, pp: int, vpp: int, pp_rank: int,
 
     Chunk v of rank r is global stage v * pp + r (Megatron interleaving).
     """
-    counts = stage_layer_counts(num_layers, pp, vpp, split, cost)
+    return chunk_layer_ids(stage_layer_counts(num_layers, pp, vpp, split, cost), pp, vpp, pp_rank)
+
+
+def chunk_layer_ids(counts: Sequence[int], pp: int, vpp: int, pp_rank: int) -> list[list[int]]:
+    """Global layer ids of each chunk of pipeline rank `pp_rank`, from the layer counts of the
+    pp * vpp global stages (chunk v of rank r is global stage v * pp + r)."""
     if not 0 <= pp_rank < pp:
         raise ConfigError(f"pipeline rank {pp_rank} is outside parallel.pp={pp}")
     starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    chunks = []
-    for v in range(vpp):
-        stage = v * pp + pp_rank
-        chunks.append(list(range(starts[stage], starts[stage + 1])))
-    return chunks
+    for count in counts:
+        starts.append(starts[-1] + count)
+    stages = (global_stage(pp, pp_rank, v) for v in range(vpp))
+    return [list(range(starts[stage], starts[stage + 1])) for stage in stages]
 
 
 def global_stage(pp: int, pp_rank: int, chunk: int) -> int:
@@ -238,4 +240,5 @@ def global_stage(pp: int, pp_rank: int, chunk: int) -> int:
     return chunk * pp + pp_rank
 
 
-__all__ = ["gpt_stage_cost", "StageCost", "layers_for_rank", "stage_layer_counts", "auto_stage_counts", "global_stage"]
+__all__ = ["gpt_stage_cost", "StageCost", "layers_for_rank", "stage_layer_counts", "auto_stage_counts", "global_stage",
+           "chunk_layer_ids"]

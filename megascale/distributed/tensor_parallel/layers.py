@@ -21,8 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megascale.distributed import comm
+from megascale.distributed.sharding import (
+    ShardSpec,
+    full_spec,
+    get_shard,
+    set_shard,
+    split_spec,
+)
 from megascale.distributed.tensor_parallel import overlap as tp_overlap
-from megascale.distributed.sharding import ShardSpec, full_spec, set_shard, split_spec
 from megascale.seeds import weight_init_seed
 
 
@@ -38,6 +44,9 @@ class TPSettings:
     seed: int = 1234
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    # Build parameters on the meta device with their init recipe attached; `materialize_params`
+    # fills them in later, one tensor at a time (or never, for a parameter table).
+    defer_init: bool = False
 
     @property
     def sp(self) -> bool:
@@ -51,27 +60,87 @@ def init_global(name: str, shape: tuple[int, ...], std: float, seed: int) -> tor
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
+INITS = ("normal", "zeros", "ones")
+_INIT_ATTR = "_megascale_init"
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How a parameter's local slice is initialised and where it lives: enough to materialise it later."""
+
+    kind: str  # one of INITS
+    std: float
+    seed: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def init_local(spec: ShardSpec, recipe: ParamInit) -> torch.Tensor:
+    """This rank's slice of a parameter, initialised as the recipe says, on its device and in its dtype.
+
+    'normal' draws the whole global tensor (so every layout gets the same values)
+    and keeps the slice; the global tensor is freed before this returns.
+    """
+    if recipe.kind == "normal":
+        data = init_global(spec.global_name, spec.global_shape, recipe.std, recipe.seed)[spec.slices()]
+    elif recipe.kind == "zeros":
+        data = torch.zeros(spec.local_shape)
+    elif recipe.kind == "ones":
+        data = torch.ones(spec.local_shape)
+    else:
+        raise ValueError(f"unknown init {recipe.kind!r}; expected one of {INITS}")
+    local = data.to(device=recipe.device, dtype=recipe.dtype).contiguous()
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        # A contiguous slice of the global tensor is a view that would keep all of it alive.
+        local = local.clone()
+    return local
+
+
 def make_param(spec: ShardSpec, settings: TPSettings, init: str, std: float = 0.0,
                sequence_parallel_grad: bool = False) -> nn.Parameter:
     """Create this rank's slice of a parameter described by spec.
 
     init is 'normal' (N(0, std) over the global tensor), 'zeros' or 'ones'.
     sequence_parallel_grad marks tp-replicated params whose grads are partial
-    sums over sequence shards and must be summed over the tp group.
+    sums over sequence shards and must be summed over the tp group. With
+    settings.defer_init the parameter is an empty meta tensor carrying its recipe.
     """
-    if init == "normal":
-        data = init_global(spec.global_name, spec.global_shape, std, settings.seed)[spec.slices()]
-    elif init == "zeros":
-        data = torch.zeros(spec.local_shape)
-    elif init == "ones":
-        data = torch.ones(spec.local_shape)
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r}; expected one of {INITS}")
+    recipe = ParamInit(init, std, settings.seed, settings.device, settings.dtype)
+    if settings.defer_init:
+        data = torch.empty(spec.local_shape, dtype=settings.dtype, device="meta")
     else:
-        raise ValueError(f"unknown init {init!r}")
-    param = nn.Parameter(data.to(device=settings.device, dtype=settings.dtype).contiguous())
+        data = init_local(spec, recipe)
+    param = nn.Parameter(data)
     set_shard(param, spec)
+    setattr(param, _INIT_ATTR, recipe)
     if sequence_parallel_grad:
         param.sequence_parallel_grad = True
     return param
+
+
+def materialize_params(module: nn.Module) -> None:
+    """Replace every meta parameter under module by its initialised slice, one parameter at a time.
+
+    At most one global tensor exists at any moment, so a model too large to hold
+    globally on one host can still be built shard by shard. Attributes attached
+    to a parameter (its ShardSpec, flags) carry over; a parameter registered
+    under several modules stays one parameter.
+    """
+    done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (meta, real); meta kept alive so ids stay unique
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in done:
+                recipe = getattr(param, _INIT_ATTR, None)
+                if recipe is None:
+                    raise ValueError(f"meta parameter {name!r} has no init recipe; build it with make_param")
+                real = nn.Parameter(init_local(get_shard(param), recipe), requires_grad=param.requires_grad)
+                real.__dict__.update(param.__dict__)
+                done[id(param)] = (param, real)
+            sub._parameters[name] = done[id(param)][1]
 
 
 class ColumnParallelLinear(nn.Module):
