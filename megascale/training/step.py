@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -25,8 +25,13 @@ def loss_scale_per_token(trainer: "Trainer") -> float:
     return 1.0 / (cfg.train.global_batch_size * cfg.model.seq_length)
 
 
-def forward_backward(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
-    """Run every micro-batch of this step; returns the global mean loss (valid on the last stage)."""
+def forward_backward(trainer: "Trainer", batches: list[dict],
+                     loss_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """Run every micro-batch of this step; returns the global mean loss (valid on the last stage).
+
+    loss_hook, when given, maps this rank's loss share before the data/context-parallel sum
+    (fault drills poison it there, so the whole group sees the NaN as a real fault would spread).
+    """
     ctx, opt = trainer.ctx, trainer.optimizer
     scale = loss_scale_per_token(trainer)
     batches = [_to_device(b, ctx.device, scale) for b in batches]
@@ -42,6 +47,8 @@ def forward_backward(trainer: "Trainer", batches: list[dict]) -> torch.Tensor:
     else:
         total = _pipelined(trainer, batches)
     opt.finish_grad_sync()
+    if loss_hook is not None:
+        total = loss_hook(total)
     # Each dp x cp rank holds its share of the global mean; the sum over them is the global mean.
     comm.all_reduce(total, ctx.group("dp_cp"))
     return total

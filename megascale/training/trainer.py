@@ -17,6 +17,7 @@ from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.model.gpt import build_model
 from megascale.perf.flops import device_peak, train_flops_per_token
+from megascale.training.fault import numerics
 from megascale.training.metrics import MetricsSink, format_line
 from megascale.training.step import forward_backward, evaluate
 
@@ -103,6 +104,10 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_steps = 0
         self.ckpt = self._build_checkpointing()
+        # Numerical faults: NaN/Inf/spike verdicts, their counters, and finite-only checkpoint commits.
+        numerics.validate(cfg)
+        self.numerics = numerics.NumericsGuard.from_config(cfg, self.ctx.rank)
+        self.ckpt.state_check = numerics.first_nonfinite
         self._resume()
         c = cfg.checkpoint
         if c.interval or c.save_final:
@@ -152,6 +157,7 @@ class Trainer:
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if not weights_only:
             self.optimizer.load_extra_state(extra.get("optimizer", {}))
+            self.numerics.load_state_dict(extra.get("numerics", {}))
         rng = extra.get("rng", {}).get(str(self.ctx.rank))
         if rng is not None and extra.get("world_size") == self.ctx.world_size:
             torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
@@ -194,13 +200,15 @@ class Trainer:
             else:  # middle pipeline stages need no tokens: keep the position, skip the read
                 self.train_data.skip_step()
                 batches = [{} for _ in range(self.micro_batches)]
-            loss = forward_backward(self, batches)
+            loss = forward_backward(self, batches, loss_hook=self.numerics.loss_hook(self.step + 1))
             self.ckpt.before_update()  # an async checkpoint's snapshot ran under this forward/backward
-            stats = self.optimizer.step(self.step)
+            stats = self.optimizer.step(self.step, loss=loss, guard=self.numerics.check)
             self._report_checkpoint()
             self.step += 1
             self.consumed_samples += cfg.train.global_batch_size
             self.skipped_steps += int(stats.skipped)
+            if stats.fault is not None:  # its update was withheld on every rank: skip, roll back or stop
+                numerics.apply_policy(self, stats.fault)
             window_steps += 1
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 if self.device.type == "cuda":
@@ -230,6 +238,7 @@ class Trainer:
         if stats.get("total_s") is None or stats.get("reported"):
             return
         stats["reported"] = True
+        numerics.note_checkpoint(self, stats)
         if self.ctx.is_logging_rank:
             state = "saved" if stats.get("ok") else f"FAILED ({stats.get('error')}); latest stays on the previous one"
             self.sink.print(f"checkpoint step {stats['step']} {state}: training blocked {stats['blocking_s']:.3f} s, "
@@ -251,6 +260,7 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             "skipped_steps": self.skipped_steps,
             "loss_scale": float(stats.loss_scale),
+            **self.numerics.counters(),
         }
         if not math.isfinite(rec["loss"]):
             rec["loss"] = float("nan")
@@ -279,6 +289,7 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             "skipped_steps": self.skipped_steps,
             "optimizer": self.optimizer.extra_state(),
+            "numerics": self.numerics.state_dict(),
             "rng": rng,
             "world_size": self.ctx.world_size,
             "layout": {"tp": self.ctx.tp_size, "pp": self.ctx.pp_size, "dp": self.ctx.dp_size,
