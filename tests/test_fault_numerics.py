@@ -285,25 +285,30 @@ def test_stop_policy_two_ranks(tmp_path: Path) -> None:
 
 
 def test_bad_learning_rate_keeps_the_good_checkpoints(tmp_path: Path) -> None:
-    """Resume with an absurd learning rate: the update of step 4 makes every weight Inf/NaN. Its checkpoint
-    is refused, pruning (keep_last=2) keeps steps 2 and 3, the NaN loss of step 5 stops the run, and
-    resuming with a sane learning rate starts from step 3."""
+    """Resume with an absurd learning rate (3e38, no momentum, so one Adam step overflows float32): the update
+    of step 4 makes weights Inf. Its checkpoint is refused as non-finite; steps 5 and 6 have NaN losses and are
+    skipped, and their checkpoints are refused too (the weights are the ones that produced the NaN); the third
+    fault in a row exceeds fault.max_consecutive_skips=2 and stops the run. Pruning (keep_last=2) never saw a
+    bad commit, so steps 2 and 3 survive, and a resume with a sane learning rate starts from step 3."""
     out = tmp_path / "run"
     keep = ["checkpoint.interval=1", "checkpoint.keep_last=2"]
     assert _run(out, "train.steps=3", *keep).returncode == 0
-    proc = _run(out, *keep, "optim.lr=1e39", "optim.min_lr=1e39", "optim.warmup_steps=0",
-                "optim.schedule=constant", "fault.nan_policy=stop")
+    proc = _run(out, *keep, "train.steps=8", "optim.lr=3e38", "optim.min_lr=3e38", "optim.beta1=0",
+                "optim.weight_decay=0", "optim.warmup_steps=0", "optim.schedule=constant", "fault.nan_policy=skip",
+                "fault.max_consecutive_skips=2")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "step 5: the loss is nan" in proc.stderr and "resume from step_00000003" in proc.stderr
+    assert "step 7: the loss is nan" in proc.stderr and "fault.max_consecutive_skips=2" in proc.stderr
+    assert "resume from step_00000003" in proc.stderr
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002", "step_00000003"]
     assert (ckpts / "latest").read_text().strip() == "step_00000003"
     for name, tensor in load_file(str(ckpts / "step_00000003" / "rank_00000.safetensors")).items():
         assert torch.isfinite(tensor).all(), name
-    skipped, = read_events(out, "checkpoint_skipped_nonfinite")
-    assert skipped["step"] == 4 and "non-finite state" in skipped["error"]
-    assert [(e["kind"], e["step"]) for e in read_events(out) if e["kind"] in ("nan", "stop")] == [("nan", 5),
-                                                                                                  ("stop", 5)]
+    refused = read_events(out, "checkpoint_skipped_nonfinite")
+    assert [e["step"] for e in refused] == [4, 5, 6]
+    assert "non-finite state" in refused[0]["error"]
+    faults = [(e["kind"], e["step"]) for e in read_events(out) if e["kind"] in ("nan", "stop")]
+    assert faults == [("nan", 5), ("nan", 6), ("nan", 7), ("stop", 7)]
     proc = _run(out, *keep)
     assert proc.returncode == 0 and "resumed from step 3" in proc.stdout
     assert all(math.isfinite(r["loss"]) for r in _metrics(out)[-3:])

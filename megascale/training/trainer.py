@@ -279,6 +279,8 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current state (asynchronously when configured)."""
+        if not numerics.may_save(self):  # same verdict on every rank: all of them skip
+            return
         rng = {str(self.ctx.rank): {"cpu": torch.get_rng_state().tolist(), "tracker": self.rng.state_dict()}}
         if dist.is_initialized() and self.ctx.world_size > 1:
             gathered: list = [None] * self.ctx.world_size

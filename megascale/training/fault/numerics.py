@@ -129,6 +129,11 @@ class NumericsGuard:
             raise UserError(f"fault.nan_policy={fault.nan_policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = fault.nan_policy
         self.max_rollbacks = int(fault.max_rollbacks)
+        self.max_consecutive_skips = int(fault.max_consecutive_skips)
+        self.consecutive_faults = 0
+        # The parameters are the ones whose loss was non-finite (a skipped fault, no update since):
+        # a checkpoint of them is refused even when every tensor is finite.
+        self.state_suspect = False
         self.spikes = SpikeDetector(fault.spike_zscore, fault.spike_window)
         self.counts = {"nonfinite": 0, "spikes": 0, "nan_skipped": 0, "rollbacks": 0}
         self.poison_steps = nan_injection_steps(inject, rank)
@@ -146,6 +151,13 @@ class NumericsGuard:
 
         overflow_skips: the fp16 loss scaler handles a non-finite gradient norm itself.
         """
+        fault = self._judge(step, loss, grad_norm, overflow_skips)
+        self.consecutive_faults = self.consecutive_faults + 1 if fault is not None else 0
+        if fault is None:
+            self.state_suspect = False  # an update is applied: the state moves on
+        return fault
+
+    def _judge(self, step: int, loss: Optional[float], grad_norm: float, overflow_skips: bool) -> Optional[Fault]:
         if loss is not None and not math.isfinite(loss):
             return Fault(step, "nan", "loss", loss, grad_norm)
         if not math.isfinite(grad_norm) and not overflow_skips:
@@ -242,8 +254,9 @@ def validate(cfg: "Config") -> None:
     if f.spike_zscore < 0 or f.spike_window < 1:
         raise UserError(f"fault.spike_zscore={f.spike_zscore} must be >= 0 (0 = off) and "
                         f"fault.spike_window={f.spike_window} >= 1")
-    if f.max_rollbacks < 0:
-        raise UserError(f"fault.max_rollbacks={f.max_rollbacks} must be >= 0")
+    if f.max_rollbacks < 0 or f.max_consecutive_skips < 0:
+        raise UserError(f"fault.max_rollbacks={f.max_rollbacks} and fault.max_consecutive_skips="
+                        f"{f.max_consecutive_skips} must be >= 0")
 
 
 # ----------------------------------------------------------------------------- policies
@@ -270,9 +283,14 @@ def apply_policy(trainer: "Trainer", fault: Fault) -> None:
     _event(trainer, fault.kind, fault.step, what=fault.what, loss=fault.loss, grad_norm=fault.grad_norm,
            zscore=fault.zscore, policy=guard.policy, consumed_samples=trainer.consumed_samples)
     if guard.policy == "stop":
-        stop(trainer, fault, f"{fault.kind} stopped training (fault.nan_policy=stop)")
+        stop(trainer, fault, "training stopped (fault.nan_policy=stop)")
     if guard.policy == "skip":
+        limit = guard.max_consecutive_skips
+        if limit and guard.consecutive_faults > limit:
+            stop(trainer, fault, f"{guard.consecutive_faults} faulty steps in a row, the weights themselves are "
+                                 f"broken and skipping cannot recover (fault.max_consecutive_skips={limit})")
         guard.counts["nan_skipped"] += 1
+        guard.state_suspect = True
         trainer.sink.print(f"step {fault.step}: {fault.describe()}; update skipped (fault.nan_policy=skip)")
         return
     if guard.counts["rollbacks"] >= guard.max_rollbacks:
@@ -303,12 +321,25 @@ def rollback(trainer: "Trainer", fault: Fault) -> None:
     trainer.optimizer.load_extra_state(extra.get("optimizer", {}))
     guard.counts["rollbacks"] += 1
     guard.spikes.clear()
+    guard.state_suspect = False
     to_step = int(extra.get("step", 0))
     _event(trainer, "rollback", fault.step, to_step=to_step, discarded_steps=list(range(to_step + 1, fault.step + 1)),
            consumed_samples=trainer.consumed_samples, rollbacks=guard.counts["rollbacks"])
     trainer.sink.print(f"step {fault.step}: {fault.describe()}; rolled back to the checkpoint of step {to_step}, "
                        f"continuing with global batch {fault.step + 1} (rollback {guard.counts['rollbacks']} of "
                        f"{guard.max_rollbacks})")
+
+
+def may_save(trainer: "Trainer") -> bool:
+    """False (and a `checkpoint_skipped_nonfinite` event) while the weights are those whose loss was
+    non-finite: skipped faults leave them in place, and a checkpoint of them must not displace good ones."""
+    if not trainer.numerics.state_suspect:
+        return True
+    _event(trainer, "checkpoint_skipped_nonfinite", trainer.step,
+           error="the last step's loss or gradient norm was not finite (update skipped)")
+    trainer.sink.print(f"checkpoint step {trainer.step} skipped: the weights produced a non-finite or spiking "
+                       f"loss at this step; latest stays on the previous one")
+    return False
 
 
 def note_checkpoint(trainer: "Trainer", stats: dict) -> None:
