@@ -310,3 +310,31 @@ def test_bad_learning_rate_keeps_the_good_checkpoints(tmp_path: Path) -> None:
     proc = _run(out, *keep)
     assert proc.returncode == 0 and "resumed from step 3" in proc.stdout
     assert all(math.isfinite(r["loss"]) for r in _metrics(out)[-3:])
+
+
+def test_spike_drill_matches_recomputed_verdicts(tmp_path: Path) -> None:
+    """A hair-trigger spike threshold on a real run: the steps it flags (events, counters, withheld updates)
+    are exactly those an independent recomputation of the z-score over the logged losses flags."""
+    out = tmp_path / "run"
+    zscore, window = 0.01, 2
+    proc = _run(out, "fault.nan_policy=skip", f"fault.spike_zscore={zscore}", f"fault.spike_window={window}",
+                "train.steps=12")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = _metrics(out)
+    healthy: list[float] = []
+    expected = []
+    for rec in recs:
+        loss = rec["loss"]
+        if len(healthy) >= window:
+            recent = healthy[-window:]
+            mean = sum(recent) / window
+            std = math.sqrt(sum((x - mean) ** 2 for x in recent) / window)
+            if (loss - mean) / max(std, 1e-6 * max(abs(mean), 1.0)) > zscore:
+                expected.append(rec["step"])
+                continue
+        healthy.append(loss)
+    assert expected, "the threshold is meant to flag some steps of this run"
+    events = read_events(out, "spike")
+    assert [e["step"] for e in events] == expected
+    assert all(e["zscore"] > zscore and e["policy"] == "skip" for e in events)
+    assert recs[-1]["spikes"] == recs[-1]["nan_skipped"] == len(expected)

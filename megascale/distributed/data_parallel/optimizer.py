@@ -10,6 +10,8 @@ The trainer's contract (see docs/optim.md):
     opt.finish_grad_sync()
     stats = opt.step(step)              # step = updates done before (0 first); clip, update;
                                         # ZeRO-1: launch the param all-gathers
+    stats = opt.step(step, loss=loss, guard=check)  # the same, with the step's loss summed into the
+                                        # norm's all-reduce; check(...) may withhold the update
 
 Loss is already divided by the tokens of the whole global batch, so gradients
 are SUMMED over the dp x cp group. Gradients accumulate in fp32 buckets
