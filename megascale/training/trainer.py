@@ -86,6 +86,7 @@ class Trainer:
         self.device = resolve_device(cfg)
         self.ctx = make_context(cfg, self.device)
         validate_runtime(cfg, self.ctx)
+        numerics.validate(cfg)
         self.run_dir = Path(cfg.train.output_dir)
         self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard)
         if self.ctx.rank == 0:
@@ -105,7 +106,6 @@ class Trainer:
         self.skipped_steps = 0
         self.ckpt = self._build_checkpointing()
         # Numerical faults: NaN/Inf/spike verdicts, their counters, and finite-only checkpoint commits.
-        numerics.validate(cfg)
         self.numerics = numerics.NumericsGuard.from_config(cfg, self.ctx.rank)
         self.ckpt.state_check = numerics.first_nonfinite
         self._resume()

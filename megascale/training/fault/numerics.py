@@ -27,6 +27,7 @@ loss under train.dtype=fp16) is not a fault: it stays the scaler's business.
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -141,8 +142,6 @@ class NumericsGuard:
     @classmethod
     def from_config(cls, cfg: "Config", rank: int) -> "NumericsGuard":
         """Guard for this rank from cfg.fault (fault.inject, else env MEGASCALE_FAULT, feeds the nan drill)."""
-        import os
-
         inject = cfg.fault.inject or os.environ.get("MEGASCALE_FAULT")
         return cls(cfg.fault, rank, inject)
 
