@@ -207,6 +207,8 @@ class FaultConfig:
                                   "counts as a spike; 0 = off")
     spike_window: int = _f(50, "steps in the loss window the spike z-score is measured against")
     max_rollbacks: int = _f(3, "rollbacks allowed in one run before the nan policy gives up and stops")
+    max_consecutive_skips: int = _f(10, "nan_policy=skip: faulty steps in a row after which the weights count "
+                                        "as broken and training stops; 0 = never")
     preempt_signal: str = _f("SIGTERM", "signal that asks for a checkpoint and a clean exit (Slurm --signal sends "
                                          "SIGUSR1)", ("SIGTERM", "SIGUSR1", "SIGUSR2"))
     preempt_grace_s: float = _f(60.0, "seconds after the preemption signal in which a final checkpoint may be written")

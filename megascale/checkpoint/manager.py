@@ -67,11 +67,22 @@ def resolve_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"no complete checkpoint found at {path}; pass a step_N directory or a checkpoints root")
 
 
+def _verified(step_dir: Path) -> bool:
+    """The commit marker says the state passed the manager's state_check (e.g. was finite)."""
+    try:
+        return bool(json.loads((step_dir / COMMIT_MARKER).read_text()).get("verified"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class CheckpointManager:
     """Sharded, asynchronous, deduplicated, resharding checkpoints under `root` (<output_dir>/checkpoints).
 
     `fault_hook`, when set, is called inside the write with a stage name ('before_write',
     'after_write'); tests use it to inject failures and crashes.
+    `state_check`, when set, sees every rank's (shard, host buffer) pieces before they are written
+    and returns an error message to refuse the commit (the trainer refuses NaN/Inf states); such
+    checkpoints are marked verified, and pruning never removes the newest verified one.
     """
 
     def __init__(self, root: Path, ctx: ParallelContext, cfg: Config) -> None:
@@ -86,6 +97,7 @@ class CheckpointManager:
         self.planner = SavePlanner(self._group, self.rank, self.world)
         self.pool = HostBufferPool()
         self.fault_hook: Optional[Callable[[str], None]] = None
+        self.state_check: Optional[Callable[[list], Optional[str]]] = None
         self.last_save_stats: dict[str, Any] = {}
         self.last_load_stats: dict[str, Any] = {}
         self._thread: Optional[threading.Thread] = None
@@ -210,6 +222,9 @@ class CheckpointManager:
         records: list[dict] = []
         file_name, size = None, 0
         try:
+            if pieces and error is None and self.state_check is not None:
+                refused = self.state_check(pieces)
+                error = f"rank {self.rank}: {refused}" if refused else None
             if pieces and error is None:
                 file_name = rank_file_name(self.rank)
                 recs, size = write_rank_file(partial / file_name, pieces, self.fault_hook)
@@ -253,7 +268,8 @@ class CheckpointManager:
             meta = build_metadata(step, records, _layout_of(self.ctx), files)
             meta["config"] = self.cfg.to_dict()
             atomic_write_text(partial / METADATA_FILE, json.dumps(meta))
-            atomic_write_text(partial / COMMIT_MARKER, json.dumps({"step": step, "time": time.time()}) + "\n")
+            marker = {"step": step, "time": time.time(), "verified": self.state_check is not None}
+            atomic_write_text(partial / COMMIT_MARKER, json.dumps(marker) + "\n")
             final = self.root / step_dir_name(step)
             if final.exists():
                 shutil.rmtree(final)  # re-saving a step (e.g. after a resume) replaces it
@@ -276,6 +292,9 @@ class CheckpointManager:
         complete = [p for p in complete_checkpoints(self.root) if (parse_step(p) or 0) <= step]
         complete.sort(key=lambda p: parse_step(p) or 0, reverse=True)
         doomed = complete[keep:] if keep > 0 else []
+        # Never prune the newest checkpoint whose state was verified (finite) before its commit.
+        verified = next((p for p in complete if _verified(p)), None)
+        doomed = [p for p in doomed if p != verified]
         for path in self.root.iterdir():
             # partial dirs of older steps are leftovers of crashed saves
             if path.name.startswith(".step_") and path.name.endswith(".partial"):

@@ -7,7 +7,7 @@ driven by anything that holds those pieces.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -28,12 +28,15 @@ def _to_device(batch: dict, device: torch.device, loss_scale: float) -> dict:
 
 def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, plan: "RunPlan",
                      ctx: "ParallelContext", optimizer: "DistributedOptimizer",
-                     progress: Optional[Progress] = None) -> torch.Tensor:
+                     progress: Optional[Progress] = None,
+                     loss_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """Run every micro-batch of this step; returns the global mean loss (valid on the last stage).
 
     Micro-batch losses are scaled by 1 / tokens of the global batch, so they sum to the global
     mean and gradients are summed (not averaged) over data/context-parallel ranks. `progress`
-    (the hang watchdog's phase marks) learns which collective the step is in.
+    (the hang watchdog's phase marks) learns which collective the step is in. loss_hook, when
+    given, maps this rank's loss share before the data/context-parallel sum (fault drills poison
+    it there, so the whole group sees the NaN as a real fault would spread).
     """
     batches = [_to_device(b, ctx.device, plan.loss_scale_per_token) for b in batches]
     optimizer.zero_grad()
@@ -51,6 +54,8 @@ def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, 
         total = _pipelined(chunks, batches, plan, ctx, optimizer)
     progress.collective = "dp_cp gradient reduce"
     optimizer.finish_grad_sync()
+    if loss_hook is not None:
+        total = loss_hook(total)
     progress.collective = "dp_cp all_reduce (loss)"
     # Each dp x cp rank holds its share of the global mean; the sum over them is the global mean.
     comm.all_reduce(total, ctx.group("dp_cp"))
@@ -59,7 +64,10 @@ def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, 
 
 def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: "RunPlan", ctx: "ParallelContext",
                optimizer: "DistributedOptimizer") -> torch.Tensor:
-    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined
+    from megascale.distributed.pipeline import (
+        build_schedule,
+        forward_backward_pipelined,
+    )
 
     schedule = build_schedule(plan.schedule, plan.pp, plan.vpp, len(batches), ctx.pp_rank)
     losses = forward_backward_pipelined(

@@ -19,10 +19,11 @@ from megascale.distributed.topology import ParallelContext
 from megascale.model.gpt import build_model
 from megascale.perf.flops import device_peak, train_flops_per_token
 from megascale.run_plan import RunPlan, resolve_plan
+from megascale.training.fault import numerics
 from megascale.training.fault.inject import FaultInjector
 from megascale.training.fault.progress import Progress
 from megascale.training.metrics import MetricsSink, format_line
-from megascale.training.step import forward_backward, evaluate
+from megascale.training.step import evaluate, forward_backward
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -88,6 +89,7 @@ class Trainer:
         self.ctx = make_context(self.plan, rank, self.device)
         self.faults = FaultInjector.from_config(cfg, self.ctx.rank)
         validate_runtime(cfg, self.device)
+        numerics.validate(cfg)
         self.run_dir = Path(cfg.train.output_dir)
         self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard)
         if self.ctx.rank == 0:
@@ -105,6 +107,9 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_steps = 0
         self.ckpt = self._build_checkpointing()
+        # Numerical faults: NaN/Inf/spike verdicts, their counters, and finite-only checkpoint commits.
+        self.numerics = numerics.NumericsGuard.from_config(cfg)
+        self.ckpt.state_check = numerics.first_nonfinite
         self.progress.enter("checkpoint_load")
         self._resume()
         self.progress.enter("startup")
@@ -159,6 +164,7 @@ class Trainer:
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if not weights_only:
             self.optimizer.load_extra_state(extra.get("optimizer", {}))
+            self.numerics.load_state_dict(extra.get("numerics", {}))
         # A rank's RNG streams belong to its place in the layout: restore them only under the
         # layout the checkpoint was written with (recorded once, in its metadata).
         rng = extra.get("rng", {}).get(str(self.ctx.rank))
@@ -206,16 +212,17 @@ class Trainer:
                 batches = [{} for _ in range(self.plan.num_microbatches)]
             self.faults.at("step_start", self.step + 1)
             loss = forward_backward(self.chunks, batches, plan=self.plan, ctx=self.ctx, optimizer=self.optimizer,
-                                    progress=self.progress)
-            loss = self.faults.poison_loss(loss, self.step + 1)
+                                    progress=self.progress, loss_hook=self.faults.loss_hook(self.step + 1))
             self.faults.at("after_forward", self.step + 1)
             self.progress.collective = "optimizer"
             self.ckpt.before_update()  # an async checkpoint's snapshot ran under this forward/backward
-            stats = self.optimizer.step(self.step)
+            stats = self.optimizer.step(self.step, loss=loss, guard=self.numerics.check)
             self._report_checkpoint()
             self.step += 1
             self.consumed_samples += cfg.train.global_batch_size
             self.skipped_steps += int(stats.skipped)
+            if stats.fault is not None:  # its update was withheld on every rank: skip, roll back or stop
+                numerics.apply_policy(self, stats.fault)
             window_steps += 1
             self.progress.collective = "log and evaluate"
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
@@ -250,6 +257,7 @@ class Trainer:
         if stats.get("total_s") is None or stats.get("reported"):
             return
         stats["reported"] = True
+        numerics.note_checkpoint(self, stats)
         if self.ctx.is_logging_rank:
             state = "saved" if stats.get("ok") else f"FAILED ({stats.get('error')}); latest stays on the previous one"
             self.sink.print(f"checkpoint step {stats['step']} {state}: training blocked {stats['blocking_s']:.3f} s, "
@@ -271,6 +279,7 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             "skipped_steps": self.skipped_steps,
             "loss_scale": float(stats.loss_scale),
+            **self.numerics.counters(),
         }
         if not math.isfinite(rec["loss"]):
             rec["loss"] = float("nan")
@@ -289,6 +298,8 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current state (asynchronously when configured)."""
+        if not numerics.may_save(self):  # same verdict on every rank: all of them skip
+            return
         # Every rank writes its own extra state: it holds this rank's streams only. Layout and
         # config are recorded once per checkpoint, by the checkpoint manager in metadata.json.
         rng = {str(self.ctx.rank): {"cpu": torch.get_rng_state().tolist(), "tracker": self.rng.state_dict()}}
@@ -297,6 +308,7 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             "skipped_steps": self.skipped_steps,
             "optimizer": self.optimizer.extra_state(),
+            "numerics": self.numerics.state_dict(),
             "rng": rng,
         }
         self.optimizer.wait_params()  # zero=1: updated params may still be in flight to this rank

@@ -10,6 +10,8 @@ The trainer's contract (see docs/optim.md):
     opt.finish_grad_sync()
     stats = opt.step(step)              # step = updates done before (0 first); clip, update;
                                         # ZeRO-1: launch the param all-gathers
+    stats = opt.step(step, loss=loss, guard=check)  # the same, with the step's loss summed into the
+                                        # norm's all-reduce; check(...) may withhold the update
 
 Loss is already divided by the tokens of the whole global batch, so gradients
 are SUMMED over the dp x cp group. Gradients accumulate in fp32 buckets
@@ -23,8 +25,9 @@ its own buckets, so the gathers hide behind the next forward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -44,12 +47,15 @@ from megascale.optim.schedules import lr_at
 
 @dataclass
 class StepStats:
-    """What one optimizer step did: learning rate, global grad norm (before clipping), skipped, loss scale."""
+    """What one optimizer step did: learning rate, global grad norm (before clipping), skipped (fp16
+    overflow), loss scale; the global loss when one was passed, and the guard's fault (update withheld)."""
 
     lr: float
     grad_norm: float
     skipped: bool
     loss_scale: float
+    loss: Optional[float] = None
+    fault: Optional[Any] = None
 
 
 def default_no_decay(param: nn.Parameter, spec: ShardSpec) -> bool:
@@ -185,7 +191,8 @@ class DistributedOptimizer:
         return self.scaler.scale_loss(loss)
 
     # ------------------------------------------------------------------ update side
-    def _grad_norm(self) -> Tensor:
+    def _grad_norm(self, loss: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """(global grad norm, global loss) in one all-reduce per group; the loss is 0 when not given."""
         pieces = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments
                   if seg.slot.spec.counts_for_norm]
         local = sum_of_squares(pieces, self.ctx.device)
@@ -193,24 +200,52 @@ class DistributedOptimizer:
         # with ZeRO-1, of dp x cp (owned ranges are disjoint); without ZeRO the dp/cp copies
         # are identical and summing them would count them twice.
         groups = [self.ctx.group("mp")] + ([self.comm.group] if self.zero == 1 else [])
-        return global_norm(local, groups)
+        share = self._loss_share(loss)
+        if share is None:
+            return global_norm(local, groups), torch.zeros((), device=self.ctx.device)
+        packed = torch.stack([local, share])
+        for group in groups:
+            if group is not None:
+                torch.distributed.all_reduce(packed, group=group)
+        return packed[0].sqrt(), packed[1]
 
-    def step(self, step: int) -> StepStats:
+    def _loss_share(self, loss: Optional[Tensor]) -> Optional[Tensor]:
+        """This rank's term of the global loss in the norm's all-reduce: the loss on exactly one
+        rank of the reduced groups (last stage, tp rank 0, and dp x cp rank 0 under ZeRO-1), loss * 0
+        elsewhere, so the sum is the loss bit for bit and a NaN/Inf on any rank reaches every rank."""
+        if loss is None:
+            return None
+        loss = loss.detach().float().reshape(())
+        owner = self.ctx.is_last_stage and self.ctx.tp_rank == 0 and (self.zero != 1 or self.comm.rank == 0)
+        return loss if owner else loss * 0.0
+
+    def step(self, step: int, loss: Optional[Tensor] = None,
+             guard: Optional[Callable[[int, Optional[float], float, bool], Any]] = None) -> StepStats:
         """Unscale (fp16), clip, update; ZeRO-1: all-gather the params.
 
         step: optimizer steps completed before this one (0 for the first); the learning rate is
         the schedule's value for update number step + 1.
+        loss: this rank's view of the step's global loss (valid on the last pipeline stage); it is
+        summed into the gradient norm's all-reduce, so every rank learns it with no extra sync.
+        guard: called on every rank as guard(step + 1, loss, grad_norm, fp16_overflow_skips) with the
+        identical global values; a non-None result (a numerical fault) withholds the update and is
+        returned in StepStats.fault.
         """
         self.wait_params()
         grads = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments]
         if self.scaler.dynamic:
             scale_(grads, torch.tensor(1.0 / self.scaler.scale, device=self.ctx.device))
-        norm_t = self._grad_norm()
-        grad_norm = float(norm_t)  # the one host sync per step: skip decision and logging need it
+        norm_t, loss_t = self._grad_norm(loss)
+        # The one host sync per step: skip decisions and logging need both values.
+        grad_norm, loss_value = torch.stack([norm_t, loss_t]).tolist()
+        global_loss = loss_value if loss is not None else None
         lr = lr_at(step + 1, self.cfg.optim, self.cfg.train.steps)
-        if self.scaler.dynamic and not torch.isfinite(norm_t):
+        fault = guard(step + 1, global_loss, grad_norm, self.scaler.dynamic) if guard is not None else None
+        if fault is not None:
+            return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss, fault)
+        if self.scaler.dynamic and not math.isfinite(grad_norm):
             self.scaler.update(found_inf=True)
-            return StepStats(lr, grad_norm, True, self.scaler.scale)
+            return StepStats(lr, grad_norm, True, self.scaler.scale, global_loss)
         if self.cfg.optim.grad_clip > 0:
             scale_(grads, clip_coefficient(norm_t, self.cfg.optim.grad_clip))
         self.num_updates += 1
@@ -218,7 +253,7 @@ class DistributedOptimizer:
             self.math.update(lr, self.num_updates)
         self.scaler.update(found_inf=False)
         self._gather_params()
-        return StepStats(lr, grad_norm, False, self.scaler.scale)
+        return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss)
 
     def _gather_params(self) -> None:
         if self.zero != 1 or self.comm.group is None:

@@ -181,6 +181,13 @@ class FaultInjector:
 
         return hook
 
+    def loss_hook(self, step: int) -> Optional[Callable[[Any], Any]]:
+        """The function that poisons this rank's loss share at `step` (applied before the
+        data/context-parallel sum, so the NaN spreads as a real one would), or None."""
+        if not any(f.action == "nan" and f.matches(self.rank, f.point, step, self.attempt) for f in self.faults):
+            return None
+        return lambda loss: self.poison_loss(loss, step)
+
     def poison_loss(self, loss: Any, step: int) -> Any:
         """`loss` times NaN when a nan fault targets this rank at `step`, else `loss` itself."""
         for fault in self.faults:
