@@ -21,6 +21,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                      epilog="overrides: dotted key=value pairs, e.g. parallel.tp=2 train.steps=50")
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
     parser.add_argument("--nproc", type=int, default=None, help="start N local ranks through torch's elastic launcher")
+    parser.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restart the worker group up to "
+                        "K times after a worker dies; each restart resumes from the latest checkpoint")
     parser.add_argument("--backend", default=None, choices=["gloo", "nccl"], help="process-group backend (default: "
                         "nccl with CUDA, else gloo)")
     args, rest = parser.parse_known_args(argv)
@@ -30,42 +32,54 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def launch_local(argv: list[str], nproc: int) -> int:
+def launch_local(argv: list[str], nproc: int, max_restarts: int, cfg: Config) -> int:
     """Start nproc workers of this module through torch.distributed.run (torchrun's engine)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from megascale.training.fault.launcher import run_elastic
 
-    worker_args = [a for a in argv if not a.startswith("--nproc")]
-    if "--nproc" in argv:
-        idx = argv.index("--nproc")
-        worker_args = argv[:idx] + argv[idx + 2:]
-    launcher = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module",
-                                             "megascale.train", *worker_args])
-    try:
-        run(launcher)
-    except ChildFailedError as err:
-        codes = {failure.exitcode for failure in err.failures.values()}
-        print(f"megascale: error: {len(err.failures)} of {nproc} workers failed "
-              f"(exit codes {sorted(codes)}); see their messages above", file=sys.stderr)
-        return 2 if codes == {2} else 1
-    return 0
+    worker_args = _strip_option(_strip_option(argv, "--nproc"), "--max-restarts")
+    return run_elastic(worker_args, nproc, max_restarts, cfg)
+
+
+def _strip_option(argv: list[str], name: str) -> list[str]:
+    """argv without `name VALUE` / `name=VALUE` (launcher options the workers must not see)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
 
 
 def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
     """Initialise the process group from the environment (if any) and train."""
-    from megascale.distributed.topology import init_process_group
+    import torch.distributed as dist
+
+    from megascale.distributed.topology import init_process_group, read_dist_env
+    from megascale.training.fault.rendezvous import init_on_agent_store
+    from megascale.training.fault.worker import worker_process
     from megascale.training.trainer import Trainer
 
     if backend is None and cfg.train.device == "cpu":
         backend = "gloo"
-    init_process_group(backend=backend)
-    try:
-        return Trainer(cfg).train()
-    finally:
-        import torch.distributed as dist
-
+    env = read_dist_env()
+    with worker_process(env.rank, cfg.train.output_dir, env.world_size) as fault_state:
+        init_on_agent_store(backend)  # plain torchrun sharing its store: per-attempt keys
+        init_process_group(backend=backend)
+        try:
+            trainer = Trainer(cfg)
+            fault_state["lifecycle"] = trainer.fault
+            records = trainer.train()
+        except SystemExit:  # a preempted run ends here after its checkpoint: leave the group cleanly
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
         if dist.is_initialized():
             dist.destroy_process_group()
+        return records
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -80,7 +94,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         validate_layout(cfg, args.nproc)  # fail here, once, rather than in every worker
         check_data_paths(cfg)
-        return launch_local(argv, args.nproc)
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+        return launch_local(argv, args.nproc, args.max_restarts, cfg)
     run_training(cfg, args.backend)
     return 0
 

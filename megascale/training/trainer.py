@@ -102,6 +102,7 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
+        self.resumed_extra: dict = {}
         self.ckpt = self._build_checkpointing()
         self._resume()
         c = cfg.checkpoint
@@ -114,12 +115,19 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.memory_estimate_gb = 0.0
         self._announce()
+        self.fault = self._build_fault_lifecycle()
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self):
         from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 
         return DistributedOptimizer(self.chunks, self.ctx, self.cfg)
+
+    def _build_fault_lifecycle(self):
+        from megascale.training.fault.lifecycle import RunLifecycle
+
+        return RunLifecycle(self.cfg, self.ctx.rank, self.ctx.world_size, self.device, self.run_dir, self.step,
+                            self.resumed_extra, self.sink.print)
 
     def _build_checkpointing(self):
         from megascale.checkpoint.manager import CheckpointManager
@@ -144,6 +152,7 @@ class Trainer:
         extra = self.ckpt.load([s for s in shards if s.name not in missing], path)
         if extra is None:
             return
+        self.resumed_extra = extra
         if missing:
             self.optimizer.reload_master_from_params()
         weights_only = not any(name.startswith("optim.") for name in stored)
@@ -189,6 +198,7 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         while self.step < cfg.train.steps:
+            step_start = time.perf_counter()
             if self.ctx.is_first_stage or self.ctx.is_last_stage:
                 batches = self.train_data.next_step()
             else:  # middle pipeline stages need no tokens: keep the position, skip the read
@@ -217,11 +227,16 @@ class Trainer:
                                     f"({100 * (rec['mem_gb'] / self.memory_estimate_gb - 1):+.0f}%)")
                 records.append(rec)
                 window_start, window_steps = time.perf_counter(), 0
+            self.fault.step_done(self.step, time.perf_counter() - step_start)
             if self._should_save():
                 self.save()
+            if self.fault.stop_requested():  # preemption: every rank stops after this same step
+                self.fault.preempt_save(self)
+                break
         self.ckpt.wait()
         self._report_checkpoint()
         self.sink.close()
+        self.fault.finish(self.run_dir)  # raises Preempted (SystemExit) after a preemption
         return records
 
     def _report_checkpoint(self) -> None:
@@ -284,6 +299,7 @@ class Trainer:
             "layout": {"tp": self.ctx.tp_size, "pp": self.ctx.pp_size, "dp": self.ctx.dp_size,
                        "cp": self.ctx.cp_size, "vpp": self.cfg.parallel.vpp, "zero": self.cfg.parallel.zero},
             "config": self.cfg.to_dict(),
+            **self.fault.checkpoint_state(),
         }
         self.optimizer.wait_params()  # zero=1: updated params may still be in flight to this rank
         self.ckpt.save(self.step, self.state_shards(), extra)
