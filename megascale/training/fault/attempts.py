@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -55,7 +56,7 @@ class AttemptInfo:
     def from_env(rank: int, world_size: int, environ: Optional[dict[str, str]] = None) -> "AttemptInfo":
         """Read the launch id (megascale launcher, else torchrun's run id) and TORCHELASTIC_RESTART_COUNT."""
         env = os.environ if environ is None else environ
-        launch_id = env.get("MEGASCALE_LAUNCH_ID") or env.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+        launch_id = env.get("MEGASCALE_LAUNCH_ID") or env.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
         return AttemptInfo(launch_id, int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0), rank, world_size)
 
 
@@ -122,14 +123,19 @@ class AttemptRecorder:
 
     # ------------------------------------------------------------------ launch state
     def launch_state(self, useful_s_at_start: float) -> dict:
-        """The launch's start time and banked useful seconds: written by rank 0 of attempt 0, read later."""
+        """The launch's start time and banked useful seconds: rank 0 of attempt 0 writes them, later attempts read.
+
+        The launch starts when `megascale train --nproc` started (MEGASCALE_LAUNCH_TIME), else when the
+        first attempt's process started, so startup counts in the wall time.
+        """
         path = self.run_dir / ATTEMPTS_DIR / "launch.json"
-        state = _read_json(path)
-        if state is not None and state.get("launch_id") == self.info.launch_id:
-            return state
+        if self.info.attempt > 0:
+            state = _read_json(path)
+            if state is not None and state.get("launch_id") == self.info.launch_id:
+                return state
         start = float(os.environ.get("MEGASCALE_LAUNCH_TIME") or self.start_record["start_time"])
         state = {"launch_id": self.info.launch_id, "start_time": start, "useful_s_at_start": useful_s_at_start}
-        if self.info.rank == 0:
+        if self.info.rank == 0 and self.info.attempt == 0:
             _write_json(path, state)
         return state
 

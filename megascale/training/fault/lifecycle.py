@@ -59,8 +59,8 @@ class RunLifecycle:
                                          on_deadline=self._deadline_passed)
         self.preempt.install()
         event = self.recorder.record_restart(resumed_step)
-        if event is not None:
-            self.log(restart_line(event))
+        if event is not None:  # rank 0 only
+            print(restart_line(event), flush=True)
 
     # ------------------------------------------------------------------ loop hooks
     def step_done(self, step: int, seconds: float) -> None:
@@ -124,8 +124,9 @@ class RunLifecycle:
             append_event(run_dir, "run_end", step=self.step, ranks=[], attempts=self.info.attempt + 1,
                          preempted=preempted, useful_s=round(useful, 3), wall_s=round(wall, 3),
                          effective=round(useful / wall, 4), useful_s_total=round(self.useful_s, 3))
-        self.log(f"megascale: effective training time {100 * useful / wall:.1f}% ({useful:.1f} s in useful steps "
-                 f"of {wall:.1f} s wall, {self.info.attempt + 1} attempt{'s' if self.info.attempt else ''})")
+            print(f"megascale: effective training time {100 * useful / wall:.1f}% ({useful:.1f} s in useful steps "
+                  f"of {wall:.1f} s wall, {self.info.attempt + 1} attempt{'s' if self.info.attempt else ''})",
+                  flush=True)
         if preempted:
             if not self.preempt_saved:
                 raise Preempted(1)
