@@ -96,7 +96,7 @@ def worker_process(rank: int, run_dir: Optional[str], world_size: int) -> Iterat
     except KeyboardInterrupt:
         _record_exit(state, "signal", "interrupted")
         if world_size > 1 or under_agent():
-            raise SystemExit(130) from None  # the launcher prints the one "interrupted" line
+            exit_now(130)  # the launcher prints the one "interrupted" line
         raise
     except Exception as err:
         if world_size <= 1 and not under_agent():
@@ -112,7 +112,18 @@ def worker_process(rank: int, run_dir: Optional[str], world_size: int) -> Iterat
                                  error=f"{type(err).__name__}: {err}", traceback=text[-4000:])
                 except OSError:
                     pass
-        raise SystemExit(1) from None
+        exit_now(1)
+
+
+def exit_now(code: int) -> None:
+    """Leave at once: a failed rank's interpreter teardown (threads, process-group destructors) can take
+    seconds or block on peers that are gone, and the survivors wait for this process to close its sockets."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _step(state: dict) -> Optional[int]:
