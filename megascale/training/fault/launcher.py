@@ -54,8 +54,8 @@ def quiet_elastic_logs(level: int = logging.CRITICAL) -> None:
     """Silence the agent's own log lines (each torch logger sets its level); MEGASCALE_ELASTIC_LOG=INFO keeps them."""
     wanted = os.environ.get("MEGASCALE_ELASTIC_LOG")
     if wanted:
-        level = logging.getLevelName(wanted.upper()) if isinstance(logging.getLevelName(wanted.upper()), int) \
-            else logging.INFO
+        named = logging.getLevelName(wanted.upper())  # an int for a known level name
+        level = named if isinstance(named, int) else logging.INFO
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(level)

@@ -29,7 +29,7 @@ PR_SET_PDEATHSIG = 1
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
                       "socket timeout", "timed out", "nccl communicator was aborted", "ncclremoteerror",
                       "failed to recv", "failed to send", "read error", "write error", "unbound buffer",
-                      "connectfullmesh", "econnreset", "epipe", "remote process exited", "store")
+                      "connectfullmesh", "econnreset", "epipe", "remote process exited", "tcpstore")
 
 
 def die_with_parent(poll_s: float = 1.0) -> None:
