@@ -145,7 +145,8 @@ def drill_raise(base: Path, nproc: int) -> str:
     proc = start(command(out, nproc), base / "raise.log", extra_path=str(probe))
     code = proc.wait()
     (failed,) = events(out, "rank_failed")
-    return f"raise: exit {code}, {time.time() - failed['time']:.2f} s from the exception on rank 1 to the launcher's exit"
+    elapsed = time.time() - failed["time"]
+    return f"raise: exit {code}, {elapsed:.2f} s from the exception on rank 1 to the launcher's exit"
 
 
 def drill_sigint(base: Path, nproc: int) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -40,7 +40,7 @@ class RunLifecycle:
     """Per-rank fault-tolerance state of one attempt (see the module docstring for the call order)."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device, run_dir: Path,
-                 resumed_step: int, resumed_extra: Optional[dict], log) -> None:
+                 resumed_step: int, resumed_extra: Optional[dict], log: Callable[[str], None]) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
