@@ -23,6 +23,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                      epilog="overrides: dotted key=value pairs, e.g. parallel.tp=2 train.steps=50")
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
     parser.add_argument("--nproc", type=int, default=None, help="start N local ranks through torch's elastic launcher")
+    parser.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restart the worker group up to "
+                        "K times after a worker dies; each restart resumes from the latest checkpoint")
     parser.add_argument("--backend", default=None, choices=["gloo", "nccl"], help="process-group backend (default: "
                         "nccl with CUDA, else gloo)")
     args, rest = parser.parse_known_args(argv)
@@ -32,56 +34,72 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def launch_local(argv: list[str], nproc: int) -> int:
+def launch_local(argv: list[str], nproc: int, max_restarts: int, cfg: Config) -> int:
     """Start nproc workers of this module through torch.distributed.run (torchrun's engine)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from megascale.training.fault.launcher import run_elastic
 
-    worker_args = [a for a in argv if not a.startswith("--nproc")]
-    if "--nproc" in argv:
-        idx = argv.index("--nproc")
-        worker_args = argv[:idx] + argv[idx + 2:]
-    launcher = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module",
-                                             "megascale.train", *worker_args])
+    worker_args = _strip_option(_strip_option(argv, "--nproc"), "--max-restarts")
     # The elastic agent passes its own default (1) to workers unless the launcher's environment sets
     # it; 3 makes a timed-out NCCL collective end the worker, so the group restarts.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    try:
-        run(launcher)
-    except ChildFailedError as err:
-        codes = {failure.exitcode for failure in err.failures.values()}
-        print(f"megascale: error: {len(err.failures)} of {nproc} workers failed "
-              f"(exit codes {sorted(codes)}); see their messages above", file=sys.stderr)
-        return 2 if codes == {2} else 1
-    return 0
+    return run_elastic(worker_args, nproc, max_restarts, cfg)
+
+
+def _strip_option(argv: list[str], name: str) -> list[str]:
+    """argv without `name VALUE` / `name=VALUE` (launcher options the workers must not see)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
 
 
 def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
     """Initialise the process group from the environment (if any) and train."""
+    import torch.distributed as dist
+
     from megascale.distributed.topology import init_process_group, read_dist_env
     from megascale.training.fault.progress import Progress
-    from megascale.training.fault.supervise import collective_timeout_s, configure_nccl, start_watchdog
+    from megascale.training.fault.rendezvous import init_on_agent_store
+    from megascale.training.fault.supervise import (
+        collective_timeout_s,
+        configure_nccl,
+        start_watchdog,
+    )
+    from megascale.training.fault.worker import worker_process
     from megascale.training.trainer import Trainer, check_data_paths
 
     if backend is None and cfg.train.device == "cpu":
         backend = "gloo"
-    # Hang watchdog: from launch on, so a rank stuck before its first step is named too.
     check_data_paths(cfg)  # nothing is written to the run directory before this check
     env = read_dist_env()
-    progress = Progress()
-    watchdog = start_watchdog(cfg, env.rank, env.world_size, progress)
-    if backend != "gloo":
-        configure_nccl(Path(cfg.train.output_dir))
-    try:
-        init_process_group(backend=backend, timeout_s=collective_timeout_s(cfg.fault))
-        return Trainer(cfg, progress=progress).train()
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-        import torch.distributed as dist
-
+    with worker_process(env.rank, cfg.train.output_dir, env.world_size) as fault_state:
+        # Hang watchdog: from launch on, so a rank stuck before its first step is named too.
+        progress = Progress()
+        watchdog = start_watchdog(cfg, env.rank, env.world_size, progress)
+        if backend != "gloo":
+            configure_nccl(Path(cfg.train.output_dir))
+        try:
+            init_on_agent_store(backend)  # plain torchrun sharing its store: per-attempt keys
+            init_process_group(backend=backend, timeout_s=collective_timeout_s(cfg.fault))
+            trainer = Trainer(cfg, progress=progress)
+            fault_state["lifecycle"] = trainer.lifecycle
+            records = trainer.train()
+        except SystemExit:  # a preempted run ends here after its checkpoint: leave the group cleanly
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        return records
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -100,7 +118,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         resolve_plan(cfg, args.nproc)  # a layout error fails here, once, before any worker starts
         check_data_paths(cfg)
-        return launch_local(argv, args.nproc)
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+        return launch_local(argv, args.nproc, args.max_restarts, cfg)
     run_training(cfg, args.backend)
     return 0
 

@@ -106,6 +106,7 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
+        self.resumed_extra: dict = {}
         self.ckpt = self._build_checkpointing()
         # Numerical faults: NaN/Inf/spike verdicts, their counters, and finite-only checkpoint commits.
         self.numerics = numerics.NumericsGuard.from_config(cfg)
@@ -123,12 +124,19 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.memory_estimate_gb = 0.0
         self._announce()
+        self.lifecycle = self._build_fault_lifecycle()
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self):
         from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 
         return DistributedOptimizer(self.chunks, self.ctx, self.cfg)
+
+    def _build_fault_lifecycle(self):
+        from megascale.training.fault.lifecycle import RunLifecycle
+
+        return RunLifecycle(self.cfg, self.ctx.rank, self.ctx.world_size, self.device, self.run_dir, self.step,
+                            self.resumed_extra, self.sink.print)
 
     def _build_checkpointing(self):
         from megascale.checkpoint.manager import CheckpointManager
@@ -156,6 +164,7 @@ class Trainer:
         extra = self.ckpt.load([s for s in shards if s.name not in missing], path)
         if extra is None:
             return
+        self.resumed_extra = extra
         if missing:
             self.optimizer.reload_master_from_params()
         weights_only = not any(name.startswith("optim.") for name in stored)
@@ -205,6 +214,7 @@ class Trainer:
             chunk.train()
         while self.step < cfg.train.steps:
             self.progress.enter("step", self.step + 1)
+            step_start = time.perf_counter()
             if self.ctx.is_first_stage or self.ctx.is_last_stage:
                 batches = self.train_data.next_step()
             else:  # middle pipeline stages need no tokens: keep the position, skip the read
@@ -241,14 +251,20 @@ class Trainer:
                                     f"({100 * (rec['mem_gb'] / self.memory_estimate_gb - 1):+.0f}%)")
                 records.append(rec)
                 window_start, window_steps = time.perf_counter(), 0
+            self.lifecycle.step_done(self.step, time.perf_counter() - step_start)
             if self._should_save():
                 self.progress.enter("checkpoint_save")
                 self.save()
+            if self.lifecycle.stop_requested():  # preemption: every rank stops after this same step
+                self.progress.enter("checkpoint_save")
+                self.lifecycle.preempt_save(self)
+                break
         self.progress.enter("checkpoint_save")
         self.ckpt.wait()
         self.progress.enter("done")
         self._report_checkpoint()
         self.sink.close()
+        self.lifecycle.finish(self.run_dir)  # raises Preempted (SystemExit) after a preemption
         return records
 
     def _report_checkpoint(self) -> None:
@@ -310,6 +326,7 @@ class Trainer:
             "optimizer": self.optimizer.extra_state(),
             "numerics": self.numerics.state_dict(),
             "rng": rng,
+            **self.lifecycle.checkpoint_state(),
         }
         self.optimizer.wait_params()  # zero=1: updated params may still be in flight to this rank
         self.ckpt.save(self.step, self.state_shards(), extra)

@@ -1,0 +1,122 @@
+"""`megascale train --nproc N [--max-restarts K]`: torch's elastic agent with fault-tolerant settings.
+
+The agent (torch.distributed.run, torchrun's engine) does the supervision: when
+a worker exits non-zero it stops the others (SIGTERM, SIGKILL after the
+shutdown timeout) and, while restarts remain, starts a new group that resumes
+from the latest complete checkpoint. This module only prepares its
+environment and turns its outcomes into one line and an exit code:
+
+- 0: finished; 1: a worker failed (restarts exhausted); 2: user error;
+- 75: preempted, with a committed checkpoint (run the same command to resume);
+- 130: interrupted (Ctrl-C); 128+N: stopped by another signal N.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from megascale.config import Config
+from megascale.training.fault.events import read_events
+from megascale.training.fault.lifecycle import EXIT_PREEMPTED_CODE
+
+DEFAULT_HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def launch_env(cfg: Config, environ: Optional[dict] = None) -> dict[str, str]:
+    """Environment for the agent and its workers; values the user already set are kept."""
+    env = os.environ if environ is None else environ
+    handled = env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", DEFAULT_HANDLED_SIGNALS).split(",")
+    if cfg.fault.preempt_signal not in handled:
+        handled.append(cfg.fault.preempt_signal)  # the agent then forwards it to the workers
+    return {
+        # A fresh rendezvous store per restart round. Workers that share the agent's store reconnect
+        # to it with no per-attempt key prefix and read the dead attempt's gloo addresses
+        # ("connectFullMesh failed ... Connection refused").
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+        # How long workers have after a forwarded signal before the agent SIGKILLs them:
+        # enough for the final checkpoint of a preemption.
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                                                  str(int(cfg.fault.preempt_grace_s + 10))),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(handled),
+        "MEGASCALE_LAUNCH_ID": uuid.uuid4().hex[:12],
+        "MEGASCALE_LAUNCH_TIME": f"{time.time():.3f}",
+    }
+
+
+def quiet_elastic_logs(level: int = logging.CRITICAL) -> None:
+    """Silence the agent's own log lines (each torch logger sets its level); MEGASCALE_ELASTIC_LOG=INFO keeps them."""
+    wanted = os.environ.get("MEGASCALE_ELASTIC_LOG")
+    if wanted:
+        named = logging.getLevelName(wanted.upper())  # an int for a known level name
+        level = named if isinstance(named, int) else logging.INFO
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(level)
+
+
+def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Config) -> int:
+    """Start `nproc` workers of megascale.train through torch.distributed.run; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    env = launch_env(cfg)
+    os.environ.update(env)
+    parser_args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                   "--monitor-interval=0.1", "--module", "megascale.train", *worker_args]
+    launcher = get_args_parser().parse_args(parser_args)
+    quiet_elastic_logs()
+    run_dir = Path(cfg.train.output_dir)
+    try:
+        run(launcher)
+    except ChildFailedError as err:
+        return _report_failure(err, nproc, max_restarts)
+    except SignalException as err:
+        return _report_signal(signal.Signals(err.sigval), cfg, run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
+    except KeyboardInterrupt:
+        print("megascale: interrupted", file=sys.stderr)
+        return 130
+    return _exit_after_success(run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
+
+
+def _report_failure(err, nproc: int, max_restarts: int) -> int:
+    """One line: which ranks failed with which codes (their own message was printed by the rank)."""
+    failures = err.failures
+    first_rank, first = err.get_first_failure()
+    codes = sorted({failure.exitcode for failure in failures.values()})
+    restarts = f" after {max_restarts} restart{'s' if max_restarts != 1 else ''}" if max_restarts else ""
+    if codes == [2]:
+        return 2  # a user error: every worker printed the same one-line message already
+    print(f"megascale: error: training failed{restarts}: {len(failures)} of {nproc} workers exited non-zero "
+          f"(first: rank {first_rank}, exit code {first.exitcode}); see the rank's message above", file=sys.stderr)
+    return 1
+
+
+def _report_signal(sig: signal.Signals, cfg: Config, run_dir: Path, launch_time: float) -> int:
+    if sig == signal.SIGINT:
+        print("megascale: interrupted", file=sys.stderr)
+        return 130
+    if sig.name == cfg.fault.preempt_signal:
+        events = [e for e in read_events(run_dir, "preempted") if e.get("time", 0) >= launch_time]
+        if events and events[-1].get("saved"):
+            return EXIT_PREEMPTED_CODE  # rank 0 printed "preempted at step N: checkpoint saved"
+        print(f"megascale: stopped by {sig.name} before a checkpoint could be committed; the run resumes from "
+              f"the previous checkpoint", file=sys.stderr)
+        return 128 + int(sig)
+    print(f"megascale: stopped by {sig.name}", file=sys.stderr)
+    return 128 + int(sig)
+
+
+def _exit_after_success(run_dir: Path, launch_time: float) -> int:
+    """Workers exit 0 after a preemption under the agent; the launcher still reports 75 for it."""
+    events = [e for e in read_events(run_dir, "preempted") if e.get("time", 0) >= launch_time]
+    if events and events[-1].get("saved"):
+        return EXIT_PREEMPTED_CODE
+    return 0

@@ -1,0 +1,145 @@
+"""The trainer's fault-tolerance companion: attempt records, effective training time and preemption.
+
+The trainer calls, in order: `RunLifecycle(...)` after resuming, `step_done()`
+after each step, `stop_requested()` at each step boundary (collective),
+`preempt()` when it says so, `checkpoint_state()` when saving, and `finish()`
+at the end. Everything else (records, events, signal handling) lives here.
+
+Effective training time = useful step seconds / wall seconds of the launch.
+Useful seconds are the wall time of the steps whose result survives: the
+running total is stored in each checkpoint, so steps lost to a failure (done
+after the checkpoint that the next attempt resumed from) drop out of it, and
+startup, loading, detection and restarts count only in the wall time. The
+wall time runs from the launch (`megascale train --nproc`, or torchrun's first
+attempt) to the end, across every restart of that launch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from megascale.config import Config
+from megascale.training.fault.attempts import (EXIT_DONE, EXIT_PREEMPTED, AttemptInfo, AttemptRecorder)
+from megascale.training.fault.events import append_event
+from megascale.training.fault.preempt import PreemptionHandler
+from megascale.training.fault.worker import under_agent
+
+EXIT_PREEMPTED_CODE = 75  # EX_TEMPFAIL: stopped by preemption with a committed checkpoint; run again to resume
+
+
+class Preempted(SystemExit):
+    """Raised at the end of a preempted run; its code is the process exit status."""
+
+
+class RunLifecycle:
+    """Per-rank fault-tolerance state of one attempt (see the module docstring for the call order)."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device, run_dir: Path,
+                 resumed_step: int, resumed_extra: Optional[dict], log: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.log = log  # prints on the logging rank only
+        self.step = resumed_step
+        self.info = AttemptInfo.from_env(rank, world_size)
+        self.recorder = AttemptRecorder(run_dir, self.info)
+        self.recorder.started()
+        fault_state = (resumed_extra or {}).get("fault", {})
+        self.useful_s = float(fault_state.get("useful_s", 0.0))
+        self.launch = self.recorder.launch_state(self.useful_s)
+        self.resumed_step = resumed_step
+        self.preempted_at: Optional[int] = None
+        self.preempt_saved = False
+        self.preempt = PreemptionHandler(cfg.fault.preempt_signal, cfg.fault.preempt_grace_s, device, rank,
+                                         on_deadline=self._deadline_passed)
+        self.preempt.install()
+        event = self.recorder.record_restart(resumed_step)
+        if event is not None:  # rank 0 only
+            print(restart_line(event), flush=True)
+
+    # ------------------------------------------------------------------ loop hooks
+    def step_done(self, step: int, seconds: float) -> None:
+        """A step finished in `seconds`: bank it as useful time, publish progress."""
+        self.step = step
+        self.useful_s += seconds
+        self.preempt.note_step_time(seconds)
+        self.recorder.progress(step)
+
+    def stop_requested(self) -> bool:
+        """Collective: did any rank receive the preemption signal? Same answer on every rank."""
+        return self.preempt.requested(self.world_size)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint carries for this module: the useful seconds up to its step."""
+        return {"fault": {"useful_s": round(self.useful_s, 6), "wall_time": time.time()}}
+
+    # ------------------------------------------------------------------ preemption
+    def preempt_save(self, trainer) -> None:
+        """Stop here: write a checkpoint of this step if none exists and one fits in the grace left."""
+        step = trainer.step
+        self.preempted_at = step
+        trainer.ckpt.wait()
+        stats = getattr(trainer.ckpt, "last_save_stats", None) or {}
+        already = stats.get("step") == step and stats.get("ok")
+        estimate = float(stats.get("total_s") or 0.0) * 1.5
+        left = self.preempt.remaining_s()
+        if already:
+            self.preempt_saved = True
+        elif estimate and estimate > left:
+            self.log(f"megascale: preempted at step {step}: not saving (last save took "
+                     f"{stats['total_s']:.1f} s, {left:.1f} s of grace left)")
+        else:
+            start = time.perf_counter()
+            trainer.save()
+            trainer.ckpt.wait()
+            done = trainer.ckpt.last_save_stats or {}
+            self.preempt_saved = bool(done.get("ok")) and done.get("step") == step
+            self.log(f"megascale: preempted at step {step}: checkpoint "
+                     f"{'saved' if self.preempt_saved else 'FAILED'} in {time.perf_counter() - start:.2f} s")
+        self.preempt.finished()
+        if self.rank == 0:
+            append_event(trainer.run_dir, "preempted", step=step, ranks=[], saved=self.preempt_saved,
+                         signal=self.cfg.fault.preempt_signal,
+                         signal_to_exit_s=round(time.time() - (self.preempt.signal_time or time.time()), 3))
+
+    def _deadline_passed(self, why: str) -> None:
+        self.recorder.exited("signal", self.step, why)
+        print(f"megascale: rank {self.rank}: {why}; exiting", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ end
+    def finish(self, run_dir: Path) -> None:
+        """Record the end, report effective training time (rank 0), and exit if preempted."""
+        self.preempt.finished()
+        self.preempt.uninstall()
+        preempted = self.preempted_at is not None
+        self.recorder.exited(EXIT_PREEMPTED if preempted else EXIT_DONE, self.step)
+        useful = self.useful_s - float(self.launch.get("useful_s_at_start", 0.0))
+        wall = max(time.time() - float(self.launch["start_time"]), 1e-9)
+        if self.rank == 0:
+            append_event(run_dir, "run_end", step=self.step, ranks=[], attempts=self.info.attempt + 1,
+                         preempted=preempted, useful_s=round(useful, 3), wall_s=round(wall, 3),
+                         effective=round(useful / wall, 4), useful_s_total=round(self.useful_s, 3))
+            print(f"megascale: effective training time {100 * useful / wall:.1f}% ({useful:.1f} s in useful steps "
+                  f"of {wall:.1f} s wall, {self.info.attempt + 1} attempt{'s' if self.info.attempt else ''})",
+                  flush=True)
+        if preempted:
+            if not self.preempt_saved:
+                raise Preempted(1)
+            # Under the elastic agent a non-zero exit would count as a failure and restart the group.
+            raise Preempted(0 if under_agent() else EXIT_PREEMPTED_CODE)
+
+
+def restart_line(event: dict) -> str:
+    """One line for the log when a restarted attempt has resumed."""
+    def seconds(key: str) -> str:
+        return "?" if event.get(key) is None else f"{event[key]:.1f} s"
+
+    lost = "?" if event.get("steps_lost") is None else str(event["steps_lost"])
+    return (f"megascale: restart attempt {event['attempt']} after {event['cause']}; resumed from step "
+            f"{event['resumed_from']} ({lost} steps lost; detected in {seconds('detect_s')}, "
+            f"recovered in {seconds('recover_s')})")

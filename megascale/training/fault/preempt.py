@@ -1,0 +1,137 @@
+"""Preemption: on `fault.preempt_signal` every rank stops at the same step, saves, and exits cleanly.
+
+The signal may reach a rank while its main thread is inside a collective (C
+code, where Python signal handlers do not run). So the handler is the C-level
+wakeup fd of the `signal` module: the byte it writes wakes a watcher thread
+at once, which timestamps the request and enforces two deadlines:
+
+- the main thread must reach a step boundary within `boundary_s` (two recent
+  step times, at least 5 s): a rank that cannot is stuck in a collective with a
+  rank that is gone (the agent tearing the group down after a failure), and it
+  exits with code 143 instead of waiting;
+- everything, final checkpoint included, must end within `fault.preempt_grace_s`.
+
+At each step boundary the ranks agree with one tiny all-reduce (MAX of the
+flag) whether any of them was asked to stop, so they all stop after the same
+step and write one consistent checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+EXIT_STUCK = 143  # 128 + SIGTERM: what a rank killed by the agent's SIGTERM would have returned
+
+
+class PreemptionHandler:
+    """Receives the preemption signal on any thread's behalf; `requested()` is the collective agreement."""
+
+    def __init__(self, signal_name: str, grace_s: float, device: torch.device, rank: int,
+                 on_deadline: Optional[Callable[[str], None]] = None) -> None:
+        self.signum = getattr(signal, signal_name)
+        self.grace_s = grace_s
+        self.device = device
+        self.rank = rank
+        self.on_deadline = on_deadline
+        self.signal_time: Optional[float] = None
+        self.boundary_s = 5.0
+        self._at_boundary = threading.Event()
+        self._finished = threading.Event()
+        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._previous_handler = None
+        self._previous_wakeup = -1
+        self._sockets: Optional[tuple[socket.socket, socket.socket]] = None
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> bool:
+        """Route the signal to the watcher thread (main thread only; elsewhere preemption is off)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._sockets = (reader, writer)
+        self._previous_wakeup = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        # A Python-level handler is still needed so the default action (terminate) does not run;
+        # the watcher thread sees the signal through the wakeup fd even while Python code is blocked.
+        self._previous_handler = signal.signal(self.signum, lambda signum, frame: None)
+        threading.Thread(target=self._watch, name="megascale-preempt", daemon=True).start()
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the previous handler and wakeup fd (the watcher thread ends with the socket)."""
+        self._finished.set()
+        if self._sockets is None:
+            return
+        signal.set_wakeup_fd(self._previous_wakeup)
+        signal.signal(self.signum, self._previous_handler or signal.SIG_DFL)
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = None
+
+    def _watch(self) -> None:
+        assert self._sockets is not None
+        reader = self._sockets[0]
+        while self.signal_time is None:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if self.signum in data:  # other signals' bytes (SIGINT, SIGCHLD...) are not ours
+                self.signal_time = time.time()
+        self._enforce_deadlines()
+
+    def _enforce_deadlines(self) -> None:
+        assert self.signal_time is not None
+        if not self._at_boundary.wait(self.boundary_s) and not self._finished.is_set():
+            self._give_up(f"no step boundary within {self.boundary_s:.0f} s of the preemption signal "
+                          "(blocked in a collective with a lost rank)")
+        remaining = self.signal_time + self.grace_s - time.time()
+        if not self._finished.wait(max(0.0, remaining)):
+            self._give_up(f"preemption grace of {self.grace_s:.0f} s expired")
+
+    def _give_up(self, why: str) -> None:
+        if self.on_deadline is not None:
+            self.on_deadline(why)
+        sys.stderr.flush()
+        os._exit(EXIT_STUCK)
+
+    # ------------------------------------------------------------------ in the loop
+    def note_step_time(self, seconds: float) -> None:
+        """Keep the boundary deadline at two step times (at least 5 s)."""
+        self.boundary_s = max(5.0, 2.0 * seconds)
+
+    def requested(self, world_size: int) -> bool:
+        """Collective: True on every rank if any rank has received the signal (call on all ranks each step)."""
+        local = self.signal_time is not None
+        if world_size <= 1 or not dist.is_initialized():
+            agreed = local
+        else:
+            self._flag.fill_(int(local))
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+            agreed = bool(self._flag.item())
+        if agreed:
+            self._at_boundary.set()
+            if self.signal_time is None:
+                self.signal_time = time.time()  # another rank got the signal: same grace from now
+        return agreed
+
+    def remaining_s(self) -> float:
+        """Seconds of grace left (the full grace before any signal)."""
+        if self.signal_time is None:
+            return self.grace_s
+        return self.signal_time + self.grace_s - time.time()
+
+    def finished(self) -> None:
+        """The final save is done: the watcher must not kill the exiting process."""
+        self._finished.set()

@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Fault drill: real `megascale train --nproc N` runs, faults delivered from outside, times measured.
+
+    python scripts/fault_drill.py [--nproc 2] [--out /tmp/megascale-drill] [--only restart,preempt,...]
+
+Drills (each on configs/tiny.yaml shrunk to a 2-layer model, dp = nproc, gloo on CPU):
+  restart   SIGKILL rank 1 after step 5 with --max-restarts 2: seconds from the kill to the first
+            survivor stopping (detect), to the new attempt ready to train (recover), steps lost,
+            final loss vs a fault-free run, effective training time.
+  raise     an exception on rank 1 at step 2 without restarts: seconds to the launcher's exit.
+  sigint    SIGINT to the launcher's process group: seconds to exit 130.
+  orphan    SIGKILL of the launcher: seconds until no worker is left.
+  preempt   SIGTERM to the launcher after step 3: seconds to exit 75 with a committed checkpoint,
+            then the resumed run's final loss vs the fault-free one.
+  store     plain torchrun --max-restarts 1 with a bare gloo worker whose rank 1 dies in attempt 0 and
+            starts late in attempt 1: with the agent's store shared and no prefix (torch's default) the
+            restart fails with "connectFullMesh ... Connection refused"; with
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or with megascale's per-attempt prefix, it connects.
+Prints one line per drill; docs/reliability.md quotes its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=2", "log.interval=1",
+         "log.tensorboard=false", "optim.warmup_steps=2", "optim.decay_steps=8", "train.eval_interval=0",
+         "train.steps=10", "checkpoint.interval=2"]
+STORE_WORKER = '''
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 1:
+    time.sleep(3)  # the peer reads rank 1's address before rank 1 has published its new one
+if os.environ.get("DRILL_PREFIX") == "1":
+    from megascale.training.fault.rendezvous import init_on_agent_store
+    init_on_agent_store("gloo", 60)
+else:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+dist.all_reduce(torch.ones(1))
+if attempt == 0 and rank == 1:
+    os._exit(9)
+time.sleep(1.0 if attempt == 0 else 0.0)
+dist.all_reduce(torch.ones(1))
+'''
+
+
+def command(out: Path, nproc: int, max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
+            f"train.output_dir={out}", *MODEL, "--nproc", str(nproc), "--max-restarts", str(max_restarts)]
+
+
+def start(args: list[str], log: Path, extra_path: str = "") -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_step(out: Path, step: int, proc: subprocess.Popen, attempt: int = 0) -> None:
+    while read_json(out / "attempts" / str(attempt) / "progress.json").get("step", 0) < step:
+        if proc.poll() is not None:
+            raise SystemExit(f"drill run ended early (code {proc.returncode}); see {out.parent}")
+        time.sleep(0.02)
+
+
+def events(out: Path, kind: str) -> list[dict]:
+    path = out / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def final_loss(out: Path) -> float:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records[-1]["loss"]
+
+
+def live_workers(out: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and b"megascale.train" in cmd and f"train.output_dir={out}".encode() in cmd:
+            pids.append(int(entry.name))
+    return pids
+
+
+def drill_restart(base: Path, nproc: int, reference: float) -> str:
+    out = base / "restart" / "run"
+    proc = start(command(out, nproc, max_restarts=2), base / "restart.log")
+    wait_step(out, 5, proc)
+    victim = read_json(out / "attempts" / "0" / "rank_1.json")["pid"]
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    code = proc.wait()
+    (restart,) = events(out, "restart")
+    survivors = [read_json(p).get("exit_time") for p in (out / "attempts" / "0").glob("rank_*.json")]
+    detected = min(t for t in survivors if t)
+    (end,) = events(out, "run_end")
+    return (f"restart: exit {code}; SIGKILL of rank 1 at step {restart['last_step']}: detected "
+            f"{detected - killed:.2f} s after the kill (event: {restart['detect_s']:.2f} s), recovered in "
+            f"{restart['recover_s']:.1f} s, resumed from step {restart['resumed_from']} ({restart['steps_lost']} "
+            f"lost); final loss {final_loss(out):.6f} vs fault-free {reference:.6f}; effective training time "
+            f"{100 * end['effective']:.1f}% ({end['useful_s']:.1f} s of {end['wall_s']:.1f} s)")
+
+
+def drill_raise(base: Path, nproc: int) -> str:
+    out = base / "raise" / "run"
+    proc = start([*command(out, nproc), "fault.inject=raise:rank=1:step=2"], base / "raise.log")
+    code = proc.wait()
+    (failed,) = events(out, "rank_failed")
+    elapsed = time.time() - failed["time"]
+    return f"raise: exit {code}, {elapsed:.2f} s from the exception on rank 1 to the launcher's exit"
+
+
+def drill_sigint(base: Path, nproc: int) -> str:
+    out = base / "sigint" / "run"
+    proc = start(command(out, nproc), base / "sigint.log")
+    wait_step(out, 2, proc)
+    sent = time.time()
+    os.killpg(proc.pid, signal.SIGINT)
+    code = proc.wait()
+    return f"sigint: exit {code} {time.time() - sent:.2f} s after SIGINT; workers left: {len(live_workers(out))}"
+
+
+def drill_orphan(base: Path, nproc: int) -> str:
+    out = base / "orphan" / "run"
+    proc = start(command(out, nproc), base / "orphan.log")
+    wait_step(out, 2, proc)
+    sent = time.time()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    while live_workers(out) and time.time() - sent < 30:
+        time.sleep(0.01)
+    left = live_workers(out)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return f"orphan: launcher SIGKILLed; {'all workers gone' if not left else f'{len(left)} workers LEFT'} " \
+           f"after {time.time() - sent:.2f} s"
+
+
+def drill_preempt(base: Path, nproc: int, reference: float) -> str:
+    out = base / "preempt" / "run"
+    proc = start(command(out, nproc), base / "preempt.log")
+    wait_step(out, 3, proc)
+    sent = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    code = proc.wait()
+    elapsed = time.time() - sent
+    (preempted,) = events(out, "preempted")
+    again = start(command(out, nproc), base / "preempt2.log")
+    code2 = again.wait()
+    return (f"preempt: exit {code} {elapsed:.2f} s after SIGTERM, stopped at step {preempted['step']} with "
+            f"checkpoint {'saved' if preempted['saved'] else 'NOT saved'}; resumed run exit {code2}, final loss "
+            f"{final_loss(out):.6f} vs fault-free {reference:.6f}")
+
+
+def drill_store(base: Path) -> str:
+    script = base / "store_worker.py"
+    script.write_text(STORE_WORKER)
+    results = []
+    for name, extra in (("shared store, no prefix", {}), ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+                        {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}), ("per-attempt prefix", {"DRILL_PREFIX": "1"})):
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+        env.update(extra, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               "--max-restarts=1", "--monitor-interval=0.1", str(script)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        refused = "connectFullMesh" in proc.stderr + proc.stdout
+        results.append(f"{name}: {'restart OK' if proc.returncode == 0 else 'FAILED'}"
+                       f"{' (connectFullMesh ... Connection refused)' if refused else ''}")
+    return "store: " + "; ".join(results)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/megascale-drill"))
+    parser.add_argument("--only", default="restart,raise,sigint,orphan,preempt,store")
+    args = parser.parse_args()
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    wanted = args.only.split(",")
+    reference = 0.0
+    if {"restart", "preempt"} & set(wanted):
+        ref = start(command(args.out / "reference" / "run", args.nproc), args.out / "reference.log")
+        if ref.wait() != 0:
+            raise SystemExit(f"fault-free run failed; see {args.out / 'reference.log'}")
+        reference = final_loss(args.out / "reference" / "run")
+    drills = {"restart": lambda: drill_restart(args.out, args.nproc, reference),
+              "raise": lambda: drill_raise(args.out, args.nproc),
+              "sigint": lambda: drill_sigint(args.out, args.nproc),
+              "orphan": lambda: drill_orphan(args.out, args.nproc),
+              "preempt": lambda: drill_preempt(args.out, args.nproc, reference),
+              "store": lambda: drill_store(args.out)}
+    for name in wanted:
+        print(drills[name](), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

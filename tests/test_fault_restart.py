@@ -1,0 +1,253 @@
+"""Restarts, failing ranks, Ctrl-C, launcher death and preemption, with real processes signalled from outside.
+
+Fast drills (2 ranks, a few steps) run in the default suite; the longer ones
+(a full restart, torchrun without the megascale launcher, preemption through
+the launcher) are marked slow and run with `pytest -m slow tests/test_fault_restart.py`.
+Every drill that trains to the end compares its losses with a fault-free run of
+the same layout: fp32, dropout 0, same seed, so a resumed run matches exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fault_procs import (
+    events,
+    losses,
+    rank_pid,
+    start,
+    train_command,
+    wait_exit,
+    wait_for_step,
+    worker_pids,
+)
+
+from megascale.training.fault.attempts import describe_restart
+from megascale.training.fault.rendezvous import agent_store_prefix
+from megascale.training.fault.worker import failure_line, is_peer_lost
+
+
+def run_slow(request: pytest.FixtureRequest) -> None:
+    """Slow drills run only when selected with -m slow (the default suite stays fast)."""
+    if "slow" not in (request.config.getoption("-m") or "") or "not slow" in request.config.getoption("-m"):
+        pytest.skip("slow drill: run with -m slow")
+
+
+def latest_step(out: Path) -> int:
+    """Step of the checkpoint `latest` names (step_00000005 -> 5)."""
+    return int((out / "checkpoints" / "latest").read_text().strip().rsplit("_", 1)[1])
+
+
+# ------------------------------------------------------------------------------------------ units
+def test_describe_restart_killed_rank() -> None:
+    """A rank with no exit record is the failed one; detection runs to the first survivor stopping."""
+    previous = {"ranks": {0: {"start_time": 100.0, "exit": "peer_lost", "exit_time": 110.5},
+                          1: {"start_time": 100.0}},
+                "progress": {"step": 7, "time": 110.0}}
+    fields = describe_restart(previous, world_size=2, resumed_step=6, now=130.5)
+    assert fields["failed_ranks"] == [1]
+    assert "rank 1 died" in fields["cause"]
+    assert (fields["steps_lost"], fields["last_step"], fields["resumed_from"]) == (1, 7, 6)
+    assert fields["detect_s"] == pytest.approx(0.5) and fields["recover_s"] == pytest.approx(20.0)
+
+
+def test_describe_restart_exception_names_the_rank_and_message() -> None:
+    previous = {"ranks": {0: {"start_time": 1.0, "exit": "signal", "exit_time": 12.0},
+                          1: {"start_time": 1.0, "exit": "error", "exit_time": 11.0, "error": "ValueError: bad"},
+                          2: {"start_time": 1.0, "exit": "peer_lost", "exit_time": 11.2}},
+                "progress": None}
+    fields = describe_restart(previous, world_size=3, resumed_step=0, now=20.0)
+    assert fields["failed_ranks"] == [1]
+    assert fields["cause"] == "exception on rank 1: ValueError: bad"
+    assert fields["detect_s"] == pytest.approx(0.2) and fields["steps_lost"] is None
+
+
+def test_peer_lost_errors_are_told_apart_from_primary_failures() -> None:
+    assert is_peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert is_peer_lost(ConnectionResetError("reset"))
+    assert not is_peer_lost(RuntimeError("injected fault: raise on rank 1 at step 2 (step_start)"))
+    assert not is_peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert failure_line(3, 7, ValueError("bad\nmore")) == "megascale: rank 3 failed at step 7: ValueError: bad"
+
+
+def test_agent_store_prefix_is_per_attempt() -> None:
+    assert agent_store_prefix({"TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert agent_store_prefix({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}) == \
+        "megascale/attempt_2"
+
+
+def test_launch_env_sets_fresh_store_and_forwards_preempt_signal() -> None:
+    from megascale.config import load_config
+    from megascale.training.fault.launcher import launch_env
+
+    cfg = load_config("configs/tiny.yaml", ["fault.preempt_signal=SIGUSR1", "fault.preempt_grace_s=20"])
+    env = launch_env(cfg, {})
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"].split(",")[-1] == "SIGUSR1"
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "30"
+    assert launch_env(cfg, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "99"})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "99"
+
+
+# ------------------------------------------------------------------------------------------ fast drills
+def test_killing_the_launcher_leaves_no_worker(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = start(train_command(out, "train.steps=200", "checkpoint.save_final=false", nproc=2), tmp_path / "log")
+    try:
+        wait_for_step(out, 1, proc)
+        workers = [rank_pid(out, 0), rank_pid(out, 1)]
+        assert sorted(workers) == sorted(worker_pids(out))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 5
+        while worker_pids(out) and time.time() < deadline:
+            time.sleep(0.1)
+        assert worker_pids(out) == [], "workers kept training after the launcher was SIGKILLed"
+    finally:
+        for pid in worker_pids(out):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    log = tmp_path / "log"
+    proc = start(train_command(out, "train.steps=200", "checkpoint.save_final=false", nproc=2), log)
+    wait_for_step(out, 1, proc)
+    before = log.read_text().splitlines()
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends the foreground process group
+    assert wait_exit(proc, 60) == 130
+    after = log.read_text().splitlines()[len(before):]
+    after = [line for line in after if not line.startswith("step ")]  # a step may finish meanwhile
+    assert after == ["megascale: interrupted"], after
+    time.sleep(0.5)
+    assert worker_pids(out) == []
+
+
+def test_exception_on_one_rank_ends_the_job_with_one_message(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    log = tmp_path / "log"
+    began = time.time()
+    proc = start(train_command(out, "train.steps=50", "fault.step_timeout_s=60", "fault.inject=raise:rank=1:step=2",
+                               nproc=2), log)
+    code = wait_exit(proc, 180)
+    text = log.read_text()
+    assert code == 1, text
+    assert text.count("failed at step") == 1, text
+    assert "megascale: rank 1 failed at step 1: RuntimeError: injected fault: raise on rank 1 at step 2" in text
+    assert "Traceback" not in text and "ChildFailedError" not in text, text
+    assert text.strip().splitlines()[-1].startswith("megascale: error: training failed: 2 of 2 workers")
+    failed = events(out, "rank_failed")
+    assert [e["ranks"] for e in failed] == [[1]] and "RuntimeError: injected fault" in failed[0]["traceback"]
+    assert time.time() - began < 120
+
+
+def test_preemption_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
+    """SIGTERM mid-run: the step in progress finishes, a checkpoint of it is committed, exit 75; the
+    resumed run's losses equal an uninterrupted run's."""
+    common = ["train.steps=8", "checkpoint.save_final=false", "checkpoint.async=false"]
+    reference_dir = tmp_path / "reference"
+    ref = subprocess.run(train_command(reference_dir, *common), cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    out = tmp_path / "run"
+    log = tmp_path / "log"
+    proc = start(train_command(out, *common), log)
+    wait_for_step(out, 3, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert wait_exit(proc, 120) == 75, log.read_text()
+    preempted = events(out, "preempted")
+    assert len(preempted) == 1 and preempted[0]["saved"]
+    stop = preempted[0]["step"]
+    assert 3 <= stop < 8
+    assert latest_step(out) == stop
+    assert f"preempted at step {stop}: checkpoint saved" in log.read_text()
+    resumed = start(train_command(out, *common), tmp_path / "log2")
+    assert wait_exit(resumed, 300) == 0, (tmp_path / "log2").read_text()
+    assert losses(out) == losses(reference_dir)
+
+
+# ------------------------------------------------------------------------------------------ slow drills
+@pytest.fixture(scope="module")
+def fault_free_dp2(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[int, float]:
+    run_slow(request)
+    out = tmp_path_factory.mktemp("fault_free") / "run"
+    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2", nproc=2), out.parent / "log")
+    assert wait_exit(proc, 300) == 0, (out.parent / "log").read_text()
+    return losses(out)
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_worker_restarts_and_matches_fault_free(tmp_path: Path, fault_free_dp2: dict,
+                                                            request: pytest.FixtureRequest) -> None:
+    run_slow(request)
+    out = tmp_path / "run"
+    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2", nproc=2, max_restarts=2),
+                 tmp_path / "log")
+    wait_for_step(out, 5, proc)
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()
+    assert losses(out) == fault_free_dp2
+    (restart,) = events(out, "restart")
+    assert restart["attempt"] == 1 and restart["ranks"] == [1] and "rank 1 died" in restart["cause"]
+    assert restart["resumed_from"] in (4, 6) and restart["steps_lost"] == restart["last_step"] - restart["resumed_from"]
+    assert 0 <= restart["detect_s"] < 10 and restart["recover_s"] > 0
+    (end,) = events(out, "run_end")
+    assert end["attempts"] == 2 and 0 < end["effective"] < 1
+
+
+@pytest.mark.slow
+def test_exception_with_restarts_records_cause_and_finishes(tmp_path: Path, fault_free_dp2: dict,
+                                                            request: pytest.FixtureRequest) -> None:
+    run_slow(request)
+    out = tmp_path / "run"
+    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2", "fault.inject=raise:rank=0:step=4",
+                               nproc=2, max_restarts=1), tmp_path / "log")
+    assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()
+    assert losses(out) == fault_free_dp2
+    (restart,) = events(out, "restart")
+    assert restart["ranks"] == [0] and restart["cause"].startswith("exception on rank 0: RuntimeError: injected fault")
+    assert restart["resumed_from"] == 2 and restart["steps_lost"] == 1
+
+
+@pytest.mark.slow
+def test_plain_torchrun_restart_without_fresh_store(tmp_path: Path, fault_free_dp2: dict,
+                                                     request: pytest.FixtureRequest) -> None:
+    """torchrun sharing its rendezvous store with the workers (the default): the per-attempt prefix
+    lets the restarted group connect."""
+    run_slow(request)
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "--max-restarts=1", "--monitor-interval=0.1", "-m", "megascale.train"] + \
+        train_command(out, "train.steps=10", "checkpoint.interval=2")[4:]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1], stdout=(tmp_path / "log").open("w"),
+                            stderr=subprocess.STDOUT, env=dict(env, OMP_NUM_THREADS="1"), start_new_session=True)
+    wait_for_step(out, 5, proc)
+    os.kill(rank_pid(out, 0), signal.SIGKILL)
+    assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()[-3000:]
+    assert losses(out) == fault_free_dp2
+    assert events(out, "restart")[0]["ranks"] == [0]
+
+
+@pytest.mark.slow
+def test_preemption_through_the_launcher(tmp_path: Path, fault_free_dp2: dict, request: pytest.FixtureRequest) -> None:
+    """SIGTERM to `megascale train --nproc 2`: forwarded to both ranks, which agree on one step, commit a
+    checkpoint of it and exit; the launcher exits 75; running the same command again finishes the run
+    with the fault-free losses."""
+    run_slow(request)
+    out = tmp_path / "run"
+    cmd = train_command(out, "train.steps=10", "checkpoint.interval=2", nproc=2)
+    proc = start(cmd, tmp_path / "log")
+    wait_for_step(out, 3, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert wait_exit(proc, 120) == 75, (tmp_path / "log").read_text()
+    (preempted,) = events(out, "preempted")
+    assert preempted["saved"] and latest_step(out) == preempted["step"]
+    again = start(cmd, tmp_path / "log2")
+    assert wait_exit(again, 300) == 0, (tmp_path / "log2").read_text()
+    assert losses(out) == fault_free_dp2
