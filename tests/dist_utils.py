@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Optional
 Scenario = Callable[[int, int, Any], Any]
 Setup = Callable[[int, int], Any]
 
-_START, _OK, _ERROR, _COLLATERAL, _DONE = "start", "ok", "error", "collateral", "done"
+_START, _OK, _ERROR, _COLLATERAL, _DONE, _SETUP_ERROR = "start", "ok", "error", "collateral", "done", "setup"
 
 
 @dataclass
@@ -90,8 +90,8 @@ def _worker(rank: int, world: int, init_file: str, names: list[str], scenarios: 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout))
         shared = setup(rank, world) if setup is not None else {}
-    except BaseException:  # noqa: BLE001 - nothing can run; the first scenario carries the error
-        _report(out, _ERROR, rank, 0, "setup failed:\n" + traceback.format_exc())
+    except BaseException:  # noqa: BLE001 - nothing can run; every scenario of this spawn carries the error
+        _report(out, _SETUP_ERROR, rank, 0, "setup failed:\n" + traceback.format_exc())
         return
     for index, fn in enumerate(scenarios):
         _report(out, _START, rank, index, None)
@@ -121,6 +121,7 @@ def _collect(names: list[str], world: int, procs: list, out: Any, timeout: float
     finished: set[int] = set()
     current = {rank: 0 for rank in range(world)}
     first_failure: Optional[int] = None
+    setup_failed = False
     while len(finished) < world:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -147,11 +148,16 @@ def _collect(names: list[str], world: int, procs: list, out: Any, timeout: float
             outcomes[names[index]].errors[rank] = payload
             finished.add(rank)
             first_failure = index if first_failure is None else min(first_failure, index)
+        elif kind == _SETUP_ERROR:  # no scenario can run: all of them fail, and a respawn would not help
+            for name in names:
+                outcomes[name].errors[rank] = payload
+            finished.add(rank)
+            setup_failed = True
         elif kind == _COLLATERAL:
             finished.add(rank)
         else:
             finished.add(rank)
-    return first_failure
+    return len(names) - 1 if setup_failed else first_failure
 
 
 def _spawn(names: list[str], scenarios: list[Scenario], world: int, setup: Optional[Setup], timeout: float,
