@@ -26,16 +26,13 @@ bug (a wrong slice, position or micro-batch) is off by O(gradient).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from megascale.config import Config, load_config
-from megascale.distributed import comm
-from megascale.distributed.sharding import gather_full, get_shard
-from megascale.distributed.topology import ParallelContext, RankLayout
-from megascale.model import build_model
+if TYPE_CHECKING:  # the model stack is imported where it is used: the pytest process itself never builds one
+    from megascale.config import Config
+    from megascale.distributed.topology import ParallelContext
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -49,6 +46,8 @@ SMALL_MODEL = ("model.num_layers=2", "model.hidden_size=64", "model.num_heads=8"
 
 def make_config(overrides: Iterable[str]) -> Config:
     """The resolved config of these dotted overrides on the defaults (no YAML file)."""
+    from megascale.config import load_config
+
     return load_config(None, list(overrides))
 
 
@@ -59,6 +58,8 @@ def reference_overrides(overrides: Iterable[str]) -> list[str]:
 
 def single_context() -> ParallelContext:
     """The context of a single-process run, usable inside a multi-rank job (it creates no groups)."""
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
     return ParallelContext(RankLayout(), rank=0, create_groups=False)
 
 
@@ -68,6 +69,8 @@ def layout_context(cfg: Config, rank: int, world: int) -> ParallelContext:
     A layout without model parallelism (tp = pp = cp = 1) gets the single-process
     context: every rank then holds the whole model, as the reference does.
     """
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
     p = cfg.parallel
     model_parallel = p.tp * p.pp * p.cp
     if model_parallel == 1:
@@ -80,6 +83,8 @@ def layout_context(cfg: Config, rank: int, world: int) -> ParallelContext:
 
 def build_chunks(cfg: Config, ctx: ParallelContext) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), built already sharded."""
+    from megascale.model import build_model
+
     return build_model(cfg, ctx)
 
 
@@ -107,6 +112,9 @@ def reduce_grads(params: Iterable[torch.Tensor], ctx: ParallelContext, *, over_c
     - tied: the word embedding also lives on the last pipeline stage; both copies sum
       over the embedding group (needs pp > 1).
     """
+    from megascale.distributed import comm
+    from megascale.distributed.sharding import get_shard
+
     for param in params:
         if getattr(param, "sequence_parallel_grad", False):
             comm.all_reduce(param.grad, ctx.group("tp"))
@@ -126,6 +134,8 @@ def gather_global(params: Iterable[torch.Tensor], ctx: ParallelContext, *, grads
     A second copy of a tensor held by another pipeline stage (the tied output
     embedding, `primary=False`) is skipped: its primary reports it.
     """
+    from megascale.distributed.sharding import gather_full, get_shard
+
     out: dict[str, torch.Tensor] = {}
     for param in params:
         spec = get_shard(param)
@@ -138,6 +148,8 @@ def gather_global(params: Iterable[torch.Tensor], ctx: ParallelContext, *, grads
 
 def merge_stages(part: dict[str, torch.Tensor], group: Optional[object], size: int) -> dict[str, torch.Tensor]:
     """Merge what every pipeline stage gathered into one dict; a name held by two stages is an error."""
+    import torch.distributed as dist
+
     parts: list = [None] * size
     dist.all_gather_object(parts, part, group=group)
     merged: dict[str, torch.Tensor] = {}

@@ -21,7 +21,6 @@ import torch
 
 import parity
 from dist_utils import Outcome, run_scenarios
-from megascale.distributed import comm
 
 BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=300",
         "model.seq_length=16", "train.seed=11"]
@@ -49,6 +48,8 @@ CASES = [
 
 
 def _loss_and_grads(overrides: list[str], rank: int, world: int, batch: dict) -> tuple[float, dict]:
+    from megascale.distributed import comm
+
     cfg = parity.make_config(overrides)
     ctx = parity.layout_context(cfg, rank, world)  # cp=1: the single-process model on every rank
     chunk = parity.build_chunks(cfg, ctx)[0]
