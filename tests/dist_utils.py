@@ -77,8 +77,8 @@ def _run_one(fn: Scenario, rank: int, world: int, shared: Any) -> bytes:
     return pickle.dumps(fn(rank, world, shared))
 
 
-def _worker(rank: int, world: int, init_file: str, names: list[str], scenarios: list[Scenario],
-            setup: Optional[Setup], pg_timeout: float, out: Any) -> None:
+def _worker(rank: int, world: int, init_file: str, scenarios: list[Scenario], setup: Optional[Setup],
+            pg_timeout: float, out: Any) -> None:
     """One rank: join the gloo group, run the scenarios in order, report each; leave at the first failure."""
     import torch
     import torch.distributed as dist
@@ -115,8 +115,11 @@ def _worker(rank: int, world: int, init_file: str, names: list[str], scenarios: 
 
 
 def _collect(names: list[str], world: int, procs: list, out: Any, timeout: float,
-             outcomes: dict[str, Outcome]) -> Optional[int]:
-    """Read reports until every rank is done or gone; returns the index of the first failed scenario, or None."""
+             outcomes: dict[str, Outcome]) -> tuple[Optional[int], bool]:
+    """Read reports until every rank is done or gone.
+
+    Returns the index of the first failed scenario (None if none failed) and whether the spawn timed out.
+    """
     deadline = time.monotonic() + timeout
     finished: set[int] = set()
     current = {rank: 0 for rank in range(world)}
@@ -129,7 +132,7 @@ def _collect(names: list[str], world: int, procs: list, out: Any, timeout: float
             ranks = sorted(r for r in range(world) if r not in finished and current[r] == stuck)
             outcomes[names[stuck]].errors.setdefault(
                 ranks[0], f"timed out after {timeout:.0f} s; ranks {ranks} were still inside this scenario")
-            return stuck if first_failure is None else min(first_failure, stuck)
+            return (stuck if first_failure is None else min(first_failure, stuck)), True
         try:
             kind, rank, index, payload = out.get(timeout=min(remaining, 1.0))
         except queue_mod.Empty:
@@ -157,7 +160,7 @@ def _collect(names: list[str], world: int, procs: list, out: Any, timeout: float
             finished.add(rank)
         else:
             finished.add(rank)
-    return len(names) - 1 if setup_failed else first_failure
+    return (len(names) - 1 if setup_failed else first_failure), False
 
 
 def _spawn(names: list[str], scenarios: list[Scenario], world: int, setup: Optional[Setup], timeout: float,
@@ -167,15 +170,16 @@ def _spawn(names: list[str], scenarios: list[Scenario], world: int, setup: Optio
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megascale_dist_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(rank, world, init_file, names, scenarios, setup, pg_timeout, out))
+        procs = [ctx.Process(target=_worker, args=(rank, world, init_file, scenarios, setup, pg_timeout, out))
                  for rank in range(world)]
         for proc in procs:
             proc.start()
+        timed_out = True  # until _collect returns: an interrupted wait kills the ranks at once as well
         try:
-            failure = _collect(names, world, procs, out, timeout, outcomes)
+            failure, timed_out = _collect(names, world, procs, out, timeout, outcomes)
         finally:
             for proc in procs:
-                proc.join(timeout=10)
+                proc.join(timeout=0 if timed_out else 10)
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
