@@ -8,10 +8,13 @@ rank that raised, so a failing scenario fails only its own test.
 
 Isolation after a failure: a rank whose scenario raises reports the traceback and
 leaves, which breaks every collective its peers are in or enter next (gloo fails
-them at once when the peer's sockets close). The peers report that as collateral
-damage, not as a failure of a later scenario, and the scenarios after the failed
-one run again in a fresh spawn. A spawn that outlives `timeout` is killed and the
+them at once when the peer's sockets close). Whatever the peers report for later
+scenarios is discarded and those scenarios run again in a fresh spawn, so only the
+failed scenario's test fails. A spawn that outlives `timeout` is killed and the
 scenario it was stuck in is reported as timed out, naming the ranks inside it.
+By default a rank that finishes a scenario early starts the next one's local work
+(its single-process reference, say); `sync=True` ends every scenario with a barrier
+for scenarios that must not overlap, such as ones sharing a directory.
 
 Values travel back pickled by value (plain pickle, not torch's shared-memory
 reductions), so a rank may exit as soon as it has reported.
@@ -78,7 +81,7 @@ def _run_one(fn: Scenario, rank: int, world: int, shared: Any) -> bytes:
 
 
 def _worker(rank: int, world: int, init_file: str, scenarios: list[Scenario], setup: Optional[Setup],
-            pg_timeout: float, out: Any) -> None:
+            pg_timeout: float, sync: bool, out: Any) -> None:
     """One rank: join the gloo group, run the scenarios in order, report each; leave at the first failure."""
     import torch
     import torch.distributed as dist
@@ -102,6 +105,8 @@ def _worker(rank: int, world: int, init_file: str, scenarios: list[Scenario], se
             failed = True
             break
         _report(out, _OK, rank, index, payload)
+        if not sync:
+            continue
         try:  # every rank leaves a scenario before any enters the next one
             dist.barrier()
         except BaseException:  # noqa: BLE001 - a peer left after failing this scenario
@@ -164,13 +169,14 @@ def _collect(names: list[str], world: int, procs: list, out: Any, timeout: float
 
 
 def _spawn(names: list[str], scenarios: list[Scenario], world: int, setup: Optional[Setup], timeout: float,
-           pg_timeout: float, outcomes: dict[str, Outcome]) -> Optional[int]:
+           pg_timeout: float, sync: bool, outcomes: dict[str, Outcome]) -> Optional[int]:
     """One spawn over the given scenarios; returns the index of the first failed one, or None."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megascale_dist_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(rank, world, init_file, scenarios, setup, pg_timeout, out))
+        procs = [ctx.Process(target=_worker,
+                             args=(rank, world, init_file, scenarios, setup, pg_timeout, sync, out))
                  for rank in range(world)]
         for proc in procs:
             proc.start()
@@ -187,12 +193,14 @@ def _spawn(names: list[str], scenarios: list[Scenario], world: int, setup: Optio
 
 
 def run_scenarios(scenarios: Mapping[str, Scenario], world: int, *, setup: Optional[Setup] = None,
-                  timeout: float = 300.0, pg_timeout: float = 120.0) -> dict[str, Outcome]:
+                  sync: bool = False, timeout: float = 300.0, pg_timeout: float = 120.0) -> dict[str, Outcome]:
     """Run every scenario on `world` gloo ranks, spawning once (again only after a failure).
 
     scenarios: name -> fn(rank, world, shared), picklable (a module-level function or a
         functools.partial of one); its return value must pickle.
     setup: fn(rank, world) run once per spawn before the scenarios; its value is `shared`.
+    sync: a barrier after every scenario, for scenarios that must not overlap (shared files);
+        without it a rank that finishes early starts the next scenario's local work.
     timeout: seconds one spawn may take before its processes are killed.
     pg_timeout: gloo's collective timeout, the bound on a hang inside a scenario.
     Returns name -> Outcome in the given order; call `.check()` in the test that owns it.
@@ -202,10 +210,12 @@ def run_scenarios(scenarios: Mapping[str, Scenario], world: int, *, setup: Optio
     start = 0
     while start < len(names):
         todo = names[start:]
-        failure = _spawn(todo, [scenarios[n] for n in todo], world, setup, timeout, pg_timeout, outcomes)
+        failure = _spawn(todo, [scenarios[n] for n in todo], world, setup, timeout, pg_timeout, sync, outcomes)
         if failure is None:
             break
         start += failure + 1
+        for name in names[start:]:  # whatever ran after the failure may have met the failed rank's exit
+            outcomes[name] = Outcome(name, world)
     return outcomes
 
 

@@ -253,7 +253,7 @@ def _call(scenario: Callable[[int, object, Path], None], tmp: str, rank: int, wo
 def results(tmp_path_factory) -> dict[str, Outcome]:
     tmp = str(tmp_path_factory.mktemp("ckpt_dist"))
     scenarios = {s.__name__: partial(_call, s, tmp) for s in SCENARIOS}
-    return run_scenarios(scenarios, WORLD, setup=_context, timeout=300, pg_timeout=60)
+    return run_scenarios(scenarios, WORLD, setup=_context, sync=True, timeout=300, pg_timeout=60)
 
 
 @pytest.mark.parametrize("scenario", [s.__name__ for s in SCENARIOS])

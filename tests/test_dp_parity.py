@@ -379,7 +379,7 @@ SCENARIOS: dict[str, Callable[[int, int, object], None]] = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Outcome]:
-    return run_scenarios(SCENARIOS, WORLD)
+    return run_scenarios(SCENARIOS, WORLD, sync=True)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

@@ -162,7 +162,7 @@ def _scenario(name: str, rank: int, world: int, contexts: dict) -> None:
 @pytest.fixture(scope="module")
 def verdicts() -> dict[str, Outcome]:
     return run_scenarios({name: partial(_scenario, name) for name in SCENARIOS}, WORLD, setup=_contexts,
-                         timeout=240, pg_timeout=60)
+                         sync=True, timeout=240, pg_timeout=60)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
