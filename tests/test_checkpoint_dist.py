@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 import os
 import time
-import traceback
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dist_utils import Outcome, run_scenarios
 from megascale.checkpoint import CheckpointError, CheckpointManager
 from megascale.checkpoint.format import METADATA_FILE, partial_dir_name, step_dir_name
 from megascale.checkpoint.simulate import SimLayout, SimModel, expected_tensor, rank_shards, reference_value
@@ -240,46 +240,22 @@ SCENARIOS = [scenario_reshard, scenario_dedup_balance, scenario_async, scenario_
              scenario_broadcast_and_extra, scenario_layout_errors, scenario_keep_last]
 
 
-def _worker(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    results: dict[str, str] = {}
-    try:
-        ctx = build_context(tp=2, dp=2)
-        for scenario in SCENARIOS:
-            try:
-                scenario(rank, ctx, Path(tmp))
-                dist.barrier()
-                results[scenario.__name__] = "ok"
-            except Exception:
-                results[scenario.__name__] = traceback.format_exc()
-                break  # the other ranks may now wait in a collective; stop here
-    finally:
-        Path(tmp, f"results_{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+def _context(rank: int, world: int) -> object:
+    """The tp=2 x dp=2 context every scenario shares (groups are built once per spawn)."""
+    return build_context(tp=2, dp=2)
+
+
+def _call(scenario: Callable[[int, object, Path], None], tmp: str, rank: int, world: int, ctx: object) -> None:
+    scenario(rank, ctx, Path(tmp))
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("ckpt_dist")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, str(tmp))) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=300)
-        if proc.is_alive():
-            proc.kill()
-    out = []
-    for rank in range(WORLD):
-        path = tmp / f"results_{rank}.json"
-        out.append(json.loads(path.read_text()) if path.exists() else {})
-    return out
+def results(tmp_path_factory) -> dict[str, Outcome]:
+    tmp = str(tmp_path_factory.mktemp("ckpt_dist"))
+    scenarios = {s.__name__: partial(_call, s, tmp) for s in SCENARIOS}
+    return run_scenarios(scenarios, WORLD, setup=_context, sync=True, timeout=300, pg_timeout=60)
 
 
 @pytest.mark.parametrize("scenario", [s.__name__ for s in SCENARIOS])
-def test_checkpoint_multiprocess(results: list[dict], scenario: str) -> None:
-    for rank, per_rank in enumerate(results):
-        outcome = per_rank.get(scenario, "not reached (an earlier scenario failed)")
-        assert outcome == "ok", f"rank {rank}, {scenario}:\n{outcome}"
+def test_checkpoint_multiprocess(results: dict[str, Outcome], scenario: str) -> None:
+    results[scenario].check()

@@ -14,10 +14,13 @@ O(1e-2) gradients catches wrong positions, masks or token order (O(grad) errors)
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from dist_utils import run_distributed
+import parity
+from dist_utils import Outcome, run_scenarios
 
 BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=300",
         "model.seq_length=16", "train.seed=11"]
@@ -44,61 +47,46 @@ CASES = [
 ]
 
 
-def _loss_and_grads(overrides: list[str], rank: int, batch: dict) -> tuple[float, dict]:
-    import torch.distributed as dist
-
-    from megascale.config import load_config
+def _loss_and_grads(overrides: list[str], rank: int, world: int, batch: dict) -> tuple[float, dict]:
     from megascale.distributed import comm
-    from megascale.distributed.sharding import gather_full, get_shard
-    from megascale.distributed.topology import ParallelContext, RankLayout
-    from megascale.model import build_model
 
-    cfg = load_config(None, overrides)
-    p = cfg.parallel
-    if p.cp == 1:
-        ctx = ParallelContext(RankLayout(), rank=0, create_groups=False)
-    else:
-        ctx = ParallelContext(RankLayout(tp=p.tp, cp=p.cp, dp=dist.get_world_size() // (p.tp * p.cp)), rank=rank)
-    chunk = build_model(cfg, ctx)[0]
+    cfg = parity.make_config(overrides)
+    ctx = parity.layout_context(cfg, rank, world)  # cp=1: the single-process model on every rank
+    chunk = parity.build_chunks(cfg, ctx)[0]
     loss = chunk(None, batch)
     loss.backward()
     total = loss.detach().clone()
     comm.all_reduce(total, ctx.group("cp"))
-    grads = {}
-    for param in chunk.parameters():
-        if getattr(param, "sequence_parallel_grad", False):
-            comm.all_reduce(param.grad, ctx.group("tp"))
-        comm.all_reduce(param.grad, ctx.group("cp"))
-        spec = get_shard(param)
-        grads[spec.global_name] = gather_full(param.grad, spec, ctx.group("tp"))
-    return float(total), grads
+    params = list(chunk.parameters())
+    parity.reduce_grads(params, ctx, over_cp=True)
+    return float(total), parity.gather_global(params, ctx)
 
 
-def _run(rank: int, world: int) -> dict:
+def _references(rank: int, world: int) -> dict:
+    """Per spawn: the batch every case uses and the cp=1 result of every variant."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 300, (2, 17))
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_scale": 1.0 / tokens[:, 1:].numel()}
-    references = {name: _loss_and_grads(BASE + extra, rank, batch) for name, extra in VARIANTS.items()}
-    results = {}
-    for name, layout, variant in CASES:
-        ref_loss, ref_grads = references[variant]
-        loss, grads = _loss_and_grads(BASE + VARIANTS[variant] + layout, rank, batch)
-        assert set(grads) == set(ref_grads)
-        grad_err = {k: float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads}
-        worst = max(grad_err, key=grad_err.get)
-        results[(name, variant)] = (abs(loss - ref_loss), grad_err[worst], worst,
-                                    max(float(g.abs().max()) for g in ref_grads.values()))
-    return results
+    references = {name: _loss_and_grads(BASE + extra, rank, world, batch) for name, extra in VARIANTS.items()}
+    return {"batch": batch, "references": references}
+
+
+def _case(layout: list[str], variant: str, rank: int, world: int, shared: dict) -> tuple:
+    ref_loss, ref_grads = shared["references"][variant]
+    loss, grads = _loss_and_grads(BASE + VARIANTS[variant] + layout, rank, world, shared["batch"])
+    worst, grad_err = parity.worst(parity.max_abs_errors(ref_grads, grads))
+    return abs(loss - ref_loss), grad_err, worst, max(float(g.abs().max()) for g in ref_grads.values())
 
 
 @pytest.fixture(scope="module")
-def parity() -> dict:
-    return run_distributed(_run, 4)[0]
+def parity_results() -> dict[str, Outcome]:
+    return run_scenarios({f"{name}-{variant}": partial(_case, layout, variant) for name, layout, variant in CASES},
+                         4, setup=_references)
 
 
 @pytest.mark.parametrize("name,layout,variant", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
-def test_cp_model_matches_single_process(parity: dict, name: str, layout: list, variant: str) -> None:
-    loss_err, grad_err, worst, grad_scale = parity[(name, variant)]
+def test_cp_model_matches_single_process(parity_results: dict, name: str, layout: list, variant: str) -> None:
+    loss_err, grad_err, worst, grad_scale = parity_results[f"{name}-{variant}"].check()[0]
     assert grad_scale > 1e-3  # gradients are large enough for the tolerance to mean something
     assert loss_err < 1e-5, f"loss differs by {loss_err}"
     assert grad_err < 1e-5, f"gradient of {worst} differs by {grad_err}"

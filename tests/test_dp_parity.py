@@ -13,19 +13,16 @@ amplify last-bit differences of near-zero gradient entries, hence the rtol).
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import traceback
+from functools import partial
 from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from dist_utils import Outcome, run_scenarios
 from megascale.config import Config
 from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, get_shard, set_shard, split_spec
@@ -356,46 +353,35 @@ def scenario_tied(rank: int, zero: int, name: str) -> None:
     opt.remove_hooks()
 
 
-SCENARIOS: dict[str, Callable[[int], None]] = {
-    "dp4_zero0_adamw": lambda r: scenario_dp(r, RankLayout(dp=4), 0, "adamw"),
-    "dp4_zero1_adamw": lambda r: scenario_dp(r, RankLayout(dp=4), 1, "adamw"),
-    "dp4_zero1_adamw_no_overlap": lambda r: scenario_dp(r, RankLayout(dp=4), 1, "adamw", False, False),
-    "dp4_zero1_lamb": lambda r: scenario_dp(r, RankLayout(dp=4), 1, "lamb"),
-    "dp4_zero1_two_chunks": lambda r: scenario_two_chunks(r, 1),
-    "dp2cp2_zero1_adamw": lambda r: scenario_dp(r, RankLayout(dp=2, cp=2), 1, "adamw"),
-    "dp2_tp2_zero0_lamb": lambda r: scenario_tp(r, 0, "lamb", False),
-    "dp2_tp2_zero1_lamb": lambda r: scenario_tp(r, 1, "lamb", False),
-    "dp2_tp2_zero1_adamw_sp": lambda r: scenario_tp(r, 1, "adamw", True),
-    "dp2_pp2_tied_zero0_adamw": lambda r: scenario_tied(r, 0, "adamw"),
-    "dp2_pp2_tied_zero1_lamb": lambda r: scenario_tied(r, 1, "lamb"),
+def _scenario(fn: Callable[..., None], *args: object) -> Callable[[int, int, object], None]:
+    """A picklable scenario for run_scenarios: fn(rank, *args)."""
+    return partial(_call, fn, args)
+
+
+def _call(fn: Callable[..., None], args: tuple, rank: int, world: int, shared: object) -> None:
+    fn(rank, *args)
+
+
+SCENARIOS: dict[str, Callable[[int, int, object], None]] = {
+    "dp4_zero0_adamw": _scenario(scenario_dp, RankLayout(dp=4), 0, "adamw"),
+    "dp4_zero1_adamw": _scenario(scenario_dp, RankLayout(dp=4), 1, "adamw"),
+    "dp4_zero1_adamw_no_overlap": _scenario(scenario_dp, RankLayout(dp=4), 1, "adamw", False, False),
+    "dp4_zero1_lamb": _scenario(scenario_dp, RankLayout(dp=4), 1, "lamb"),
+    "dp4_zero1_two_chunks": _scenario(scenario_two_chunks, 1),
+    "dp2cp2_zero1_adamw": _scenario(scenario_dp, RankLayout(dp=2, cp=2), 1, "adamw"),
+    "dp2_tp2_zero0_lamb": _scenario(scenario_tp, 0, "lamb", False),
+    "dp2_tp2_zero1_lamb": _scenario(scenario_tp, 1, "lamb", False),
+    "dp2_tp2_zero1_adamw_sp": _scenario(scenario_tp, 1, "adamw", True),
+    "dp2_pp2_tied_zero0_adamw": _scenario(scenario_tied, 0, "adamw"),
+    "dp2_pp2_tied_zero1_lamb": _scenario(scenario_tied, 1, "lamb"),
 }
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    results = {}
-    for name, scenario in SCENARIOS.items():
-        try:
-            scenario(rank)
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per scenario to the test process
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
-def results() -> dict[str, list[str]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        per_rank = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
-    return {name: [r[name] for r in per_rank] for name in SCENARIOS}
+def results() -> dict[str, Outcome]:
+    return run_scenarios(SCENARIOS, WORLD, sync=True)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_matches_single_process(results: dict[str, list[str]], scenario: str) -> None:
-    failures = [f"rank {r}: {msg}" for r, msg in enumerate(results[scenario]) if msg != "ok"]
-    assert not failures, "\n".join(failures)
+def test_matches_single_process(results: dict[str, Outcome], scenario: str) -> None:
+    results[scenario].check()

@@ -17,14 +17,12 @@ float32 ones 1e-5 relative (a few ulps through exp/log/rsqrt and sums over
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from dist_utils import run_distributed
 from megascale.errors import UserError
 from megascale.kernels import emulate, get_ops
 from megascale.kernels import bias_gelu as bias_gelu_mod
@@ -252,30 +250,24 @@ def _ce_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return logits, labels, weights
 
 
-def _ce_worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        group = torch.distributed.group.WORLD
-        logits, labels, weights = _ce_inputs()
-        shard = VOCAB // WORLD
-        results = {}
-        for name, fn in (("reference", ce_mod.vocab_parallel_cross_entropy_reference),
-                         ("fused", lambda *a: ce_mod.vocab_parallel_cross_entropy_cuda(emulate, *a))):
-            local = logits[:, rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
-            loss = fn(local, labels, rank * shard, group)
-            (loss * weights).sum().backward()
-            results[name] = (loss.detach(), local.grad)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
+def _ce_worker(rank: int, world: int) -> dict:
+    """This rank's vocab slice through both implementations: impl -> (per-token loss, logits grad)."""
+    group = torch.distributed.group.WORLD
+    logits, labels, weights = _ce_inputs()
+    shard = VOCAB // world
+    results = {}
+    for name, fn in (("reference", ce_mod.vocab_parallel_cross_entropy_reference),
+                     ("fused", lambda *a: ce_mod.vocab_parallel_cross_entropy_cuda(emulate, *a))):
+        local = logits[:, rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
+        loss = fn(local, labels, rank * shard, group)
+        (loss * weights).sum().backward()
+        results[name] = (loss.detach(), local.grad)
+    return results
 
 
 @pytest.fixture(scope="module")
 def two_rank_results() -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_ce_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_distributed(_ce_worker, WORLD)
 
 
 @pytest.mark.parametrize("impl", ["reference", "fused"])

@@ -2,8 +2,8 @@
 
 One spawn of 4 ranks runs every scenario (pp=2 runs as pp=2 x dp=2, both pipelines
 checked). Each rank compares its own chunks' gradients with a single-process
-reference on the same weights and data, computed in the same worker, and writes
-"ok" or the failure per scenario; the test functions read those verdicts.
+reference on the same weights and data, computed in the same worker, and reports
+per scenario (tests/dist_utils.run_scenarios); each test function reads its verdict.
 
 Tolerance: fp32 with identical per-micro-batch arithmetic; only the order in which
 autograd accumulates gradient contributions may differ, so 1e-5 relative is ample
@@ -12,19 +12,16 @@ autograd accumulates gradient contributions may differ, so 1e-5 relative is ampl
 
 from __future__ import annotations
 
-import json
-import tempfile
-import traceback
-from datetime import timedelta
-from pathlib import Path
+from functools import partial
 from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from dist_utils import Outcome, run_scenarios
 
 WORLD = 4
 VOCAB, HIDDEN, SEQ, MB = 11, 8, 6, 2
@@ -151,61 +148,23 @@ def _run_scenario(contexts: dict, name: str) -> None:
     assert sorted(merged) == sorted(ref_grads), "pipeline stages do not cover the model exactly once"
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+def _contexts(rank: int, world: int) -> dict:
+    """One context per pp, built once per spawn, all ranks in the same order: group creation stays in step."""
     from megascale.distributed.topology import ParallelContext, RankLayout
 
-    # Contexts are built once, all ranks in the same order: group creation must stay in step.
-    contexts = {pp: ParallelContext(RankLayout(pp=pp, dp=WORLD // pp), rank=rank) for pp in (2, 4)}
-    verdicts = {}
-    for name in SCENARIOS:
-        try:
-            _run_scenario(contexts, name)
-            verdicts[name] = "ok"
-        except Exception:  # report per scenario, keep the other ranks in step
-            verdicts[name] = traceback.format_exc()
-            Path(out_dir, f"rank{rank}.json").write_text(json.dumps(verdicts))
-            raise
-        dist.barrier()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(verdicts))
-    dist.destroy_process_group()
+    return {pp: ParallelContext(RankLayout(pp=pp, dp=world // pp), rank=rank) for pp in (2, 4)}
 
 
-def spawn_world(worker, world: int, timeout_s: float = 240.0) -> Path:
-    """Run worker(rank, init_file, out_dir) on `world` processes; returns out_dir. Kills stragglers on timeout."""
-    out_dir = Path(tempfile.mkdtemp(prefix="megascale_pp_"))
-    init_file = str(out_dir / "rendezvous")
-    context = mp.start_processes(worker, args=(init_file, str(out_dir)), nprocs=world, join=False,
-                                 start_method="spawn")
-    try:
-        deadline = timeout_s
-        while not context.join(timeout=5):
-            deadline -= 5
-            if deadline <= 0:
-                raise TimeoutError(f"pipeline test ranks still running after {timeout_s} s (hang?)")
-    except Exception as err:  # a rank failed: its verdict file says which scenario
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-        (out_dir / "spawn_error.txt").write_text(str(err))
-    return out_dir
+def _scenario(name: str, rank: int, world: int, contexts: dict) -> None:
+    _run_scenario(contexts, name)
 
 
 @pytest.fixture(scope="module")
-def verdicts() -> dict[str, dict[str, str]]:
-    out_dir = spawn_world(_worker, WORLD)
-    results = {}
-    for rank in range(WORLD):
-        path = out_dir / f"rank{rank}.json"
-        results[rank] = json.loads(path.read_text()) if path.exists() else {}
-    error = (out_dir / "spawn_error.txt").read_text() if (out_dir / "spawn_error.txt").exists() else ""
-    return {"ranks": results, "error": error}
+def verdicts() -> dict[str, Outcome]:
+    return run_scenarios({name: partial(_scenario, name) for name in SCENARIOS}, WORLD, setup=_contexts,
+                         sync=True, timeout=240, pg_timeout=60)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_pipeline_matches_single_process(verdicts: dict, name: str) -> None:
-    for rank in range(WORLD):
-        verdict = verdicts["ranks"][rank].get(name)
-        assert verdict == "ok", f"rank {rank} scenario {name}: {verdict or 'not reached'}\n{verdicts['error']}"
+def test_pipeline_matches_single_process(verdicts: dict[str, Outcome], name: str) -> None:
+    verdicts[name].check()

@@ -13,10 +13,13 @@ misrouted activation or gradient (those are off by O(grad)).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from dist_utils import run_distributed
+import parity
+from dist_utils import Outcome, run_scenarios
 
 BASE = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.vocab_size=100",
         "model.vocab_pad_multiple=16", "model.seq_length=8", "train.seed=11", "train.micro_batch_size=2"]
@@ -44,91 +47,55 @@ def _batches(cfg) -> list[dict]:
 
 
 def _reference(overrides: list[str]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from megascale.config import load_config
-    from megascale.distributed.sharding import get_shard
-    from megascale.distributed.topology import ParallelContext, RankLayout
-    from megascale.model import build_model
-
-    cfg = load_config(None, overrides)
-    ctx = ParallelContext(RankLayout(), rank=0, create_groups=False)
-    chunk = build_model(cfg, ctx)[0]
+    cfg = parity.make_config(overrides)
+    ctx = parity.single_context()
+    chunk = parity.build_chunks(cfg, ctx)[0]
     losses = []
     for batch in _batches(cfg):
         loss = chunk(None, batch)
         loss.backward()
         losses.append(float(loss.detach()))
-    return losses, {get_shard(p).global_name: p.grad.clone() for p in chunk.parameters()}
+    return losses, {name: grad.clone() for name, grad in parity.gather_global(chunk.parameters(), ctx).items()}
 
 
 def _pipelined(overrides: list[str], rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     import torch.distributed as dist
 
-    from megascale.config import load_config
-    from megascale.distributed import comm
     from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined, resolve_schedule_name
-    from megascale.distributed.sharding import TIED_EMBEDDING, gather_full, get_shard
-    from megascale.distributed.topology import ParallelContext, RankLayout
-    from megascale.model import build_model
 
-    cfg = load_config(None, overrides)
+    cfg = parity.make_config(overrides)
     p = cfg.parallel
-    ctx = ParallelContext(RankLayout(tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp)), rank=rank, vpp=p.vpp)
-    chunks = build_model(cfg, ctx)
+    ctx = parity.layout_context(cfg, rank, world)
+    chunks = parity.build_chunks(cfg, ctx)
     seq = cfg.model.seq_length // (p.tp if p.sequence_parallel else 1)
     shape = (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)
     schedule = build_schedule(resolve_schedule_name(p.pipeline_schedule, p.vpp), p.pp, p.vpp, MICROBATCHES,
                               ctx.pp_rank)
     losses = forward_backward_pipelined(chunks, _batches(cfg), ctx, schedule, shape, torch.float32)
-    grads: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        for param in chunk.parameters():
-            spec = get_shard(param)
-            grad = param.grad
-            if getattr(param, "sequence_parallel_grad", False):
-                comm.all_reduce(grad, ctx.group("tp"))  # what the data-parallel optimizer does
-            if spec.global_name == TIED_EMBEDDING and cfg.model.tie_embeddings:
-                comm.all_reduce(grad, ctx.group("embedding"))  # tied copy on the last stage
-                if not spec.primary:
-                    continue
-            grads[spec.global_name] = gather_full(grad, spec, ctx.group("tp"))
+    params = parity.parameters(chunks)
+    # What the data-parallel optimizer does: sequence-parallel sums over tp, the tied copy on the last stage.
+    parity.reduce_grads(params, ctx, tied=cfg.model.tie_embeddings)
     # Collect every stage's gradients so each rank checks the whole model.
-    everything: list = [None] * ctx.pp_size
-    dist.all_gather_object(everything, grads, group=ctx.group("pp"))
-    merged: dict[str, torch.Tensor] = {}
-    for part in everything:
-        for name, grad in part.items():
-            assert name not in merged, f"{name} held by two stages"
-            merged[name] = grad
+    merged = parity.merge_stages(parity.gather_global(params, ctx), ctx.group("pp"), ctx.pp_size)
     losses_all: list = [None] * ctx.pp_size
     dist.all_gather_object(losses_all, [float(x) for x in losses], group=ctx.group("pp"))
     return losses_all[-1], merged
 
 
-def _run_cases(rank: int, world: int) -> dict:
-    torch.set_num_threads(1)
-    results = {}
-    for name, extra in CASES.items():
-        ref_losses, ref_grads = _reference(BASE + [o for o in extra if not o.startswith("parallel.")])
-        losses, grads = _pipelined(BASE + extra, rank, world)
-        problems = []
-        if len(losses) != len(ref_losses) or not torch.allclose(torch.tensor(losses), torch.tensor(ref_losses),
-                                                                 rtol=1e-5, atol=1e-6):
-            problems.append(f"losses {losses} != {ref_losses}")
-        if sorted(grads) != sorted(ref_grads):
-            problems.append(f"parameter sets differ: {sorted(set(grads) ^ set(ref_grads))}")
-        for pname, ref in ref_grads.items():
-            if pname in grads and not torch.allclose(grads[pname], ref, rtol=1e-4, atol=1e-5):
-                problems.append(f"{pname}: max err {(grads[pname] - ref).abs().max():.3e}")
-        results[name] = problems
-    return results
+def _case(extra: list[str], rank: int, world: int, shared: object) -> list[str]:
+    """The problems of one layout against the single-process run (empty when it matches)."""
+    ref_losses, ref_grads = _reference(parity.reference_overrides(BASE + extra))
+    losses, grads = _pipelined(BASE + extra, rank, world)
+    return (parity.loss_mismatch(losses, ref_losses, rtol=1e-5, atol=1e-6)
+            + parity.mismatches(grads, ref_grads, rtol=1e-4, atol=1e-5))
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_distributed(_run_cases, 4, timeout=300)
+def results() -> dict[str, Outcome]:
+    return run_scenarios({name: partial(_case, extra) for name, extra in CASES.items()}, 4, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_gpt_pipeline_matches_single_process(results: list[dict], name: str) -> None:
-    for rank, per_rank in enumerate(results):
-        assert per_rank[name] == [], f"rank {rank}: {per_rank[name]}"
+def test_gpt_pipeline_matches_single_process(results: dict[str, Outcome], name: str) -> None:
+    for rank, problems in enumerate(results[name].check()):
+        assert problems == [], f"rank {rank}: {problems}"

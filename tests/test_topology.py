@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import pytest
 
-from dist_utils import run_distributed
+from dist_utils import Outcome, run_scenarios
 from megascale.distributed.topology import LayoutError, ParallelContext, RankLayout, read_dist_env
 
 
@@ -63,7 +64,7 @@ def test_env_from_torchrun_and_slurm() -> None:
     assert read_dist_env({}).world_size == 1
 
 
-def _check_groups(rank: int, world: int, dims: dict) -> bool:
+def _check_groups(dims: dict, rank: int, world: int, shared: object) -> bool:
     import torch
     import torch.distributed as dist
 
@@ -81,12 +82,24 @@ def _check_groups(rank: int, world: int, dims: dict) -> bool:
     return True
 
 
-@pytest.mark.parametrize("world,dims", [(1, {}), (2, {"tp": 2}), (4, {"tp": 2, "pp": 2}),
-                                        (8, {"tp": 2, "pp": 2, "cp": 1}), (8, {"tp": 2, "cp": 2, "pp": 2}),
-                                        (4, {"pp": 4})])
-def test_real_process_groups(world: int, dims: dict) -> None:
+GROUP_CASES = [(1, {}), (2, {"tp": 2}), (4, {"tp": 2, "pp": 2}), (8, {"tp": 2, "pp": 2, "cp": 1}),
+               (8, {"tp": 2, "cp": 2, "pp": 2}), (4, {"pp": 4})]
+
+
+@pytest.fixture(scope="module")
+def group_checks() -> dict[str, Outcome]:
+    """One spawn per world size, running that world's layouts one after the other."""
+    outcomes: dict[str, Outcome] = {}
+    for world in sorted({w for w, _ in GROUP_CASES if w > 1}):
+        scenarios = {str(dims): partial(_check_groups, dims) for w, dims in GROUP_CASES if w == world}
+        outcomes.update({f"{world}:{name}": o for name, o in run_scenarios(scenarios, world).items()})
+    return outcomes
+
+
+@pytest.mark.parametrize("world,dims", GROUP_CASES)
+def test_real_process_groups(group_checks: dict[str, Outcome], world: int, dims: dict) -> None:
     if world == 1:
         ctx = ParallelContext(RankLayout(), rank=0)
         assert ctx.group("tp") is None and ctx.is_logging_rank
         return
-    assert all(run_distributed(_check_groups, world, dims))
+    assert all(group_checks[f"{world}:{dims}"].check())

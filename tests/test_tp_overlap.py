@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+import parity
 from dist_utils import run_distributed
 
 WORLD = 4
@@ -145,28 +146,21 @@ def _op_case(rank: int, tp: int, sp: bool, op: str, group: Any) -> dict[str, flo
 
 
 def _model_case(rank: int, variant: str, sp: bool, tokens: torch.Tensor) -> dict[str, float]:
-    from megascale.config import load_config
-    from megascale.distributed import comm
     from megascale.distributed.sharding import get_shard
     from megascale.distributed.topology import ParallelContext, RankLayout
-    from megascale.model import build_model
 
     ctx = ParallelContext(RankLayout(tp=2, dp=WORLD // 2), rank=rank)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     out = []
     for overlap in (False, True):
-        cfg = load_config(None, MODEL_BASE + MODEL_VARIANTS[variant]
-                          + [f"parallel.sequence_parallel={sp}", f"parallel.tp_overlap={overlap}"])
-        chunk = build_model(cfg, ctx)[0]
+        cfg = parity.make_config(MODEL_BASE + MODEL_VARIANTS[variant]
+                                 + [f"parallel.sequence_parallel={sp}", f"parallel.tp_overlap={overlap}"])
+        chunk = parity.build_chunks(cfg, ctx)[0]
         loss = chunk(None, batch)
         loss.backward()
-        grads = {}
-        for p in chunk.parameters():
-            grad = p.grad.clone()
-            if getattr(p, "sequence_parallel_grad", False):  # partial sums over sequence shards
-                comm.all_reduce(grad, ctx.group("tp"))
-            grads[get_shard(p).global_name] = grad
-        out.append((float(loss.detach()), grads))
+        params = list(chunk.parameters())
+        parity.reduce_grads(params, ctx)  # sequence-parallel grads are partial sums over sequence shards
+        out.append((float(loss.detach()), {get_shard(p).global_name: p.grad for p in params}))
     (loss_ref, grads_ref), (loss_got, grads_got) = out
     assert set(grads_ref) == set(grads_got)
     errors = {"loss": abs(loss_got - loss_ref) / (1.0 + abs(loss_ref))}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from parity import reference_overrides
 from train_utils import train
 
 
@@ -37,7 +38,7 @@ def test_loss_decreases_and_metrics_fields(tmp_path: Path) -> None:
 ])
 def test_layout_reproduces_single_process_curve(tmp_path: Path, layout: list[str], nproc: int) -> None:
     steps = ["train.steps=3"]
-    ref = _train(tmp_path / "ref", *steps, *[o for o in layout if o.startswith("train.")])
+    ref = _train(tmp_path / "ref", *steps, *reference_overrides(layout))
     got = _train(tmp_path / "par", *steps, *layout, nproc=nproc)
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * abs(a["loss"]), (a["loss"], b["loss"])
