@@ -28,9 +28,9 @@ import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

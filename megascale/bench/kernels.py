@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

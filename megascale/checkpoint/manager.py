@@ -24,17 +24,34 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megascale.checkpoint.format import (COMMIT_MARKER, EXTRA_FILE, LATEST_FILE, METADATA_FILE, CheckpointError,
-                                         PieceRecord, atomic_write_text, build_metadata, complete_checkpoints,
-                                         decode_extra, encode_extra, fsync_dir, is_complete, parse_step,
-                                         partial_dir_name, rank_file_name, read_json, step_dir_name)
+from megascale.checkpoint.format import (
+    COMMIT_MARKER,
+    EXTRA_FILE,
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    PieceRecord,
+    atomic_write_text,
+    build_metadata,
+    complete_checkpoints,
+    decode_extra,
+    encode_extra,
+    fsync_dir,
+    is_complete,
+    parse_step,
+    partial_dir_name,
+    rank_file_name,
+    read_json,
+    step_dir_name,
+)
 from megascale.checkpoint.planner import SavePlanner, json_all_gather, json_broadcast, json_gather
 from megascale.checkpoint.reader import load_metadata, load_shards
 from megascale.checkpoint.writer import HostBufferPool, check_shard, write_rank_file

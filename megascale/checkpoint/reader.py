@@ -22,8 +22,15 @@ from typing import BinaryIO, Optional
 
 import torch
 
-from megascale.checkpoint.format import (DTYPES, METADATA_FILE, CheckpointError, PieceRecord, checksum_function,
-                                         read_json, records_of)
+from megascale.checkpoint.format import (
+    DTYPES,
+    METADATA_FILE,
+    CheckpointError,
+    PieceRecord,
+    checksum_function,
+    read_json,
+    records_of,
+)
 from megascale.distributed.sharding import TensorShard
 from megascale.errors import UserError
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+
 from megascale.checkpoint.format import DEFAULT_CHECKSUM, PieceRecord, checksum_function, dtype_name, piece_numel
 from megascale.distributed.sharding import TensorShard
 from megascale.errors import UserError

@@ -10,8 +10,9 @@ order only on the seed, so the blend is fixed by (seed, data, weights) and, like
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol
 
 import numpy as np
 

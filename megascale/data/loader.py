@@ -214,7 +214,7 @@ class BatchIterator:
                  "labels": local[i * mb:(i + 1) * mb, 1:].contiguous()}
                 for i in range(self.num_microbatches)]
 
-    def __iter__(self) -> "BatchIterator":
+    def __iter__(self) -> BatchIterator:
         return self
 
     def __next__(self) -> list[dict[str, torch.Tensor]]:
@@ -234,14 +234,14 @@ class BatchIterator:
 # ----------------------------------------------------------------------------- building from config
 
 
-def demo_cache_dir(cfg: "Config") -> Path:
+def demo_cache_dir(cfg: Config) -> Path:
     """Where the demo corpus lives: data.cache_dir/demo, else ~/.cache/megascale/demo."""
     from megascale.data.demo import default_demo_dir
 
     return Path(cfg.data.cache_dir) / "demo" if cfg.data.cache_dir else default_demo_dir()
 
 
-def dataset_prefixes(cfg: "Config") -> tuple[list[str], Optional[list[float]]]:
+def dataset_prefixes(cfg: Config) -> tuple[list[str], Optional[list[float]]]:
     """Prefixes and weights from data.paths/weights, building the demo corpus when asked to."""
     prefixes, weights = parse_data_paths(cfg.data.paths, cfg.data.weights)
     if prefixes:
@@ -255,7 +255,7 @@ def dataset_prefixes(cfg: "Config") -> tuple[list[str], Optional[list[float]]]:
     return [prefix], None
 
 
-def sample_counts(cfg: "Config") -> tuple[int, int]:
+def sample_counts(cfg: Config) -> tuple[int, int]:
     """(train samples, validation samples) the run needs.
 
     Each evaluation reads train.eval_iters global batches from the start of the
@@ -266,7 +266,7 @@ def sample_counts(cfg: "Config") -> tuple[int, int]:
     return t.steps * t.global_batch_size, max(t.eval_iters, 1) * t.global_batch_size
 
 
-def build_datasets(cfg: "Config", num_samples: tuple[int, int, int]) -> list[Optional[SampleDataset]]:
+def build_datasets(cfg: Config, num_samples: tuple[int, int, int]) -> list[Optional[SampleDataset]]:
     """Train/valid/test datasets of the config (reads the data; no collectives)."""
     prefixes, weights = dataset_prefixes(cfg)
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else None
@@ -281,8 +281,8 @@ def _share_status(ok: bool, flags: list[int], src: int, group: Any, device: torc
     return [int(x) for x in status.tolist()]
 
 
-def build_data(cfg: "Config", ctx: "ParallelContext", consumed_samples: int = 0, *,
-               plan: Optional["RunPlan"] = None) -> tuple[BatchIterator, Optional[BatchIterator]]:
+def build_data(cfg: Config, ctx: ParallelContext, consumed_samples: int = 0, *,
+               plan: Optional[RunPlan] = None) -> tuple[BatchIterator, Optional[BatchIterator]]:
     """(train, valid) batch iterators of this rank; valid is None without validation documents.
 
     The batch split (global batch, micro-batch, dp) comes from the run plan; without one

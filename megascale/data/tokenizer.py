@@ -8,8 +8,9 @@ kept, so ``decode(encode(text)) == text`` for ordinary text and source code.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import Optional, Union
 
 from megascale.errors import UserError
 

@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -283,5 +284,14 @@ def timeout_record(record: RankRecord, ctx: ParallelContext, spec: CheckSpec, la
     return result
 
 
-__all__ = ["CheckSpec", "DoctorOptions", "plan_checks", "Deadline", "RankRecord", "new_record", "run_checks",
-           "timeout_record", "GROUP_CHECKS"]
+__all__ = [
+    "GROUP_CHECKS",
+    "CheckSpec",
+    "Deadline",
+    "DoctorOptions",
+    "RankRecord",
+    "new_record",
+    "plan_checks",
+    "run_checks",
+    "timeout_record",
+]

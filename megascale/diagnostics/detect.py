@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Hashable, Iterable, Mapping, Optional, TypeVar
+from typing import Optional, TypeVar
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -141,5 +142,14 @@ def suspect_ranks(findings: Iterable[Finding]) -> list[int]:
     return sorted(rank for rank, count in counts.items() if count == top)
 
 
-__all__ = ["Finding", "Measurement", "peers_median", "slow_outliers", "below_peak", "find_problems",
-           "suspect_ranks", "OK", "FAILED_STATUSES"]
+__all__ = [
+    "FAILED_STATUSES",
+    "OK",
+    "Finding",
+    "Measurement",
+    "below_peak",
+    "find_problems",
+    "peers_median",
+    "slow_outliers",
+    "suspect_ranks",
+]

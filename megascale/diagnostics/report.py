@@ -237,4 +237,4 @@ def write_json(report: dict, path: str | Path) -> None:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-__all__ = ["build_report", "format_table", "write_json", "rank_rows", "group_rows", "link_rows"]
+__all__ = ["build_report", "format_table", "group_rows", "link_rows", "rank_rows", "write_json"]

@@ -20,15 +20,23 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megascale.diagnostics.checks import (CheckSpec, Deadline, DoctorOptions, RankRecord, new_record, run_checks,
-                                          timeout_record)
+from megascale.diagnostics.checks import (
+    CheckSpec,
+    Deadline,
+    DoctorOptions,
+    RankRecord,
+    new_record,
+    run_checks,
+    timeout_record,
+)
 from megascale.diagnostics.report import build_report
 from megascale.distributed.topology import ParallelContext, RankLayout, read_dist_env
 
@@ -213,7 +221,7 @@ class FrozenRankReaper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="doctor-reaper", daemon=True)
 
-    def __enter__(self) -> "FrozenRankReaper":
+    def __enter__(self) -> FrozenRankReaper:
         self._thread.start()
         return self
 
@@ -282,5 +290,14 @@ def launch_local(worker_argv: list[str], nproc: int, options: DoctorOptions, req
                         exit_codes, frozen=reaper.killed)
 
 
-__all__ = ["LayoutRequest", "run_rank", "run_single", "launch_local", "read_records", "wait_for_records",
-           "STORE_ENV", "FrozenRankReaper", "beat_key"]
+__all__ = [
+    "STORE_ENV",
+    "FrozenRankReaper",
+    "LayoutRequest",
+    "beat_key",
+    "launch_local",
+    "read_records",
+    "run_rank",
+    "run_single",
+    "wait_for_records",
+]

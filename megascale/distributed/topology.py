@@ -14,9 +14,10 @@ per group (MegaScale measured 1,047 s -> under 5 s on 2,048 GPUs for this).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class RankLayout:
 
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                   dp: Optional[int] = None, order: str = DEFAULT_ORDER) -> "RankLayout":
+                   dp: Optional[int] = None, order: str = DEFAULT_ORDER) -> RankLayout:
         """Build a layout for world_size ranks, deriving dp when it is None."""
         model_parallel = tp * pp * cp
         if dp is None:
@@ -319,5 +320,14 @@ def build_context(tp: int = 1, pp: int = 1, cp: int = 1, dp: Optional[int] = Non
     return ParallelContext(layout, rank=rank, vpp=vpp, device=device)
 
 
-__all__ = ["RankLayout", "ParallelContext", "LayoutError", "init_process_group", "build_context",
-           "read_dist_env", "parse_order", "DEFAULT_ORDER", "GROUP_AXES"]
+__all__ = [
+    "DEFAULT_ORDER",
+    "GROUP_AXES",
+    "LayoutError",
+    "ParallelContext",
+    "RankLayout",
+    "build_context",
+    "init_process_group",
+    "parse_order",
+    "read_dist_env",
+]

@@ -33,7 +33,7 @@ def sources() -> list[Path]:
     return sorted(root.glob("*.cu")) + [root / "bindings.cpp"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(build_dir: Optional[str], verbose: bool) -> tuple[Optional[ModuleType], Optional[str]]:
     # Cached including failures, so a machine without nvcc pays for the
     # attempt once per process instead of once per op call.

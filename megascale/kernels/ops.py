@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -32,7 +33,7 @@ BACKENDS = ("auto", "cuda", "torch")
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _optional_attr(module: str, name: str) -> Optional[Callable]:
     """An attribute of an optional package, or None when it is not installed (or broken)."""
     try:

@@ -44,7 +44,7 @@ class ParamSlot:
     spec: ShardSpec
     start: int
     end: int
-    bucket: "Bucket"
+    bucket: Bucket
     no_decay: bool
 
 

@@ -26,8 +26,9 @@ its own buckets, so the gathers hide behind the next forward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn

@@ -14,14 +14,23 @@ ends of every pair of ranks, which NCCL needs to avoid deadlocks.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from megascale.distributed.pipeline.schedules import (
-    BACKWARD, FORWARD, FORWARD_ONLY, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, Action, build_schedule,
+    BACKWARD,
+    FORWARD,
+    FORWARD_ONLY,
+    RECV_BWD,
+    RECV_FWD,
+    SEND_BWD,
+    SEND_FWD,
+    Action,
+    build_schedule,
 )
 from megascale.distributed.topology import ParallelContext
 

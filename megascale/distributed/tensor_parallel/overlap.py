@@ -38,7 +38,8 @@ results match the non-overlapped path to float32 reduction-order noise
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist

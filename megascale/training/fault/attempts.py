@@ -53,7 +53,7 @@ class AttemptInfo:
     world_size: int
 
     @staticmethod
-    def from_env(rank: int, world_size: int, environ: Optional[dict[str, str]] = None) -> "AttemptInfo":
+    def from_env(rank: int, world_size: int, environ: Optional[dict[str, str]] = None) -> AttemptInfo:
         """Read the launch id (megascale launcher, else torchrun's run id) and TORCHELASTIC_RESTART_COUNT."""
         env = os.environ if environ is None else environ
         launch_id = env.get("MEGASCALE_LAUNCH_ID") or env.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]

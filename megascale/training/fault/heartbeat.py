@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterable, Optional, Protocol
+from typing import Optional, Protocol
 
 
 class HeartbeatBoard(Protocol):
@@ -68,7 +69,7 @@ class StoreBoard:
         self.prefix = prefix
 
     @classmethod
-    def connect(cls, host: str, port: int, attempt: int, timeout_s: float) -> "StoreBoard":
+    def connect(cls, host: str, port: int, attempt: int, timeout_s: float) -> StoreBoard:
         """A client connection to the TCPStore at host:port; `timeout_s` bounds every operation."""
         import torch.distributed as dist
 
@@ -114,4 +115,4 @@ def choose_board(kind: str, run_dir: Path, attempt: int, timeout_s: float,
     return FileBoard(Path(run_dir) / ".heartbeats" / str(attempt))
 
 
-__all__ = ["HeartbeatBoard", "FileBoard", "StoreBoard", "choose_board"]
+__all__ = ["FileBoard", "HeartbeatBoard", "StoreBoard", "choose_board"]

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from megascale.config import Config
-from megascale.training.fault.attempts import (EXIT_DONE, EXIT_PREEMPTED, AttemptInfo, AttemptRecorder)
+from megascale.training.fault.attempts import EXIT_DONE, EXIT_PREEMPTED, AttemptInfo, AttemptRecorder
 from megascale.training.fault.events import append_event
 from megascale.training.fault.preempt import PreemptionHandler
 from megascale.training.fault.worker import under_agent

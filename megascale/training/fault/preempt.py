@@ -24,7 +24,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -25,9 +25,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from megascale.distributed.topology import RankLayout
 from megascale.training.fault.events import append_event
@@ -103,7 +104,7 @@ class Watchdog:
         self._board_error: Optional[str] = None
 
     # ---------------------------------------------------------------------------- thread
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Publish the first heartbeat and start the thread."""
         self.publish()
         self._thread = threading.Thread(target=self._run, name=f"megascale-watchdog-{self.rank}", daemon=True)
@@ -307,4 +308,4 @@ def _where(rec: dict) -> str:
     return f"{phase}/{rec['collective']}" if rec.get("collective") else phase
 
 
-__all__ = ["Watchdog", "HangVerdict", "HANG_EXIT_CODE", "rank_label", "watched_ranks"]
+__all__ = ["HANG_EXIT_CODE", "HangVerdict", "Watchdog", "rank_label", "watched_ranks"]

@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
 
 PR_SET_PDEATHSIG = 1
 
