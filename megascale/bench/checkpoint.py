@@ -134,7 +134,7 @@ def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, o
     work = Path(workdir)
     model = _sim_model(total_gb)
     shards = rank_shards(model, SAVED, rank, _constant_value)
-    target = rank_shards(model, RESHARDED, rank, lambda n, s, o, l: torch.zeros(l))
+    target = rank_shards(model, RESHARDED, rank, lambda name, shape, offsets, lengths: torch.zeros(lengths))
     ctx = build_context(tp=2, dp=2)
     cfg = Config()
     cfg.checkpoint.keep_last = 0  # the benchmark deletes between saves itself (see _clean)

@@ -167,8 +167,9 @@ def main(argv: list[str]) -> int:
         out_file = os.path.join(tmp, "times.tsv")
         mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), out_file), nprocs=args.nproc, join=True)
         times: dict[str, Any] = {}
-        for line in open(out_file):
-            label, value = line.rstrip("\n").split("\t")
-            times[label] = float(value)
+        with open(out_file) as lines:
+            for line in lines:
+                label, value = line.rstrip("\n").split("\t")
+                times[label] = float(value)
     print(format_table(times, args, device))
     return 0

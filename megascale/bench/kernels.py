@@ -178,9 +178,8 @@ def run(device: str, dtype: torch.dtype, shapes: Shapes, only: Optional[list[str
         iters: int) -> tuple[float, list[Result]]:
     """Measure every case on every available backend; returns (copy GB/s, results)."""
     backends: list[tuple[str, object]] = []
-    if device.startswith("cuda"):
-        if try_load_extension() is not None:
-            backends.append(("csrc", get_ops("cuda")))
+    if device.startswith("cuda") and try_load_extension() is not None:
+        backends.append(("csrc", get_ops("cuda")))
     backends.append(("torch", get_ops("torch")))
     if compile_:
         backends.append(("compile", _CompiledOps()))

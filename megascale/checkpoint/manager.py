@@ -185,7 +185,7 @@ class CheckpointManager:
             try:
                 plan = self.planner.plan(shards)
                 self.pool.reserve([shards[i] for i in plan.write_indices])
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - warming the buffers is an optimisation: any failure only defers allocation to the first save
                 log.warning("rank %d: preparing the checkpoint host buffers failed (the first save will allocate "
                             "them): %s: %s", self.rank, type(err).__name__, err)
 
@@ -214,7 +214,7 @@ class CheckpointManager:
                 stream.synchronize()
             else:
                 pieces = self.pool.snapshot(to_write)
-        except Exception as err:  # nothing to write: report like a failed write, so `latest` stays put
+        except Exception as err:  # noqa: BLE001 - nothing to write: report like a failed write, so `latest` stays put
             done.set()
             pieces, stats["snapshot_error"] = [], f"rank {self.rank}: snapshot failed: {type(err).__name__}: {err}"
         else:
@@ -249,7 +249,7 @@ class CheckpointManager:
             extra_path = partial / EXTRA_FILE if self.rank == 0 else partial / "extra" / f"rank_{self.rank:05d}.json"
             extra_path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(extra_path, extra_json)
-        except Exception as err:  # reported to rank 0, which then refuses to commit
+        except Exception as err:  # noqa: BLE001 - reported to rank 0, which then refuses to commit
             error = f"rank {self.rank}: {type(err).__name__}: {err}"
         outcome: Optional[str] = None
         try:
@@ -259,7 +259,7 @@ class CheckpointManager:
                 assert reports is not None
                 outcome = self._commit(step, partial, reports)
             outcome = json_broadcast(outcome, self._group, self.world, self.rank)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any commit failure becomes the outcome every rank reports
             outcome = f"commit of step {step} failed: {type(err).__name__}: {err}"
         stats["total_s"] = time.perf_counter() - start
         stats["ok"] = outcome is None
@@ -300,7 +300,7 @@ class CheckpointManager:
                 self._pruner = threading.Thread(target=self._prune, args=(step,), name="checkpoint-prune",
                                                 daemon=True)
                 self._pruner.start()
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - returned to the caller as the commit's outcome
             return f"rank 0 commit: {type(err).__name__}: {err}"
         return None
 

@@ -164,7 +164,7 @@ def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
     with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="checksum") as sums:
         f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
         pending = []
-        for key, shard, stored in keyed:
+        for _key, _shard, stored in keyed:
             raw = _raw_bytes(stored)
             pending.append(sums.submit(checksum_fn, raw))
             for start in range(0, len(raw), _WRITE_CHUNK):  # bounded writes: no huge kernel copies at once

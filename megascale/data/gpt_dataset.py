@@ -58,7 +58,7 @@ def split_ranges(num_docs: int, split: str) -> list[tuple[int, int]]:
     cumulative = 0.0
     for fraction in fractions:
         cumulative += fraction
-        bounds.append(min(num_docs, int(round(cumulative * num_docs))))
+        bounds.append(min(num_docs, round(cumulative * num_docs)))
     bounds[-1] = num_docs
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 

@@ -80,7 +80,7 @@ class IndexedDatasetBuilder:
         self.bin_path, self.idx_path = data_file_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
-        self._bin = open(self._bin_tmp, "wb")
+        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - the builder appends across calls and closes it in finalize()
         self._sizes: list[int] = []
         self._max_id = np.iinfo(self.dtype).max
         self.num_tokens = 0

@@ -14,6 +14,7 @@ which stay on the main thread in program order.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from pathlib import Path
@@ -52,7 +53,7 @@ class _Prefetcher:
         while not self._stop.is_set():
             try:
                 item: Any = self._read(position)
-            except BaseException as err:  # handed to the main thread, which re-raises it
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread, which re-raises it
                 item = err
             while not self._stop.is_set():
                 try:
@@ -76,10 +77,8 @@ class _Prefetcher:
         """Stop the thread (it may be blocked on a full queue: drain it)."""
         self._stop.set()
         while self._thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
             self._thread.join(timeout=0.05)
 
 
@@ -225,10 +224,8 @@ class BatchIterator:
         self._stop_prefetch()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._stop_prefetch()
-        except Exception:
-            pass
 
 
 # ----------------------------------------------------------------------------- building from config
@@ -276,7 +273,7 @@ def build_datasets(cfg: Config, num_samples: tuple[int, int, int]) -> list[Optio
 
 def _share_status(ok: bool, flags: list[int], src: int, group: Any, device: torch.device) -> list[int]:
     """Broadcast [ok, *flags] from src over group; returns the received flags."""
-    status = torch.tensor([int(ok)] + flags, dtype=torch.int64, device=device)
+    status = torch.tensor([int(ok), *flags], dtype=torch.int64, device=device)
     dist.broadcast(status, src=src, group=group)
     return [int(x) for x in status.tolist()]
 
@@ -310,7 +307,7 @@ def build_data(cfg: Config, ctx: ParallelContext, consumed_samples: int = 0, *,
     if ctx.rank == 0:
         try:
             datasets = build_datasets(cfg, wanted)
-        except Exception as err:  # shared below so no rank waits forever on a failed builder
+        except Exception as err:  # noqa: BLE001 - shared below so no rank waits forever on a failed builder
             error = err
     if distributed:
         ok, = _share_status(error is None, [], 0, None, ctx.device)
@@ -321,7 +318,7 @@ def build_data(cfg: Config, ctx: ParallelContext, consumed_samples: int = 0, *,
     if is_source and ctx.rank != 0:
         try:
             datasets = build_datasets(cfg, wanted)  # from the cache rank 0 just wrote, where it is shared
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - shared below like rank 0's error
             error = err
     has_valid = datasets[1] is not None
     if group is not None:

@@ -14,6 +14,7 @@ the remaining checks are recorded as skipped rather than risked.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -141,10 +142,9 @@ class Deadline:
             now = time.monotonic()
             if self.heartbeat is not None and now - last_beat >= self.HEARTBEAT_S:
                 last_beat = now
-                try:
+                # A missed beat only makes this rank look frozen for a moment.
+                with contextlib.suppress(Exception):
                     self.heartbeat()
-                except Exception:  # a missed beat only makes this rank look frozen for a moment
-                    pass
             with self._lock:
                 expired = self._label if self._label and now - self._started > self.timeout_s else None
                 spec = self._spec
@@ -231,7 +231,7 @@ def run_checks(ctx: ParallelContext, options: DoctorOptions, record: RankRecord,
                 if serial or index == len(units) - 1:
                     in_barrier = True
                     _barrier(ctx, deadline, spec)
-        except Exception as err:  # any failure ends this rank's checks; the report names it
+        except Exception as err:  # noqa: BLE001 - any failure ends this rank's checks; the report names it
             # A barrier failure means some other rank did not arrive, not that this rank's measurement broke.
             failed = CheckSpec("barrier", spec.kind) if in_barrier else spec
             record.results.append(_result(failed, _my_members(spec, ctx), "error",

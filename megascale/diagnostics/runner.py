@@ -14,6 +14,7 @@ verdict survives a rank that later dies or hangs:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -187,7 +188,7 @@ def _on_timeout(ctx: ParallelContext, record: RankRecord, watch: Any, options: D
               f"reporting a timeout and leaving", file=sys.stderr)
         try:
             _publisher(watch)(timeout_record(record, ctx, spec, label))
-        except Exception as err:  # the report then shows this rank as not finished
+        except Exception as err:  # noqa: BLE001 - the report then shows this rank as not finished
             print(f"megascale doctor: rank {ctx.rank}: could not publish the timeout: {err}", file=sys.stderr)
         return finish() if finish is not None else 0
 
@@ -253,10 +254,8 @@ class FrozenRankReaper:
         print(f"megascale doctor: rank {rank} (pid {pid}) sent no heartbeat for {silent_s:.0f} s while the "
               f"others finished: ending it", file=sys.stderr)
         self.killed[rank] = silent_s
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def launch_local(worker_argv: list[str], nproc: int, options: DoctorOptions, request: LayoutRequest) -> dict:

@@ -169,7 +169,8 @@ def read_dist_env(environ: Optional[dict[str, str]] = None) -> DistEnv:
         local = int(env.get("SLURM_LOCALID", 0))
     else:
         rank, world, local = 0, 1, 0
-    addr = env.get("MASTER_ADDR") or _slurm_first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")) or "127.0.0.1"
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    addr = env.get("MASTER_ADDR") or _slurm_first_host(nodelist) or "127.0.0.1"
     port = int(env.get("MASTER_PORT", 29500))
     return DistEnv(rank, world, local, addr, port)
 

@@ -30,7 +30,7 @@ def csrc_dir() -> Path:
 def sources() -> list[Path]:
     """Every source compiled into the extension: kernel bodies first, then the bindings."""
     root = csrc_dir()
-    return sorted(root.glob("*.cu")) + [root / "bindings.cpp"]
+    return [*sorted(root.glob("*.cu")), root / "bindings.cpp"]
 
 
 @functools.cache

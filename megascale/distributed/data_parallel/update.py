@@ -100,7 +100,8 @@ class OptimizerState:
         seg_index, split, count = self._lamb_index
         sq = torch.zeros(count, 2, dtype=torch.float32, device=self.ctx.device)
         if masters:
-            pieces = torch.stack([piece_sq_norms(masters, self.ctx.device), piece_sq_norms(updates, self.ctx.device)], 1)
+            device = self.ctx.device
+            pieces = torch.stack([piece_sq_norms(masters, device), piece_sq_norms(updates, device)], 1)
             sq.index_add_(0, seg_index, pieces)
         dp_group = self.ctx.group("dp_cp")
         if self.sharded and dp_group is not None:

@@ -85,7 +85,7 @@ def resolve_schedule_name(name: str, vpp: int) -> str:
 
 def validate_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> None:
     """ConfigError unless schedule `name` can run pp ranks x vpp chunks over num_microbatches micro-batches."""
-    if name not in SCHEDULES + (FORWARD_ONLY,):
+    if name not in (*SCHEDULES, FORWARD_ONLY):
         raise ConfigError(f"parallel.pipeline_schedule={name!r} is not one of auto, {', '.join(SCHEDULES)}")
     if pp < 1 or vpp < 1:
         raise ConfigError(f"parallel.pp={pp} and parallel.vpp={vpp} must be >= 1")

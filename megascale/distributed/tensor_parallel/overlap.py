@@ -189,10 +189,10 @@ class _ColumnLinear(torch.autograd.Function):
             return _mm(x, weight.t())
         channel = _Channel(settings.group, x.device)
         x = x.contiguous()
-        total = x.new_empty((channel.size * x.shape[0],) + tuple(x.shape[1:]))
+        total = x.new_empty((channel.size * x.shape[0], *x.shape[1:]))
         x_chunks = list(total.chunk(channel.size, dim=0))
         x_chunks[channel.rank].copy_(x)
-        y = x.new_empty((total.shape[0],) + tuple(x.shape[1:-1]) + (weight.shape[0],))
+        y = x.new_empty((total.shape[0], *x.shape[1:-1], weight.shape[0]))
         y_chunks = y.chunk(channel.size, dim=0)
         weight_t = weight.t()
         _ring_all_gather(channel, x_chunks, lambda c, chunk: _mm(chunk, weight_t, out=y_chunks[c]))
@@ -242,7 +242,7 @@ class _RowLinear(torch.autograd.Function):
             _check_divisible(x.shape[0], channel.size, "row-parallel reduce-scatter")
             x_chunks = x.chunk(channel.size, dim=0)
             return _ring_reduce_scatter(channel, lambda c: _mm(x_chunks[c], weight_t))
-        y = x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
+        y = x.new_empty((*x.shape[:-1], weight.shape[0]))
         pending = []
         # Rows of y are independent: all-reduce piece i while piece i+1 is computed.
         for x_piece, y_piece in zip(x.chunk(channel.size, dim=0), y.chunk(channel.size, dim=0)):
@@ -264,7 +264,7 @@ class _RowLinear(torch.autograd.Function):
             dweight = _weight_grad(grad_y, x) if need_dw else None
             return dx, dweight, None
         channel = _Channel(settings.group, grad_y.device)
-        full = grad_y.new_empty((channel.size * grad_y.shape[0],) + tuple(grad_y.shape[1:]))
+        full = grad_y.new_empty((channel.size * grad_y.shape[0], *grad_y.shape[1:]))
         grad_chunks = list(full.chunk(channel.size, dim=0))
         grad_chunks[channel.rank].copy_(grad_y)
         dx = x.new_empty(x.shape) if need_dx else None

@@ -22,6 +22,7 @@ the run can report its effective training time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -116,10 +117,8 @@ class AttemptRecorder:
         record = dict(self.start_record, exit=kind, exit_time=time.time(), step=step)
         if error:
             record["error"] = error[:2000]
-        try:
+        with contextlib.suppress(OSError):  # an exit record is best effort: the run dir may be gone or full
             _write_json(self.rank_file, record)
-        except OSError:
-            pass  # an exit record is best effort: the run dir may be gone or full
 
     # ------------------------------------------------------------------ launch state
     def launch_state(self, useful_s_at_start: float) -> dict:

@@ -18,6 +18,7 @@ blocked in a collective, so only os._exit ends it, and the launcher restarts the
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -140,7 +141,7 @@ class Watchdog:
         self.seq += 1
         try:
             self.board.publish(self.rank, self.record())
-        except Exception as err:  # the store's host may be gone: that is the launcher's fault path, not a hang
+        except Exception as err:  # noqa: BLE001 - the store's host may be gone: that is the launcher's fault path, not a hang
             self._note_board_error(err)
 
     def _note_board_error(self, err: Exception) -> None:
@@ -154,7 +155,7 @@ class Watchdog:
         """Read peers' heartbeats and note which changed since the last read."""
         try:
             records = self.board.read(list(self.peers) if ranks is None else ranks)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - an unreachable store is the launcher's fault path, not a hang
             self._note_board_error(err)
             return
         for rank, rec in records.items():
@@ -246,7 +247,7 @@ class Watchdog:
             try:
                 if self.board.read([reporter]).get(reporter, {}).get("reported"):
                     return
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - an unreachable store is the launcher's fault path, not a hang
                 self._note_board_error(err)
             time.sleep(min(self.interval, 0.5))
         self.report(verdict)
@@ -278,10 +279,8 @@ class Watchdog:
         for rank in ranks:
             rec = self.peers[rank].record if rank in self.peers else None
             if rec and rec.get("host") == self.host and rec.get("pid"):
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(int(rec["pid"]), signal.SIGKILL)
-                except OSError:
-                    pass
 
     def write_dump(self, verdict: HangVerdict) -> Path:
         """``<run_dir>/hang/<attempt>/rank_<r>.txt``: this rank's phase, peers' view and all Python stacks."""
