@@ -7,8 +7,10 @@ without a traceback. Unknown keys suggest the nearest valid one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,7 +58,7 @@ def _f(default: Any, help: str, choices: Any = None, alias: Optional[str] = None
     if alias:
         meta["alias"] = alias
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        return field(default_factory=functools.partial(copy.copy, default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -130,8 +132,9 @@ class ParallelConfig:
     zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 distributed optimizer", ZeroStage)
     pipeline_schedule: PipelineScheduleName = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else 1f1b",
                                                  PipelineScheduleName)
-    pipeline_layers: Optional[list] = _f(None, "explicit layers per pipeline stage (per virtual stage with vpp), "
-                                                "or 'auto'")
+    # YAML gives a list (or null); code may also set the string 'auto'.
+    pipeline_layers: Union[list, str, None] = _f(None, "explicit layers per pipeline stage (per virtual stage "
+                                                        "with vpp), or 'auto'")
     grad_bucket_mb: float = _f(25.0, "gradient bucket size for the overlapped data-parallel reduction, MiB")
     overlap_grad_reduce: bool = _f(True, "start each bucket's reduction as soon as its gradients are ready")
     overlap_param_gather: bool = _f(True, "zero=1: all-gather updated params bucket by bucket under the next "
@@ -374,7 +377,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             raise _unknown_key(prefix + str(key), list(fields))
         f = fields[key]
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[f.name] = _build(hint, value, prefix + key + ".")
             continue
         kwargs[f.name] = _coerce(prefix + key, value, hint)

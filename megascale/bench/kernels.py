@@ -204,7 +204,7 @@ def format_table(copy_gbs: float, results: list[Result]) -> str:
     lines = [f"copy bandwidth (measured): {copy_gbs:.0f} GB/s",
              f"{'op':<30}{'backend':<9}{'fwd ms':>9}{'GB/s':>8}{'%copy':>7}{'fwd+bwd ms':>12}{'GB/s':>8}{'%copy':>7}"]
     for r in results:
-        if r.fwd_ms is None:
+        if r.fwd_ms is None or r.fwd_gbs is None or r.fwd_bwd_ms is None or r.fwd_bwd_gbs is None:
             lines.append(f"{r.op:<30}{r.backend:<9}  failed: {r.note}")
             continue
         lines.append(f"{r.op:<30}{r.backend:<9}{r.fwd_ms:>9.3f}{r.fwd_gbs:>8.1f}{100 * r.fwd_gbs / copy_gbs:>6.0f}%"

@@ -198,7 +198,8 @@ def from_hf(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.
         src, dst = _LAYER_PREFIX[arch].format(i), f"layers.{i}."
         out.update({dst + ours: _maybe_t(get(src + theirs), t) for ours, theirs, t in _LAYER_RENAMES[arch]})
         if arch == "llama":
-            out[dst + "attention.qkv.weight"] = merge_qkv(*(get(src + name) for name in _LLAMA_QKV), model)
+            q, k, v = (get(src + name) for name in _LLAMA_QKV)
+            out[dst + "attention.qkv.weight"] = merge_qkv(q, k, v, model)
             out[dst + "mlp.fc1.weight"] = torch.stack([get(src + "mlp.gate_proj.weight"),
                                                        get(src + "mlp.up_proj.weight")])
         else:

@@ -341,7 +341,7 @@ class CheckpointManager:
         # Rank 0 decides the candidates so every rank tries the same ones in the same order.
         candidates = json_broadcast(candidates, self._group, self.world, self.rank)
         mask = self._broadcast_mask(shards) if self._use_broadcast() and candidates else None
-        failures = []
+        failures: list[str] = []
         for cand in candidates:
             step_dir = Path(cand)
             start = time.perf_counter()

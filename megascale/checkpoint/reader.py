@@ -14,11 +14,12 @@ Every element of the request must be covered, or the load fails naming the tenso
 
 from __future__ import annotations
 
+import io
 import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import Optional
 
 import torch
 
@@ -52,7 +53,7 @@ class PieceReader:
     def __init__(self, step_dir: Path, verify: bool = True) -> None:
         self.step_dir = step_dir
         self.verify = verify
-        self._files: dict[str, BinaryIO] = {}
+        self._files: dict[str, io.BufferedReader] = {}
         self._last: Optional[tuple[str, str, torch.Tensor]] = None
         self._sums: Optional[ThreadPoolExecutor] = None
         self._pending: deque[tuple[Future, PieceRecord, torch.Tensor]] = deque()
@@ -85,7 +86,7 @@ class PieceReader:
             self._files[rec.file] = handle
         begin, end = rec.byte_range
         handle.seek(begin)
-        got = handle.readinto(memoryview(raw.numpy())) if raw.numel() else 0
+        got = handle.readinto(raw.numpy().data) if raw.numel() else 0
         if got != end - begin:
             raise CheckpointError(f"checkpoint file {path} is truncated: piece {rec.key} needs bytes "
                                   f"[{begin}, {end}) but only {got} could be read")
@@ -95,7 +96,7 @@ class PieceReader:
             if self._sums is None:
                 self._sums = ThreadPoolExecutor(1, thread_name_prefix="checksum")
             # the raw tensor stays referenced until checked, so its memory cannot be reused meanwhile
-            view = memoryview(raw.numpy()) if raw.numel() else memoryview(b"")
+            view = raw.numpy().data if raw.numel() else memoryview(b"")
             self._pending.append((self._sums.submit(fn, view), rec, raw))
             self._pending_bytes += raw.numel()
             while len(self._pending) > 1 and self._pending_bytes - raw.numel() > _VERIFY_AHEAD_BYTES:

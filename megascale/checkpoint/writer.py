@@ -126,7 +126,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],

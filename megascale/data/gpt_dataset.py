@@ -145,6 +145,7 @@ class IndexCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             for array, value in arrays.items():
                 path = self._path(name, key, array)
+                assert path is not None  # the directory was checked above
                 tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
                 np.save(tmp, value, allow_pickle=False)
                 os.replace(tmp, path)

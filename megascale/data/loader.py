@@ -101,10 +101,11 @@ class BatchIterator:
             raise UserError(f"train.global_batch_size={global_batch_size} must be divisible by "
                             f"dp {dp_size} * train.micro_batch_size {micro_batch_size}")
         self.is_source = group is None or rank == src_rank
-        if self.is_source and dataset is None:
-            raise ValueError("the source rank needs a dataset")
-        if self.is_source and len(dataset) < num_samples:
-            raise ValueError(f"dataset holds {len(dataset)} samples, {num_samples} requested")
+        if self.is_source:
+            if dataset is None:
+                raise ValueError("the source rank needs a dataset")
+            if len(dataset) < num_samples:
+                raise ValueError(f"dataset holds {len(dataset)} samples, {num_samples} requested")
         self.dataset = dataset if self.is_source else None
         self.num_samples = num_samples
         self.seq_length = seq_length
@@ -330,10 +331,10 @@ def build_data(cfg: Config, ctx: ParallelContext, consumed_samples: int = 0, *,
     if error is not None:
         raise error
 
-    common = dict(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
-                  micro_batch_size=plan.micro_batch_size, dp_rank=ctx.dp_rank, dp_size=plan.dp,
-                  src_rank=src_rank, group=group, rank=ctx.rank, device=ctx.device,
-                  prefetch=cfg.data.prefetch, vocab_size=cfg.model.vocab_size)
+    common: dict[str, Any] = dict(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
+                                  micro_batch_size=plan.micro_batch_size, dp_rank=ctx.dp_rank, dp_size=plan.dp,
+                                  src_rank=src_rank, group=group, rank=ctx.rank, device=ctx.device,
+                                  prefetch=cfg.data.prefetch, vocab_size=cfg.model.vocab_size)
     train = BatchIterator(datasets[0], num_samples=train_samples, consumed_samples=consumed_samples,
                           name="train", **common)
     valid = (BatchIterator(datasets[1], num_samples=valid_samples, cycle=True, name="valid", **common)

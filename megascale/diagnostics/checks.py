@@ -193,6 +193,7 @@ def _measure(spec: CheckSpec, ctx: ParallelContext, members: list[int], options:
     slowdown = options.slowdown(ctx.rank)
     if spec.name == "matmul":
         return measure.matmul_tflops(device, options.matmul_dim(device), iters, warmup, slowdown)
+    assert spec.kind is not None  # every check but matmul names its group kind
     group = ctx.group(spec.kind)
     if spec.name == "all_reduce":
         return measure.all_reduce_time(group, options.nbytes(device), device, iters, warmup, slowdown)

@@ -86,7 +86,7 @@ def slow_outliers(values: Mapping[Key, Optional[float]], threshold: float,
 
 def below_peak(tflops: Optional[float], peak: Optional[float], min_fraction: float) -> bool:
     """A device reaching less than ``min_fraction`` of its expected dense peak (unknown peak: never)."""
-    return tflops is not None and bool(peak) and tflops < min_fraction * float(peak)
+    return tflops is not None and peak is not None and peak > 0 and tflops < min_fraction * peak
 
 
 @dataclass

@@ -159,7 +159,7 @@ def build_report(layout: RankLayout, records: dict[int, Optional[dict]], thresho
                                       detail="published nothing" + (f"; exit code {code}" if code is not None else "")))
         elif not row["finished"]:
             primary.append(Finding(f"rank {rank}", "finish", "missing", (rank,), detail="stopped before the end"))
-        if rank in (frozen or {}):
+        if frozen and rank in frozen:
             primary.append(Finding(f"rank {rank}", "heartbeat", "timeout", (rank,),
                                    detail=f"no heartbeat for {frozen[rank]:.0f} s (stopped or frozen); ended"))
         code = (exit_codes or {}).get(rank)

@@ -248,7 +248,9 @@ class FrozenRankReaper:
                        and silent[rank] <= self.stale_s]
             if frozen and not waiting:
                 for rank in frozen:
-                    self._kill(rank, int(records[rank]["pid"]), silent[rank])
+                    record = records[rank]
+                    assert record is not None  # frozen ranks have published a record
+                    self._kill(rank, int(record["pid"]), silent[rank])
 
     def _kill(self, rank: int, pid: int, silent_s: float) -> None:
         print(f"megascale doctor: rank {rank} (pid {pid}) sent no heartbeat for {silent_s:.0f} s while the "

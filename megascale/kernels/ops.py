@@ -152,7 +152,7 @@ class KernelOps:
             return rotary.apply_rotary_cuda(ext, q, k, cos, sin)
         flash_rotary = self._third_party(q, "flash_attn.layers.rotary", "apply_rotary_emb")
         tables = rotary.cuda_tables(cos, sin, q.shape[0], q.shape[-1]) if flash_rotary is not None else None
-        if tables is not None:
+        if flash_rotary is not None and tables is not None:
             # flash-attn wants [b, s, heads, d] and tables in the input dtype.
             cos_t, sin_t = tables[0].to(q.dtype), tables[1].to(q.dtype)
             return (flash_rotary(q.transpose(0, 1), cos_t, sin_t).transpose(0, 1),

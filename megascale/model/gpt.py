@@ -86,6 +86,7 @@ class GPTChunk(nn.Module):
             batch = self.bc.sequence.shard_batch(batch)
         if self.first:
             hidden = self._embed(batch["tokens"])
+        assert hidden is not None  # every stage but the first receives its input
         rope = None
         if m.position == "rope":
             rope = rope_tables(self._positions(hidden), m.head_dim, m.rope_theta)

@@ -195,7 +195,8 @@ def _as_config(model_or_cfg: Union[Config, ModelConfig], layout: ModelLayout) ->
         cfg = copy.copy(model_or_cfg)
     parallel = copy.copy(cfg.parallel)
     parallel.tp, parallel.pp, parallel.vpp, parallel.cp = layout.tp, layout.pp, layout.vpp, 1
-    parallel.pipeline_layers = layout.pipeline_layers
+    layers = layout.pipeline_layers
+    parallel.pipeline_layers = layers if layers is None or isinstance(layers, str) else list(layers)
     parallel.sequence_parallel, parallel.tp_overlap = False, False
     cfg.parallel = parallel
     return cfg

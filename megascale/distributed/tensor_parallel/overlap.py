@@ -130,7 +130,7 @@ def _check_divisible(length: int, size: int, what: str) -> None:
 
 
 def _ring_all_gather(channel: _Channel, chunks: list[torch.Tensor],
-                     consume: Callable[[int, torch.Tensor], None]) -> None:
+                     consume: Callable[[int, torch.Tensor], object]) -> None:
     """Fill `chunks` (chunks[rank] already holds this rank's shard) around the ring.
 
     At step k this rank holds chunk (rank - k) mod tp: it forwards it to the next
@@ -169,6 +169,7 @@ def _ring_reduce_scatter(channel: _Channel, partial_of: Callable[[int], torch.Te
         if step == size - 1 and under_last_hop is not None:
             under_last_hop()
         if pending is not None:
+            assert incoming is not None  # set together with pending
             pending.wait()
             total += incoming
         pending = None

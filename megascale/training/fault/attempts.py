@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from megascale.training.fault.events import append_event
 
@@ -132,7 +132,7 @@ class AttemptRecorder:
             state = _read_json(path)
             if state is not None and state.get("launch_id") == self.info.launch_id:
                 return state
-        start = float(os.environ.get("MEGASCALE_LAUNCH_TIME") or self.start_record["start_time"])
+        start = float(os.environ.get("MEGASCALE_LAUNCH_TIME") or cast(float, self.start_record["start_time"]))
         state = {"launch_id": self.info.launch_id, "start_time": start, "useful_s_at_start": useful_s_at_start}
         if self.info.rank == 0 and self.info.attempt == 0:
             _write_json(path, state)

@@ -25,7 +25,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Optional
+from types import FrameType
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ class PreemptionHandler:
         self._at_boundary = threading.Event()
         self._finished = threading.Event()
         self._flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self._previous_handler = None
+        self._previous_handler: Union[Callable[[int, Optional[FrameType]], Any], int, None] = None
         self._previous_wakeup = -1
         self._sockets: Optional[tuple[socket.socket, socket.socket]] = None
 
