@@ -23,13 +23,14 @@ from typing import Any, Optional
 
 import torch
 
+from megascale.config import KernelBackend, choices_of
 from megascale.errors import UserError
 from megascale.kernels import bias_gelu, cross_entropy, norm, rotary, swiglu
 from megascale.kernels.build import KernelBuildError, load_extension, try_load_extension
 
 Tensor = torch.Tensor
 
-BACKENDS = ("auto", "cuda", "torch")
+BACKENDS = choices_of(KernelBackend)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -59,7 +60,7 @@ class KernelOps:
     reference for that call.
     """
 
-    def __init__(self, backend: str = "auto", build_dir: Optional[str] = None) -> None:
+    def __init__(self, backend: KernelBackend = "auto", build_dir: Optional[str] = None) -> None:
         if backend not in BACKENDS:
             raise UserError(f"kernels.backend={backend!r} is not one of {', '.join(BACKENDS)}; "
                             "use auto (fastest available), cuda (csrc kernels) or torch (reference)")
@@ -188,6 +189,6 @@ _OPS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "apply_rotar
         "vocab_parallel_cross_entropy")
 
 
-def get_ops(backend: str = "auto", build_dir: Optional[str] = None) -> KernelOps:
+def get_ops(backend: KernelBackend = "auto", build_dir: Optional[str] = None) -> KernelOps:
     """KernelOps for a backend name ("auto" | "cuda" | "torch"); raises UserError for others."""
     return KernelOps(backend, build_dir)

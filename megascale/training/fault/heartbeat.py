@@ -22,6 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Protocol
 
+from megascale.config import HeartbeatStore
+
 
 class HeartbeatBoard(Protocol):
     """Publish this rank's heartbeat record; read the latest records of other ranks."""
@@ -95,7 +97,7 @@ class StoreBoard:
         return found
 
 
-def choose_board(kind: str, run_dir: Path, attempt: int, timeout_s: float,
+def choose_board(kind: HeartbeatStore, run_dir: Path, attempt: int, timeout_s: float,
                  environ: Optional[dict[str, str]] = None) -> HeartbeatBoard:
     """The board for fault.heartbeat_store `kind` (auto|store|files).
 

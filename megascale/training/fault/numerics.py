@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
+from megascale.config import NanPolicy, choices_of
 from megascale.errors import UserError
 from megascale.training.fault.events import append_event
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from megascale.distributed.sharding import TensorShard
     from megascale.training.trainer import Trainer
 
-POLICIES = ("skip", "rollback", "stop")
+POLICIES = choices_of(NanPolicy)
 # Checkpoint commit errors caused by a non-finite state start with this tag.
 NONFINITE_TAG = "non-finite state"
 

@@ -31,13 +31,15 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megascale.config import PreemptSignal
+
 EXIT_STUCK = 143  # 128 + SIGTERM: what a rank killed by the agent's SIGTERM would have returned
 
 
 class PreemptionHandler:
     """Receives the preemption signal on any thread's behalf; `requested()` is the collective agreement."""
 
-    def __init__(self, signal_name: str, grace_s: float, device: torch.device, rank: int,
+    def __init__(self, signal_name: PreemptSignal, grace_s: float, device: torch.device, rank: int,
                  on_deadline: Optional[Callable[[str], None]] = None) -> None:
         self.signum = getattr(signal, signal_name)
         self.grace_s = grace_s
