@@ -225,8 +225,11 @@ class BatchIterator:
         self._stop_prefetch()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # A plain try (not contextlib.suppress): __del__ may run at interpreter shutdown, when module globals are gone.
+        try:  # noqa: SIM105
             self._stop_prefetch()
+        except Exception:  # noqa: BLE001 - a finalizer must never raise
+            pass
 
 
 # ----------------------------------------------------------------------------- building from config
