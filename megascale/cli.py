@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
 from typing import Optional
 
 from megascale.errors import UserError
@@ -31,7 +32,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def run_user_command(fn, argv: list[str]) -> int:
+def run_user_command(fn: Callable[[list[str]], Optional[int]], argv: list[str]) -> int:
     """Run fn(argv) and turn user errors into one clear line and exit code 2."""
     from megascale.config import ConfigError
 

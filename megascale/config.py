@@ -7,13 +7,15 @@ without a traceback. Unknown keys suggest the nearest valid one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -22,14 +24,41 @@ class ConfigError(ValueError):
     """A user error in the configuration: the message names the key and the fix."""
 
 
-def _f(default: Any, help: str, choices: Optional[tuple] = None, alias: Optional[str] = None) -> Any:
-    meta = {"help": help}
-    if choices:
-        meta["choices"] = choices
+# The values a choice field accepts. Each alias is the one source of its choices: the field is
+# annotated with it, `_coerce` validates against it, and code that takes the value uses it too.
+Norm = Literal["layernorm", "rmsnorm"]
+Activation = Literal["gelu", "swiglu"]
+Position = Literal["learned", "rope"]
+AttentionVariant = Literal["causal", "sliding_window"]
+CpMode = Literal["ulysses", "ring", "hybrid"]
+ZeroStage = Literal[0, 1]
+PipelineScheduleName = Literal["auto", "1f1b", "interleaved", "gpipe"]
+DtypeName = Literal["fp32", "bf16", "fp16"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+Recompute = Literal["none", "full", "selective"]
+OptimizerName = Literal["adamw", "lamb"]
+LrScheduleName = Literal["cosine", "linear", "constant", "wsd"]
+LogLevel = Literal["debug", "info", "warning"]
+KernelBackend = Literal["auto", "cuda", "torch"]
+NanPolicy = Literal["skip", "rollback", "stop"]
+PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2"]
+HeartbeatStore = Literal["auto", "store", "files"]
+
+
+def choices_of(literal: Any) -> tuple:
+    """The values of a `Literal[...]` alias, in declaration order."""
+    return typing.get_args(literal)
+
+
+def _f(default: Any, help: str, choices: Any = None, alias: Optional[str] = None) -> Any:
+    """A config field with its help text, its `Literal` choices (if any) and its YAML alias (if any)."""
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices_of(choices)
     if alias:
         meta["alias"] = alias
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        return field(default_factory=functools.partial(copy.copy, default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -43,14 +72,15 @@ class ModelConfig:
     num_kv_heads: Optional[int] = _f(None, "key/value heads for grouped-query attention; null = num_heads (MHA)")
     ffn_hidden_size: Optional[int] = _f(None, "MLP width; null = 4h for gelu, 8h/3 rounded up to 64 for swiglu")
     vocab_size: int = _f(50257, "tokenizer vocabulary size (padded internally, see vocab_pad_multiple)")
-    vocab_pad_multiple: int = _f(128, "embedding rows are padded to a multiple of this; must be divisible by parallel.tp")
+    vocab_pad_multiple: int = _f(128, "embedding rows are padded to a multiple of this; must be divisible by "
+                                      "parallel.tp")
     seq_length: int = _f(1024, "training sequence length in tokens")
-    norm: str = _f("layernorm", "normalisation layer", ("layernorm", "rmsnorm"))
+    norm: Norm = _f("layernorm", "normalisation layer", Norm)
     norm_eps: float = _f(1e-5, "epsilon of the norm layers")
-    activation: str = _f("gelu", "MLP activation", ("gelu", "swiglu"))
-    position: str = _f("learned", "position encoding", ("learned", "rope"))
+    activation: Activation = _f("gelu", "MLP activation", Activation)
+    position: Position = _f("learned", "position encoding", Position)
     rope_theta: float = _f(10000.0, "RoPE base frequency")
-    attention: str = _f("causal", "attention variant", ("causal", "sliding_window"))
+    attention: AttentionVariant = _f("causal", "attention variant", AttentionVariant)
     window_size: int = _f(0, "sliding-window width in tokens (attention=sliding_window)")
     parallel_block: bool = _f(False, "PaLM parallel block: y = x + attn(ln(x)) + mlp(ln(x))")
     bias: bool = _f(True, "biases in linear layers and norms")
@@ -97,15 +127,18 @@ class ParallelConfig:
     order: str = _f("tp-cp-dp-pp", "rank order, fastest-varying axis first")
     sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")
     tp_overlap: bool = _f(False, "chunk and pipeline tp all-gather/reduce-scatter with the GEMMs")
-    cp_mode: str = _f("ulysses", "context-parallel algorithm", ("ulysses", "ring", "hybrid"))
+    cp_mode: CpMode = _f("ulysses", "context-parallel algorithm", CpMode)
     ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring)")
-    zero: int = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 distributed optimizer", (0, 1))
-    pipeline_schedule: str = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else 1f1b",
-                                ("auto", "1f1b", "interleaved", "gpipe"))
-    pipeline_layers: Optional[list] = _f(None, "explicit layers per pipeline stage (per virtual stage with vpp), or 'auto'")
+    zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 distributed optimizer", ZeroStage)
+    pipeline_schedule: PipelineScheduleName = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else 1f1b",
+                                                 PipelineScheduleName)
+    # YAML gives a list (or null); code may also set the string 'auto'.
+    pipeline_layers: Union[list, str, None] = _f(None, "explicit layers per pipeline stage (per virtual stage "
+                                                        "with vpp), or 'auto'")
     grad_bucket_mb: float = _f(25.0, "gradient bucket size for the overlapped data-parallel reduction, MiB")
     overlap_grad_reduce: bool = _f(True, "start each bucket's reduction as soon as its gradients are ready")
-    overlap_param_gather: bool = _f(True, "zero=1: all-gather updated params bucket by bucket under the next forward")
+    overlap_param_gather: bool = _f(True, "zero=1: all-gather updated params bucket by bucket under the next "
+                                          "forward")
 
 
 @dataclass
@@ -116,12 +149,12 @@ class TrainConfig:
     seed: int = _f(1234, "seed for weights, data order and dropout")
     global_batch_size: int = _f(8, "sequences per optimizer step over all data-parallel ranks")
     micro_batch_size: int = _f(1, "sequences per forward pass per rank")
-    dtype: str = _f("fp32", "compute precision", ("fp32", "bf16", "fp16"))
-    device: str = _f("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
+    dtype: DtypeName = _f("fp32", "compute precision", DtypeName)
+    device: DeviceName = _f("auto", "auto picks cuda when available", DeviceName)
     output_dir: str = _f("runs/default", "run directory (config.yaml, metrics.jsonl, checkpoints/)")
     eval_interval: int = _f(0, "steps between validation-loss evaluations; 0 = never")
     eval_iters: int = _f(2, "global batches per validation evaluation (the same samples every time)")
-    recompute: str = _f("none", "activation recomputation", ("none", "full", "selective"))
+    recompute: Recompute = _f("none", "activation recomputation", Recompute)
     recompute_layers: Optional[int] = _f(None, "recompute only the first k layers of each stage; null = all")
     compile: bool = _f(False, "torch.compile each transformer block")
     peak_tflops: Optional[float] = _f(None, "device dense peak TFLOP/s for MFU when the device is not in the table")
@@ -132,7 +165,7 @@ class TrainConfig:
 class OptimConfig:
     """Optimizer, schedule and clipping."""
 
-    name: str = _f("adamw", "optimizer", ("adamw", "lamb"))
+    name: OptimizerName = _f("adamw", "optimizer", OptimizerName)
     lr: float = _f(3e-4, "peak learning rate")
     min_lr: float = _f(3e-5, "final learning rate of the decay")
     weight_decay: float = _f(0.1, "decoupled weight decay (norms and biases excluded)")
@@ -140,7 +173,7 @@ class OptimConfig:
     beta2: float = _f(0.95, "second-moment decay")
     eps: float = _f(1e-8, "denominator epsilon")
     grad_clip: float = _f(1.0, "global gradient-norm clip; 0 = off")
-    schedule: str = _f("cosine", "lr schedule after warmup", ("cosine", "linear", "constant", "wsd"))
+    schedule: LrScheduleName = _f("cosine", "lr schedule after warmup", LrScheduleName)
     warmup_steps: int = _f(10, "linear warmup steps")
     decay_steps: Optional[int] = _f(None, "steps of the decay phase; null = train.steps - warmup")
     wsd_decay_fraction: float = _f(0.1, "wsd: fraction of the run spent in the final decay")
@@ -180,7 +213,7 @@ class LogConfig:
 
     interval: int = _f(1, "steps between log lines and metrics records")
     tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
-    level: str = _f("info", "log level", ("debug", "info", "warning"))
+    level: LogLevel = _f("info", "log level", LogLevel)
     timers: bool = _f(True, "per-phase timers in metrics (forward, backward, optimizer, comm)")
 
 
@@ -188,7 +221,7 @@ class LogConfig:
 class KernelsConfig:
     """Which implementation serves the fused ops."""
 
-    backend: str = _f("auto", "auto prefers csrc CUDA, then TE/apex/flash-attn, then torch", ("auto", "cuda", "torch"))
+    backend: KernelBackend = _f("auto", "auto prefers csrc CUDA, then TE/apex/flash-attn, then torch", KernelBackend)
     build_dir: Optional[str] = _f(None, "where the csrc CUDA extension is JIT-built and cached; null = torch's default "
                                          "extensions dir (~/.cache/torch_extensions)")
 
@@ -197,29 +230,32 @@ class KernelsConfig:
 class FaultConfig:
     """Fault tolerance: hang timeouts, numerical guards, preemption and fault injection."""
 
-    startup_timeout_s: float = _f(600.0, "seconds a rank may take from launch to its first step before it counts as hung")
+    startup_timeout_s: float = _f(600.0, "seconds a rank may take from launch to its first step before it counts "
+                                         "as hung")
     step_timeout_s: float = _f(300.0, "seconds one training step may take before the watchdog declares a hang")
     checkpoint_timeout_s: float = _f(900.0, "seconds a checkpoint save or load may block before it counts as hung")
     heartbeat_s: float = _f(5.0, "seconds between watchdog heartbeats")
-    nan_policy: str = _f("stop", "on a NaN/Inf loss or gradient norm, or a loss spike: skip the update, "
-                                 "rollback to the last checkpoint and skip the batch, or stop", ("skip", "rollback", "stop"))
+    nan_policy: NanPolicy = _f("stop", "on a NaN/Inf loss or gradient norm, or a loss spike: skip the update, "
+                                       "rollback to the last checkpoint and skip the batch, or stop", NanPolicy)
     spike_zscore: float = _f(0.0, "a loss more than this many standard deviations above the recent window "
                                   "counts as a spike; 0 = off")
     spike_window: int = _f(50, "steps in the loss window the spike z-score is measured against")
     max_rollbacks: int = _f(3, "rollbacks allowed in one run before the nan policy gives up and stops")
     max_consecutive_skips: int = _f(10, "nan_policy=skip: faulty steps in a row after which the weights count "
                                         "as broken and training stops; 0 = never")
-    preempt_signal: str = _f("SIGTERM", "signal that asks for a checkpoint and a clean exit (Slurm --signal sends "
-                                         "SIGUSR1)", ("SIGTERM", "SIGUSR1", "SIGUSR2"))
-    preempt_grace_s: float = _f(60.0, "seconds after the preemption signal in which a final checkpoint may be written")
+    preempt_signal: PreemptSignal = _f("SIGTERM", "signal that asks for a checkpoint and a clean exit (Slurm --signal "
+                                                   "sends SIGUSR1)", PreemptSignal)
+    preempt_grace_s: float = _f(60.0, "seconds after the preemption signal in which a final checkpoint may be "
+                                      "written")
     inject: Optional[str] = _f(None, "fault injection for tests and drills, e.g. 'kill:rank=1:step=5' "
                                      "(see docs/reliability.md); also read from MEGASCALE_FAULT")
     watchdog: bool = _f(True, "run the per-rank hang watchdog thread (heartbeats, phase timeouts, stack dumps)")
-    heartbeat_store: str = _f("auto", "where heartbeats go: the launcher's c10d store, files in "
-                                      "<output_dir>/.heartbeats, or auto (the store when the elastic agent hosts it, "
-                                      "else files)", ("auto", "store", "files"))
+    heartbeat_store: HeartbeatStore = _f("auto", "where heartbeats go: the launcher's c10d store, files in "
+                                                 "<output_dir>/.heartbeats, or auto (the store when the elastic "
+                                                 "agent hosts it, else files)", HeartbeatStore)
     collective_timeout_s: float = _f(0.0, "process-group timeout for one collective; 0 = the longest phase timeout "
-                                          "plus 60 s, so the watchdog names the hung rank before a collective times out")
+                                          "plus 60 s, so the watchdog names the hung rank before a collective "
+                                          "times out")
 
 
 @dataclass
@@ -279,6 +315,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return _coerce(key, value, inner[0])
     if annotation is Any:
         return value
+    if origin is Literal:
+        return _coerce_choice(key, value, args)
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -316,11 +354,21 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+def _coerce_choice(key: str, value: Any, choices: tuple) -> Any:
+    """Convert value to the type of a `Literal` field's choices, then check it is one of them."""
+    kinds = {type(choice) for choice in choices}
+    value = _coerce(key, value, kinds.pop()) if len(kinds) == 1 else value
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"section '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {type(data).__name__}")
+        section = prefix.rstrip(".") or "top level"
+        raise ConfigError(f"section '{section}' must be a mapping, got {type(data).__name__}")
     fields = _fields_by_yaml_name(cls)
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -329,14 +377,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             raise _unknown_key(prefix + str(key), list(fields))
         f = fields[key]
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[f.name] = _build(hint, value, prefix + key + ".")
             continue
-        value = _coerce(prefix + key, value, hint)
-        choices = f.metadata.get("choices")
-        if choices and value not in choices:
-            raise ConfigError(f"{prefix}{key}={value!r} is not one of {', '.join(map(str, choices))}")
-        kwargs[f.name] = value
+        kwargs[f.name] = _coerce(prefix + key, value, hint)
     return cls(**kwargs)
 
 
@@ -378,13 +422,15 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found; pass --config with an existing YAML file (see configs/)")
+            raise ConfigError(f"config file '{path}' not found; pass --config with an existing YAML file "
+                              "(see configs/)")
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"config file '{path}' is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+            problem = getattr(err, "problem", err)
+            raise ConfigError(f"config file '{path}' is not valid YAML{where}: {problem}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections (model:, train:, ...)")
         data = loaded or {}

@@ -50,12 +50,6 @@ def report() -> list[tuple[str, str]]:
                          ("apex", "apex.normalization"), ("triton", "triton"), ("tensorboard", "tensorboard"),
                          ("transformers", "transformers")):
         rows.append((name, "installed" if _has(module) else "not installed (optional)"))
-    try:
-        from megascale.kernels import describe_backends
-
-        rows.append(("kernels", describe_backends()))
-    except ImportError:
-        pass
     return rows
 
 

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from megascale.config import Config, load_config
 from megascale.errors import UserError
 
+if TYPE_CHECKING:  # imported where used: `megascale generate --help` stays fast
+    from megascale.data.tokenizer import Tokenizer
+    from megascale.model.gpt import GPTChunk
 
-def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None, device: str = "cpu"):
+
+def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None,
+                             device: str = "cpu") -> tuple[Config, GPTChunk, int]:
     """Build the run's model with tp=pp=1 and load the newest complete checkpoint into it (resharded)."""
     from megascale.checkpoint.manager import CheckpointManager
     from megascale.distributed.sharding import param_shard
@@ -37,7 +42,7 @@ def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None, d
     return cfg, chunk, int(extra.get("step", 0))
 
 
-def resolve_tokenizer(cfg: Config):
+def resolve_tokenizer(cfg: Config) -> Tokenizer:
     """The run's SentencePiece tokenizer (the demo corpus's when the run used data.demo)."""
     from megascale.data.tokenizer import load_tokenizer
 
@@ -53,7 +58,7 @@ def resolve_tokenizer(cfg: Config):
 
 
 @torch.no_grad()
-def sample(chunk, prompt_ids: list[int], max_new_tokens: int, top_k: int, temperature: float,
+def sample(chunk: GPTChunk, prompt_ids: list[int], max_new_tokens: int, top_k: int, temperature: float,
            seq_length: int, seed: int) -> list[int]:
     """Greedy (top_k=0) or top-k sampling; the context is cut to the model's sequence length."""
     gen = torch.Generator().manual_seed(seed)

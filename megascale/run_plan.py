@@ -20,9 +20,9 @@ errors surface as soon as the file is read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 import torch
 
@@ -329,5 +329,17 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
     )
 
 
-__all__ = ["RunPlan", "Precision", "PRECISIONS", "DTYPES", "precision_of", "resolve_plan", "check_layout",
-           "check_context_parallel", "check_order", "data_parallel_size", "microbatches_per_step", "NO_PIPELINE"]
+__all__ = [
+    "DTYPES",
+    "NO_PIPELINE",
+    "PRECISIONS",
+    "Precision",
+    "RunPlan",
+    "check_context_parallel",
+    "check_layout",
+    "check_order",
+    "data_parallel_size",
+    "microbatches_per_step",
+    "precision_of",
+    "resolve_plan",
+]

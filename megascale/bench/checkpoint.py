@@ -28,9 +28,11 @@ import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -134,7 +136,7 @@ def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, o
     work = Path(workdir)
     model = _sim_model(total_gb)
     shards = rank_shards(model, SAVED, rank, _constant_value)
-    target = rank_shards(model, RESHARDED, rank, lambda n, s, o, l: torch.zeros(l))
+    target = rank_shards(model, RESHARDED, rank, lambda name, shape, offsets, lengths: torch.zeros(lengths))
     ctx = build_context(tp=2, dp=2)
     cfg = Config()
     cfg.checkpoint.keep_last = 0  # the benchmark deletes between saves itself (see _clean)
@@ -202,7 +204,7 @@ def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, o
         future = dcp.async_save(state, checkpoint_id=str(work / "dcp_async"))
         call = time.perf_counter() - begin  # DCP stages (copies) the state inside the call
         step_time = _train_step(step_work)
-        future.result()
+        cast(Future, future).result()  # without an async stager DCP returns a plain Future
         total = time.perf_counter() - begin
         # Reductions only after DCP's background thread is done with the default group.
         record("dcp_async_blocking_s", call)

@@ -29,12 +29,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from megascale.config import Config
+from megascale.config import Config, ZeroStage
 from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, set_shard
 from megascale.distributed.topology import ParallelContext, RankLayout
 
-VARIANTS = [  # (label, zero, use dp group, overlap_grad_reduce, overlap_param_gather)
+# (label, zero, use dp group, overlap_grad_reduce, overlap_param_gather)
+VARIANTS: list[tuple[str, ZeroStage, bool, bool, bool]] = [
     ("zero0 no comm", 0, False, True, True),
     ("zero0 no overlap", 0, True, False, False),
     ("zero0 overlap", 0, True, True, True),
@@ -59,7 +60,7 @@ def build_stack(hidden: int, layers: int, device: torch.device) -> nn.Sequential
 class Variant:
     """One configuration under test: its own model copy, optimizer and inputs."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, device: torch.device, zero: int, use_dp: bool,
+    def __init__(self, args: argparse.Namespace, rank: int, device: torch.device, zero: ZeroStage, use_dp: bool,
                  overlap_grad: bool, overlap_gather: bool) -> None:
         layout = RankLayout(dp=args.nproc) if use_dp else RankLayout()
         ctx = ParallelContext(layout, rank=rank if use_dp else 0, device=device)
@@ -105,7 +106,8 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=args.nproc)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    variants = {label: Variant(args, rank, device, *rest) for label, *rest in VARIANTS}
+    variants = {label: Variant(args, rank, device, zero, use_dp, overlap_grad, overlap_gather)
+                for label, zero, use_dp, overlap_grad, overlap_gather in VARIANTS}
     samples: dict[str, list[float]] = {label: [] for label in variants}
     # Interleave the variants block by block so drifting machine load hits them all alike.
     for round_index in range(args.warmup + args.rounds):
@@ -167,8 +169,9 @@ def main(argv: list[str]) -> int:
         out_file = os.path.join(tmp, "times.tsv")
         mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), out_file), nprocs=args.nproc, join=True)
         times: dict[str, Any] = {}
-        for line in open(out_file):
-            label, value = line.rstrip("\n").split("\t")
-            times[label] = float(value)
+        with open(out_file) as lines:
+            for line in lines:
+                label, value = line.rstrip("\n").split("\t")
+                times[label] = float(value)
     print(format_table(times, args, device))
     return 0

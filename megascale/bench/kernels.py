@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -177,9 +178,8 @@ def run(device: str, dtype: torch.dtype, shapes: Shapes, only: Optional[list[str
         iters: int) -> tuple[float, list[Result]]:
     """Measure every case on every available backend; returns (copy GB/s, results)."""
     backends: list[tuple[str, object]] = []
-    if device.startswith("cuda"):
-        if try_load_extension() is not None:
-            backends.append(("csrc", get_ops("cuda")))
+    if device.startswith("cuda") and try_load_extension() is not None:
+        backends.append(("csrc", get_ops("cuda")))
     backends.append(("torch", get_ops("torch")))
     if compile_:
         backends.append(("compile", _CompiledOps()))
@@ -204,7 +204,7 @@ def format_table(copy_gbs: float, results: list[Result]) -> str:
     lines = [f"copy bandwidth (measured): {copy_gbs:.0f} GB/s",
              f"{'op':<30}{'backend':<9}{'fwd ms':>9}{'GB/s':>8}{'%copy':>7}{'fwd+bwd ms':>12}{'GB/s':>8}{'%copy':>7}"]
     for r in results:
-        if r.fwd_ms is None:
+        if r.fwd_ms is None or r.fwd_gbs is None or r.fwd_bwd_ms is None or r.fwd_bwd_gbs is None:
             lines.append(f"{r.op:<30}{r.backend:<9}  failed: {r.note}")
             continue
         lines.append(f"{r.op:<30}{r.backend:<9}{r.fwd_ms:>9.3f}{r.fwd_gbs:>8.1f}{100 * r.fwd_gbs / copy_gbs:>6.0f}%"

@@ -30,7 +30,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,13 +44,13 @@ class _Sleep(torch.autograd.Function):
     """Identity whose forward and backward take fixed wall time: schedule timing immune to CPU contention."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, t_fwd: float, t_bwd: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, t_fwd: float, t_bwd: float) -> torch.Tensor:
         ctx.t_bwd = t_bwd
         time.sleep(t_fwd)
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         time.sleep(ctx.t_bwd)
         return grad.clone(), None, None
 
@@ -66,6 +66,7 @@ class SleepChunk(nn.Module):
     def forward(self, hidden: Optional[torch.Tensor], batch: dict) -> torch.Tensor:
         if self.first:
             hidden = batch["x"]
+        assert hidden is not None  # every stage but the first receives its input
         hidden = _Sleep.apply(hidden * self.scale, self.t_fwd, self.t_bwd)
         return hidden.square().mean() if self.last else hidden
 
@@ -83,6 +84,7 @@ class MatmulChunk(nn.Module):
     def forward(self, hidden: Optional[torch.Tensor], batch: dict) -> torch.Tensor:
         if self.first:
             hidden = batch["x"]
+        assert hidden is not None  # every stage but the first receives its input
         for weight in self.weights:
             hidden = torch.tanh(hidden @ weight)
         return hidden.square().mean() if self.last else hidden
@@ -128,7 +130,7 @@ def _worker(rank: int, pp: int, init_file: str, args: dict, out_file: str) -> No
         if args["sleep_ms"]:
             # Per rank the same total time whatever v: each chunk takes 1/v of it; backward = 2x forward.
             t_fwd = args["sleep_ms"] / 1000.0 / v
-            chunks = [SleepChunk(t_fwd, 2 * t_fwd, first, last) for first, last in ends]
+            chunks: list[nn.Module] = [SleepChunk(t_fwd, 2 * t_fwd, first, last) for first, last in ends]
         else:
             chunks = [MatmulChunk(per_chunk, args["hidden"], first, last, seed=c * pp + rank)
                       for c, (first, last) in enumerate(ends)]

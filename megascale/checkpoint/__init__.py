@@ -6,4 +6,4 @@
 from megascale.checkpoint.format import CheckpointError
 from megascale.checkpoint.manager import CheckpointManager, resolve_checkpoint
 
-__all__ = ["CheckpointManager", "CheckpointError", "resolve_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointManager", "resolve_checkpoint"]

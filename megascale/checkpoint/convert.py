@@ -81,7 +81,7 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     state: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safetensors.safe_open has keys() but is not iterable
                 state[key] = f.get_tensor(key)
     return state, json.loads(config_path.read_text())
 

@@ -25,9 +25,10 @@ import os
 import re
 import struct
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 

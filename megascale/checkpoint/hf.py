@@ -119,7 +119,8 @@ def to_hf(state: dict[str, torch.Tensor], model: ModelConfig, arch: str) -> tupl
         if arch == "llama":
             out.update({dst + name: t for name, t in zip(_LLAMA_QKV, (q, k, v))})
             fc1 = get(src + "mlp.fc1.weight")
-            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = fc1[0].contiguous(), fc1[1].contiguous()
+            out[dst + "mlp.gate_proj.weight"] = fc1[0].contiguous()
+            out[dst + "mlp.up_proj.weight"] = fc1[1].contiguous()
         else:
             qb, kb, vb = split_qkv(get(src + "attention.qkv.bias"), model)
             out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t().contiguous()
@@ -197,7 +198,8 @@ def from_hf(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.
         src, dst = _LAYER_PREFIX[arch].format(i), f"layers.{i}."
         out.update({dst + ours: _maybe_t(get(src + theirs), t) for ours, theirs, t in _LAYER_RENAMES[arch]})
         if arch == "llama":
-            out[dst + "attention.qkv.weight"] = merge_qkv(*(get(src + name) for name in _LLAMA_QKV), model)
+            q, k, v = (get(src + name) for name in _LLAMA_QKV)
+            out[dst + "attention.qkv.weight"] = merge_qkv(q, k, v, model)
             out[dst + "mlp.fc1.weight"] = torch.stack([get(src + "mlp.gate_proj.weight"),
                                                        get(src + "mlp.up_proj.weight")])
         else:
@@ -243,7 +245,7 @@ def rename_coverage(model: ModelConfig, arch: str) -> list[str]:
     try:
         back = from_hf(theirs, model)
     except UserError as err:
-        return problems + [f"from_hf: {err}"]
+        return [*problems, f"from_hf: {err}"]
     problems += [f"HF tensor {name} maps to no parameter" for name in sorted(set(hf) - theirs.read)]
     problems += [f"from_hf makes {name}, which the model does not have" for name in sorted(set(back) - set(shapes))]
     problems += [f"from_hf does not make parameter {name}" for name in sorted(set(shapes) - set(back))]

@@ -24,17 +24,34 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megascale.checkpoint.format import (COMMIT_MARKER, EXTRA_FILE, LATEST_FILE, METADATA_FILE, CheckpointError,
-                                         PieceRecord, atomic_write_text, build_metadata, complete_checkpoints,
-                                         decode_extra, encode_extra, fsync_dir, is_complete, parse_step,
-                                         partial_dir_name, rank_file_name, read_json, step_dir_name)
+from megascale.checkpoint.format import (
+    COMMIT_MARKER,
+    EXTRA_FILE,
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    PieceRecord,
+    atomic_write_text,
+    build_metadata,
+    complete_checkpoints,
+    decode_extra,
+    encode_extra,
+    fsync_dir,
+    is_complete,
+    parse_step,
+    partial_dir_name,
+    rank_file_name,
+    read_json,
+    step_dir_name,
+)
 from megascale.checkpoint.planner import SavePlanner, json_all_gather, json_broadcast, json_gather
 from megascale.checkpoint.reader import load_metadata, load_shards
 from megascale.checkpoint.writer import HostBufferPool, check_shard, write_rank_file
@@ -168,7 +185,7 @@ class CheckpointManager:
             try:
                 plan = self.planner.plan(shards)
                 self.pool.reserve([shards[i] for i in plan.write_indices])
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - warming the buffers is an optimisation: any failure only defers allocation to the first save
                 log.warning("rank %d: preparing the checkpoint host buffers failed (the first save will allocate "
                             "them): %s: %s", self.rank, type(err).__name__, err)
 
@@ -197,7 +214,7 @@ class CheckpointManager:
                 stream.synchronize()
             else:
                 pieces = self.pool.snapshot(to_write)
-        except Exception as err:  # nothing to write: report like a failed write, so `latest` stays put
+        except Exception as err:  # noqa: BLE001 - nothing to write: report like a failed write, so `latest` stays put
             done.set()
             pieces, stats["snapshot_error"] = [], f"rank {self.rank}: snapshot failed: {type(err).__name__}: {err}"
         else:
@@ -232,7 +249,7 @@ class CheckpointManager:
             extra_path = partial / EXTRA_FILE if self.rank == 0 else partial / "extra" / f"rank_{self.rank:05d}.json"
             extra_path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(extra_path, extra_json)
-        except Exception as err:  # reported to rank 0, which then refuses to commit
+        except Exception as err:  # noqa: BLE001 - reported to rank 0, which then refuses to commit
             error = f"rank {self.rank}: {type(err).__name__}: {err}"
         outcome: Optional[str] = None
         try:
@@ -242,7 +259,7 @@ class CheckpointManager:
                 assert reports is not None
                 outcome = self._commit(step, partial, reports)
             outcome = json_broadcast(outcome, self._group, self.world, self.rank)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any commit failure becomes the outcome every rank reports
             outcome = f"commit of step {step} failed: {type(err).__name__}: {err}"
         stats["total_s"] = time.perf_counter() - start
         stats["ok"] = outcome is None
@@ -283,7 +300,7 @@ class CheckpointManager:
                 self._pruner = threading.Thread(target=self._prune, args=(step,), name="checkpoint-prune",
                                                 daemon=True)
                 self._pruner.start()
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - returned to the caller as the commit's outcome
             return f"rank 0 commit: {type(err).__name__}: {err}"
         return None
 
@@ -324,7 +341,7 @@ class CheckpointManager:
         # Rank 0 decides the candidates so every rank tries the same ones in the same order.
         candidates = json_broadcast(candidates, self._group, self.world, self.rank)
         mask = self._broadcast_mask(shards) if self._use_broadcast() and candidates else None
-        failures = []
+        failures: list[str] = []
         for cand in candidates:
             step_dir = Path(cand)
             start = time.perf_counter()

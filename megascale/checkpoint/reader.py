@@ -14,16 +14,24 @@ Every element of the request must be covered, or the load fails naming the tenso
 
 from __future__ import annotations
 
+import io
 import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import Optional
 
 import torch
 
-from megascale.checkpoint.format import (DTYPES, METADATA_FILE, CheckpointError, PieceRecord, checksum_function,
-                                         read_json, records_of)
+from megascale.checkpoint.format import (
+    DTYPES,
+    METADATA_FILE,
+    CheckpointError,
+    PieceRecord,
+    checksum_function,
+    read_json,
+    records_of,
+)
 from megascale.distributed.sharding import TensorShard
 from megascale.errors import UserError
 
@@ -45,7 +53,7 @@ class PieceReader:
     def __init__(self, step_dir: Path, verify: bool = True) -> None:
         self.step_dir = step_dir
         self.verify = verify
-        self._files: dict[str, BinaryIO] = {}
+        self._files: dict[str, io.BufferedReader] = {}
         self._last: Optional[tuple[str, str, torch.Tensor]] = None
         self._sums: Optional[ThreadPoolExecutor] = None
         self._pending: deque[tuple[Future, PieceRecord, torch.Tensor]] = deque()
@@ -72,13 +80,13 @@ class PieceReader:
         handle = self._files.get(rec.file)
         if handle is None:
             try:
-                handle = open(path, "rb")
+                handle = open(path, "rb")  # noqa: SIM115 - cached per file for many ranged reads, closed by close()
             except FileNotFoundError:
                 raise CheckpointError(f"checkpoint file {path} is missing") from None
             self._files[rec.file] = handle
         begin, end = rec.byte_range
         handle.seek(begin)
-        got = handle.readinto(memoryview(raw.numpy())) if raw.numel() else 0
+        got = handle.readinto(raw.numpy().data) if raw.numel() else 0
         if got != end - begin:
             raise CheckpointError(f"checkpoint file {path} is truncated: piece {rec.key} needs bytes "
                                   f"[{begin}, {end}) but only {got} could be read")
@@ -88,7 +96,7 @@ class PieceReader:
             if self._sums is None:
                 self._sums = ThreadPoolExecutor(1, thread_name_prefix="checksum")
             # the raw tensor stays referenced until checked, so its memory cannot be reused meanwhile
-            view = memoryview(raw.numpy()) if raw.numel() else memoryview(b"")
+            view = raw.numpy().data if raw.numel() else memoryview(b"")
             self._pending.append((self._sums.submit(fn, view), rec, raw))
             self._pending_bytes += raw.numel()
             while len(self._pending) > 1 and self._pending_bytes - raw.numel() > _VERIFY_AHEAD_BYTES:
@@ -142,14 +150,14 @@ def _copy_indexed(dest_flat: torch.Tensor, src_flat: torch.Tensor, lo: list[int]
                   s_off: list[int], s_shape: list[int], s_flat: tuple[int, int]) -> int:
     """General case: copy the elements of box [lo, hi) present in both flat ranges; returns their count."""
     r_strides, s_strides = _strides(r_shape), _strides(s_shape)
-    inner = math.prod(h - l for l, h in zip(lo[1:], hi[1:])) if len(lo) > 1 else 1
+    inner = math.prod(h - low for low, h in zip(lo[1:], hi[1:])) if len(lo) > 1 else 1
     rows = max(1, _CHUNK_ELEMENTS // max(inner, 1))
     filled = 0
     for start in range(lo[0], hi[0], rows):
         stop = min(hi[0], start + rows)
         idx_r = torch.zeros((), dtype=torch.int64)
         idx_s = torch.zeros((), dtype=torch.int64)
-        bounds = [(start, stop)] + list(zip(lo[1:], hi[1:]))
+        bounds = [(start, stop), *list(zip(lo[1:], hi[1:]))]
         for dim, (a, b) in enumerate(bounds):
             coord = torch.arange(a, b, dtype=torch.int64)
             view = [1] * len(bounds)
@@ -222,7 +230,8 @@ def _copy_runs(dest_flat: torch.Tensor, src_flat: torch.Tensor, lo: list[int], h
         t0 = max(0, r_flat[0] - r0, s_flat[0] - s0)
         t1 = min(length, r_flat[1] - r0, s_flat[1] - s0)
         if t0 < t1:
-            dest_flat[r0 + t0 - r_flat[0]: r0 + t1 - r_flat[0]].copy_(src_flat[s0 + t0 - s_flat[0]: s0 + t1 - s_flat[0]])
+            dest_piece = dest_flat[r0 + t0 - r_flat[0]: r0 + t1 - r_flat[0]]
+            dest_piece.copy_(src_flat[s0 + t0 - s_flat[0]: s0 + t1 - s_flat[0]])
             filled += t1 - t0
     return filled
 
@@ -254,7 +263,7 @@ def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceRe
             s_off, s_shape = list(rec.offsets), list(rec.lengths)
             lo = [max(a, b) for a, b in zip(r_off, s_off)]
             hi = [min(a + n, b + m) for a, n, b, m in zip(r_off, r_shape, s_off, s_shape)]
-            if any(l >= h for l, h in zip(lo, hi)):
+            if any(low >= h for low, h in zip(lo, hi)):
                 continue
             s_flat = _flat_interval(rec.flat_range, s_shape)
             if s_flat[0] >= s_flat[1]:
@@ -268,10 +277,10 @@ def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceRe
                 continue
             src = reader.read(rec)
             if request.flat_range is None and rec.flat_range is None:
-                box_r = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, r_off))
-                box_s = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s_off))
+                box_r = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, r_off))
+                box_s = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, s_off))
                 dest.view(r_shape)[box_r].copy_(src[box_s])
-                filled += math.prod(h - l for l, h in zip(lo, hi))
+                filled += math.prod(h - low for low, h in zip(lo, hi))
             elif r_off == s_off and r_shape == s_shape:
                 a, b = max(r_flat[0], s_flat[0]), min(r_flat[1], s_flat[1])
                 if a < b:

@@ -12,8 +12,9 @@ slices straight through tensors the way Megatron's distributed optimizer does.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -45,7 +46,7 @@ class SimLayout:
     stage_layers: Optional[tuple[int, ...]] = None
 
     @classmethod
-    def from_plan(cls, plan: RunPlan) -> "SimLayout":
+    def from_plan(cls, plan: RunPlan) -> SimLayout:
         """The layout of a real run, with exactly the plan's (uniform, explicit or auto) layer split."""
         if plan.order != DEFAULT_ORDER:
             raise ValueError(f"the simulator places ranks in the default order {DEFAULT_ORDER!r}, "
@@ -84,7 +85,7 @@ class SimModel:
                            vocab_pad_multiple=1, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
                            tie_embeddings=True)
 
-    def table(self, layout: "SimLayout") -> ParamTable:
+    def table(self, layout: SimLayout) -> ParamTable:
         """The parameter table of this model under layout (the layout's stage split taken as given)."""
         counts = tuple(len(ids) for ids in stage_layer_ids(layout, self.num_layers))
         return param_table(self.model_config(),

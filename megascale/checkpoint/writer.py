@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+
 from megascale.checkpoint.format import DEFAULT_CHECKSUM, PieceRecord, checksum_function, dtype_name, piece_numel
 from megascale.distributed.sharding import TensorShard
 from megascale.errors import UserError
@@ -124,7 +126,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
@@ -162,7 +164,7 @@ def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
     with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="checksum") as sums:
         f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
         pending = []
-        for key, shard, stored in keyed:
+        for _key, _shard, stored in keyed:
             raw = _raw_bytes(stored)
             pending.append(sums.submit(checksum_fn, raw))
             for start in range(0, len(raw), _WRITE_CHUNK):  # bounded writes: no huge kernel copies at once

@@ -10,8 +10,9 @@ order only on the seed, so the blend is fixed by (seed, data, weights) and, like
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol
 
 import numpy as np
 
@@ -117,6 +118,11 @@ def parse_data_paths(paths: Sequence, weights: Optional[Sequence] = None) -> tup
     return items, None
 
 
+def _index_cache_dir(ds: IndexedDataset, cache_dir: Optional[Path]) -> Path:
+    """Where the sample indices of `ds` are cached: `cache_dir`, else `index_cache/` beside the data."""
+    return cache_dir if cache_dir is not None else Path(ds.prefix).resolve().parent / "index_cache"
+
+
 def build_split_datasets(prefixes: Sequence[str], weights: Optional[Sequence[float]], split: str, seq_length: int,
                          seed: int, num_samples: Sequence[int],
                          cache_dir: Optional[Path] = None) -> list[Optional[SampleDataset]]:
@@ -146,19 +152,15 @@ def build_split_datasets(prefixes: Sequence[str], weights: Optional[Sequence[flo
         if not parts:
             out.append(None)
             continue
-        where = cache_dir
-
-        def directory(ds: IndexedDataset) -> Path:
-            return where if where is not None else Path(ds.prefix).resolve().parent / "index_cache"
-
         if len(parts) == 1:
             ds, doc_range = parts[0]
-            out.append(GPTDataset(ds, doc_range, seq_length, wanted, seed, directory(ds), name))
+            out.append(GPTDataset(ds, doc_range, seq_length, wanted, seed, _index_cache_dir(ds, cache_dir), name))
             continue
         needed = samples_needed(part_weights, wanted)
-        members = [GPTDataset(ds, doc_range, seq_length, n, seed, directory(ds), name)
+        members = [GPTDataset(ds, doc_range, seq_length, n, seed, _index_cache_dir(ds, cache_dir), name)
                    for (ds, doc_range), n in zip(parts, needed)]
         description = {"members": [[ds.prefix, len(ds), ds.num_tokens, list(r)] for ds, r in parts],
                        "seed": seed, "seq_length": seq_length, "split": name}
-        out.append(BlendedDataset(members, part_weights, wanted, directory(parts[0][0]), description))
+        blend_dir = _index_cache_dir(parts[0][0], cache_dir)
+        out.append(BlendedDataset(members, part_weights, wanted, blend_dir, description))
     return out

@@ -40,7 +40,7 @@ def default_demo_dir() -> Path:
 def stdlib_files(root: Optional[Path] = None, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
     """The demo's source files: stdlib .py files in sorted path order, up to max_bytes in total."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    found = []
+    found: list[Path] = []
     for directory, subdirs, names in os.walk(root):
         # prune in place: site-packages alone can be gigabytes
         subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS]

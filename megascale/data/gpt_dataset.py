@@ -22,8 +22,9 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -57,7 +58,7 @@ def split_ranges(num_docs: int, split: str) -> list[tuple[int, int]]:
     cumulative = 0.0
     for fraction in fractions:
         cumulative += fraction
-        bounds.append(min(num_docs, int(round(cumulative * num_docs))))
+        bounds.append(min(num_docs, round(cumulative * num_docs)))
     bounds[-1] = num_docs
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
@@ -144,6 +145,7 @@ class IndexCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             for array, value in arrays.items():
                 path = self._path(name, key, array)
+                assert path is not None  # the directory was checked above
                 tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
                 np.save(tmp, value, allow_pickle=False)
                 os.replace(tmp, path)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union, cast
 
 import numpy as np
 
@@ -80,9 +80,10 @@ class IndexedDatasetBuilder:
         self.bin_path, self.idx_path = data_file_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
-        self._bin = open(self._bin_tmp, "wb")
+        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - the builder appends across calls and closes it in finalize()
         self._sizes: list[int] = []
-        self._max_id = np.iinfo(self.dtype).max
+        # cast: numpy's stubs cannot see that the dtype was checked to be an integer one above.
+        self._max_id = int(np.iinfo(cast(Any, self.dtype)).max)
         self.num_tokens = 0
 
     def add_document(self, ids: Union[list[int], np.ndarray]) -> None:

@@ -14,6 +14,7 @@ which stay on the main thread in program order.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from pathlib import Path
@@ -52,7 +53,7 @@ class _Prefetcher:
         while not self._stop.is_set():
             try:
                 item: Any = self._read(position)
-            except BaseException as err:  # handed to the main thread, which re-raises it
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread, which re-raises it
                 item = err
             while not self._stop.is_set():
                 try:
@@ -76,10 +77,8 @@ class _Prefetcher:
         """Stop the thread (it may be blocked on a full queue: drain it)."""
         self._stop.set()
         while self._thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
             self._thread.join(timeout=0.05)
 
 
@@ -102,10 +101,11 @@ class BatchIterator:
             raise UserError(f"train.global_batch_size={global_batch_size} must be divisible by "
                             f"dp {dp_size} * train.micro_batch_size {micro_batch_size}")
         self.is_source = group is None or rank == src_rank
-        if self.is_source and dataset is None:
-            raise ValueError("the source rank needs a dataset")
-        if self.is_source and len(dataset) < num_samples:
-            raise ValueError(f"dataset holds {len(dataset)} samples, {num_samples} requested")
+        if self.is_source:
+            if dataset is None:
+                raise ValueError("the source rank needs a dataset")
+            if len(dataset) < num_samples:
+                raise ValueError(f"dataset holds {len(dataset)} samples, {num_samples} requested")
         self.dataset = dataset if self.is_source else None
         self.num_samples = num_samples
         self.seq_length = seq_length
@@ -214,7 +214,7 @@ class BatchIterator:
                  "labels": local[i * mb:(i + 1) * mb, 1:].contiguous()}
                 for i in range(self.num_microbatches)]
 
-    def __iter__(self) -> "BatchIterator":
+    def __iter__(self) -> BatchIterator:
         return self
 
     def __next__(self) -> list[dict[str, torch.Tensor]]:
@@ -225,23 +225,24 @@ class BatchIterator:
         self._stop_prefetch()
 
     def __del__(self) -> None:
-        try:
+        # A plain try (not contextlib.suppress): __del__ may run at interpreter shutdown, when module globals are gone.
+        try:  # noqa: SIM105
             self._stop_prefetch()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer must never raise
             pass
 
 
 # ----------------------------------------------------------------------------- building from config
 
 
-def demo_cache_dir(cfg: "Config") -> Path:
+def demo_cache_dir(cfg: Config) -> Path:
     """Where the demo corpus lives: data.cache_dir/demo, else ~/.cache/megascale/demo."""
     from megascale.data.demo import default_demo_dir
 
     return Path(cfg.data.cache_dir) / "demo" if cfg.data.cache_dir else default_demo_dir()
 
 
-def dataset_prefixes(cfg: "Config") -> tuple[list[str], Optional[list[float]]]:
+def dataset_prefixes(cfg: Config) -> tuple[list[str], Optional[list[float]]]:
     """Prefixes and weights from data.paths/weights, building the demo corpus when asked to."""
     prefixes, weights = parse_data_paths(cfg.data.paths, cfg.data.weights)
     if prefixes:
@@ -255,7 +256,7 @@ def dataset_prefixes(cfg: "Config") -> tuple[list[str], Optional[list[float]]]:
     return [prefix], None
 
 
-def sample_counts(cfg: "Config") -> tuple[int, int]:
+def sample_counts(cfg: Config) -> tuple[int, int]:
     """(train samples, validation samples) the run needs.
 
     Each evaluation reads train.eval_iters global batches from the start of the
@@ -266,7 +267,7 @@ def sample_counts(cfg: "Config") -> tuple[int, int]:
     return t.steps * t.global_batch_size, max(t.eval_iters, 1) * t.global_batch_size
 
 
-def build_datasets(cfg: "Config", num_samples: tuple[int, int, int]) -> list[Optional[SampleDataset]]:
+def build_datasets(cfg: Config, num_samples: tuple[int, int, int]) -> list[Optional[SampleDataset]]:
     """Train/valid/test datasets of the config (reads the data; no collectives)."""
     prefixes, weights = dataset_prefixes(cfg)
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else None
@@ -276,13 +277,13 @@ def build_datasets(cfg: "Config", num_samples: tuple[int, int, int]) -> list[Opt
 
 def _share_status(ok: bool, flags: list[int], src: int, group: Any, device: torch.device) -> list[int]:
     """Broadcast [ok, *flags] from src over group; returns the received flags."""
-    status = torch.tensor([int(ok)] + flags, dtype=torch.int64, device=device)
+    status = torch.tensor([int(ok), *flags], dtype=torch.int64, device=device)
     dist.broadcast(status, src=src, group=group)
     return [int(x) for x in status.tolist()]
 
 
-def build_data(cfg: "Config", ctx: "ParallelContext", consumed_samples: int = 0, *,
-               plan: Optional["RunPlan"] = None) -> tuple[BatchIterator, Optional[BatchIterator]]:
+def build_data(cfg: Config, ctx: ParallelContext, consumed_samples: int = 0, *,
+               plan: Optional[RunPlan] = None) -> tuple[BatchIterator, Optional[BatchIterator]]:
     """(train, valid) batch iterators of this rank; valid is None without validation documents.
 
     The batch split (global batch, micro-batch, dp) comes from the run plan; without one
@@ -310,7 +311,7 @@ def build_data(cfg: "Config", ctx: "ParallelContext", consumed_samples: int = 0,
     if ctx.rank == 0:
         try:
             datasets = build_datasets(cfg, wanted)
-        except Exception as err:  # shared below so no rank waits forever on a failed builder
+        except Exception as err:  # noqa: BLE001 - shared below so no rank waits forever on a failed builder
             error = err
     if distributed:
         ok, = _share_status(error is None, [], 0, None, ctx.device)
@@ -321,7 +322,7 @@ def build_data(cfg: "Config", ctx: "ParallelContext", consumed_samples: int = 0,
     if is_source and ctx.rank != 0:
         try:
             datasets = build_datasets(cfg, wanted)  # from the cache rank 0 just wrote, where it is shared
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - shared below like rank 0's error
             error = err
     has_valid = datasets[1] is not None
     if group is not None:
@@ -333,10 +334,10 @@ def build_data(cfg: "Config", ctx: "ParallelContext", consumed_samples: int = 0,
     if error is not None:
         raise error
 
-    common = dict(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
-                  micro_batch_size=plan.micro_batch_size, dp_rank=ctx.dp_rank, dp_size=plan.dp,
-                  src_rank=src_rank, group=group, rank=ctx.rank, device=ctx.device,
-                  prefetch=cfg.data.prefetch, vocab_size=cfg.model.vocab_size)
+    common: dict[str, Any] = dict(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
+                                  micro_batch_size=plan.micro_batch_size, dp_rank=ctx.dp_rank, dp_size=plan.dp,
+                                  src_rank=src_rank, group=group, rank=ctx.rank, device=ctx.device,
+                                  prefetch=cfg.data.prefetch, vocab_size=cfg.model.vocab_size)
     train = BatchIterator(datasets[0], num_samples=train_samples, consumed_samples=consumed_samples,
                           name="train", **common)
     valid = (BatchIterator(datasets[1], num_samples=valid_samples, cycle=True, name="valid", **common)

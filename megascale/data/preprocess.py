@@ -17,9 +17,10 @@ import multiprocessing
 import sys
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, TextIO
+from typing import Optional, TextIO
 
 import numpy as np
 

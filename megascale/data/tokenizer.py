@@ -8,15 +8,17 @@ kept, so ``decode(encode(text)) == text`` for ordinary text and source code.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from types import ModuleType
+from typing import Optional, Union
 
 from megascale.errors import UserError
 
 PathLike = Union[str, Path]
 
 
-def _sentencepiece():
+def _sentencepiece() -> ModuleType:
     try:
         import sentencepiece
     except ImportError:  # pragma: no cover - it is a declared dependency
@@ -74,7 +76,7 @@ class Tokenizer:
         return {"model_proto": self._model_proto, "path": self.path}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["model_proto"], state["path"])
+        Tokenizer.__init__(self, state["model_proto"], state["path"])
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"

@@ -14,14 +14,16 @@ the remaining checks are recorded as skipped rather than risked.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -140,10 +142,9 @@ class Deadline:
             now = time.monotonic()
             if self.heartbeat is not None and now - last_beat >= self.HEARTBEAT_S:
                 last_beat = now
-                try:
+                # A missed beat only makes this rank look frozen for a moment.
+                with contextlib.suppress(Exception):
                     self.heartbeat()
-                except Exception:  # a missed beat only makes this rank look frozen for a moment
-                    pass
             with self._lock:
                 expired = self._label if self._label and now - self._started > self.timeout_s else None
                 spec = self._spec
@@ -192,6 +193,7 @@ def _measure(spec: CheckSpec, ctx: ParallelContext, members: list[int], options:
     slowdown = options.slowdown(ctx.rank)
     if spec.name == "matmul":
         return measure.matmul_tflops(device, options.matmul_dim(device), iters, warmup, slowdown)
+    assert spec.kind is not None  # every check but matmul names its group kind
     group = ctx.group(spec.kind)
     if spec.name == "all_reduce":
         return measure.all_reduce_time(group, options.nbytes(device), device, iters, warmup, slowdown)
@@ -230,7 +232,7 @@ def run_checks(ctx: ParallelContext, options: DoctorOptions, record: RankRecord,
                 if serial or index == len(units) - 1:
                     in_barrier = True
                     _barrier(ctx, deadline, spec)
-        except Exception as err:  # any failure ends this rank's checks; the report names it
+        except Exception as err:  # noqa: BLE001 - any failure ends this rank's checks; the report names it
             # A barrier failure means some other rank did not arrive, not that this rank's measurement broke.
             failed = CheckSpec("barrier", spec.kind) if in_barrier else spec
             record.results.append(_result(failed, _my_members(spec, ctx), "error",
@@ -283,5 +285,14 @@ def timeout_record(record: RankRecord, ctx: ParallelContext, spec: CheckSpec, la
     return result
 
 
-__all__ = ["CheckSpec", "DoctorOptions", "plan_checks", "Deadline", "RankRecord", "new_record", "run_checks",
-           "timeout_record", "GROUP_CHECKS"]
+__all__ = [
+    "GROUP_CHECKS",
+    "CheckSpec",
+    "Deadline",
+    "DoctorOptions",
+    "RankRecord",
+    "new_record",
+    "plan_checks",
+    "run_checks",
+    "timeout_record",
+]

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Hashable, Iterable, Mapping, Optional, TypeVar
+from typing import Optional, TypeVar
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -85,7 +86,7 @@ def slow_outliers(values: Mapping[Key, Optional[float]], threshold: float,
 
 def below_peak(tflops: Optional[float], peak: Optional[float], min_fraction: float) -> bool:
     """A device reaching less than ``min_fraction`` of its expected dense peak (unknown peak: never)."""
-    return tflops is not None and bool(peak) and tflops < min_fraction * float(peak)
+    return tflops is not None and peak is not None and peak > 0 and tflops < min_fraction * peak
 
 
 @dataclass
@@ -141,5 +142,14 @@ def suspect_ranks(findings: Iterable[Finding]) -> list[int]:
     return sorted(rank for rank, count in counts.items() if count == top)
 
 
-__all__ = ["Finding", "Measurement", "peers_median", "slow_outliers", "below_peak", "find_problems",
-           "suspect_ranks", "OK", "FAILED_STATUSES"]
+__all__ = [
+    "FAILED_STATUSES",
+    "OK",
+    "Finding",
+    "Measurement",
+    "below_peak",
+    "find_problems",
+    "peers_median",
+    "slow_outliers",
+    "suspect_ranks",
+]

@@ -12,8 +12,9 @@ groups of different sizes comparable.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -139,5 +140,14 @@ def ring_p2p_time(group: Any, members: list[int], rank: int, nbytes: int, device
     return {"seconds": seconds, "bytes": nbytes, "bw_gbps": nbytes / seconds / 1e9, "src": prev_rank, "dst": rank}
 
 
-__all__ = ["Slowdown", "best_time", "expected_peak_tflops", "matmul_tflops", "all_reduce_time",
-           "all_gather_time", "latency_time", "ring_p2p_time", "synchronizer"]
+__all__ = [
+    "Slowdown",
+    "all_gather_time",
+    "all_reduce_time",
+    "best_time",
+    "expected_peak_tflops",
+    "latency_time",
+    "matmul_tflops",
+    "ring_p2p_time",
+    "synchronizer",
+]

@@ -159,7 +159,7 @@ def build_report(layout: RankLayout, records: dict[int, Optional[dict]], thresho
                                       detail="published nothing" + (f"; exit code {code}" if code is not None else "")))
         elif not row["finished"]:
             primary.append(Finding(f"rank {rank}", "finish", "missing", (rank,), detail="stopped before the end"))
-        if rank in (frozen or {}):
+        if frozen and rank in frozen:
             primary.append(Finding(f"rank {rank}", "heartbeat", "timeout", (rank,),
                                    detail=f"no heartbeat for {frozen[rank]:.0f} s (stopped or frozen); ended"))
         code = (exit_codes or {}).get(rank)
@@ -237,4 +237,4 @@ def write_json(report: dict, path: str | Path) -> None:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-__all__ = ["build_report", "format_table", "write_json", "rank_rows", "group_rows", "link_rows"]
+__all__ = ["build_report", "format_table", "group_rows", "link_rows", "rank_rows", "write_json"]

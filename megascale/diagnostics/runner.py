@@ -14,21 +14,30 @@ verdict survives a rank that later dies or hangs:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megascale.diagnostics.checks import (CheckSpec, Deadline, DoctorOptions, RankRecord, new_record, run_checks,
-                                          timeout_record)
+from megascale.diagnostics.checks import (
+    CheckSpec,
+    Deadline,
+    DoctorOptions,
+    RankRecord,
+    new_record,
+    run_checks,
+    timeout_record,
+)
 from megascale.diagnostics.report import build_report
 from megascale.distributed.topology import ParallelContext, RankLayout, read_dist_env
 
@@ -179,7 +188,7 @@ def _on_timeout(ctx: ParallelContext, record: RankRecord, watch: Any, options: D
               f"reporting a timeout and leaving", file=sys.stderr)
         try:
             _publisher(watch)(timeout_record(record, ctx, spec, label))
-        except Exception as err:  # the report then shows this rank as not finished
+        except Exception as err:  # noqa: BLE001 - the report then shows this rank as not finished
             print(f"megascale doctor: rank {ctx.rank}: could not publish the timeout: {err}", file=sys.stderr)
         return finish() if finish is not None else 0
 
@@ -213,7 +222,7 @@ class FrozenRankReaper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="doctor-reaper", daemon=True)
 
-    def __enter__(self) -> "FrozenRankReaper":
+    def __enter__(self) -> FrozenRankReaper:
         self._thread.start()
         return self
 
@@ -239,16 +248,16 @@ class FrozenRankReaper:
                        and silent[rank] <= self.stale_s]
             if frozen and not waiting:
                 for rank in frozen:
-                    self._kill(rank, int(records[rank]["pid"]), silent[rank])
+                    record = records[rank]
+                    assert record is not None  # frozen ranks have published a record
+                    self._kill(rank, int(record["pid"]), silent[rank])
 
     def _kill(self, rank: int, pid: int, silent_s: float) -> None:
         print(f"megascale doctor: rank {rank} (pid {pid}) sent no heartbeat for {silent_s:.0f} s while the "
               f"others finished: ending it", file=sys.stderr)
         self.killed[rank] = silent_s
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def launch_local(worker_argv: list[str], nproc: int, options: DoctorOptions, request: LayoutRequest) -> dict:
@@ -282,5 +291,14 @@ def launch_local(worker_argv: list[str], nproc: int, options: DoctorOptions, req
                         exit_codes, frozen=reaper.killed)
 
 
-__all__ = ["LayoutRequest", "run_rank", "run_single", "launch_local", "read_records", "wait_for_records",
-           "STORE_ENV", "FrozenRankReaper", "beat_key"]
+__all__ = [
+    "STORE_ENV",
+    "FrozenRankReaper",
+    "LayoutRequest",
+    "beat_key",
+    "launch_local",
+    "read_records",
+    "run_rank",
+    "run_single",
+    "wait_for_records",
+]

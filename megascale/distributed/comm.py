@@ -48,7 +48,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     x = x.contiguous()
     if dim == 0:
-        out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=group)
         return out
     parts = [torch.empty_like(x) for _ in range(world)]
@@ -63,7 +63,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     if x.shape[0] % world:
         raise ValueError(f"dim 0 of size {x.shape[0]} is not divisible by group size {world}")
-    out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
 

@@ -14,14 +14,14 @@ let the recompute wrapper rewind the tracker to where the forward was.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from megascale.seeds import stage_seed, tensor_parallel_seed
 
 
-def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device, cp_rank: int = 0) -> "RNGTracker":
+def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device, cp_rank: int = 0) -> RNGTracker:
     """Seed the default generators and return the tensor-parallel tracker.
 
     The default stream is the same on every tp rank and differs across pipeline

@@ -14,9 +14,10 @@ per group (MegaScale measured 1,047 s -> under 5 s on 2,048 GPUs for this).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class RankLayout:
 
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                   dp: Optional[int] = None, order: str = DEFAULT_ORDER) -> "RankLayout":
+                   dp: Optional[int] = None, order: str = DEFAULT_ORDER) -> RankLayout:
         """Build a layout for world_size ranks, deriving dp when it is None."""
         model_parallel = tp * pp * cp
         if dp is None:
@@ -168,7 +169,8 @@ def read_dist_env(environ: Optional[dict[str, str]] = None) -> DistEnv:
         local = int(env.get("SLURM_LOCALID", 0))
     else:
         rank, world, local = 0, 1, 0
-    addr = env.get("MASTER_ADDR") or _slurm_first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")) or "127.0.0.1"
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    addr = env.get("MASTER_ADDR") or _slurm_first_host(nodelist) or "127.0.0.1"
     port = int(env.get("MASTER_PORT", 29500))
     return DistEnv(rank, world, local, addr, port)
 
@@ -319,5 +321,14 @@ def build_context(tp: int = 1, pp: int = 1, cp: int = 1, dp: Optional[int] = Non
     return ParallelContext(layout, rank=rank, vpp=vpp, device=device)
 
 
-__all__ = ["RankLayout", "ParallelContext", "LayoutError", "init_process_group", "build_context",
-           "read_dist_env", "parse_order", "DEFAULT_ORDER", "GROUP_AXES"]
+__all__ = [
+    "DEFAULT_ORDER",
+    "GROUP_AXES",
+    "LayoutError",
+    "ParallelContext",
+    "RankLayout",
+    "build_context",
+    "init_process_group",
+    "parse_order",
+    "read_dist_env",
+]

@@ -30,10 +30,10 @@ def csrc_dir() -> Path:
 def sources() -> list[Path]:
     """Every source compiled into the extension: kernel bodies first, then the bindings."""
     root = csrc_dir()
-    return sorted(root.glob("*.cu")) + [root / "bindings.cpp"]
+    return [*sorted(root.glob("*.cu")), root / "bindings.cpp"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(build_dir: Optional[str], verbose: bool) -> tuple[Optional[ModuleType], Optional[str]]:
     # Cached including failures, so a machine without nvcc pays for the
     # attempt once per process instead of once per op call.

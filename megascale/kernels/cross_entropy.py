@@ -23,7 +23,7 @@ import torch.distributed as dist
 Tensor = torch.Tensor
 
 
-def _all_reduce(tensor: Tensor, op: "dist.ReduceOp", group: Optional[Any]) -> Tensor:
+def _all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[Any]) -> Tensor:
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor

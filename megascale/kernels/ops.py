@@ -17,22 +17,24 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
+from megascale.config import KernelBackend, choices_of
 from megascale.errors import UserError
 from megascale.kernels import bias_gelu, cross_entropy, norm, rotary, swiglu
 from megascale.kernels.build import KernelBuildError, load_extension, try_load_extension
 
 Tensor = torch.Tensor
 
-BACKENDS = ("auto", "cuda", "torch")
+BACKENDS = choices_of(KernelBackend)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _optional_attr(module: str, name: str) -> Optional[Callable]:
     """An attribute of an optional package, or None when it is not installed (or broken)."""
     try:
@@ -58,7 +60,7 @@ class KernelOps:
     reference for that call.
     """
 
-    def __init__(self, backend: str = "auto", build_dir: Optional[str] = None) -> None:
+    def __init__(self, backend: KernelBackend = "auto", build_dir: Optional[str] = None) -> None:
         if backend not in BACKENDS:
             raise UserError(f"kernels.backend={backend!r} is not one of {', '.join(BACKENDS)}; "
                             "use auto (fastest available), cuda (csrc kernels) or torch (reference)")
@@ -151,7 +153,7 @@ class KernelOps:
             return rotary.apply_rotary_cuda(ext, q, k, cos, sin)
         flash_rotary = self._third_party(q, "flash_attn.layers.rotary", "apply_rotary_emb")
         tables = rotary.cuda_tables(cos, sin, q.shape[0], q.shape[-1]) if flash_rotary is not None else None
-        if tables is not None:
+        if flash_rotary is not None and tables is not None:
             # flash-attn wants [b, s, heads, d] and tables in the input dtype.
             cos_t, sin_t = tables[0].to(q.dtype), tables[1].to(q.dtype)
             return (flash_rotary(q.transpose(0, 1), cos_t, sin_t).transpose(0, 1),
@@ -187,6 +189,6 @@ _OPS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "apply_rotar
         "vocab_parallel_cross_entropy")
 
 
-def get_ops(backend: str = "auto", build_dir: Optional[str] = None) -> KernelOps:
+def get_ops(backend: KernelBackend = "auto", build_dir: Optional[str] = None) -> KernelOps:
     """KernelOps for a backend name ("auto" | "cuda" | "torch"); raises UserError for others."""
     return KernelOps(backend, build_dir)

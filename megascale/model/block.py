@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megascale.config import Recompute
 from megascale.model.attention import Attention
 from megascale.model.layers import BuildContext, Norm, dropout
 from megascale.model.mlp import MLP
@@ -16,7 +17,7 @@ from megascale.model.recompute import recompute
 class TransformerBlock(nn.Module):
     """One layer. Sequential: x += attn(ln1(x)); x += mlp(ln2(x)). Parallel: x += attn(ln(x)) + mlp(ln(x))."""
 
-    def __init__(self, index: int, bc: BuildContext, recompute: str) -> None:
+    def __init__(self, index: int, bc: BuildContext, recompute: Recompute) -> None:
         super().__init__()
         name = f"layers.{index}"
         self.bc = bc

@@ -2,8 +2,9 @@
 
 A chunk embeds tokens if it is the first global stage, runs its layers, and, if
 it is the last global stage, computes the loss. Hidden states are sequence-first
-[s, b, h] so sequence-parallel shards are contiguous. Parameter names are the
-global ones (see DESIGN.md), whatever the layout.
+[s, b, h] so sequence-parallel shards are contiguous. Parameter names are global
+(layer i is `layers.{i}` on whichever stage holds it) and the same for every layout;
+docs/architecture.md describes the naming.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class GPTChunk(nn.Module):
             batch = self.bc.sequence.shard_batch(batch)
         if self.first:
             hidden = self._embed(batch["tokens"])
+        assert hidden is not None  # every stage but the first receives its input
         rope = None
         if m.position == "rope":
             rope = rope_tables(self._positions(hidden), m.head_dim, m.rope_theta)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from megascale.config import ModelConfig
+from megascale.config import ModelConfig, Recompute
 from megascale.distributed.random import RNGTracker
 from megascale.distributed.sequence import LocalSequence, SequenceLayout
 from megascale.distributed.tensor_parallel.layers import TPSettings, replicated_param
@@ -22,7 +22,7 @@ class BuildContext:
     tp: TPSettings
     ops: Any
     rng: RNGTracker
-    recompute: str = "none"
+    recompute: Recompute = "none"
     # Which tokens this rank holds and how attention spans the sequence; whole sequences by default.
     sequence: SequenceLayout = field(default_factory=LocalSequence)
 

@@ -15,8 +15,9 @@ split size, and which pipeline rank and chunk hold each parameter.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -37,8 +38,15 @@ if TYPE_CHECKING:
     from megascale.distributed.pipeline.partition import StageCost
     from megascale.run_plan import RunPlan
 
-__all__ = ["ModelLayout", "ParamSpec", "ParamTable", "param_table", "TIED_EMBEDDING", "OUTPUT_WEIGHT",
-           "output_weight_name"]
+__all__ = [
+    "OUTPUT_WEIGHT",
+    "TIED_EMBEDDING",
+    "ModelLayout",
+    "ParamSpec",
+    "ParamTable",
+    "output_weight_name",
+    "param_table",
+]
 
 
 @dataclass(frozen=True)
@@ -58,18 +66,18 @@ class ModelLayout:
     stage_layers: Optional[tuple[int, ...]] = None
 
     @classmethod
-    def from_config(cls, cfg: Config, layout: Optional[RankLayout] = None) -> "ModelLayout":
+    def from_config(cls, cfg: Config, layout: Optional[RankLayout] = None) -> ModelLayout:
         """The layout of cfg.parallel, with tp and pp taken from `layout` when given."""
         p = cfg.parallel
         tp, pp = (layout.tp, layout.pp) if layout is not None else (p.tp, p.pp)
         return cls(tp=tp, pp=pp, vpp=p.vpp, pipeline_layers=p.pipeline_layers)
 
     @classmethod
-    def from_plan(cls, plan: "RunPlan") -> "ModelLayout":
+    def from_plan(cls, plan: RunPlan) -> ModelLayout:
         """The layout of a resolved run plan, with the plan's exact stage split."""
         return cls(tp=plan.tp, pp=plan.pp, vpp=plan.vpp, stage_layers=tuple(plan.stage_layer_counts))
 
-    def chunk_layers(self, num_layers: int, pp_rank: int, cost: Optional["StageCost"] = None) -> list[list[int]]:
+    def chunk_layers(self, num_layers: int, pp_rank: int, cost: Optional[StageCost] = None) -> list[list[int]]:
         """Global layer ids of each chunk of pipeline rank pp_rank (chunk v is global stage v * pp + pp_rank)."""
         if self.stage_layers is None:
             from megascale.distributed.pipeline.partition import layers_for_rank
@@ -187,7 +195,8 @@ def _as_config(model_or_cfg: Union[Config, ModelConfig], layout: ModelLayout) ->
         cfg = copy.copy(model_or_cfg)
     parallel = copy.copy(cfg.parallel)
     parallel.tp, parallel.pp, parallel.vpp, parallel.cp = layout.tp, layout.pp, layout.vpp, 1
-    parallel.pipeline_layers = layout.pipeline_layers
+    layers = layout.pipeline_layers
+    parallel.pipeline_layers = layers if layers is None or isinstance(layers, str) else list(layers)
     parallel.sequence_parallel, parallel.tp_overlap = False, False
     cfg.parallel = parallel
     return cfg

@@ -38,7 +38,7 @@ def _moments_and_denominator(grads: list[Tensor], exp_avgs: list[Tensor], exp_av
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
+    denom = list(torch._foreach_sqrt(exp_avg_sqs))
     torch._foreach_div_(denom, math.sqrt(1.0 - beta2 ** step))
     torch._foreach_add_(denom, eps)
     return denom, 1.0 - beta1 ** step
@@ -53,6 +53,6 @@ def adam_direction(grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: lis
     if not grads:
         return []
     denom, bias1 = _moments_and_denominator(grads, exp_avgs, exp_avg_sqs, beta1, beta2, eps, step)
-    direction = torch._foreach_div(exp_avgs, denom)
+    direction = list(torch._foreach_div(exp_avgs, denom))
     torch._foreach_div_(direction, bias1)
     return direction

@@ -10,7 +10,8 @@ identical there and are never summed twice.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

@@ -38,7 +38,7 @@ def lr_at(step: int, optim: OptimConfig, total_steps: Optional[int] = None) -> f
     if optim.schedule == "wsd":
         # Warmup, a long stable phase at the peak, then a linear cool-down over the
         # last wsd_decay_fraction of the schedule (Hu et al. 2024, MiniCPM).
-        cool = max(int(round(optim.wsd_decay_fraction * (warmup + decay))), 1)
+        cool = max(round(optim.wsd_decay_fraction * (warmup + decay)), 1)
         stable = max(decay - cool, 0)
         if since <= stable:
             return peak

@@ -56,7 +56,7 @@ class LayerDims:
     gated_mlp: bool
 
     @classmethod
-    def of(cls, m: ModelConfig, seq_length: Optional[int] = None) -> "LayerDims":
+    def of(cls, m: ModelConfig, seq_length: Optional[int] = None) -> LayerDims:
         """The dims of a configured model's layers (at `seq_length`, default the model's)."""
         s = seq_length or m.seq_length
         keys = min(m.window_size, s) if m.attention == "sliding_window" else s

@@ -92,7 +92,7 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
         table = param_table(cfg, ModelLayout.from_plan(plan))
     count = table.local_numel(stage)
     dtype_bytes = plan.precision.param_bytes
-    optimizer = count * (8 + (4 if plan.precision.master_weights else 0))
+    optimizer: float = count * (8 + (4 if plan.precision.master_weights else 0))
     if plan.zero == 1:
         optimizer /= dp * cp
     inflight = _inflight(plan.schedule, pp, plan.vpp, stage, plan.num_microbatches)

@@ -49,7 +49,7 @@ class MetricsSink:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except Exception:  # tensorboard not installed: the jsonl file is the record
+            except Exception:  # noqa: BLE001 - tensorboard not installed: the jsonl file is the record
                 self.tb = None
 
     def write(self, rec: dict) -> None:

@@ -7,7 +7,8 @@ driven by anything that holds those pieces.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -26,8 +27,8 @@ def _to_device(batch: dict, device: torch.device, loss_scale: float) -> dict:
     return out
 
 
-def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, plan: "RunPlan",
-                     ctx: "ParallelContext", optimizer: "DistributedOptimizer",
+def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, plan: RunPlan,
+                     ctx: ParallelContext, optimizer: DistributedOptimizer,
                      progress: Optional[Progress] = None,
                      loss_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """Run every micro-batch of this step; returns the global mean loss (valid on the last stage).
@@ -62,8 +63,8 @@ def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, 
     return total
 
 
-def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: "RunPlan", ctx: "ParallelContext",
-               optimizer: "DistributedOptimizer") -> torch.Tensor:
+def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: RunPlan, ctx: ParallelContext,
+               optimizer: DistributedOptimizer) -> torch.Tensor:
     from megascale.distributed.pipeline import (
         build_schedule,
         forward_backward_pipelined,
@@ -82,8 +83,8 @@ def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: "Ru
 
 
 @torch.no_grad()
-def evaluate(chunks: Sequence[torch.nn.Module], data: Any, global_batches: int, *, plan: "RunPlan",
-             ctx: "ParallelContext") -> Optional[float]:
+def evaluate(chunks: Sequence[torch.nn.Module], data: Any, global_batches: int, *, plan: RunPlan,
+             ctx: ParallelContext) -> Optional[float]:
     """Mean validation loss over the first `global_batches` global batches of the validation split."""
     for chunk in chunks:
         chunk.eval()

@@ -7,7 +7,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,11 @@ from megascale.training.fault.inject import FaultInjector
 from megascale.training.fault.progress import Progress
 from megascale.training.metrics import MetricsSink, format_line
 from megascale.training.step import evaluate, forward_backward
+
+if TYPE_CHECKING:  # built lazily below: these pull in the heavy optimizer/checkpoint stacks
+    from megascale.checkpoint.manager import CheckpointManager
+    from megascale.distributed.data_parallel.optimizer import DistributedOptimizer, StepStats
+    from megascale.training.fault.lifecycle import RunLifecycle
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -127,18 +132,18 @@ class Trainer:
         self.lifecycle = self._build_fault_lifecycle()
 
     # ------------------------------------------------------------------ setup
-    def _build_optimizer(self):
+    def _build_optimizer(self) -> DistributedOptimizer:
         from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 
         return DistributedOptimizer(self.chunks, self.ctx, self.cfg)
 
-    def _build_fault_lifecycle(self):
+    def _build_fault_lifecycle(self) -> RunLifecycle:
         from megascale.training.fault.lifecycle import RunLifecycle
 
         return RunLifecycle(self.cfg, self.ctx.rank, self.ctx.world_size, self.device, self.run_dir, self.step,
                             self.resumed_extra, self.sink.print)
 
-    def _build_checkpointing(self):
+    def _build_checkpointing(self) -> CheckpointManager:
         from megascale.checkpoint.manager import CheckpointManager
 
         manager = CheckpointManager(self.run_dir / "checkpoints", self.ctx, self.cfg)
@@ -279,7 +284,7 @@ class Trainer:
             self.sink.print(f"checkpoint step {stats['step']} {state}: training blocked {stats['blocking_s']:.3f} s, "
                             f"total {stats['total_s']:.2f} s, {stats.get('bytes', 0) / 2**20:.1f} MiB")
 
-    def _record(self, loss: torch.Tensor, stats, step_time: float, tokens_per_step: int) -> dict:
+    def _record(self, loss: torch.Tensor, stats: StepStats, step_time: float, tokens_per_step: int) -> dict:
         tokens_per_s = tokens_per_step / step_time
         tflops = self.flops_per_token * tokens_per_s / self.ctx.world_size / 1e12
         rec = {

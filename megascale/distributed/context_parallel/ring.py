@@ -250,6 +250,7 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 comm.wait(pending[1])
                 kv = pending[0]
+        assert grad_in_flight is not None  # the loop above ran at least once (ring.size >= 1)
         comm.wait(grad_in_flight[1])
         grad_kv = grad_in_flight[0]  # after a full turn: the gradient of our own k/v
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None

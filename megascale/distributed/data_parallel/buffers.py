@@ -30,6 +30,13 @@ from torch import Tensor, nn
 from megascale.distributed.sharding import ShardSpec, get_shard
 
 ALIGN = 16  # elements: parameter starts stay 64-byte aligned for fp32, 32-byte for 16-bit
+MAIN_GRAD_ATTR = "main_grad"  # the parameter attribute that holds its view of the fp32 gradient buffer
+
+
+def main_grad(param: Tensor) -> Tensor:
+    """The parameter's view of its fp32 gradient buffer (attached by `GradBuffer`)."""
+    grad: Tensor = getattr(param, MAIN_GRAD_ATTR)
+    return grad
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -44,7 +51,7 @@ class ParamSlot:
     spec: ShardSpec
     start: int
     end: int
-    bucket: "Bucket"
+    bucket: Bucket
     no_decay: bool
 
 
@@ -152,7 +159,7 @@ class GradBuffer:
             view = self.param_data[slot.start:slot.end].view_as(slot.param)
             view.copy_(slot.param.data)
             slot.param.data = view
-            slot.param.main_grad = self.grad[slot.start:slot.end].view_as(slot.param)
+            setattr(slot.param, MAIN_GRAD_ATTR, self.grad[slot.start:slot.end].view_as(slot.param))
         self.own_numel = sum(b.own_end - b.own_start for b in self.buckets)
         self.segments = self._segments()
 

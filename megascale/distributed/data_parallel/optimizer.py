@@ -26,18 +26,20 @@ its own buckets, so the gathers hide behind the next forward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megascale.config import Config
-from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, reverse_params
+from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, main_grad, reverse_params
 from megascale.distributed.data_parallel.flat_comm import FlatComm
 from megascale.distributed.data_parallel.update import OptimizerState
 from megascale.distributed.sharding import TIED_EMBEDDING, ShardSpec, TensorShard
+from megascale.distributed.tensor_parallel.layers import SEQUENCE_PARALLEL_GRAD_ATTR
 from megascale.distributed.topology import ParallelContext
 from megascale.errors import UserError
 from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_squares
@@ -67,7 +69,7 @@ def default_no_decay(param: nn.Parameter, spec: ShardSpec) -> bool:
 class DistributedOptimizer:
     """Bucketed, overlapped data-parallel gradient reduction plus AdamW/LAMB, replicated (zero=0) or ZeRO-1."""
 
-    def __init__(self, chunks: list[nn.Module], ctx: ParallelContext, cfg: Config) -> None:
+    def __init__(self, chunks: Sequence[nn.Module], ctx: ParallelContext, cfg: Config) -> None:
         self.ctx, self.cfg = ctx, cfg
         self.zero = int(cfg.parallel.zero)
         self.overlap_grad = bool(cfg.parallel.overlap_grad_reduce)
@@ -93,7 +95,7 @@ class DistributedOptimizer:
                                                default_no_decay))
                 self.buffer_chunk.append(index)
         self.slots = [slot for buf in self.buffers for slot in buf.slots]
-        self.sp_params = [s.param for s in self.slots if getattr(s.param, "sequence_parallel_grad", False)]
+        self.sp_params = [s.param for s in self.slots if getattr(s.param, SEQUENCE_PARALLEL_GRAD_ATTR, False)]
         self.tied_params = [s.param for s in self.slots if tied and s.spec.global_name == TIED_EMBEDDING]
         self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.zero == 1)
         self.scaler = LossScaler(cfg.train.dtype == "fp16", cfg.train.loss_scale, cfg.optim.loss_scale_window,
@@ -111,7 +113,7 @@ class DistributedOptimizer:
         def hook(param: Tensor) -> None:
             if param.grad is None:
                 return
-            param.main_grad.add_(param.grad)
+            main_grad(param).add_(param.grad)
             param.grad = None  # the fp32 buffer is the only copy: halves gradient memory for 16-bit models
             if self._sync[chunk]:
                 self._mark_ready(buf, slot.bucket, param)
@@ -180,7 +182,7 @@ class DistributedOptimizer:
     def _sum_grads(params: list[nn.Parameter], group: Optional[Any]) -> None:
         if not params or group is None:
             return
-        grads = [p.main_grad for p in params]
+        grads = [main_grad(p) for p in params]
         flat = _flatten_dense_tensors(grads)
         torch.distributed.all_reduce(flat, group=group)
         for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -289,7 +291,7 @@ class DistributedOptimizer:
             bucket.gather_handle.wait()
             bucket.gather_handle = None
 
-    def _register_gather_waits(self, chunks: list[nn.Module]) -> list[Any]:
+    def _register_gather_waits(self, chunks: Sequence[nn.Module]) -> list[Any]:
         bucket_of = {id(slot.param): slot.bucket for slot in self.slots}
         hooks = []
         for chunk in chunks:

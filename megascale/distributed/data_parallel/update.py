@@ -81,15 +81,16 @@ class OptimizerState:
     def update(self, lr: float, step: int) -> None:
         """One optimizer update of every owned segment with learning rate lr; step is the 1-based update count."""
         o = self.optim
-        common = dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, step=step)
+        betas = dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps)
         nd = self.no_decay
-        adamw_step(nd.masters, nd.grads, nd.exp_avgs, nd.exp_avg_sqs, lr=lr, weight_decay=0.0, **common)
+        adamw_step(nd.masters, nd.grads, nd.exp_avgs, nd.exp_avg_sqs, lr=lr, weight_decay=0.0, step=step, **betas)
         d = self.decay
         if o.name == "adamw":
-            adamw_step(d.masters, d.grads, d.exp_avgs, d.exp_avg_sqs, lr=lr, weight_decay=o.weight_decay, **common)
+            adamw_step(d.masters, d.grads, d.exp_avgs, d.exp_avg_sqs, lr=lr, weight_decay=o.weight_decay, step=step,
+                       **betas)
         elif o.name == "lamb":
             updates = lamb_direction(d.masters, d.grads, d.exp_avgs, d.exp_avg_sqs, weight_decay=o.weight_decay,
-                                     **common)
+                                     step=step, **betas)
             lamb_apply(d.masters, updates, self._trust_ratios(d.masters, updates), lr)
         else:
             raise ValueError(f"optim.name={o.name!r} is not adamw or lamb")
@@ -100,7 +101,8 @@ class OptimizerState:
         seg_index, split, count = self._lamb_index
         sq = torch.zeros(count, 2, dtype=torch.float32, device=self.ctx.device)
         if masters:
-            pieces = torch.stack([piece_sq_norms(masters, self.ctx.device), piece_sq_norms(updates, self.ctx.device)], 1)
+            device = self.ctx.device
+            pieces = torch.stack([piece_sq_norms(masters, device), piece_sq_norms(updates, device)], 1)
             sq.index_add_(0, seg_index, pieces)
         dp_group = self.ctx.group("dp_cp")
         if self.sharded and dp_group is not None:

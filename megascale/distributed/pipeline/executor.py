@@ -14,14 +14,24 @@ ends of every pair of ranks, which NCCL needs to avoid deadlocks.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from megascale.distributed.pipeline.schedules import (
-    BACKWARD, FORWARD, FORWARD_ONLY, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, Action, build_schedule,
+    BACKWARD,
+    FORWARD,
+    FORWARD_ONLY,
+    RECV_BWD,
+    RECV_FWD,
+    SEND_BWD,
+    SEND_FWD,
+    Action,
+    ActionKind,
+    build_schedule,
 )
 from megascale.distributed.topology import ParallelContext
 
@@ -33,7 +43,7 @@ def _identity(loss: Tensor) -> Tensor:
 class _PipelineRun:
     """State of one forward/backward pass over all micro-batches on this rank."""
 
-    def __init__(self, chunks: list[nn.Module], microbatches: list[dict], ctx: ParallelContext,
+    def __init__(self, chunks: Sequence[nn.Module], microbatches: list[dict], ctx: ParallelContext,
                  schedule: list[Action], tensor_shape: tuple[int, ...], dtype: torch.dtype,
                  loss_fn_scale: Callable[[Tensor], Tensor], before_last_backward: Optional[Callable[[int], None]],
                  keep_graph: bool) -> None:
@@ -47,8 +57,8 @@ class _PipelineRun:
         self.next_rank, self.prev_rank = ctx.pp_neighbor(1), ctx.pp_neighbor(-1)
         self.inputs: dict[tuple[int, int], Optional[Tensor]] = {}
         self.outputs: dict[tuple[int, int], Tensor] = {}
-        self.received: dict[tuple, tuple[Tensor, object]] = {}  # (kind, chunk, mb) -> (buffer, work)
-        self.sends: list[tuple[object, Tensor]] = []  # (work, tensor kept alive until sent)
+        self.received: dict[tuple, tuple[Tensor, Optional[dist.Work]]] = {}  # (kind, chunk, mb) -> (buffer, work)
+        self.sends: list[tuple[Optional[dist.Work], Tensor]] = []  # (work, tensor kept alive until sent)
         self.losses: dict[int, Tensor] = {}
         self.last_backward = {a.chunk: i for i, a in enumerate(schedule) if a.kind is BACKWARD}
 
@@ -70,7 +80,8 @@ class _PipelineRun:
                 self._check_sent(tensor, action)
                 ops.append(dist.P2POp(dist.isend, tensor.contiguous(), self.next_rank, self.group))
             elif action.kind is SEND_BWD:
-                grad = self.inputs[(action.chunk, action.microbatch)].grad
+                sent_input = self.inputs[(action.chunk, action.microbatch)]
+                grad = None if sent_input is None else sent_input.grad
                 if grad is None:
                     raise RuntimeError(f"pipeline stage {self.stage(action.chunk)}: no gradient reached the "
                                        f"input of micro-batch {action.microbatch}; the chunk must use its input")
@@ -81,7 +92,7 @@ class _PipelineRun:
                 peer = self.prev_rank if action.kind is RECV_FWD else self.next_rank
                 ops.append(dist.P2POp(dist.irecv, buffer, peer, self.group))
             keys.append(key)
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works: list[Optional[dist.Work]] = list(dist.batch_isend_irecv(ops)) if ops else []
         if len(works) != len(ops):  # some backends return one work for the whole batch
             works = [works[-1] if works else None] * len(ops)
         for op, key, work in zip(ops, keys, works):
@@ -96,7 +107,7 @@ class _PipelineRun:
                                f"{tensor.dtype} but the receiver expects tensor_shape={self.tensor_shape} "
                                f"{self.dtype}; pass the activation shape each stage really sends")
 
-    def take(self, kind, chunk: int, microbatch: int) -> Tensor:
+    def take(self, kind: ActionKind, chunk: int, microbatch: int) -> Tensor:
         """Wait for a posted receive and hand its buffer over."""
         key = (kind, chunk, microbatch)
         if key not in self.received:
@@ -170,7 +181,7 @@ class _PipelineRun:
         return [self.losses[mb] for mb in sorted(self.losses)]
 
 
-def _check_args(chunks: list[nn.Module], microbatches: list[dict], ctx: ParallelContext,
+def _check_args(chunks: Sequence[nn.Module], microbatches: list[dict], ctx: ParallelContext,
                 schedule: list[Action]) -> None:
     if not chunks:
         raise ValueError("forward_backward_pipelined needs at least one model chunk")
@@ -184,7 +195,7 @@ def _check_args(chunks: list[nn.Module], microbatches: list[dict], ctx: Parallel
         raise ValueError(f"the schedule uses {1 + max(a.chunk for a in schedule)} chunks but {len(chunks)} were given")
 
 
-def forward_backward_pipelined(chunks: list[nn.Module], microbatches: list[dict], ctx: ParallelContext,
+def forward_backward_pipelined(chunks: Sequence[nn.Module], microbatches: list[dict], ctx: ParallelContext,
                                schedule: list[Action], tensor_shape: tuple[int, ...], dtype: torch.dtype,
                                loss_fn_scale: Callable[[Tensor], Tensor] = _identity,
                                before_last_backward: Optional[Callable[[int], None]] = None) -> list[Tensor]:
@@ -204,7 +215,7 @@ def forward_backward_pipelined(chunks: list[nn.Module], microbatches: list[dict]
     return run.run()
 
 
-def forward_only_pipelined(chunks: list[nn.Module], microbatches: list[dict], ctx: ParallelContext,
+def forward_only_pipelined(chunks: Sequence[nn.Module], microbatches: list[dict], ctx: ParallelContext,
                            tensor_shape: tuple[int, ...], dtype: torch.dtype) -> list[Tensor]:
     """Forward passes only (evaluation); any micro-batch count; returns the last stage's losses."""
     schedule = build_schedule(FORWARD_ONLY, ctx.pp_size, len(chunks), len(microbatches), ctx.pp_rank)

@@ -19,8 +19,9 @@ Three ways to cut the layers (``parallel.pipeline_layers``):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from megascale.config import ConfigError
 from megascale.perf.flops import LayerDims, layer_forward_flops, logits_forward_flops
@@ -58,7 +59,7 @@ class StageCost:
         return costs
 
 
-def gpt_stage_cost(model: "ModelConfig") -> StageCost:
+def gpt_stage_cost(model: ModelConfig) -> StageCost:
     """Forward matmul FLOPs per token of one GPT layer, the embedding (a lookup: 0) and the head.
 
     The same per-layer count as MFU (`megascale.perf.flops`). The output layer costs
@@ -240,5 +241,12 @@ def global_stage(pp: int, pp_rank: int, chunk: int) -> int:
     return chunk * pp + pp_rank
 
 
-__all__ = ["gpt_stage_cost", "StageCost", "layers_for_rank", "stage_layer_counts", "auto_stage_counts", "global_stage",
-           "chunk_layer_ids"]
+__all__ = [
+    "StageCost",
+    "auto_stage_counts",
+    "chunk_layer_ids",
+    "global_stage",
+    "gpt_stage_cost",
+    "layers_for_rank",
+    "stage_layer_counts",
+]

@@ -85,7 +85,7 @@ def resolve_schedule_name(name: str, vpp: int) -> str:
 
 def validate_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> None:
     """ConfigError unless schedule `name` can run pp ranks x vpp chunks over num_microbatches micro-batches."""
-    if name not in SCHEDULES + (FORWARD_ONLY,):
+    if name not in (*SCHEDULES, FORWARD_ONLY):
         raise ConfigError(f"parallel.pipeline_schedule={name!r} is not one of auto, {', '.join(SCHEDULES)}")
     if pp < 1 or vpp < 1:
         raise ConfigError(f"parallel.pp={pp} and parallel.vpp={vpp} must be >= 1")
@@ -114,7 +114,7 @@ def compute_order(name: str, pp: int, vpp: int, num_microbatches: int, pp_rank: 
     if name == FORWARD_ONLY:
         # Groups of pp micro-batches pass through the chunks in turn (the interleaved forward
         # order, a partial last group allowed); every rank follows one total order, so no cycle.
-        items = sorted(((i // pp, c, i) for c in range(vpp) for i in range(m)))
+        items = sorted((i // pp, c, i) for c in range(vpp) for i in range(m))
         return [(FORWARD, c, i) for _, c, i in items]
     if name == "gpipe":
         return [(FORWARD, 0, i) for i in range(m)] + [(BACKWARD, 0, i) for i in range(m)]
@@ -245,7 +245,7 @@ def format_schedule(schedules: list[list[Action]], width: int = 6) -> str:
     """Render one line per rank, e.g. ``rank 0: RF0.0 F0.0 SF0.0 ...``; compute-only with width=0 omitted."""
     lines = []
     for rank, actions in enumerate(schedules):
-        cells = " ".join(f"{str(a):<{width}}" if width else str(a) for a in actions)
+        cells = " ".join(f"{a!s:<{width}}" if width else str(a) for a in actions)
         lines.append(f"rank {rank}: {cells.rstrip()}")
     return "\n".join(lines)
 
@@ -255,6 +255,24 @@ def format_compute(schedules: list[list[Action]]) -> str:
     return format_schedule([[a for a in s if not a.is_comm] for s in schedules], width=0)
 
 
-__all__ = ["FORWARD_ONLY", "Action", "ActionKind", "FORWARD", "BACKWARD", "SEND_FWD", "RECV_FWD", "SEND_BWD", "RECV_BWD",
-           "SCHEDULES", "build_schedule", "build_all_schedules", "compute_order", "format_schedule",
-           "format_compute", "bubble_fraction", "resolve_schedule_name", "validate_schedule", "plan_times"]
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "FORWARD_ONLY",
+    "RECV_BWD",
+    "RECV_FWD",
+    "SCHEDULES",
+    "SEND_BWD",
+    "SEND_FWD",
+    "Action",
+    "ActionKind",
+    "bubble_fraction",
+    "build_all_schedules",
+    "build_schedule",
+    "compute_order",
+    "format_compute",
+    "format_schedule",
+    "plan_times",
+    "resolve_schedule_name",
+    "validate_schedule",
+]

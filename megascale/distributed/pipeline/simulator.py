@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megascale.distributed.pipeline.schedules import (
-    BACKWARD, FORWARD, RECV_FWD, SEND_BWD, SEND_FWD, Action,
+    BACKWARD,
+    FORWARD,
+    RECV_FWD,
+    SEND_BWD,
+    SEND_FWD,
+    Action,
 )
 
 
@@ -263,4 +268,4 @@ def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2
     return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous).run()
 
 
-__all__ = ["simulate", "SimResult", "ScheduleError", "check_coverage"]
+__all__ = ["ScheduleError", "SimResult", "check_coverage", "simulate"]

@@ -62,6 +62,7 @@ def init_global(name: str, shape: tuple[int, ...], std: float, seed: int) -> tor
 
 INITS = ("normal", "zeros", "ones")
 _INIT_ATTR = "_megascale_init"
+SEQUENCE_PARALLEL_GRAD_ATTR = "sequence_parallel_grad"  # marks grads that are partial over the tp group
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def make_param(spec: ShardSpec, settings: TPSettings, init: str, std: float = 0.
     set_shard(param, spec)
     setattr(param, _INIT_ATTR, recipe)
     if sequence_parallel_grad:
-        param.sequence_parallel_grad = True
+        setattr(param, SEQUENCE_PARALLEL_GRAD_ATTR, True)
     return param
 
 

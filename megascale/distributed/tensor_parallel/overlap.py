@@ -38,7 +38,8 @@ results match the non-overlapped path to float32 reduction-order noise
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,7 @@ def _check_divisible(length: int, size: int, what: str) -> None:
 
 
 def _ring_all_gather(channel: _Channel, chunks: list[torch.Tensor],
-                     consume: Callable[[int, torch.Tensor], None]) -> None:
+                     consume: Callable[[int, torch.Tensor], object]) -> None:
     """Fill `chunks` (chunks[rank] already holds this rank's shard) around the ring.
 
     At step k this rank holds chunk (rank - k) mod tp: it forwards it to the next
@@ -168,6 +169,7 @@ def _ring_reduce_scatter(channel: _Channel, partial_of: Callable[[int], torch.Te
         if step == size - 1 and under_last_hop is not None:
             under_last_hop()
         if pending is not None:
+            assert incoming is not None  # set together with pending
             pending.wait()
             total += incoming
         pending = None
@@ -188,10 +190,10 @@ class _ColumnLinear(torch.autograd.Function):
             return _mm(x, weight.t())
         channel = _Channel(settings.group, x.device)
         x = x.contiguous()
-        total = x.new_empty((channel.size * x.shape[0],) + tuple(x.shape[1:]))
+        total = x.new_empty((channel.size * x.shape[0], *x.shape[1:]))
         x_chunks = list(total.chunk(channel.size, dim=0))
         x_chunks[channel.rank].copy_(x)
-        y = x.new_empty((total.shape[0],) + tuple(x.shape[1:-1]) + (weight.shape[0],))
+        y = x.new_empty((total.shape[0], *x.shape[1:-1], weight.shape[0]))
         y_chunks = y.chunk(channel.size, dim=0)
         weight_t = weight.t()
         _ring_all_gather(channel, x_chunks, lambda c, chunk: _mm(chunk, weight_t, out=y_chunks[c]))
@@ -241,7 +243,7 @@ class _RowLinear(torch.autograd.Function):
             _check_divisible(x.shape[0], channel.size, "row-parallel reduce-scatter")
             x_chunks = x.chunk(channel.size, dim=0)
             return _ring_reduce_scatter(channel, lambda c: _mm(x_chunks[c], weight_t))
-        y = x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
+        y = x.new_empty((*x.shape[:-1], weight.shape[0]))
         pending = []
         # Rows of y are independent: all-reduce piece i while piece i+1 is computed.
         for x_piece, y_piece in zip(x.chunk(channel.size, dim=0), y.chunk(channel.size, dim=0)):
@@ -263,7 +265,7 @@ class _RowLinear(torch.autograd.Function):
             dweight = _weight_grad(grad_y, x) if need_dw else None
             return dx, dweight, None
         channel = _Channel(settings.group, grad_y.device)
-        full = grad_y.new_empty((channel.size * grad_y.shape[0],) + tuple(grad_y.shape[1:]))
+        full = grad_y.new_empty((channel.size * grad_y.shape[0], *grad_y.shape[1:]))
         grad_chunks = list(full.chunk(channel.size, dim=0))
         grad_chunks[channel.rank].copy_(grad_y)
         dx = x.new_empty(x.shape) if need_dx else None

@@ -22,6 +22,7 @@ the run can report its effective training time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -29,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from megascale.training.fault.events import append_event
 
@@ -53,7 +54,7 @@ class AttemptInfo:
     world_size: int
 
     @staticmethod
-    def from_env(rank: int, world_size: int, environ: Optional[dict[str, str]] = None) -> "AttemptInfo":
+    def from_env(rank: int, world_size: int, environ: Optional[dict[str, str]] = None) -> AttemptInfo:
         """Read the launch id (megascale launcher, else torchrun's run id) and TORCHELASTIC_RESTART_COUNT."""
         env = os.environ if environ is None else environ
         launch_id = env.get("MEGASCALE_LAUNCH_ID") or env.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
@@ -116,10 +117,8 @@ class AttemptRecorder:
         record = dict(self.start_record, exit=kind, exit_time=time.time(), step=step)
         if error:
             record["error"] = error[:2000]
-        try:
+        with contextlib.suppress(OSError):  # an exit record is best effort: the run dir may be gone or full
             _write_json(self.rank_file, record)
-        except OSError:
-            pass  # an exit record is best effort: the run dir may be gone or full
 
     # ------------------------------------------------------------------ launch state
     def launch_state(self, useful_s_at_start: float) -> dict:
@@ -133,7 +132,7 @@ class AttemptRecorder:
             state = _read_json(path)
             if state is not None and state.get("launch_id") == self.info.launch_id:
                 return state
-        start = float(os.environ.get("MEGASCALE_LAUNCH_TIME") or self.start_record["start_time"])
+        start = float(os.environ.get("MEGASCALE_LAUNCH_TIME") or cast(float, self.start_record["start_time"]))
         state = {"launch_id": self.info.launch_id, "start_time": start, "useful_s_at_start": useful_s_at_start}
         if self.info.rank == 0 and self.info.attempt == 0:
             _write_json(path, state)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterable, Optional, Protocol
+from typing import Optional, Protocol
+
+from megascale.config import HeartbeatStore
 
 
 class HeartbeatBoard(Protocol):
@@ -68,7 +71,7 @@ class StoreBoard:
         self.prefix = prefix
 
     @classmethod
-    def connect(cls, host: str, port: int, attempt: int, timeout_s: float) -> "StoreBoard":
+    def connect(cls, host: str, port: int, attempt: int, timeout_s: float) -> StoreBoard:
         """A client connection to the TCPStore at host:port; `timeout_s` bounds every operation."""
         import torch.distributed as dist
 
@@ -94,7 +97,7 @@ class StoreBoard:
         return found
 
 
-def choose_board(kind: str, run_dir: Path, attempt: int, timeout_s: float,
+def choose_board(kind: HeartbeatStore, run_dir: Path, attempt: int, timeout_s: float,
                  environ: Optional[dict[str, str]] = None) -> HeartbeatBoard:
     """The board for fault.heartbeat_store `kind` (auto|store|files).
 
@@ -114,4 +117,4 @@ def choose_board(kind: str, run_dir: Path, attempt: int, timeout_s: float,
     return FileBoard(Path(run_dir) / ".heartbeats" / str(attempt))
 
 
-__all__ = ["HeartbeatBoard", "FileBoard", "StoreBoard", "choose_board"]
+__all__ = ["FileBoard", "HeartbeatBoard", "StoreBoard", "choose_board"]

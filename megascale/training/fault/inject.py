@@ -24,8 +24,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from megascale.config import ConfigError
 
@@ -135,7 +136,7 @@ def parse_fault_spec(spec: Optional[str]) -> list[Fault]:
     return [_parse_item(item.strip()) for item in spec.split(";") if item.strip()]
 
 
-def restart_attempt(environ: Optional[dict[str, str]] = None) -> int:
+def restart_attempt(environ: Optional[Mapping[str, str]] = None) -> int:
     """The elastic agent's restart count of this worker group (0 on the first attempt or without an agent)."""
     env = os.environ if environ is None else environ
     try:
@@ -154,7 +155,7 @@ class FaultInjector:
                        and (f.attempt is None or f.attempt == attempt)]
 
     @classmethod
-    def from_config(cls, cfg: Any, rank: int, environ: Optional[dict[str, str]] = None) -> "FaultInjector":
+    def from_config(cls, cfg: Any, rank: int, environ: Optional[Mapping[str, str]] = None) -> FaultInjector:
         """From ``cfg.fault.inject``, or ``MEGASCALE_FAULT`` when the config sets none."""
         env = os.environ if environ is None else environ
         spec = getattr(getattr(cfg, "fault", None), "inject", None) or env.get(ENV_VAR)
@@ -215,4 +216,4 @@ class FaultInjector:
             time.sleep(fault.seconds)
 
 
-__all__ = ["Fault", "FaultInjector", "parse_fault_spec", "restart_attempt", "ACTIONS", "POINTS", "ENV_VAR"]
+__all__ = ["ACTIONS", "ENV_VAR", "POINTS", "Fault", "FaultInjector", "parse_fault_spec", "restart_attempt"]

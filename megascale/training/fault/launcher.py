@@ -20,11 +20,14 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from megascale.config import Config
 from megascale.training.fault.events import read_events
 from megascale.training.fault.lifecycle import EXIT_PREEMPTED_CODE
+
+if TYPE_CHECKING:  # torch's elastic launcher is imported only when a launch happens
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 DEFAULT_HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -86,7 +89,7 @@ def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Conf
     return _exit_after_success(run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
 
 
-def _report_failure(err, nproc: int, max_restarts: int) -> int:
+def _report_failure(err: ChildFailedError, nproc: int, max_restarts: int) -> int:
     """One line: which ranks failed with which codes (their own message was printed by the rank)."""
     failures = err.failures
     first_rank, first = err.get_first_failure()

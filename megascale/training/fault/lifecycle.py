@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megascale.config import Config
-from megascale.training.fault.attempts import (EXIT_DONE, EXIT_PREEMPTED, AttemptInfo, AttemptRecorder)
+from megascale.training.fault.attempts import EXIT_DONE, EXIT_PREEMPTED, AttemptInfo, AttemptRecorder
 from megascale.training.fault.events import append_event
 from megascale.training.fault.preempt import PreemptionHandler
 from megascale.training.fault.worker import under_agent
+
+if TYPE_CHECKING:  # the trainer imports this module
+    from megascale.training.trainer import Trainer
 
 EXIT_PREEMPTED_CODE = 75  # EX_TEMPFAIL: stopped by preemption with a committed checkpoint; run again to resume
 
@@ -79,7 +83,7 @@ class RunLifecycle:
         return {"fault": {"useful_s": round(self.useful_s, 6), "wall_time": time.time()}}
 
     # ------------------------------------------------------------------ preemption
-    def preempt_save(self, trainer) -> None:
+    def preempt_save(self, trainer: Trainer) -> None:
         """Stop here: write a checkpoint of this step if none exists and one fits in the grace left."""
         step = trainer.step
         self.preempted_at = step

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
+from megascale.config import NanPolicy, choices_of
 from megascale.errors import UserError
 from megascale.training.fault.events import append_event
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from megascale.distributed.sharding import TensorShard
     from megascale.training.trainer import Trainer
 
-POLICIES = ("skip", "rollback", "stop")
+POLICIES = choices_of(NanPolicy)
 # Checkpoint commit errors caused by a non-finite state start with this tag.
 NONFINITE_TAG = "non-finite state"
 
@@ -124,7 +125,7 @@ class NumericsGuard:
     its verdicts and its spike window are identical on all ranks.
     """
 
-    def __init__(self, fault: "FaultConfig") -> None:
+    def __init__(self, fault: FaultConfig) -> None:
         if fault.nan_policy not in POLICIES:
             raise UserError(f"fault.nan_policy={fault.nan_policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = fault.nan_policy
@@ -138,7 +139,7 @@ class NumericsGuard:
         self.counts = {"nonfinite": 0, "spikes": 0, "nan_skipped": 0, "rollbacks": 0}
 
     @classmethod
-    def from_config(cls, cfg: "Config") -> "NumericsGuard":
+    def from_config(cls, cfg: Config) -> NumericsGuard:
         """Guard from cfg.fault (policy, spike window, limits)."""
         return cls(cfg.fault)
 
@@ -182,7 +183,7 @@ class NumericsGuard:
                 self.counts[key] = int(value)
 
 
-def first_nonfinite(pieces: list[tuple["TensorShard", Tensor]]) -> Optional[str]:
+def first_nonfinite(pieces: list[tuple[TensorShard, Tensor]]) -> Optional[str]:
     """'non-finite state: <name> holds NaN/Inf' for the first floating piece that is not finite, else None.
 
     Runs on the checkpoint's host snapshot (in the background writer for async saves), so
@@ -194,7 +195,7 @@ def first_nonfinite(pieces: list[tuple["TensorShard", Tensor]]) -> Optional[str]
     return None
 
 
-def validate(cfg: "Config") -> None:
+def validate(cfg: Config) -> None:
     """Checks of fault.* that need the rest of the config."""
     f = cfg.fault
     if f.nan_policy == "rollback" and not cfg.checkpoint.interval:
@@ -218,13 +219,13 @@ def _json_number(value: Any) -> Any:
     return value
 
 
-def _event(trainer: "Trainer", kind: str, step: Optional[int], **fields: Any) -> None:
+def _event(trainer: Trainer, kind: str, step: Optional[int], **fields: Any) -> None:
     fields = {key: _json_number(value) for key, value in fields.items()}
     if trainer.ctx.rank == 0:  # every rank reached the same verdict: one writes it down
         append_event(trainer.run_dir, kind, step=step, ranks=list(range(trainer.ctx.world_size)), **fields)
 
 
-def apply_policy(trainer: "Trainer", fault: Fault) -> None:
+def apply_policy(trainer: Trainer, fault: Fault) -> None:
     """Record a fault whose update was withheld and apply fault.nan_policy (call on every rank)."""
     guard = trainer.numerics
     counter = "spikes" if fault.kind == "spike" else "nonfinite"
@@ -247,7 +248,7 @@ def apply_policy(trainer: "Trainer", fault: Fault) -> None:
     rollback(trainer, fault)
 
 
-def stop(trainer: "Trainer", fault: Fault, reason: str) -> None:
+def stop(trainer: Trainer, fault: Fault, reason: str) -> None:
     """Finish the in-flight checkpoint, record a `stop` event and raise NumericalStop."""
     trainer.ckpt.wait()
     trainer._report_checkpoint()
@@ -259,7 +260,7 @@ def stop(trainer: "Trainer", fault: Fault, reason: str) -> None:
                         f"{trainer.consumed_samples - 1}), or set fault.nan_policy=skip|rollback{resume}")
 
 
-def rollback(trainer: "Trainer", fault: Fault) -> None:
+def rollback(trainer: Trainer, fault: Fault) -> None:
     """Reload model and optimizer state from the newest complete checkpoint; data and step go on."""
     guard = trainer.numerics
     trainer.optimizer.wait_params()
@@ -279,7 +280,7 @@ def rollback(trainer: "Trainer", fault: Fault) -> None:
                        f"{guard.max_rollbacks})")
 
 
-def may_save(trainer: "Trainer") -> bool:
+def may_save(trainer: Trainer) -> bool:
     """False (and a `checkpoint_skipped_nonfinite` event) while the weights are those whose loss was
     non-finite: skipped faults leave them in place, and a checkpoint of them must not displace good ones."""
     if not trainer.numerics.state_suspect:
@@ -291,7 +292,7 @@ def may_save(trainer: "Trainer") -> bool:
     return False
 
 
-def note_checkpoint(trainer: "Trainer", stats: dict) -> None:
+def note_checkpoint(trainer: Trainer, stats: dict) -> None:
     """Record a save that was refused because the state held NaN/Inf."""
     error = stats.get("error") or ""
     if NONFINITE_TAG in error:

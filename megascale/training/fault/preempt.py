@@ -24,10 +24,14 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from megascale.config import PreemptSignal
 
 EXIT_STUCK = 143  # 128 + SIGTERM: what a rank killed by the agent's SIGTERM would have returned
 
@@ -35,7 +39,7 @@ EXIT_STUCK = 143  # 128 + SIGTERM: what a rank killed by the agent's SIGTERM wou
 class PreemptionHandler:
     """Receives the preemption signal on any thread's behalf; `requested()` is the collective agreement."""
 
-    def __init__(self, signal_name: str, grace_s: float, device: torch.device, rank: int,
+    def __init__(self, signal_name: PreemptSignal, grace_s: float, device: torch.device, rank: int,
                  on_deadline: Optional[Callable[[str], None]] = None) -> None:
         self.signum = getattr(signal, signal_name)
         self.grace_s = grace_s
@@ -47,7 +51,7 @@ class PreemptionHandler:
         self._at_boundary = threading.Event()
         self._finished = threading.Event()
         self._flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self._previous_handler = None
+        self._previous_handler: Union[Callable[[int, Optional[FrameType]], Any], int, None] = None
         self._previous_wakeup = -1
         self._sockets: Optional[tuple[socket.socket, socket.socket]] = None
 

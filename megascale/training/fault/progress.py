@@ -65,4 +65,4 @@ class Progress:
         return (time.monotonic() if now is None else now) - self.since
 
 
-__all__ = ["Progress", "PHASE_TIMEOUT_KEYS", "phase_timeout"]
+__all__ = ["PHASE_TIMEOUT_KEYS", "Progress", "phase_timeout"]

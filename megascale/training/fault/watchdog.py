@@ -18,6 +18,7 @@ blocked in a collective, so only os._exit ends it, and the launcher restarts the
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -25,9 +26,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from megascale.distributed.topology import RankLayout
 from megascale.training.fault.events import append_event
@@ -103,7 +105,7 @@ class Watchdog:
         self._board_error: Optional[str] = None
 
     # ---------------------------------------------------------------------------- thread
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Publish the first heartbeat and start the thread."""
         self.publish()
         self._thread = threading.Thread(target=self._run, name=f"megascale-watchdog-{self.rank}", daemon=True)
@@ -139,7 +141,7 @@ class Watchdog:
         self.seq += 1
         try:
             self.board.publish(self.rank, self.record())
-        except Exception as err:  # the store's host may be gone: that is the launcher's fault path, not a hang
+        except Exception as err:  # noqa: BLE001 - the store's host may be gone: that is the launcher's fault path, not a hang
             self._note_board_error(err)
 
     def _note_board_error(self, err: Exception) -> None:
@@ -153,7 +155,7 @@ class Watchdog:
         """Read peers' heartbeats and note which changed since the last read."""
         try:
             records = self.board.read(list(self.peers) if ranks is None else ranks)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - an unreachable store is the launcher's fault path, not a hang
             self._note_board_error(err)
             return
         for rank, rec in records.items():
@@ -245,7 +247,7 @@ class Watchdog:
             try:
                 if self.board.read([reporter]).get(reporter, {}).get("reported"):
                     return
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - an unreachable store is the launcher's fault path, not a hang
                 self._note_board_error(err)
             time.sleep(min(self.interval, 0.5))
         self.report(verdict)
@@ -277,10 +279,8 @@ class Watchdog:
         for rank in ranks:
             rec = self.peers[rank].record if rank in self.peers else None
             if rec and rec.get("host") == self.host and rec.get("pid"):
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(int(rec["pid"]), signal.SIGKILL)
-                except OSError:
-                    pass
 
     def write_dump(self, verdict: HangVerdict) -> Path:
         """``<run_dir>/hang/<attempt>/rank_<r>.txt``: this rank's phase, peers' view and all Python stacks."""
@@ -307,4 +307,4 @@ def _where(rec: dict) -> str:
     return f"{phase}/{rec['collective']}" if rec.get("collective") else phase
 
 
-__all__ = ["Watchdog", "HangVerdict", "HANG_EXIT_CODE", "rank_label", "watched_ranks"]
+__all__ = ["HANG_EXIT_CODE", "HangVerdict", "Watchdog", "rank_label", "watched_ranks"]

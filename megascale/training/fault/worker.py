@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Optional
 
 PR_SET_PDEATHSIG = 1
 
@@ -107,11 +108,9 @@ def worker_process(rank: int, run_dir: Optional[str], world_size: int) -> Iterat
         if not lost:
             print(failure_line(rank, _step(state), err), file=sys.stderr, flush=True)
             if run_dir is not None:
-                try:
+                with suppress(OSError):
                     append_event(run_dir, "rank_failed", step=_step(state), ranks=[rank],
                                  error=f"{type(err).__name__}: {err}", traceback=text[-4000:])
-                except OSError:
-                    pass
         exit_now(1)
 
 
@@ -119,10 +118,8 @@ def exit_now(code: int) -> None:
     """Leave at once: a failed rank's interpreter teardown (threads, process-group destructors) can take
     seconds or block on peers that are gone, and the survivors wait for this process to close its sockets."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 
