@@ -30,9 +30,10 @@ import queue as queue_mod
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 # A scenario is called as fn(rank, world, shared): shared is what `setup` returned on this
 # rank (contexts, process groups, caches every scenario of the spawn may reuse), or {}.

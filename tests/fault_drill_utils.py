@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -81,8 +82,6 @@ def release(pid: Optional[int]) -> None:
 def stop_group(proc: subprocess.Popen) -> None:
     """Kill a still-running launcher and its workers (its own session)."""
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
         proc.wait(timeout=30)

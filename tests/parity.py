@@ -26,7 +26,8 @@ bug (a wrong slice, position or micro-batch) is off by O(gradient).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Optional
 
 import torch
 

@@ -24,9 +24,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from dist_utils import run_distributed
+from safetensors.torch import load_file
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint_v1"
 RECORDED = json.loads((FIXTURE / "reference.json").read_text())

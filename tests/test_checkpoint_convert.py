@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megascale.checkpoint.convert import (checkpoint_to_hf, hf_to_checkpoint, main, merge_checkpoint,
-                                          read_global_state)
+from megascale.checkpoint.convert import checkpoint_to_hf, hf_to_checkpoint, main, merge_checkpoint, read_global_state
 from megascale.checkpoint.hf import from_hf, merge_qkv, split_qkv, to_hf
 from megascale.cli import main as cli_main
 from megascale.config import ModelConfig
@@ -80,7 +79,7 @@ def test_merge_and_cli(tmp_path: Path) -> None:
         half = t.shape[0] // 2
         for lo, n in ((0, half), (half, t.shape[0] - half)):
             offsets = (lo,) + (0,) * (t.dim() - 1)
-            shards.append(TensorShard(name, tuple(t.shape), offsets, (n,) + tuple(t.shape[1:]), t[lo:lo + n].clone()))
+            shards.append(TensorShard(name, tuple(t.shape), offsets, (n, *tuple(t.shape[1:])), t[lo:lo + n].clone()))
     CheckpointManager(tmp_path / "ckpt", ParallelContext(RankLayout(), 0, create_groups=False), cfg).save(3, shards, {})
     assert merge_checkpoint(tmp_path / "ckpt", tmp_path / "merged.safetensors") == len(state)
     with safe_open(str(tmp_path / "merged.safetensors"), framework="pt") as f:
@@ -140,12 +139,11 @@ def test_our_model_matches_hf_logits(tmp_path: Path, kind: str) -> None:
     """Our GPT, loaded from a converted HF checkpoint, computes HF's logits."""
     import yaml
 
-    from megascale.model import build_model
-
     from megascale.checkpoint.manager import CheckpointManager
     from megascale.config import config_from_dict
     from megascale.distributed.sharding import param_shard
     from megascale.distributed.topology import ParallelContext, RankLayout
+    from megascale.model import build_model
 
     model = _hf_model(kind)
     model.save_pretrained(tmp_path / "hf_in", safe_serialization=True)

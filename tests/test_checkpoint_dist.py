@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import Outcome, run_scenarios
+
 from megascale.checkpoint import CheckpointError, CheckpointManager
 from megascale.checkpoint.format import METADATA_FILE, partial_dir_name, step_dir_name
 from megascale.checkpoint.simulate import SimLayout, SimModel, expected_tensor, rank_shards, reference_value

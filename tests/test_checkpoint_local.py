@@ -7,6 +7,7 @@ multi-process behaviour is covered in test_checkpoint_dist.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -19,8 +20,14 @@ import torch
 from safetensors import safe_open
 
 from megascale.checkpoint import CheckpointManager
-from megascale.checkpoint.format import (DEFAULT_CHECKSUM, CheckpointError, decode_extra, encode_extra,
-                                         partial_dir_name, step_dir_name)
+from megascale.checkpoint.format import (
+    DEFAULT_CHECKSUM,
+    CheckpointError,
+    decode_extra,
+    encode_extra,
+    partial_dir_name,
+    step_dir_name,
+)
 from megascale.checkpoint.planner import assign_writers
 from megascale.checkpoint.simulate import SimLayout, SimModel, expected_tensor, rank_shards, reference_value
 from megascale.config import Config
@@ -134,8 +141,8 @@ def _tiles(global_tensor: torch.Tensor, dim: int, parts: int, flat_parts: int, n
         offsets = tuple(p * size if d == dim else 0 for d in range(len(shape)))
         local = tuple(size if d == dim else shape[d] for d in range(len(shape)))
         box = global_tensor[tuple(slice(o, o + n) for o, n in zip(offsets, local))].reshape(-1)
-        cuts = [0] + sorted(torch.randperm(box.numel() - 1)[: flat_parts - 1].add(1).tolist()) + [box.numel()]
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        cuts = [0, *sorted(torch.randperm(box.numel() - 1)[:flat_parts - 1].add(1).tolist()), box.numel()]
+        for a, b in itertools.pairwise(cuts):
             out.append(TensorShard(name, shape, offsets, local, box[a:b].clone(), (a, b)))
     return out
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 SEQ, BATCH, HEAD_DIM = 16, 2, 8
@@ -58,7 +57,7 @@ def _gather_global(local: torch.Tensor, positions: torch.Tensor, group) -> torch
     dist.all_gather(all_pos, positions, group=group)
     flat_pos = torch.cat(all_pos)
     assert sorted(flat_pos.tolist()) == list(range(SEQ)), "cp ranks must cover every position exactly once"
-    out = torch.empty((SEQ,) + tuple(local.shape[1:]), dtype=local.dtype)
+    out = torch.empty((SEQ, *tuple(local.shape[1:])), dtype=local.dtype)
     out[flat_pos] = torch.cat(pieces)
     return out
 

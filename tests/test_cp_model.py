@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from functools import partial
 
+import parity
 import pytest
 import torch
-
-import parity
 from dist_utils import Outcome, run_scenarios
 
 BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=300",

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from train_utils import train
 
 STEPS = ["checkpoint.save_final=false", "train.steps=3"]

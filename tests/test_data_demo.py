@@ -29,7 +29,7 @@ def built(tmp_path_factory):
 
 
 def test_demo_corpus_is_real_stdlib_text(built):
-    cache, (prefix, model) = built
+    _cache, (prefix, model) = built
     files = demo.stdlib_files(max_bytes=SMALL["max_bytes"])
     assert len(files) > 5 and files == demo.stdlib_files(max_bytes=SMALL["max_bytes"])  # fixed list
     assert all("site-packages" not in p.parts and "test" not in p.parts for p in files)
@@ -50,7 +50,7 @@ def test_second_call_is_cached(built):
 
 
 def test_build_data_uses_demo_when_no_paths(built, monkeypatch):
-    cache, (prefix, _) = built
+    cache, (_prefix, _) = built
     monkeypatch.setattr(demo, "build_demo_corpus", functools.partial(demo.build_demo_corpus, max_bytes=300_000))
     cfg = load_config(None, ["data.demo=true", f"data.cache_dir={cache.parent}/{cache.name}-run",
                              "model.vocab_size=512", "model.seq_length=32", "data.split=80,20,0", "train.global_batch_size=4",
@@ -62,7 +62,7 @@ def test_build_data_uses_demo_when_no_paths(built, monkeypatch):
     assert valid is not None
     train.close()
     valid.close()
-    with pytest.raises(UserError, match="data.paths is empty"):
+    with pytest.raises(UserError, match=r"data.paths is empty"):
         build_data(load_config(None, ["train.steps=2"]), ParallelContext(RankLayout(), rank=0))
-    with pytest.raises(UserError, match="model.vocab_size >= 512"):
+    with pytest.raises(UserError, match=r"model.vocab_size >= 512"):
         demo.build_demo_corpus(cache, vocab_size=300)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
 from megascale.config import load_config
 from megascale.data import loader as loader_module
 from megascale.data.indexed import IndexedDatasetBuilder

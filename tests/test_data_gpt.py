@@ -42,7 +42,7 @@ def test_split_ranges():
     assert split_ranges(100, "98,2,0") == [(0, 98), (98, 100), (100, 100)]
     assert split_ranges(10, "8,1,1") == [(0, 8), (8, 9), (9, 10)]
     assert split_ranges(7, "1") == [(0, 7), (7, 7), (7, 7)]
-    with pytest.raises(UserError, match="data.split"):
+    with pytest.raises(UserError, match=r"data.split"):
         split_ranges(10, "a,b")
 
 
@@ -209,6 +209,6 @@ def test_valid_cycles_and_vocab_check(data_dir, tmp_path):
     it.close()
     small = BatchIterator(valid, num_samples=2 * G, seq_length=SEQ, global_batch_size=G, micro_batch_size=G,
                           vocab_size=10, prefetch=1)
-    with pytest.raises(UserError, match="model.vocab_size"):
+    with pytest.raises(UserError, match=r"model.vocab_size"):
         small.next_step()
     small.close()

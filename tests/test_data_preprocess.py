@@ -35,13 +35,13 @@ def _docs(prefix) -> list[list[int]]:
 
 def _expected(tokenizer_path, texts) -> list[list[int]]:
     tok = load_tokenizer(tokenizer_path)
-    return [tok.encode(t) + [tok.eos_id] for t in texts]
+    return [[*tok.encode(t), tok.eos_id] for t in texts]
 
 
 def test_tokenizer_round_trip(tokenizer_path):
     tok = load_tokenizer(tokenizer_path)
     assert tok.vocab_size == 320 and tok.eos_id >= 0 and tok.bos_id >= 0
-    for text in TEXTS[:4] + ["never seen: ∮ E⋅da = Q, \t tabs\x07"]:
+    for text in [*TEXTS[:4], "never seen: ∮ E⋅da = Q, \t tabs\x07"]:
         assert tok.decode(tok.encode(text)) == text  # byte fallback + identity normalisation
     with pytest.raises(UserError, match="not found"):
         load_tokenizer(tokenizer_path.parent / "missing.model")
@@ -72,8 +72,8 @@ def test_jsonl_workers_keep_order(tmp_path, tokenizer_path):
     texts = [f"{TEXTS[i % len(TEXTS)]} #{i}" for i in range(700)]
     src.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts)))
     common = ["--input", str(src), "--json-key", "body", "--tokenizer-model", str(tokenizer_path), "--quiet"]
-    preprocess(common + ["--output-prefix", str(tmp_path / "one")])
-    preprocess(common + ["--output-prefix", str(tmp_path / "two"), "--workers", "2"])
+    preprocess([*common, "--output-prefix", str(tmp_path / "one")])
+    preprocess([*common, "--output-prefix", str(tmp_path / "two"), "--workers", "2"])
     assert _docs(tmp_path / "one") == _expected(tokenizer_path, texts)
     assert (tmp_path / "one.bin").read_bytes() == (tmp_path / "two.bin").read_bytes()
     assert (tmp_path / "one.idx").read_bytes() == (tmp_path / "two.idx").read_bytes()
@@ -118,7 +118,7 @@ def test_undecodable_txt_line_and_cli_exit_code(tmp_path, tokenizer_path, capsys
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert "doc.txt:3: undecodable bytes" in err and "Traceback" not in err
-    assert cli_main(args + ["--skip-bad-lines"]) == 0
+    assert cli_main([*args, "--skip-bad-lines"]) == 0
     assert "skipped 1 bad lines" in capsys.readouterr().out
     assert _docs(tmp_path / "o") == _expected(tokenizer_path, ["line one\nline two\nline four\n"])
 

@@ -13,7 +13,6 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import Outcome, run_distributed, run_scenarios
 
 WORLD = 2

@@ -17,8 +17,15 @@ from pathlib import Path
 import pytest
 
 from megascale.diagnostics.checks import CheckSpec, plan_checks
-from megascale.diagnostics.detect import (Finding, Measurement, below_peak, find_problems, peers_median, slow_outliers,
-                                          suspect_ranks)
+from megascale.diagnostics.detect import (
+    Finding,
+    Measurement,
+    below_peak,
+    find_problems,
+    peers_median,
+    slow_outliers,
+    suspect_ranks,
+)
 from megascale.diagnostics.measure import Slowdown
 from megascale.diagnostics.report import build_report, format_table
 from megascale.distributed.topology import RankLayout

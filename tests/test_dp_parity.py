@@ -13,22 +13,22 @@ amplify last-bit differences of near-zero gradient entries, hence the rtol).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import Outcome, run_scenarios
+from test_optim_single import Tiny, make_cfg, reference_update
 from torch import nn
 
-from dist_utils import Outcome, run_scenarios
 from megascale.config import Config
 from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, get_shard, set_shard, split_spec
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.optim import lr_at
-from test_optim_single import Tiny, make_cfg, reference_update
 
 WORLD = 4
 STEPS = 4

@@ -14,12 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from train_utils import ROOT, SMALL
 
 from megascale.checkpoint.format import partial_dir_name, step_dir_name
 from megascale.config import ConfigError
 from megascale.training.fault.inject import Fault, FaultInjector, parse_fault_spec
-
-from train_utils import ROOT, SMALL
 
 
 def _cfg(spec=None):

@@ -117,7 +117,7 @@ def test_spike_zscore_against_window() -> None:
         assert guard.check(step, loss, 1.0, False) is None  # window still filling: never a spike
     below = mean + 3.9 * std
     assert guard.check(7, below, 1.0, False) is None  # z 3.9: healthy, and it joins the window
-    window = window[1:] + [below]
+    window = [*window[1:], below]
     mean = sum(window) / len(window)
     std = math.sqrt(sum((x - mean) ** 2 for x in window) / len(window))
     spike = guard.check(8, mean + 4.2 * std, 1.0, False)
@@ -151,12 +151,12 @@ def test_nan_injection_poisons_the_loss_share_before_the_sum() -> None:
 def test_config_checks() -> None:
     cfg = Config()
     cfg.fault.nan_policy = "rollback"
-    with pytest.raises(UserError, match="checkpoint.interval"):
+    with pytest.raises(UserError, match=r"checkpoint.interval"):
         validate(cfg)
     cfg.checkpoint.interval = 2
     validate(cfg)
     cfg.fault.spike_window = 0
-    with pytest.raises(UserError, match="fault.spike_window"):
+    with pytest.raises(UserError, match=r"fault.spike_window"):
         validate(cfg)
 
 

@@ -221,9 +221,7 @@ def test_plain_torchrun_restart_without_fresh_store(tmp_path: Path, fault_free_d
     lets the restarted group connect."""
     run_slow(request)
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "--max-restarts=1", "--monitor-interval=0.1", "-m", "megascale.train"] + \
-        train_command(out, "train.steps=10", "checkpoint.interval=2")[4:]
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1", "-m", "megascale.train", *train_command(out, "train.steps=10", "checkpoint.interval=2")[4:]]
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1], stdout=(tmp_path / "log").open("w"),
                             stderr=subprocess.STDOUT, env=dict(env, OMP_NUM_THREADS="1"), start_new_session=True)

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from fault_drill_utils import metrics_steps, release, start_train, stop_group, wait_for_step, worker_pid
+from train_utils import ROOT, SMALL
 
 from megascale.distributed.topology import RankLayout
 from megascale.training.fault.events import read_events
@@ -23,9 +25,6 @@ from megascale.training.fault.heartbeat import FileBoard, StoreBoard, choose_boa
 from megascale.training.fault.progress import Progress, phase_timeout
 from megascale.training.fault.supervise import collective_timeout_s, configure_nccl
 from megascale.training.fault.watchdog import HANG_EXIT_CODE, Watchdog, watched_ranks
-
-from fault_drill_utils import metrics_steps, release, start_train, stop_group, wait_for_step, worker_pid
-from train_utils import ROOT, SMALL
 
 
 def _fault_cfg(**overrides):
@@ -153,7 +152,7 @@ def test_board_choice(tmp_path):
     assert isinstance(board, FileBoard) and board.directory == tmp_path / ".heartbeats" / "2"
     from megascale.config import ConfigError
 
-    with pytest.raises(ConfigError, match="fault.heartbeat_store=store needs MASTER_ADDR"):
+    with pytest.raises(ConfigError, match=r"fault.heartbeat_store=store needs MASTER_ADDR"):
         choose_board("store", tmp_path, 0, 5, environ={})
 
 

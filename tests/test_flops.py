@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 
 from megascale.config import load_config
-from megascale.perf.flops import (classic_gpt_flops_per_token, forward_flops_per_token,
-                                      hardware_flops_per_token, train_flops_per_token)
+from megascale.perf.flops import (
+    classic_gpt_flops_per_token,
+    forward_flops_per_token,
+    hardware_flops_per_token,
+    train_flops_per_token,
+)
 
 GPT3 = ["model.num_layers=96", "model.hidden_size=12288", "model.num_heads=96", "model.vocab_size=64000",
         "model.seq_length=2048", "model.activation=gelu"]
@@ -32,8 +36,7 @@ def test_megatron_mfu_column_of_megascale_table() -> None:
 def test_gqa_and_swiglu_change_matmul_sizes() -> None:
     base = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=128",
             "model.seq_length=32"]
-    m = load_config(None, base + ["model.num_kv_heads=2", "model.activation=swiglu",
-                                  "model.ffn_hidden_size=160"]).model
+    m = load_config(None, [*base, "model.num_kv_heads=2", "model.activation=swiglu", "model.ffn_hidden_size=160"]).model
     h, d, s, V, ffn = 64, 8, 32, 128, 160
     per_layer = 2 * h * (8 + 2 * 2) * d + 2 * 2 * s * 8 * d + 2 * 8 * d * h + 2 * 3 * h * ffn
     assert forward_flops_per_token(m) == 2 * per_layer + 2 * h * V
@@ -46,8 +49,7 @@ def test_sliding_window_counts_window_keys() -> None:
     base = ["model.num_layers=1", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=128",
             "model.seq_length=1024"]
     full = forward_flops_per_token(load_config(None, base).model)
-    windowed = forward_flops_per_token(load_config(None, base + ["model.attention=sliding_window",
-                                                                 "model.window_size=256"]).model)
+    windowed = forward_flops_per_token(load_config(None, [*base, "model.attention=sliding_window", "model.window_size=256"]).model)
     assert full - windowed == 4 * (1024 - 256) * 64
 
 

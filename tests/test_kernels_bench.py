@@ -12,9 +12,9 @@ from megascale.perf.flops import gpt_train_flops_per_token
 
 
 def test_flops_formula_matches_classic_gpt_closed_form() -> None:
-    l, h, s, v = 24, 2048, 2048, 50304
-    closed = 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
-    assert gpt_train_flops_per_token(l, h, 16, s, v) == pytest.approx(closed, rel=1e-12)
+    layers, h, s, v = 24, 2048, 2048, 50304
+    closed = 72 * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    assert gpt_train_flops_per_token(layers, h, 16, s, v) == pytest.approx(closed, rel=1e-12)
 
 
 def test_flops_formula_reproduces_megatron_mfu_from_reference() -> None:

@@ -18,7 +18,7 @@ Sizes include odd hidden sizes and vocab shards that force the scalar
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -76,7 +76,7 @@ def _compare(fn: Callable, ref: Callable, inputs: Sequence, dtype: torch.dtype, 
     for i, (a, b) in enumerate(zip(low, exact)):
         if isinstance(a, torch.Tensor) and a.requires_grad:
             torch.testing.assert_close(a.grad.double(), b.grad, **_tol(dtype, reduced=i in reduced_grads),
-                                       msg=lambda m: f"input {i}: {m}")
+                                       msg=lambda m, i=i: f"input {i}: {m}")
 
 
 def _randn(*shape: int) -> torch.Tensor:

@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import torch
-
 from dist_utils import run_distributed
+
 from megascale.config import load_config
 from megascale.distributed.random import RNGTracker, seed_everything
 from megascale.distributed.topology import ParallelContext, RankLayout
@@ -49,7 +49,7 @@ def test_tracker_fork_leaves_default_stream_untouched() -> None:
 
 
 def _loss_and_grads(recompute: str) -> tuple[float, dict]:
-    cfg = load_config(None, BASE + [f"train.recompute={recompute}"])
+    cfg = load_config(None, [*BASE, f"train.recompute={recompute}"])
     ctx = ParallelContext(RankLayout(), create_groups=False)
     tracker = seed_everything(cfg.train.seed, 0, 0, torch.device("cpu"))
     chunk = build_model(cfg, ctx, tracker)[0]

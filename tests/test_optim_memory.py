@@ -6,8 +6,13 @@ import pytest
 
 from megascale.config import load_config
 from megascale.distributed.topology import ParallelContext, RankLayout
-from megascale.perf.memory import (_activation_bytes_per_layer, _inflight, _stage_estimate, estimate_memory,
-                                   format_memory)
+from megascale.perf.memory import (
+    _activation_bytes_per_layer,
+    _inflight,
+    _stage_estimate,
+    estimate_memory,
+    format_memory,
+)
 from megascale.run_plan import resolve_plan
 
 
@@ -20,8 +25,7 @@ from megascale.run_plan import resolve_plan
 def test_param_count_matches_built_model(overrides: list[str]) -> None:
     from megascale.model.gpt import build_model
 
-    cfg = load_config("configs/tiny.yaml", overrides + ["model.num_layers=4", "model.hidden_size=64",
-                                                         "model.vocab_size=1000"])
+    cfg = load_config("configs/tiny.yaml", [*overrides, "model.num_layers=4", "model.hidden_size=64", "model.vocab_size=1000"])
     layout = RankLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     plan = resolve_plan(cfg, layout.world_size)
     for rank in range(layout.world_size):

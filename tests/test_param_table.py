@@ -200,7 +200,7 @@ def test_checkpoint_simulator_hands_out_the_real_models_shards(layout: SimLayout
         real = [param_shard(p) for chunk in models[(c["tp"], c["pp"])] for p in chunk.parameters()]
         shards = rank_shards(sim, layout, rank, reference_value(0))
         params = [s for s in shards if not s.name.startswith("optim.")]
-        assert [s.key + (s.global_shape,) for s in params] == [s.key + (s.global_shape,) for s in real], rank
+        assert [(*s.key, s.global_shape) for s in params] == [(*s.key, s.global_shape) for s in real], rank
     assert sim.numel() == param_table(sim.model_config()).numel()
     # replicas: exactly the ranks whose shards hold the same piece
     table = sim.table(layout)
@@ -242,7 +242,7 @@ def test_hf_rename_coverage_finds_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
     problems = rename_coverage(LLAMA, "llama")
     assert "parameter layers.0.mlp.fc2.weight has no HF name" in problems
     assert "from_hf does not make parameter layers.1.mlp.fc2.weight" in problems
-    renames["llama"] = list(hf._LAYER_RENAMES["llama"]) + [("mlp.extra.weight", "mlp.extra.weight", False)]
+    renames["llama"] = [*list(hf._LAYER_RENAMES["llama"]), ("mlp.extra.weight", "mlp.extra.weight", False)]
     assert rename_coverage(LLAMA, "llama") == ["to_hf reads 'layers.0.mlp.extra.weight', which the model does not have"]
 
 

@@ -19,9 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from dist_utils import Outcome, run_scenarios
+from torch import nn
 
 WORLD = 4
 VOCAB, HIDDEN, SEQ, MB = 11, 8, 6, 2
@@ -100,8 +99,12 @@ def _reference(num_layers: int, batches: list[dict]) -> tuple[list[float], dict[
 
 
 def _run_scenario(contexts: dict, name: str) -> None:
-    from megascale.distributed.pipeline import (build_schedule, forward_backward_pipelined,
-                                                forward_only_pipelined, layers_for_rank)
+    from megascale.distributed.pipeline import (
+        build_schedule,
+        forward_backward_pipelined,
+        forward_only_pipelined,
+        layers_for_rank,
+    )
 
     pp, vpp, schedule_name, m, num_layers, split, multiplier, forward_only = SCENARIOS[name]
     ctx = contexts[pp]  # the executor takes vpp from len(chunks), so one context per pp serves all

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from functools import partial
 
+import parity
 import pytest
 import torch
-
-import parity
 from dist_utils import Outcome, run_scenarios
 
 BASE = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.vocab_size=100",

@@ -65,7 +65,7 @@ def test_errors_name_the_key_and_fix(num_layers, pp, vpp, split, fragment) -> No
 
 
 def test_rank_outside_pp() -> None:
-    with pytest.raises(ConfigError, match="outside parallel.pp=2"):
+    with pytest.raises(ConfigError, match=r"outside parallel.pp=2"):
         layers_for_rank(8, 2, 1, 2)
 
 
@@ -82,7 +82,7 @@ def _max_cost(counts: list[int], cost: StageCost) -> float:
 def _brute_force_best(num_layers: int, stages: int, cost: StageCost) -> float:
     best = float("inf")
     for cuts in itertools.combinations(range(num_layers + 1), stages - 1):
-        bounds = (0,) + cuts + (num_layers,)
+        bounds = (0, *cuts, num_layers)
         counts = [bounds[i + 1] - bounds[i] for i in range(stages)]
         if any(c == 0 for c in counts[1:-1]):
             continue

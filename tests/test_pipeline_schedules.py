@@ -8,8 +8,17 @@ import pytest
 
 from megascale.config import ConfigError
 from megascale.distributed.pipeline.schedules import (
-    BACKWARD, FORWARD, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, Action, bubble_fraction, build_schedule,
-    format_compute, format_schedule,
+    BACKWARD,
+    FORWARD,
+    RECV_BWD,
+    RECV_FWD,
+    SEND_BWD,
+    SEND_FWD,
+    Action,
+    bubble_fraction,
+    build_schedule,
+    format_compute,
+    format_schedule,
 )
 from megascale.distributed.pipeline.simulator import ScheduleError, check_coverage, simulate
 
@@ -106,7 +115,7 @@ def test_interleaved_order_follows_megatron() -> None:
 
 
 def test_interleaved_needs_microbatches_multiple_of_pp() -> None:
-    with pytest.raises(ConfigError, match="multiple of parallel.pp=4"):
+    with pytest.raises(ConfigError, match=r"multiple of parallel.pp=4"):
         build_schedule("interleaved", 4, 2, 6, 0)
     with pytest.raises(ConfigError, match="vpp=2"):
         build_schedule("1f1b", 4, 2, 8, 0)

@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from train_utils import train
 
 SCHEDULE = ["train.micro_batch_size=1", "optim.warmup_steps=2", "optim.decay_steps=4", "model.tie_embeddings=true"]

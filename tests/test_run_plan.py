@@ -4,6 +4,8 @@ and every layout error is raised by it with the message that names the key and t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import re
 import subprocess
 import sys
@@ -92,7 +94,7 @@ def test_stage_split_matches_partition_and_model(overrides: list[str], world: in
             assert all(q.dtype == plan.precision.param_dtype for c in chunks for q in c.parameters())
     assert sorted(covered) == list(range(m.num_layers))
     assert sum(plan.stage_layer_counts) == m.num_layers and len(plan.stage_layer_counts) == plan.num_stages
-    assert [e.layers for e in stage_estimates(cfg, plan)] == [len(sum(plan.chunk_layers(r), []))
+    assert [e.layers for e in stage_estimates(cfg, plan)] == [len(functools.reduce(operator.iadd, plan.chunk_layers(r), []))
                                                              for r in range(plan.pp)]
 
 

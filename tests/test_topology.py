@@ -6,8 +6,8 @@ import itertools
 from functools import partial
 
 import pytest
-
 from dist_utils import Outcome, run_scenarios
+
 from megascale.distributed.topology import LayoutError, ParallelContext, RankLayout, read_dist_env
 
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import parity
 import pytest
 import torch
-
-import parity
 from dist_utils import run_distributed
 
 WORLD = 4
@@ -245,8 +244,8 @@ def test_bench_runs_and_counts_bytes(capsys: pytest.CaptureFixture) -> None:
     assert main(["--nproc", "2", "--hidden", "32", "--heads", "4", "--seq", "8", "--micro-batch", "3",
                  "--iters", "1", "--rounds", "1", "--warmup", "0", "--threads", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    sent = [line for line in out.splitlines() if "bytes sent per rank" in line][0]
+    sent = next(line for line in out.splitlines() if "bytes sent per rank" in line)
     analytic = 8 * 8 * 3 * 32 // 2 * 4
     assert f"{analytic:,} (=" in sent and f"{analytic:,} counted" in sent, out
-    agree = [line for line in out.splitlines() if "agree to" in line][0]
+    agree = next(line for line in out.splitlines() if "agree to" in line)
     assert float(agree.split()[-1]) < 1e-5, out

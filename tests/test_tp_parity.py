@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from functools import partial
 
+import parity
 import pytest
 import torch
-
-import parity
 from dist_utils import Outcome, run_scenarios
 
 BASE = [*parity.SMALL_MODEL, "train.seed=7"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from parity import reference_overrides
 from train_utils import train
 
