@@ -101,6 +101,11 @@ def final_loss(out: Path) -> float:
     return records[-1]["loss"]
 
 
+def step_losses(out: Path) -> dict[int, float]:
+    """step -> loss (a step trained again after a restart: its last record)."""
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
 def live_workers(out: Path) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
@@ -194,14 +199,14 @@ MULTI_NAN_STEP = 13
 MULTI_NAN = f"nan:rank=1:step={MULTI_NAN_STEP}:attempt=4"
 
 
-def multi_reference(base: Path, nproc: int) -> float:
+def multi_reference(base: Path, nproc: int) -> Path:
     """Final loss of the same run with no restart, whose one fault is the NaN at the same step (skipped)."""
     out = base / "multi_reference" / "run"
     spec = f"fault.inject=nan:rank=1:step={MULTI_NAN_STEP}"
     proc = start([*command(out, nproc), *MULTI, spec], base / "multi_reference.log")
     if proc.wait() != 0:
         raise SystemExit(f"reference run failed; see {base / 'multi_reference.log'}")
-    return final_loss(out)
+    return out
 
 
 def first_survivor_stop(out: Path, attempt: int) -> float:
@@ -218,15 +223,21 @@ def wait_attempt(out: Path, attempt: int, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def multi_line(name: str, detect: float, restart: dict) -> str:
-    return (f"  {name}: detected {detect:.2f} s, recovered {restart['recover_s']:.1f} s, last step "
+def seconds(value: float | None, digits: int = 1) -> str:
+    """A duration for the report ('?' where the records could not tell)."""
+    return "?" if value is None else f"{value:.{digits}f} s"
+
+
+def multi_line(name: str, detect: float | None, restart: dict) -> str:
+    return (f"  {name}: detected {seconds(detect, 2)}, recovered {seconds(restart['recover_s'])}, last step "
             f"{restart['last_step']}, resumed from {restart['resumed_from']}, {restart['steps_lost']} steps lost "
             f"(cause: {restart['cause'][:90]})")
 
 
 def drill_multi(base: Path, nproc: int) -> str:
     """Five faults in one run; see the module docstring."""
-    reference = multi_reference(base, nproc)
+    reference_dir = multi_reference(base, nproc)
+    reference = final_loss(reference_dir)
     out = base / "multi" / "run"
     spec = f"fault.inject={MULTI_RAISE};{MULTI_CRASH};{MULTI_NAN}"
     proc = start([*command(out, nproc, max_restarts=4), *MULTI, spec], base / "multi.log")
@@ -258,11 +269,12 @@ def drill_multi(base: Path, nproc: int) -> str:
                         restarts[2]),
              multi_line("raise on rank 0", restarts[3]["detect_s"], restarts[3]),
              multi_line("crash_in_save on rank 1", restarts[4]["detect_s"], restarts[4]),
-             f"  nan on rank 1: detected at step {nan[0]['step']} (same step, before the update), "
-             f"{len(nan)} event(s), update skipped, 0 steps lost, no restart",
-             f"  effective training time {100 * end['effective']:.1f}% ({end['useful_s']:.1f} s of "
-             f"{end['wall_s']:.1f} s wall); final loss {final_loss(out):.6f} vs {reference:.6f} for the run "
-             f"without restarts with the same NaN skipped ({'equal' if final_loss(out) == reference else 'DIFFERENT'})"]
+             (f"  nan on rank 1: detected at step {nan[0]['step']} (same step, before the update), "
+              f"{len(nan)} event(s), update skipped, 0 steps lost, no restart"),
+             (f"  effective training time {100 * end['effective']:.1f}% ({end['useful_s']:.1f} s of "
+              f"{end['wall_s']:.1f} s wall); final loss {final_loss(out):.6f} vs {reference:.6f} for the run without "
+              f"restarts with the same NaN skipped; all {MULTI_STEPS} step losses "
+              f"{'equal' if step_losses(out) == step_losses(reference_dir) else 'DIFFERENT'}")]
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 PR_SET_PDEATHSIG = 1
 
@@ -124,6 +124,17 @@ def exit_now(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def exit_after_hang(state: dict, watchdog: Any, code: int) -> None:
+    """The watchdog's exit (it runs in the watchdog thread while the main thread is blocked): record how this
+    rank ended, so the restart can tell the hung rank from the ranks that stopped because of it, then leave."""
+    verdict = watchdog.fired
+    if verdict is not None and watchdog.rank in verdict.culprits:
+        _record_exit(state, "error", f"hang: {verdict.details.get(watchdog.rank, verdict.reason)}")
+    else:
+        _record_exit(state, "hang", "stopped by the watchdog: a peer hung")
+    exit_now(code)
 
 
 def _step(state: dict) -> Optional[int]:
