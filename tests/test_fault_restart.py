@@ -28,6 +28,7 @@ from fault_procs import (
     wait_for_step,
     worker_pids,
 )
+from train_utils import ROOT
 
 from megascale.training.fault.attempts import describe_restart
 from megascale.training.fault.rendezvous import agent_store_prefix
@@ -169,7 +170,7 @@ def test_sigkill_of_a_worker_without_restarts_ends_the_job(tmp_path: Path) -> No
 
 def corrupt_data_file(step_dir: Path) -> Path:
     """Flip bytes in the middle of a rank's data file (its header stays readable, its checksums do not match)."""
-    data = sorted(step_dir.glob("rank_*.safetensors"))[0]
+    data = min(step_dir.glob("rank_*.safetensors"))
     raw = bytearray(data.read_bytes())
     middle = len(raw) // 2
     raw[middle:middle + 16] = bytes(b ^ 0xFF for b in raw[middle:middle + 16])
@@ -182,13 +183,11 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
     checkpoint, and the run finishes with the losses of an uninterrupted run."""
     common = ["checkpoint.interval=2", "checkpoint.save_final=false"]
     reference_dir = tmp_path / "reference"
-    ref = subprocess.run(train_command(reference_dir, "train.steps=6", *common), cwd=Path(__file__).resolve().parents[1],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert ref.returncode == 0, ref.stderr[-2000:]
     out = tmp_path / "run"
-    first = subprocess.run(train_command(out, "train.steps=4", *common), cwd=Path(__file__).resolve().parents[1],
-                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert first.returncode == 0, first.stderr[-2000:]
+    for run_dir, steps in ((reference_dir, 6), (out, 4)):
+        done = subprocess.run(train_command(run_dir, f"train.steps={steps}", *common), cwd=ROOT, capture_output=True,
+                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
     assert latest_step(out) == 4
     corrupt_data_file(out / "checkpoints" / "step_00000004")
     log = tmp_path / "log"
@@ -317,6 +316,7 @@ def test_sigstop_hang_is_named_restarted_and_matches_fault_free(tmp_path: Path, 
     assert "rank 1 (tp 0, cp 0, dp 1, pp 0 on" in (tmp_path / "log").read_text()
     (restart,) = events(out, "restart")
     assert restart["attempt"] == 1 and restart["ranks"] == [1] and restart["resumed_from"] in (4, 6)
+    assert restart["detect_s"] is not None and restart["recover_s"] > 0  # rank 0 recorded its watchdog exit
     assert losses(out) == fault_free_dp2
 
 
@@ -327,8 +327,8 @@ def test_crash_in_save_restarts_and_matches_fault_free(tmp_path: Path, fault_fre
     the uncommitted step 6 is never loaded, and the run ends with the fault-free losses."""
     run_slow(request)
     out = tmp_path / "run"
-    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2", "fault.inject=crash_in_save:rank=1:step=6",
-                               nproc=2, max_restarts=1), tmp_path / "log")
+    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2",
+                               "fault.inject=crash_in_save:rank=1:step=6", nproc=2, max_restarts=1), tmp_path / "log")
     assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()
     assert "injected fault: crash_in_save on rank 1 at step 6" in (tmp_path / "log").read_text()
     (restart,) = events(out, "restart")
