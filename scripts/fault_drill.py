@@ -190,8 +190,9 @@ def drill_preempt(base: Path, nproc: int, reference: float) -> str:
 
 
 MULTI_STEPS = 16
+MULTI_STEP_TIMEOUT = 5  # seconds: the hung rank must be named within this + 10 s
 MULTI = [f"train.steps={MULTI_STEPS}", f"optim.decay_steps={MULTI_STEPS}", "checkpoint.interval=2",
-         "fault.step_timeout_s=5", "fault.heartbeat_s=1", "fault.checkpoint_timeout_s=30", "fault.nan_policy=skip"]
+         f"fault.step_timeout_s={MULTI_STEP_TIMEOUT}", "fault.heartbeat_s=1", "fault.checkpoint_timeout_s=30", "fault.nan_policy=skip"]
 # Each injected fault names its attempt, so it fires once and the restarted group runs past it.
 MULTI_RAISE = "raise:rank=0:step=7:attempt=2"
 MULTI_CRASH = "crash_in_save:rank=1:step=10:attempt=3"
@@ -200,7 +201,7 @@ MULTI_NAN = f"nan:rank=1:step={MULTI_NAN_STEP}:attempt=4"
 
 
 def multi_reference(base: Path, nproc: int) -> Path:
-    """Final loss of the same run with no restart, whose one fault is the NaN at the same step (skipped)."""
+    """Run directory of the same run with no restart, whose one fault is the NaN at the same step (skipped)."""
     out = base / "multi_reference" / "run"
     spec = f"fault.inject=nan:rank=1:step={MULTI_NAN_STEP}"
     proc = start([*command(out, nproc), *MULTI, spec], base / "multi_reference.log")
@@ -228,8 +229,10 @@ def seconds(value: float | None, digits: int = 1) -> str:
     return "?" if value is None else f"{value:.{digits}f} s"
 
 
-def multi_line(name: str, detect: float | None, restart: dict) -> str:
-    return (f"  {name}: detected {seconds(detect, 2)}, recovered {seconds(restart['recover_s'])}, last step "
+def multi_line(name: str, detect: float | None, restart: dict, bound: float | None = None) -> str:
+    """One fault of the multi drill: detect (against `bound` where the drill promises one), recover, steps lost."""
+    within = "" if bound is None or detect is None else f" ({'within' if detect < bound else 'OVER'} {bound:g} s)"
+    return (f"  {name}: detected {seconds(detect, 2)}{within}, recovered {seconds(restart['recover_s'])}, last step "
             f"{restart['last_step']}, resumed from {restart['resumed_from']}, {restart['steps_lost']} steps lost "
             f"(cause: {restart['cause'][:90]})")
 
@@ -264,9 +267,9 @@ def drill_multi(base: Path, nproc: int) -> str:
     nan = events(out, "nan")
     (end,) = events(out, "run_end")
     lines = [f"multi: exit {code}, {end['attempts']} attempts, {MULTI_STEPS} steps; per fault:",
-             multi_line("SIGKILL rank 1 (outside)", first_survivor_stop(out, 0) - killed, restarts[1]),
+             multi_line("SIGKILL rank 1 (outside)", first_survivor_stop(out, 0) - killed, restarts[1], bound=30),
              multi_line(f"SIGSTOP rank 1 (outside), hang named rank {hang['ranks']}", hang["time"] - stopped,
-                        restarts[2]),
+                        restarts[2], bound=MULTI_STEP_TIMEOUT + 10),
              multi_line("raise on rank 0", restarts[3]["detect_s"], restarts[3]),
              multi_line("crash_in_save on rank 1", restarts[4]["detect_s"], restarts[4]),
              (f"  nan on rank 1: detected at step {nan[0]['step']} (same step, before the update), "
@@ -306,8 +309,9 @@ def main() -> int:
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     if args.scenario == "multi":
-        print(drill_multi(args.out, args.nproc), flush=True)
-        return 0
+        report = drill_multi(args.out, args.nproc)
+        print(report, flush=True)
+        return 1 if "OVER" in report or "DIFFERENT" in report else 0
     wanted = args.only.split(",")
     reference = 0.0
     if {"restart", "preempt"} & set(wanted):
