@@ -14,6 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from fault_drill_utils import (
+    metrics_steps,
+    release,
+    start_train,
+    stop_group,
+    wait_for_step,
+    worker_pid,
+)
+from train_utils import ROOT, SMALL
 
 from megascale.distributed.topology import RankLayout
 from megascale.training.fault.events import read_events
@@ -22,13 +31,10 @@ from megascale.training.fault.progress import Progress, phase_timeout
 from megascale.training.fault.supervise import collective_timeout_s, configure_nccl
 from megascale.training.fault.watchdog import HANG_EXIT_CODE, Watchdog, watched_ranks
 
-from fault_drill_utils import metrics_steps, release, start_train, stop_group, wait_for_step, worker_pid
-from train_utils import ROOT, SMALL
-
 
 def _fault_cfg(**overrides):
-    values = dict(startup_timeout_s=60.0, step_timeout_s=5.0, checkpoint_timeout_s=30.0, heartbeat_s=1.0,
-                  collective_timeout_s=0.0)
+    values = {"startup_timeout_s": 60.0, "step_timeout_s": 5.0, "checkpoint_timeout_s": 30.0, "heartbeat_s": 1.0,
+              "collective_timeout_s": 0.0}
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -185,7 +191,7 @@ def test_single_process_hang_is_detected_and_dumped(tmp_path):
     args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml", f"train.output_dir={out}",
             *SMALL, "model.num_layers=2", "train.steps=20", *HANG, "fault.inject=hang:rank=0:step=3:mode=sleep"]
     start = time.monotonic()
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
     events = read_events(out, "hang")
@@ -267,7 +273,7 @@ def test_checkpoint_writer_hang_trips_the_checkpoint_timeout(tmp_path):
     args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml", f"train.output_dir={out}",
             *SMALL, "model.num_layers=2", "train.steps=40", "checkpoint.interval=2", "fault.heartbeat_s=1",
             "fault.checkpoint_timeout_s=4", "fault.inject=hang:rank=0:step=2:point=in_save:mode=sleep"]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
     events = read_events(out, "hang")
