@@ -348,7 +348,13 @@ def test_corrupted_latest_checkpoint_on_restart_falls_back(tmp_path: Path, fault
                  tmp_path / "log")
     wait_for_step(out, 5, proc)
     os.kill(rank_pid(out, 1), signal.SIGKILL)
-    newest = latest_step(out)  # no commit can follow: rank 1 is gone (the new group takes seconds to start)
+    # An in-flight save may still commit until the survivor has stopped; the new group then takes seconds to start.
+    survivor = out / "attempts" / "0" / "rank_0.json"
+    deadline = time.time() + 60
+    while "exit" not in json.loads(survivor.read_text()) and not (out / "attempts" / "1").exists():
+        assert time.time() < deadline, "the survivor did not stop"
+        time.sleep(0.02)
+    newest = latest_step(out)
     corrupt_data_file(out / "checkpoints" / f"step_{newest:08d}")
     assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()
     assert f"step_{newest:08d} is not loadable, falling back" in (tmp_path / "log").read_text()
