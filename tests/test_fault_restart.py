@@ -96,6 +96,27 @@ def test_launch_env_sets_fresh_store_and_forwards_preempt_signal() -> None:
     assert launch_env(cfg, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "99"})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "99"
 
 
+def test_launcher_names_a_rank_killed_outright_from_this_launchs_records(tmp_path: Path) -> None:
+    """An earlier launch left attempts 0-2; this launch failed in attempt 0 with rank 1 killed (no exit record)."""
+    from megascale.training.fault.launcher import _vanished_cause
+
+    def record(attempt: int, rank: int, launch: str, **exit_fields: object) -> None:
+        path = tmp_path / "attempts" / str(attempt) / f"rank_{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"launch_id": launch, "pid": 1, "start_time": 1.0, **exit_fields}))
+
+    assert _vanished_cause(tmp_path, 2, "new") is None  # no records at all
+    for attempt in range(3):
+        for rank in range(2):
+            record(attempt, rank, "old", exit="done", exit_time=2.0)
+    record(0, 0, "new", exit="peer_lost", exit_time=3.0)
+    record(0, 1, "new")
+    assert _vanished_cause(tmp_path, 2, "new") == ("rank 1 died without an exit record (killed by a signal, "
+                                                   "the OOM killer, or a lost node)")
+    record(0, 1, "new", exit="error", exit_time=2.5, error="RuntimeError: boom")
+    assert _vanished_cause(tmp_path, 2, "new") is None  # it printed its own message
+
+
 # ------------------------------------------------------------------------------------------ fast drills
 def test_killing_the_launcher_leaves_no_worker(tmp_path: Path) -> None:
     out = tmp_path / "run"

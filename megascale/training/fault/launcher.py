@@ -97,12 +97,13 @@ def _vanished_cause(run_dir: Path, nproc: int, launch_id: str) -> Optional[str]:
         describe_restart,
     )
 
-    attempts = [int(p.name) for p in (run_dir / ATTEMPTS_DIR).glob("*") if p.name.isdigit()]
-    if not attempts:
-        return None
-    recorder = AttemptRecorder(run_dir, AttemptInfo(launch_id, max(attempts) + 1, 0, nproc))
-    fields = describe_restart(recorder.previous_attempt(), nproc, 0, time.time())
-    return fields["cause"] if "died without an exit record" in fields["cause"] else None
+    attempts = sorted((int(p.name) for p in (run_dir / ATTEMPTS_DIR).glob("*") if p.name.isdigit()), reverse=True)
+    for attempt in attempts:  # the newest attempt of this launch (an earlier launch may have left higher ones)
+        previous = AttemptRecorder(run_dir, AttemptInfo(launch_id, attempt + 1, 0, nproc)).previous_attempt()
+        if previous["ranks"]:
+            cause = describe_restart(previous, nproc, 0, time.time())["cause"]
+            return cause if "died without an exit record" in cause else None
+    return None
 
 
 def _report_failure(err, nproc: int, max_restarts: int, vanished: Optional[str] = None) -> int:
