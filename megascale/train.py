@@ -9,6 +9,7 @@ torchrun) with a standalone c10d rendezvous.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -71,7 +72,7 @@ def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
         configure_nccl,
         start_watchdog,
     )
-    from megascale.training.fault.worker import worker_process
+    from megascale.training.fault.worker import exit_after_hang, worker_process
     from megascale.training.trainer import Trainer, check_data_paths
 
     if backend is None and cfg.train.device == "cpu":
@@ -82,6 +83,8 @@ def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
         # Hang watchdog: from launch on, so a rank stuck before its first step is named too.
         progress = Progress()
         watchdog = start_watchdog(cfg, env.rank, env.world_size, progress)
+        if watchdog is not None:  # record this rank's exit before the watchdog ends the process
+            watchdog.exit_fn = functools.partial(exit_after_hang, fault_state, watchdog)
         if backend != "gloo":
             configure_nccl(Path(cfg.train.output_dir))
         try:

@@ -2,6 +2,7 @@
 """Fault drill: real `megascale train --nproc N` runs, faults delivered from outside, times measured.
 
     python scripts/fault_drill.py [--nproc 2] [--out /tmp/megascale-drill] [--only restart,preempt,...]
+    python scripts/fault_drill.py --scenario multi
 
 Drills (each on configs/tiny.yaml shrunk to a 2-layer model, dp = nproc, gloo on CPU):
   restart   SIGKILL rank 1 after step 5 with --max-restarts 2: seconds from the kill to the first
@@ -16,12 +17,21 @@ Drills (each on configs/tiny.yaml shrunk to a 2-layer model, dp = nproc, gloo on
             starts late in attempt 1: with the agent's store shared and no prefix (torch's default) the
             restart fails with "connectFullMesh ... Connection refused"; with
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or with megascale's per-attempt prefix, it connects.
+  multi     (--scenario multi) one run, dp = nproc, --max-restarts 4, checkpoints every 2 steps,
+            fault.step_timeout_s=5 and fault.nan_policy=skip, surviving five faults in turn: SIGKILL of
+            rank 1 from outside (attempt 0), SIGSTOP of rank 1 from outside (attempt 1), an injected
+            raise on rank 0 (attempt 2), a crash inside a checkpoint save on rank 1 (attempt 3) and a NaN
+            loss on rank 1 (attempt 4, skipped). Prints per fault the seconds to detect and to recover and
+            the steps lost, the run's effective training time (its run_end event), and its final loss
+            against a run with no restart whose only fault is the same NaN: the skip drops one update, so
+            a fault-free run would end elsewhere; every restart must leave the trajectory unchanged.
 Prints one line per drill; docs/reliability.md quotes its output.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -90,6 +100,11 @@ def events(out: Path, kind: str) -> list[dict]:
 def final_loss(out: Path) -> float:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return records[-1]["loss"]
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """step -> loss (a step trained again after a restart: its last record)."""
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 def live_workers(out: Path) -> list[int]:
@@ -175,6 +190,97 @@ def drill_preempt(base: Path, nproc: int, reference: float) -> str:
             f"{final_loss(out):.6f} vs fault-free {reference:.6f}")
 
 
+MULTI_STEPS = 16
+MULTI_STEP_TIMEOUT = 5  # seconds: the hung rank must be named within this + 10 s
+MULTI = [f"train.steps={MULTI_STEPS}", f"optim.decay_steps={MULTI_STEPS}", "checkpoint.interval=2",
+         f"fault.step_timeout_s={MULTI_STEP_TIMEOUT}", "fault.heartbeat_s=1", "fault.checkpoint_timeout_s=30",
+         "fault.nan_policy=skip"]
+# Each injected fault names its attempt, so it fires once and the restarted group runs past it.
+MULTI_RAISE = "raise:rank=0:step=7:attempt=2"
+MULTI_CRASH = "crash_in_save:rank=1:step=10:attempt=3"
+MULTI_NAN_STEP = 13
+MULTI_NAN = f"nan:rank=1:step={MULTI_NAN_STEP}:attempt=4"
+
+
+def multi_reference(base: Path, nproc: int) -> Path:
+    """Run directory of the same run with no restart, whose one fault is the NaN at the same step (skipped)."""
+    out = base / "multi_reference" / "run"
+    spec = f"fault.inject=nan:rank=1:step={MULTI_NAN_STEP}"
+    proc = start([*command(out, nproc), *MULTI, spec], base / "multi_reference.log")
+    if proc.wait() != 0:
+        raise SystemExit(f"reference run failed; see {base / 'multi_reference.log'}")
+    return out
+
+
+def first_survivor_stop(out: Path, attempt: int) -> float:
+    """Earliest exit time recorded by a rank of `attempt` (the first survivor stopping)."""
+    times = [read_json(p).get("exit_time") for p in (out / "attempts" / str(attempt)).glob("rank_*.json")]
+    return min(t for t in times if t)
+
+
+def wait_attempt(out: Path, attempt: int, proc: subprocess.Popen) -> None:
+    """Block until rank 0 of `attempt` has recorded its start (the previous attempt is over)."""
+    while not (out / "attempts" / str(attempt) / "rank_0.json").exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"multi drill ended early (code {proc.returncode}); see {out.parent}")
+        time.sleep(0.05)
+
+
+def seconds(value: float | None, digits: int = 1) -> str:
+    """A duration for the report ('?' where the records could not tell)."""
+    return "?" if value is None else f"{value:.{digits}f} s"
+
+
+def multi_line(name: str, detect: float | None, restart: dict, bound: float | None = None) -> str:
+    """One fault of the multi drill: detect (against `bound` where the drill promises one), recover, steps lost."""
+    within = "" if bound is None or detect is None else f" ({'within' if detect < bound else 'OVER'} {bound:g} s)"
+    return (f"  {name}: detected {seconds(detect, 2)}{within}, recovered {seconds(restart['recover_s'])}, last step "
+            f"{restart['last_step']}, resumed from {restart['resumed_from']}, {restart['steps_lost']} steps lost "
+            f"(cause: {restart['cause'][:90]})")
+
+
+def drill_multi(base: Path, nproc: int) -> str:
+    """Five faults in one run; see the module docstring."""
+    reference_dir = multi_reference(base, nproc)
+    reference = final_loss(reference_dir)
+    out = base / "multi" / "run"
+    spec = f"fault.inject={MULTI_RAISE};{MULTI_CRASH};{MULTI_NAN}"
+    proc = start([*command(out, nproc, max_restarts=4), *MULTI, spec], base / "multi.log")
+    wait_step(out, 3, proc, attempt=0)
+    killed = time.time()
+    os.kill(read_json(out / "attempts" / "0" / "rank_1.json")["pid"], signal.SIGKILL)
+    wait_attempt(out, 1, proc)
+    wait_step(out, 5, proc, attempt=1)
+    stopped_pid = read_json(out / "attempts" / "1" / "rank_1.json")["pid"]
+    stopped = time.time()
+    os.kill(stopped_pid, signal.SIGSTOP)
+    try:
+        code = proc.wait(timeout=900)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # the watchdog kills it; make sure nothing outlives us
+            with contextlib.suppress(OSError):
+                os.kill(stopped_pid, sig)
+    if code != 0:
+        raise SystemExit(f"multi drill exit {code}; see {base / 'multi.log'}")
+    restarts = {e["attempt"]: e for e in events(out, "restart")}
+    hang = events(out, "hang")[0]
+    nan = events(out, "nan")
+    (end,) = events(out, "run_end")
+    lines = [f"multi: exit {code}, {end['attempts']} attempts, {MULTI_STEPS} steps; per fault:",
+             multi_line("SIGKILL rank 1 (outside)", first_survivor_stop(out, 0) - killed, restarts[1], bound=30),
+             multi_line(f"SIGSTOP rank 1 (outside), hang named rank {hang['ranks']}", hang["time"] - stopped,
+                        restarts[2], bound=MULTI_STEP_TIMEOUT + 10),
+             multi_line("raise on rank 0", restarts[3]["detect_s"], restarts[3]),
+             multi_line("crash_in_save on rank 1", restarts[4]["detect_s"], restarts[4]),
+             (f"  nan on rank 1: detected at step {nan[0]['step']} (same step, before the update), "
+              f"{len(nan)} event(s), update skipped, 0 steps lost, no restart"),
+             (f"  effective training time {100 * end['effective']:.1f}% ({end['useful_s']:.1f} s of "
+              f"{end['wall_s']:.1f} s wall); final loss {final_loss(out):.6f} vs {reference:.6f} for the run without "
+              f"restarts with the same NaN skipped; all {MULTI_STEPS} step losses "
+              f"{'equal' if step_losses(out) == step_losses(reference_dir) else 'DIFFERENT'}")]
+    return "\n".join(lines)
+
+
 def drill_store(base: Path) -> str:
     script = base / "store_worker.py"
     script.write_text(STORE_WORKER)
@@ -185,7 +291,7 @@ def drill_store(base: Path) -> str:
         env.update(extra, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                "--max-restarts=1", "--monitor-interval=0.1", str(script)], env=env,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=600, check=False)
         refused = "connectFullMesh" in proc.stderr + proc.stdout
         results.append(f"{name}: {'restart OK' if proc.returncode == 0 else 'FAILED'}"
                        f"{' (connectFullMesh ... Connection refused)' if refused else ''}")
@@ -197,9 +303,15 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("/tmp/megascale-drill"))
     parser.add_argument("--only", default="restart,raise,sigint,orphan,preempt,store")
+    parser.add_argument("--scenario", choices=["single", "multi"], default="single",
+                        help="single: the drills of --only, one fault each; multi: five faults in one run")
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
+    if args.scenario == "multi":
+        report = drill_multi(args.out, args.nproc)
+        print(report, flush=True)
+        return 1 if "OVER" in report or "DIFFERENT" in report else 0
     wanted = args.only.split(",")
     reference = 0.0
     if {"restart", "preempt"} & set(wanted):

@@ -9,6 +9,8 @@ the same layout: fp32, dropout 0, same seed, so a resumed run matches exactly.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +29,7 @@ from fault_procs import (
     wait_for_step,
     worker_pids,
 )
+from train_utils import ROOT
 
 from megascale.training.fault.attempts import describe_restart
 from megascale.training.fault.rendezvous import agent_store_prefix
@@ -94,6 +97,27 @@ def test_launch_env_sets_fresh_store_and_forwards_preempt_signal() -> None:
     assert launch_env(cfg, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "99"})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "99"
 
 
+def test_launcher_names_a_rank_killed_outright_from_this_launchs_records(tmp_path: Path) -> None:
+    """An earlier launch left attempts 0-2; this launch failed in attempt 0 with rank 1 killed (no exit record)."""
+    from megascale.training.fault.launcher import _vanished_cause
+
+    def record(attempt: int, rank: int, launch: str, **exit_fields: object) -> None:
+        path = tmp_path / "attempts" / str(attempt) / f"rank_{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"launch_id": launch, "pid": 1, "start_time": 1.0, **exit_fields}))
+
+    assert _vanished_cause(tmp_path, 2, "new") is None  # no records at all
+    for attempt in range(3):
+        for rank in range(2):
+            record(attempt, rank, "old", exit="done", exit_time=2.0)
+    record(0, 0, "new", exit="peer_lost", exit_time=3.0)
+    record(0, 1, "new")
+    assert _vanished_cause(tmp_path, 2, "new") == ("rank 1 died without an exit record (killed by a signal, "
+                                                   "the OOM killer, or a lost node)")
+    record(0, 1, "new", exit="error", exit_time=2.5, error="RuntimeError: boom")
+    assert _vanished_cause(tmp_path, 2, "new") is None  # it printed its own message
+
+
 # ------------------------------------------------------------------------------------------ fast drills
 def test_killing_the_launcher_leaves_no_worker(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -146,13 +170,66 @@ def test_exception_on_one_rank_ends_the_job_with_one_message(tmp_path: Path) -> 
     assert time.time() - began < 120
 
 
+def test_sigkill_of_a_worker_without_restarts_ends_the_job(tmp_path: Path) -> None:
+    """SIGKILL one of two workers from outside, no restarts: the launcher notices within seconds, stops the
+    survivor, names the dead rank in one line and exits 1; no worker is left."""
+    out = tmp_path / "run"
+    log = tmp_path / "log"
+    proc = start(train_command(out, "train.steps=200", "checkpoint.save_final=false", nproc=2), log)
+    wait_for_step(out, 2, proc)
+    killed = time.time()
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    code = wait_exit(proc, 120)
+    text = log.read_text()
+    assert code == 1, text
+    assert text.count("megascale: error: training failed") == 1 and "Traceback" not in text, text
+    # The agent may list the survivor's echo first; the line names the rank that was killed either way.
+    assert "workers exited non-zero (first: rank " in text and "); rank 1 died without an exit record" in text, text
+    survivor = json.loads((out / "attempts" / "0" / "rank_0.json").read_text())
+    detect_s = survivor["exit_time"] - killed
+    print(f"dead rank drill: rank 1 SIGKILLed, survivor stopped {detect_s:.2f} s later")
+    assert 0 <= detect_s < 30 and survivor["exit"] in ("peer_lost", "signal")
+    assert worker_pids(out) == []
+
+
+def corrupt_data_file(step_dir: Path) -> Path:
+    """Flip bytes in the middle of a rank's data file (its header stays readable, its checksums do not match)."""
+    data = min(step_dir.glob("rank_*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 16] = bytes(b ^ 0xFF for b in raw[middle:middle + 16])
+    data.write_bytes(bytes(raw))
+    return data
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+    """Flip bytes in the newest checkpoint's data file: the resume names it, falls back to the previous complete
+    checkpoint, and the run finishes with the losses of an uninterrupted run."""
+    common = ["checkpoint.interval=2", "checkpoint.save_final=false"]
+    reference_dir = tmp_path / "reference"
+    out = tmp_path / "run"
+    for run_dir, steps in ((reference_dir, 6), (out, 4)):
+        done = subprocess.run(train_command(run_dir, f"train.steps={steps}", *common), cwd=ROOT, capture_output=True,
+                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert latest_step(out) == 4
+    corrupt_data_file(out / "checkpoints" / "step_00000004")
+    log = tmp_path / "log"
+    resumed = start(train_command(out, "train.steps=6", *common), log)
+    assert wait_exit(resumed, 300) == 0, log.read_text()
+    text = log.read_text()
+    assert "step_00000004 is not loadable, falling back to an older one" in text, text
+    assert "resumed from step 2" in text, text
+    assert losses(out) == losses(reference_dir)
+
+
 def test_preemption_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
     """SIGTERM mid-run: the step in progress finishes, a checkpoint of it is committed, exit 75; the
     resumed run's losses equal an uninterrupted run's."""
     common = ["train.steps=8", "checkpoint.save_final=false", "checkpoint.async=false"]
     reference_dir = tmp_path / "reference"
     ref = subprocess.run(train_command(reference_dir, *common), cwd=Path(__file__).resolve().parents[1],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, check=False)
     assert ref.returncode == 0, ref.stderr[-2000:]
     out = tmp_path / "run"
     log = tmp_path / "log"
@@ -230,6 +307,80 @@ def test_plain_torchrun_restart_without_fresh_store(tmp_path: Path, fault_free_d
     assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()[-3000:]
     assert losses(out) == fault_free_dp2
     assert events(out, "restart")[0]["ranks"] == [0]
+
+
+@pytest.mark.slow
+def test_sigstop_hang_is_named_restarted_and_matches_fault_free(tmp_path: Path, fault_free_dp2: dict,
+                                                                request: pytest.FixtureRequest) -> None:
+    """SIGSTOP rank 1 from outside: the watchdog names it within the step timeout + 10 s, the launcher restarts
+    the group (--max-restarts 1), and the run ends with the fault-free losses."""
+    run_slow(request)
+    out = tmp_path / "run"
+    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2", "fault.step_timeout_s=5",
+                               "fault.heartbeat_s=1", nproc=2, max_restarts=1), tmp_path / "log")
+    wait_for_step(out, 5, proc)
+    pid = rank_pid(out, 1)
+    stopped = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        code = wait_exit(proc, 400)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+    assert code == 0, (tmp_path / "log").read_text()
+    (hang,) = events(out, "hang")
+    detect_s = hang["time"] - stopped
+    print(f"hang drill: rank 1 SIGSTOPped, named after {detect_s:.1f} s (step timeout 5 s)")
+    assert hang["ranks"] == [1] and detect_s < 5 + 10
+    assert "rank 1 (tp 0, cp 0, dp 1, pp 0 on" in (tmp_path / "log").read_text()
+    (restart,) = events(out, "restart")
+    assert restart["attempt"] == 1 and restart["ranks"] == [1] and restart["resumed_from"] in (4, 6)
+    assert restart["detect_s"] is not None and restart["recover_s"] > 0  # rank 0 recorded its watchdog exit
+    assert losses(out) == fault_free_dp2
+
+
+@pytest.mark.slow
+def test_crash_in_save_restarts_and_matches_fault_free(tmp_path: Path, fault_free_dp2: dict,
+                                                       request: pytest.FixtureRequest) -> None:
+    """Rank 1 dies inside the save of step 6 (data written, not committed): the restart resumes from step 4,
+    the uncommitted step 6 is never loaded, and the run ends with the fault-free losses."""
+    run_slow(request)
+    out = tmp_path / "run"
+    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2",
+                               "fault.inject=crash_in_save:rank=1:step=6", nproc=2, max_restarts=1), tmp_path / "log")
+    assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()
+    assert "injected fault: crash_in_save on rank 1 at step 6" in (tmp_path / "log").read_text()
+    (restart,) = events(out, "restart")
+    assert restart["ranks"] == [1] and restart["resumed_from"] == 4
+    assert restart["steps_lost"] == restart["last_step"] - 4
+    assert losses(out) == fault_free_dp2
+
+
+@pytest.mark.slow
+def test_corrupted_latest_checkpoint_on_restart_falls_back(tmp_path: Path, fault_free_dp2: dict,
+                                                           request: pytest.FixtureRequest) -> None:
+    """SIGKILL rank 1, then corrupt the newest checkpoint before the new group loads it: the restart falls back
+    to the checkpoint before it and the run still ends with the fault-free losses."""
+    run_slow(request)
+    out = tmp_path / "run"
+    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2", nproc=2, max_restarts=1),
+                 tmp_path / "log")
+    wait_for_step(out, 5, proc)
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    # An in-flight save may still commit until the survivor has stopped; the new group then takes seconds to start.
+    survivor = out / "attempts" / "0" / "rank_0.json"
+    deadline = time.time() + 60
+    while "exit" not in json.loads(survivor.read_text()) and not (out / "attempts" / "1").exists():
+        assert time.time() < deadline, "the survivor did not stop"
+        time.sleep(0.02)
+    newest = latest_step(out)
+    corrupt_data_file(out / "checkpoints" / f"step_{newest:08d}")
+    assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()
+    assert f"step_{newest:08d} is not loadable, falling back" in (tmp_path / "log").read_text()
+    (restart,) = events(out, "restart")
+    assert restart["resumed_from"] == newest - 2
+    assert losses(out) == fault_free_dp2
 
 
 @pytest.mark.slow

@@ -80,7 +80,8 @@ def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Conf
     try:
         run(launcher)
     except ChildFailedError as err:
-        return _report_failure(err, nproc, max_restarts)
+        vanished = _vanished_cause(run_dir, nproc, env["MEGASCALE_LAUNCH_ID"])
+        return _report_failure(err, nproc, max_restarts, vanished)
     except SignalException as err:
         return _report_signal(signal.Signals(err.sigval), cfg, run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
     except KeyboardInterrupt:
@@ -89,16 +90,37 @@ def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Conf
     return _exit_after_success(run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
 
 
-def _report_failure(err: ChildFailedError, nproc: int, max_restarts: int) -> int:
-    """One line: which ranks failed with which codes (their own message was printed by the rank)."""
+def _vanished_cause(run_dir: Path, nproc: int, launch_id: str) -> Optional[str]:
+    """Which ranks of the last attempt were killed outright, from their records (None when every rank recorded
+    its exit): such a rank printed nothing, and the agent may list a survivor's echo as the first failure."""
+    from megascale.training.fault.attempts import (
+        ATTEMPTS_DIR,
+        AttemptInfo,
+        AttemptRecorder,
+        describe_restart,
+    )
+
+    attempts = sorted((int(p.name) for p in (run_dir / ATTEMPTS_DIR).glob("*") if p.name.isdigit()), reverse=True)
+    for attempt in attempts:  # the newest attempt of this launch (an earlier launch may have left higher ones)
+        previous = AttemptRecorder(run_dir, AttemptInfo(launch_id, attempt + 1, 0, nproc)).previous_attempt()
+        if previous["ranks"]:
+            cause = describe_restart(previous, nproc, 0, time.time())["cause"]
+            return cause if "died without an exit record" in cause else None
+    return None
+
+
+def _report_failure(err: ChildFailedError, nproc: int, max_restarts: int, vanished: Optional[str] = None) -> int:
+    """One line: which ranks failed with which codes (their own message was printed by the rank, unless it was
+    killed outright: then `vanished` says which)."""
     failures = err.failures
     first_rank, first = err.get_first_failure()
     codes = sorted({failure.exitcode for failure in failures.values()})
     restarts = f" after {max_restarts} restart{'s' if max_restarts != 1 else ''}" if max_restarts else ""
     if codes == [2]:
         return 2  # a user error: every worker printed the same one-line message already
+    where = vanished or "see the rank's message above"
     print(f"megascale: error: training failed{restarts}: {len(failures)} of {nproc} workers exited non-zero "
-          f"(first: rank {first_rank}, exit code {first.exitcode}); see the rank's message above", file=sys.stderr)
+          f"(first: rank {first_rank}, exit code {first.exitcode}); {where}", file=sys.stderr)
     return 1
 
 

@@ -22,7 +22,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import Optional
+from typing import Any, Optional
 
 PR_SET_PDEATHSIG = 1
 
@@ -121,6 +121,17 @@ def exit_now(code: int) -> None:
         with suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def exit_after_hang(state: dict, watchdog: Any, code: int) -> None:
+    """The watchdog's exit (it runs in the watchdog thread while the main thread is blocked): record how this
+    rank ended, so the restart can tell the hung rank from the ranks that stopped because of it, then leave."""
+    verdict = watchdog.fired
+    if verdict is not None and watchdog.rank in verdict.culprits:
+        _record_exit(state, "error", f"hang: {verdict.details.get(watchdog.rank, verdict.reason)}")
+    else:
+        _record_exit(state, "hang", "stopped by the watchdog: a peer hung")
+    exit_now(code)
 
 
 def _step(state: dict) -> Optional[int]:
