@@ -353,6 +353,8 @@ def test_under_torchrun_a_hung_rank0_still_reports(tmp_path):
     assert report["suspect_ranks"] == [0] and "TIMEOUT" in proc.stdout, report["findings"]
 
 
+# slow: the 4-rank slow-rank drill is the default suite's real doctor run
+@pytest.mark.slow
 def test_hung_rank_is_reported_and_the_doctor_finishes(tmp_path):
     """Rank 1 never joins its first collective: its timeout is reported, the doctor ends, exit 1."""
     json_path = tmp_path / "doctor.json"

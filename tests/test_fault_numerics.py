@@ -287,6 +287,8 @@ def test_stop_policy_two_ranks(tmp_path: Path) -> None:
     _check_stop(proc, out, 3)
 
 
+# slow: the finite-only commit and pruning rule has a fast unit test above; this is the whole story end to end
+@pytest.mark.slow
 def test_bad_learning_rate_keeps_the_good_checkpoints(tmp_path: Path) -> None:
     """Resume with an absurd learning rate (3e38, no momentum, so one Adam step overflows float32): the update
     of step 4 makes weights Inf. Its checkpoint is refused as non-finite; steps 5 and 6 have NaN losses and are

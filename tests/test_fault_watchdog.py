@@ -178,6 +178,8 @@ def test_collective_timeout_and_nccl_settings(tmp_path):
 HANG = ["fault.step_timeout_s=5", "fault.heartbeat_s=1"]
 
 
+# slow: the 2-rank SIGSTOP drill is the default suite's real hang
+@pytest.mark.slow
 def test_single_process_hang_is_detected_and_dumped(tmp_path):
     """A training thread that hangs (injected, heartbeats still running): the rank names itself stuck."""
     out = tmp_path / "run"
