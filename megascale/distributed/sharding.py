@@ -31,6 +31,10 @@ def output_weight_name(tie_embeddings: bool) -> str:
     return TIED_EMBEDDING if tie_embeddings else OUTPUT_WEIGHT
 
 
+# Set on a parameter whose gradient is partial over the tp group (sequence parallelism): the
+# data-parallel optimizer sums it over tp before the gradient is used.
+SEQUENCE_PARALLEL_GRAD_ATTR = "sequence_parallel_grad"
+
 @dataclass(frozen=True)
 class ShardSpec:
     """Where a local parameter sits inside its global tensor.

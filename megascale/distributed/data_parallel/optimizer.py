@@ -38,8 +38,7 @@ from megascale.config import Config
 from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, main_grad, reverse_params
 from megascale.distributed.data_parallel.flat_comm import FlatComm
 from megascale.distributed.data_parallel.update import OptimizerState
-from megascale.distributed.sharding import TIED_EMBEDDING, ShardSpec, TensorShard
-from megascale.distributed.tensor_parallel.layers import SEQUENCE_PARALLEL_GRAD_ATTR
+from megascale.distributed.sharding import SEQUENCE_PARALLEL_GRAD_ATTR, TIED_EMBEDDING, ShardSpec, TensorShard
 from megascale.distributed.topology import ParallelContext
 from megascale.errors import UserError
 from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_squares

@@ -22,6 +22,7 @@ from torch import nn
 
 from megascale.distributed import comm
 from megascale.distributed.sharding import (
+    SEQUENCE_PARALLEL_GRAD_ATTR,
     ShardSpec,
     full_spec,
     get_shard,
@@ -62,7 +63,6 @@ def init_global(name: str, shape: tuple[int, ...], std: float, seed: int) -> tor
 
 INITS = ("normal", "zeros", "ones")
 _INIT_ATTR = "_megascale_init"
-SEQUENCE_PARALLEL_GRAD_ATTR = "sequence_parallel_grad"  # marks grads that are partial over the tp group
 
 
 @dataclass(frozen=True)
