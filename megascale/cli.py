@@ -25,6 +25,21 @@ COMMANDS = {
 }
 
 
+def without_options(argv: list[str], *names: str) -> list[str]:
+    """argv without each ``NAME VALUE`` / ``NAME=VALUE`` of `names`: a launcher's own options,
+    which the workers it starts must not see."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(name + "=") for name in names):
+            kept.append(arg)
+    return kept
+
+
 def _usage() -> str:
     lines = ["usage: megascale <command> [args]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]

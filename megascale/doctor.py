@@ -19,6 +19,7 @@ import shutil
 import sys
 from typing import Optional
 
+from megascale.cli import without_options
 from megascale.diagnostics.checks import DoctorOptions
 from megascale.diagnostics.report import format_table, write_json
 from megascale.diagnostics.runner import STORE_ENV, LayoutRequest, launch_local, run_rank
@@ -112,20 +113,6 @@ def _options(args: argparse.Namespace) -> DoctorOptions:
                          slow_factor=args.slow_factor, hang_rank=args.hang_rank)
 
 
-def _without(argv: list[str], option: str) -> list[str]:
-    """argv without ``option VALUE`` / ``option=VALUE`` (the launcher's own options)."""
-    kept: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == option:
-            skip = True
-        elif not arg.startswith(option + "="):
-            kept.append(arg)
-    return kept
-
-
 def _finish(report: dict, json_path: Optional[str]) -> int:
     print(format_table(report))
     if json_path:
@@ -150,7 +137,7 @@ def main(argv: list[str]) -> int:
                     raise UserError(f"--{name.replace('_', '-')} {value} is not a rank of --nproc {args.nproc}")
             _print_environment()
             print()
-            worker_argv = _without(_without(argv, "--nproc"), "--json")
+            worker_argv = without_options(argv, "--nproc", "--json")
             return _finish(launch_local(worker_argv, args.nproc, options, request), args.json)
         if read_dist_env().world_size <= 1:
             _print_environment()

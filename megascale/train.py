@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from megascale.cli import without_options
 from megascale.config import Config, ConfigError, load_config
 
 
@@ -39,25 +40,11 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int, cfg: Config) ->
     """Start nproc workers of this module through torch.distributed.run (torchrun's engine)."""
     from megascale.training.fault.launcher import run_elastic
 
-    worker_args = _strip_option(_strip_option(argv, "--nproc"), "--max-restarts")
+    worker_args = without_options(argv, "--nproc", "--max-restarts")
     # The elastic agent passes its own default (1) to workers unless the launcher's environment sets
     # it; 3 makes a timed-out NCCL collective end the worker, so the group restarts.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     return run_elastic(worker_args, nproc, max_restarts, cfg)
-
-
-def _strip_option(argv: list[str], name: str) -> list[str]:
-    """argv without `name VALUE` / `name=VALUE` (launcher options the workers must not see)."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == name:
-            skip = True
-        elif not arg.startswith(name + "="):
-            out.append(arg)
-    return out
 
 
 def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:

@@ -400,3 +400,12 @@ def test_preemption_through_the_launcher(tmp_path: Path, fault_free_dp2: dict, r
     again = start(cmd, tmp_path / "log2")
     assert wait_exit(again, 300) == 0, (tmp_path / "log2").read_text()
     assert losses(out) == fault_free_dp2
+
+
+def test_launcher_options_never_reach_the_workers() -> None:
+    from megascale.cli import without_options
+
+    argv = ["--config", "c.yaml", "--nproc", "2", "--max-restarts=3", "train.steps=5", "--json", "r.json"]
+    assert without_options(argv, "--nproc", "--max-restarts") == ["--config", "c.yaml", "train.steps=5", "--json",
+                                                                  "r.json"]
+    assert without_options(argv, "--nproc", "--json") == ["--config", "c.yaml", "--max-restarts=3", "train.steps=5"]
