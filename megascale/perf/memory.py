@@ -114,9 +114,11 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
                           inflight, layers, desc)
 
 
-def stage_estimates(cfg: Config, plan: RunPlan) -> list[MemoryEstimate]:
-    """Per-rank memory estimate of every pipeline rank, with the plan's layer split."""
-    table = param_table(cfg, ModelLayout.from_plan(plan))
+def stage_estimates(cfg: Config, plan: RunPlan, table: Optional[ParamTable] = None) -> list[MemoryEstimate]:
+    """Per-rank memory estimate of every pipeline rank, with the plan's layer split (table: the plan's
+    parameter table, built here when not given)."""
+    if table is None:
+        table = param_table(cfg, ModelLayout.from_plan(plan))
     return [_stage_estimate(cfg, plan, stage, table) for stage in range(plan.pp)]
 
 

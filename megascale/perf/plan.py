@@ -1,30 +1,127 @@
-"""`megascale plan`: per-rank parameters, memory, FLOPs and pipeline bubble of a layout, without running it."""
+"""`megascale plan`: predicted memory per stage, step time, throughput and MFU of a layout, without running it.
+
+    megascale plan --config F --gpus N [--gpu NAME | --gpu-spec FILE] [key=value ...] [--json] [--search]
+    megascale plan --reproduce megascale-175b [--json]
+
+The prediction reads the same run plan and parameter table the trainer builds
+(docs/planner.md explains the model and every constant).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 
-from megascale.config import load_config
-from megascale.perf.flops import train_flops_per_token
+from megascale.config import Config, load_config
+from megascale.perf.gpus import BUILTIN_GPUS, GpuSpec, resolve_gpu
+from megascale.perf.memory import GIB, format_memory
+from megascale.perf.predict import Prediction, predict
 from megascale.run_plan import resolve_plan
 
 
-def main(argv: list[str]) -> int:
-    """Entry of `megascale plan --config F --world N [overrides]`."""
-    parser = argparse.ArgumentParser(prog="megascale plan", description="Estimate a layout's memory and bubble.")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
-    args, overrides = parser.parse_known_args(argv)
-    cfg = load_config(args.config, overrides)
-    plan = resolve_plan(cfg, args.world)
-    from megascale.distributed.pipeline.schedules import bubble_fraction
-    from megascale.perf.memory import format_memory, stage_estimates
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megascale plan",
+        description="Predict a layout's memory per pipeline stage, step time, tokens/s and MFU on a GPU cluster.")
+    parser.add_argument("--config", help="YAML config (model, batch and layout)")
+    parser.add_argument("--gpus", "--world", dest="gpus", type=int, help="number of GPUs (ranks)")
+    parser.add_argument("--gpu", default=None,
+                        help=f"GPU kind: {', '.join(BUILTIN_GPUS)} (default h100)")
+    parser.add_argument("--gpu-spec", default=None, help="YAML/JSON file describing your GPU "
+                        "(fields of megascale.perf.gpus.GpuSpec; `megascale bench calibrate` writes one)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--search", action="store_true",
+                        help="search tp, pp, vpp, cp, micro-batch, SP, ZeRO and recompute; rank by predicted MFU")
+    parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
+    parser.add_argument("--reproduce", default=None, metavar="TABLE",
+                        help="predict a published table beside its numbers (megascale-175b)")
+    return parser
 
-    bubble = bubble_fraction(plan.pp, plan.vpp, plan.num_microbatches)
-    print(f"layout: {plan.describe()}")
-    print(f"model: {train_flops_per_token(cfg.model) / 1e9:.2f} GFLOP per trained token; "
-          f"{plan.num_microbatches} micro-batches per step; pipeline bubble (p-1)/(v*m) = {100 * bubble:.1f}%")
-    estimates = stage_estimates(cfg, plan)
-    for stage in sorted({0, plan.pp - 1}):
-        print(f"pipeline stage {stage}: " + format_memory(estimates[stage]))
+
+def main(argv: list[str]) -> int:
+    """Entry of `megascale plan`."""
+    parser = _parser()
+    args, overrides = parser.parse_known_args(argv)
+    unknown = [o for o in overrides if o.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.reproduce:
+        return _reproduce(args.reproduce, args.json)
+    if not args.config or not args.gpus:
+        parser.error("--config and --gpus are required (or --reproduce TABLE)")
+    if args.gpu and args.gpu_spec:
+        parser.error("give --gpu or --gpu-spec, not both")
+    spec = resolve_gpu(args.gpu, args.gpu_spec)
+    cfg = load_config(args.config, overrides)
+    if args.search:
+        return _search(cfg, args.gpus, spec, args.top, args.json)
+    pred = predict(cfg, resolve_plan(cfg, args.gpus), spec)
+    print(json.dumps(pred.to_json(), indent=2) if args.json else format_prediction(pred))
     return 0
+
+
+def _reproduce(name: str, as_json: bool) -> int:
+    from megascale.perf.reproduce import format_table, reproduce, to_json
+
+    table, results = reproduce(name)
+    print(json.dumps(to_json(table, results), indent=2) if as_json else format_table(table, results))
+    return 0
+
+
+def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> int:
+    from megascale.perf.search import explain, search
+
+    result = search(cfg, gpus, spec, top=top)
+    if as_json:
+        print(json.dumps({"considered": result.considered, "dropped": dict(result.dropped),
+                          "ranked": [{"layout": c.label(), **c.prediction.to_json()} for c in result.ranked],
+                          "why": explain(result)}, indent=2))
+        return 0
+    print(f"searched {result.considered} layouts on {gpus} x {spec.name}; "
+          f"{sum(result.dropped.values())} dropped:")
+    for reason, count in result.dropped.most_common():
+        print(f"  {count:6d}  {reason}")
+    if not result.ranked:
+        print("no layout fits: use more GPUs, a smaller micro-batch, recompute, or a larger GPU")
+        return 1
+    print(f"\ntop {len(result.ranked)} by predicted MFU (pipeline simulated):")
+    for index, candidate in enumerate(result.ranked, 1):
+        p = candidate.prediction
+        print(f"  #{index} {candidate.label():<58} MFU {p.mfu:6.1%}  {p.step_time_s:7.2f} s/step  "
+              f"{p.tokens_per_s / 1e3:9.1f}k tok/s  mem {p.memory_bytes / GIB:5.1f} GiB  "
+              f"bubble {p.step.bubble_fraction:5.1%}")
+    print("\nwhy:")
+    for line in explain(result):
+        print(f"  {line}")
+    return 0
+
+
+def format_prediction(pred: Prediction) -> str:
+    """The text report of one layout."""
+    plan, step, spec = pred.plan, pred.step, pred.spec
+    lines = [f"layout: {plan.describe()}",
+             f"gpu: {spec.name} ({spec.description}; {spec.source}), usable memory "
+             f"{spec.usable_memory_bytes / GIB:.1f} GiB of {spec.memory_gib:g}"]
+    lines.append("memory per pipeline rank (modelled bytes of what each rank holds):")
+    for estimate in pred.memory:
+        verdict = "fits" if pred.stage_fits(estimate) else "DOES NOT FIT"
+        lines.append(f"  {verdict:>12}: " + format_memory(estimate))
+    if not pred.fits:
+        lines.append(f"  -> does not fit: the largest stage needs {pred.memory_bytes / GIB:.1f} GiB of "
+                     f"{spec.usable_memory_bytes / GIB:.1f} GiB; try recompute, a smaller micro-batch, ZeRO-1, "
+                     "more pipeline stages or `--search`")
+    lines.append(f"time per step on pipeline rank {step.bottleneck_rank} (the slowest):")
+    total = step.step_time_s
+    for name, value in sorted(step.breakdown().items(), key=lambda kv: -kv[1]):
+        if value > 0:
+            lines.append(f"  {name:<22} {value:9.3f} s  {value / total:6.1%}")
+    hidden = {n: v for n, v in step.hidden.items() if v > 0}
+    if hidden:
+        lines.append("  hidden by overlap: " + ", ".join(f"{n} {v:.3f} s" for n, v in hidden.items()))
+    lines.append(f"predicted: {total:.3f} s/step, {pred.tokens_per_s:,.0f} tokens/s, "
+                 f"{pred.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {pred.mfu:.1%} "
+                 f"(pipeline bubble {step.bubble_fraction:.1%} of the pipeline time)")
+    return "\n".join(lines)
+
+
+__all__ = ["format_prediction", "main"]

@@ -18,6 +18,7 @@ Two transport models:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +30,9 @@ from megascale.distributed.pipeline.schedules import (
     SEND_FWD,
     Action,
 )
+
+Durations = Mapping[tuple[int, int], tuple[float, float]]
+"""(pipeline rank, local chunk) -> (forward, backward) time of one micro-batch."""
 
 
 class ScheduleError(ValueError):
@@ -101,8 +105,9 @@ class _Simulator:
     """State of one simulation; see `simulate`."""
 
     def __init__(self, schedules: list[list[Action]], t_fwd: float, t_bwd: float, t_comm: float,
-                 rendezvous: bool) -> None:
+                 rendezvous: bool, durations: Optional[Durations] = None) -> None:
         self.schedules = schedules
+        self.durations = durations
         self.pp = len(schedules)
         self.vpp = 1 + max((a.chunk for s in schedules for a in s), default=0)
         self.stages = self.pp * self.vpp
@@ -115,6 +120,7 @@ class _Simulator:
         self.recvs: dict[tuple[int, int], list[_Msg]] = defaultdict(list)
         self.posted_recv: list[dict[tuple, tuple[tuple[int, int], int]]] = [{} for _ in range(self.pp)]
         self.streams: dict[tuple[int, frozenset], list[tuple[tuple[int, int], str, int]]] = defaultdict(list)
+        self.stream_head: dict[tuple[int, frozenset], int] = {}
         self.done_compute: list[set[tuple]] = [set() for _ in range(self.pp)]
         self.in_flight = [0] * self.pp
         self.peak = [0] * self.pp
@@ -151,10 +157,16 @@ class _Simulator:
     def _advance_streams(self) -> bool:
         """Rendezvous model: complete stream heads whose counterpart and predecessors are done."""
         progressed = False
-        for (rank, pair), stream in list(self.streams.items()):
-            for channel, kind, index in stream:
+        for key, stream in list(self.streams.items()):
+            rank, pair = key
+            # Messages of a stream complete in posting order: resume after the last completed one.
+            start = self.stream_head.get(key, 0)
+            for position in range(start, len(stream)):
+                channel, kind, index = stream[position]
                 own = self._own_msg(channel, kind, index)
                 if own.done is not None:
+                    if position == self.stream_head.get(key, 0):
+                        self.stream_head[key] = position + 1
                     continue
                 peer = self._peer_msg(channel, kind, index)
                 if peer is None:
@@ -202,7 +214,11 @@ class _Simulator:
                 if ready is None:
                     return False
                 start = max(start, ready)
-        duration = self.t_fwd if action.kind is FORWARD else self.t_bwd
+        if self.durations is not None:
+            fwd, bwd = self.durations[(rank, action.chunk)]
+            duration = fwd if action.kind is FORWARD else bwd
+        else:
+            duration = self.t_fwd if action.kind is FORWARD else self.t_bwd
         self.clock[rank] = start + duration
         self.busy[rank] += duration
         self.done_compute[rank].add((action.kind, action.chunk, action.microbatch))
@@ -258,14 +274,17 @@ class _Simulator:
 
 
 def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2.0, t_comm: float = 0.0,
-             rendezvous: bool = False) -> SimResult:
+             rendezvous: bool = False, durations: Optional[Durations] = None) -> SimResult:
     """Run all ranks' schedules on a model of the executor; t_* are per-chunk compute and per-message times.
+
+    durations: per (rank, local chunk) (forward, backward) times, replacing t_fwd/t_bwd
+    (stages of different sizes or costs, e.g. the performance model's per-chunk times).
 
     Returns busy/idle time and peak in-flight micro-batches per rank; `SimResult.deadlock`
     describes where every rank is stuck if the schedules cannot finish. Raises
     ScheduleError for malformed schedules (unmatched or mismatched messages).
     """
-    return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous).run()
+    return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous, durations).run()
 
 
 __all__ = ["ScheduleError", "SimResult", "check_coverage", "simulate"]

@@ -1,0 +1,134 @@
+"""`megascale bench calibrate`: measure this machine's GPU and write a `--gpu-spec` file for `megascale plan`.
+
+Measured here, on the first visible GPU (and its peers for NVLink):
+- the bf16 GEMM efficiency curve: square and transformer-shaped GEMMs over a
+  range of sizes, best of several timed repeats, as a fraction of the peak;
+- fused attention (torch SDPA, flash where torch picks it) forward and backward
+  efficiency on the FLOPs a causal kernel executes;
+- HBM bandwidth of a large device-to-device copy;
+- NVLink bandwidth of a peer copy to a second GPU, when there is one.
+
+What one machine cannot measure (the inter-node NIC) is taken from `--base`
+(a shipped spec) and the file says so. The peak is the base's dense bf16 peak
+unless `--peak-tflops` gives another; the curve is relative to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+
+from megascale.errors import UserError
+from megascale.perf.gpus import builtin_gpu, spec_from_dict, write_gpu_spec
+
+GEMM_SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _time_cuda(fn: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
+    """Best seconds of one call of fn, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def gemm_curve(peak_tflops: float, sizes: tuple[int, ...] = GEMM_SIZES) -> list[tuple[float, float]]:
+    """(size, fraction of peak) of square bf16 GEMMs n x n x n."""
+    points = []
+    for n in sizes:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        seconds = _time_cuda(functools.partial(torch.matmul, a, b))
+        points.append((float(n), min(1.0, 2.0 * n**3 / seconds / 1e12 / peak_tflops)))
+        del a, b
+    return points
+
+
+def attention_efficiency(peak_tflops: float, seq: int = 4096, heads: int = 16, head_dim: int = 128,
+                         batch: int = 4) -> tuple[float, float]:
+    """(forward, backward) fraction of peak of causal SDPA on the FLOPs it executes (half the square)."""
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    executed = 4.0 * batch * heads * head_dim * seq * (seq + 1) / 2
+
+    def forward() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    fwd = _time_cuda(forward)
+    out = forward()
+    grad = torch.randn_like(out)
+    both = _time_cuda(lambda: torch.autograd.grad(forward(), (q, k, v), grad))
+    bwd = max(both - fwd, 1e-9)
+    return (min(1.0, executed / fwd / 1e12 / peak_tflops), min(1.0, 2.5 * executed / bwd / 1e12 / peak_tflops))
+
+
+def hbm_bandwidth(nbytes: int = 2 * 2**30) -> float:
+    """GB/s of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = _time_cuda(lambda: dst.copy_(src))
+    return 2 * nbytes / seconds / 1e9
+
+
+def nvlink_bandwidth(nbytes: int = 2**30) -> float | None:
+    """GB/s of a one-direction peer copy from GPU 0 to GPU 1, or None with one GPU."""
+    if torch.cuda.device_count() < 2:
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    seconds = _time_cuda(lambda: dst.copy_(src, non_blocking=True))
+    return nbytes / seconds / 1e9
+
+
+def main(argv: list[str]) -> int:
+    """Entry of `megascale bench calibrate`."""
+    parser = argparse.ArgumentParser(prog="megascale bench calibrate",
+                                     description="Measure this GPU and write a spec file for megascale plan.")
+    parser.add_argument("--out", default="gpu-spec.yaml", help="file to write")
+    parser.add_argument("--base", default="h100", help="shipped spec for what is not measured here (the NIC)")
+    parser.add_argument("--name", default=None, help="name of the spec (default: the device name)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: the base's)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise UserError("bench calibrate measures a CUDA GPU and none is visible; run it on the GPU machine")
+    base = builtin_gpu(args.base)
+    peak = args.peak_tflops or base.peak("bf16")
+    device = torch.cuda.get_device_name(0)
+    started = time.time()
+    curve = gemm_curve(peak)
+    attn_fwd, attn_bwd = attention_efficiency(peak)
+    hbm = hbm_bandwidth()
+    nvlink = nvlink_bandwidth()
+    memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+    data = {"base": args.base, "name": args.name or device.replace(" ", "-").lower(),
+            "description": f"{device}, measured by megascale bench calibrate",
+            "peak_tflops": {**dict(base.peak_tflops), "bf16": peak, "fp16": peak}, "memory_gib": round(memory, 1),
+            "hbm_gbps": round(hbm, 1), "hbm_efficiency": 1.0, "gemm_efficiency": curve,
+            "attention_fwd_efficiency": round(attn_fwd, 3), "attention_bwd_efficiency": round(attn_bwd, 3),
+            "extra": {"measured_seconds": round(time.time() - started, 1), "device": device,
+                      "nic": f"not measured (one machine): {args.base}'s {base.nic_gbps} GB/s"}}
+    if nvlink is not None:
+        data.update(nvlink_gbps=round(nvlink, 1), nvlink_efficiency=1.0)
+    else:
+        data["extra"]["nvlink"] = f"not measured (one GPU): {args.base}'s {base.nvlink_gbps} GB/s"
+    spec = spec_from_dict(data, "bench calibrate")
+    write_gpu_spec(spec, args.out)
+    print(f"{device}: GEMM " + ", ".join(f"{int(s)}:{e:.0%}" for s, e in curve)
+          + f"; attention fwd {attn_fwd:.0%} bwd {attn_bwd:.0%}; HBM {hbm:.0f} GB/s"
+          + (f"; NVLink {nvlink:.0f} GB/s" if nvlink else "") + f"\nwrote {args.out} (megascale plan --gpu-spec "
+          f"{args.out})")
+    return 0
+
+
+__all__ = ["main"]

@@ -1,0 +1,397 @@
+"""Per-layer and per-chunk time of one micro-batch on one GPU: the compute and communication model.
+
+Everything here is for one micro-batch on one rank, in seconds, from the run
+plan's layout, the model config and a `GpuSpec`:
+
+- GEMMs: every matmul of the layer (forward, input gradient, weight gradient)
+  at the GPU's shape-dependent efficiency (`GpuSpec.gemm_seconds`);
+- attention core: the FLOPs a fused (flash) kernel executes (the causal or
+  window mask halves or trims the work it does), forward and backward (2.5x);
+- memory-bound ops: bytes that norms, residual adds, activations, RoPE and
+  dropout stream through HBM, forward and backward (twice the forward);
+- tensor-parallel collectives (all-gather/reduce-scatter with sequence
+  parallelism, all-reduce without), on NVLink inside a node and the NIC across
+  nodes, and the part of them `parallel.tp_overlap` hides behind the GEMMs;
+- context-parallel traffic (Ulysses all-to-alls, ring k/v blocks overlapped
+  with each block's attention);
+- recomputation (selective: the attention core again; full: the layer's forward
+  again; only the first `train.recompute_layers` of each chunk).
+
+`SystemTraits` names implementation facts that differ between systems (the
+MegaScale reproduction models Megatron-LM and MegaScale with them); megascale's
+own defaults describe what its trainer does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from megascale.config import Config
+from megascale.perf.gpus import GpuSpec, dtype_bytes
+from megascale.run_plan import RunPlan
+
+# The flash-attention backward runs five matmuls to the forward's two.
+ATTENTION_BACKWARD_FLOPS = 2.5
+
+
+@dataclass(frozen=True)
+class SystemTraits:
+    """How an implementation runs a layout, beyond what the config says.
+
+    async_p2p: pipeline sends/receives are posted without blocking the compute
+      (megascale's executor); False models a blocking exchange before each compute.
+    tp_regather_backward: sequence parallelism re-gathers a column-parallel
+      layer's input in the backward instead of saving the gathered tensor
+      (Megatron-LM saves memory that way; megascale saves the gathered input).
+    shared_block_comm: the parallel block gathers its one input once and
+      reduce-scatters the sum of attention and MLP once (MegaScale), instead of
+      once per branch (megascale's parallel block runs the two branches as
+      separate tp layers).
+    fused_block_gemm: the parallel block's qkv and fc1 GEMMs run as one GEMM.
+    """
+
+    async_p2p: bool = True
+    tp_regather_backward: bool = False
+    shared_block_comm: bool = False
+    fused_block_gemm: bool = False
+
+
+MEGASCALE = SystemTraits()
+
+
+@dataclass
+class Cost:
+    """Seconds of one pass (forward or backward) by kind; `hidden` is communication overlapped away."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    tp_comm: float = 0.0
+    cp_comm: float = 0.0
+    recompute: float = 0.0
+    hidden: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        """Exposed time of the pass."""
+        return self.gemm + self.attention + self.memory + self.tp_comm + self.cp_comm + self.recompute
+
+    def scaled(self, k: float) -> Cost:
+        """This cost k times (k layers)."""
+        return Cost(self.gemm * k, self.attention * k, self.memory * k, self.tp_comm * k, self.cp_comm * k,
+                    self.recompute * k, {name: v * k for name, v in self.hidden.items()})
+
+    def add(self, other: Cost) -> None:
+        """Accumulate another cost in place."""
+        self.gemm += other.gemm
+        self.attention += other.attention
+        self.memory += other.memory
+        self.tp_comm += other.tp_comm
+        self.cp_comm += other.cp_comm
+        self.recompute += other.recompute
+        for name, value in other.hidden.items():
+            self.hidden[name] = self.hidden.get(name, 0.0) + value
+
+    def as_dict(self) -> dict[str, float]:
+        """Named parts, for the breakdown."""
+        return {"gemm": self.gemm, "attention": self.attention, "memory_bound": self.memory,
+                "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "recompute": self.recompute}
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def group_spans_nodes(plan: RunPlan, axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    """Whether the group varying `axes` (ranks consecutive in plan.order for the fastest axes) crosses nodes."""
+    layout = plan.rank_layout()
+    members = layout.group_ranks(0, axes)
+    return members[-1] // gpus_per_node != members[0] // gpus_per_node
+
+
+def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool) -> float:
+    """Time of one collective on `nbytes` (the whole tensor) over `ranks` GPUs.
+
+    Bus-bandwidth model: all-gather, reduce-scatter and all-to-all move (n-1)/n of
+    the tensor through each GPU's link, all-reduce twice that. Latency is the ring's
+    n-1 (twice for all-reduce) steps, or the tree's 2 log2(n) for all-reduce when
+    that is faster; p2p moves the tensor once.
+    """
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    if inter_node:
+        bandwidth, latency = spec.nic_gbps * 1e9 * spec.nic_efficiency, spec.inter_latency_us * 1e-6
+    else:
+        bandwidth, latency = spec.nvlink_gbps * 1e9 * spec.nvlink_efficiency, spec.intra_latency_us * 1e-6
+    share = (ranks - 1) / ranks
+    if kind == "p2p":
+        return latency + nbytes / bandwidth
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (ranks - 1) * latency + share * nbytes / bandwidth
+    if kind == "all_reduce":
+        ring = 2 * (ranks - 1) * latency + 2 * share * nbytes / bandwidth
+        tree = 2 * math.log2(ranks) * latency + 2 * nbytes / bandwidth
+        return min(ring, tree)
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+# ----------------------------------------------------------------------------- one layer
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The per-GPU sizes of one transformer layer under a layout, for one micro-batch."""
+
+    tokens: int  # tokens this rank's tp group computes on: seq / cp x micro-batch
+    hidden: int
+    heads: int  # query heads on this tp rank
+    kv_heads: int  # key/value heads on this tp rank
+    head_dim: int
+    ffn: int  # MLP width on this tp rank
+    gated: bool
+    tp: int
+    sp: bool
+    seq: int  # whole sequence length
+    window: int  # 0 = full causal
+    cp: int
+    ulysses: int
+    ring: int
+    dtype: str
+    parallel_block: bool
+    dropout: bool
+
+    @classmethod
+    def of(cls, cfg: Config, plan: RunPlan) -> LayerShape:
+        """The layer shape of cfg under plan."""
+        m = cfg.model
+        return cls(tokens=plan.local_seq_length * plan.micro_batch_size, hidden=m.hidden_size,
+                   heads=m.num_heads // plan.tp, kv_heads=max(m.kv_heads // plan.tp, 1), head_dim=m.head_dim,
+                   ffn=m.ffn_size // plan.tp, gated=m.activation == "swiglu", tp=plan.tp,
+                   sp=plan.sequence_parallel, seq=plan.seq_length,
+                   window=m.window_size if m.attention == "sliding_window" else 0, cp=plan.cp,
+                   ulysses=plan.ulysses_size, ring=plan.ring_size, dtype=plan.precision.name,
+                   parallel_block=m.parallel_block, dropout=m.dropout > 0 or m.attention_dropout > 0)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes per activation element."""
+        return dtype_bytes(self.dtype)
+
+    @property
+    def qkv_width(self) -> int:
+        """Output width of this rank's fused qkv projection."""
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def fc1_width(self) -> int:
+        """Output width of this rank's fc1 (gate and up together for SwiGLU)."""
+        return self.ffn * (2 if self.gated else 1)
+
+    def attention_pairs(self) -> float:
+        """(query, key) pairs under the mask for one whole sequence: causal s(s+1)/2, or the window's band."""
+        s, w = self.seq, self.window
+        if w <= 0 or w >= s:
+            return s * (s + 1) / 2
+        return s * w - w * (w - 1) / 2
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Forward and backward cost of one layer, without and with recomputation."""
+
+    forward: Cost
+    backward: Cost
+    recompute_selective: float  # extra backward seconds with selective recomputation
+    recompute_full: float  # extra backward seconds with full recomputation
+
+
+def _gemms(shape: LayerShape, traits: SystemTraits) -> list[tuple[str, int, int]]:
+    """(role, N, K) of each forward GEMM with M = tokens; role pairs a GEMM with its collective."""
+    h = shape.hidden
+    if shape.parallel_block and traits.fused_block_gemm:
+        column = [("column", shape.qkv_width + shape.fc1_width, h)]
+    else:
+        column = [("column", shape.qkv_width, h), ("column", shape.fc1_width, h)]
+    return [*column, ("row", h, shape.heads * shape.head_dim), ("row", h, shape.ffn)]
+
+
+def _gemm_time(spec: GpuSpec, m: int, n: int, k: int, dtype: str, pieces: int = 1) -> float:
+    """A GEMM, or the same GEMM cut into `pieces` along M (tp overlap runs one piece per tp rank)."""
+    return pieces * spec.gemm_seconds(max(m // pieces, 1), n, k, dtype)
+
+
+def _attention_seconds(shape: LayerShape, spec: GpuSpec) -> tuple[float, float]:
+    """Forward and backward seconds of the attention core on this rank (its share of heads and queries)."""
+    flops = 4.0 * shape.attention_pairs() * shape.heads * shape.head_dim * (shape.tokens * shape.cp / shape.seq)
+    flops /= shape.cp  # Ulysses: heads / cp of whole sequences; ring: queries / cp of all keys
+    peak = spec.peak(shape.dtype) * 1e12
+    forward = flops / (peak * spec.attention_fwd_efficiency)
+    backward = ATTENTION_BACKWARD_FLOPS * flops / (peak * spec.attention_bwd_efficiency)
+    return forward, backward
+
+
+def _memory_bytes(shape: LayerShape) -> float:
+    """Bytes the forward's memory-bound ops stream (norms, residuals, activation, RoPE, dropout)."""
+    e = shape.bytes
+    region = shape.tokens // shape.tp if shape.sp else shape.tokens  # rows the norms/residuals see
+    h = shape.hidden
+    norms = (2 + 4) * region * h if not shape.parallel_block else 2 * region * h  # norm, fused add+norm
+    residual = 3 * region * h if not shape.parallel_block else 4 * region * h
+    activation = (3 if shape.gated else 2) * shape.tokens * shape.ffn
+    rope = 2 * shape.tokens * (shape.heads + shape.kv_heads) * shape.head_dim
+    dropout = 2 * region * h if shape.dropout else 0
+    return float(e * (norms + residual + activation + rope + dropout))
+
+
+def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, int], dict[str, int]]:
+    """Counts of forward and backward tp collectives per layer, by kind."""
+    if shape.tp == 1:
+        return {}, {}
+    pairs = 1 if (shape.parallel_block and traits.shared_block_comm) else 2
+    if not shape.sp:
+        return {"all_reduce": pairs}, {"all_reduce": pairs}
+    backward = {"reduce_scatter": pairs, "all_gather": pairs * (2 if traits.tp_regather_backward else 1)}
+    return {"all_gather": pairs, "reduce_scatter": pairs}, backward
+
+
+def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dict[str, int],
+             paired_gemm: float, tp_overlap: bool, inter_node: bool) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one pass's tp collectives.
+
+    With overlap, each collective is cut into tp ring steps under the GEMM it feeds
+    or follows: the first step is never hidden, the rest hide behind that GEMM.
+    """
+    msg = shape.tokens * shape.hidden * shape.bytes
+    total = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node) for kind, n in counts.items())
+    if not tp_overlap or total == 0:
+        return total, 0.0
+    first = total / shape.tp
+    exposed = first + max(0.0, total - first - paired_gemm)
+    return exposed, total - exposed
+
+
+def _cp_pass(shape: LayerShape, spec: GpuSpec, attention: float, inter_node: bool) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one pass's context-parallel traffic."""
+    if shape.cp == 1:
+        return 0.0, 0.0
+    e = shape.bytes
+    exposed = hidden = 0.0
+    if shape.ulysses > 1:
+        # q, k, v in and the output back: all-to-alls over the Ulysses group, not overlapped.
+        elems = shape.tokens * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim
+        exposed += collective_seconds("all_to_all", elems * e, shape.ulysses, spec, inter_node)
+    if shape.ring > 1:
+        kv = 2 * shape.tokens * shape.kv_heads * shape.head_dim * e * max(shape.ulysses, 1)
+        step = collective_seconds("p2p", kv, 2, spec, inter_node)
+        per_block = attention / shape.ring
+        exposed += (shape.ring - 1) * max(0.0, step - per_block)
+        hidden += (shape.ring - 1) * min(step, per_block)
+    return exposed, hidden
+
+
+def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> LayerCosts:
+    """Forward/backward seconds of one transformer layer for one micro-batch on one GPU."""
+    shape = LayerShape.of(cfg, plan)
+    dtype, t = shape.dtype, shape.tokens
+    tp_overlap = cfg.parallel.tp_overlap and shape.tp > 1
+    pieces = shape.tp if tp_overlap else 1
+    gemms = _gemms(shape, traits)
+    fwd_gemm = {"column": 0.0, "row": 0.0}
+    bwd_gemm = {"column": 0.0, "row": 0.0}
+    for role, n, k in gemms:
+        fwd_gemm[role] += _gemm_time(spec, t, n, k, dtype, pieces)
+        bwd_gemm[role] += _gemm_time(spec, t, k, n, dtype, pieces) + spec.gemm_seconds(n, k, t, dtype)
+    attn_fwd, attn_bwd = _attention_seconds(shape, spec)
+    mem_fwd = spec.memory_seconds(_memory_bytes(shape))
+    tp_inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
+    cp_inter = group_spans_nodes(plan, ("cp",), spec.gpus_per_node)
+    counts_fwd, counts_bwd = _tp_collectives(shape, traits)
+    gemm_f, gemm_b = sum(fwd_gemm.values()), sum(bwd_gemm.values())
+    tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter)
+    tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter)
+    cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter)
+    cp_b, cp_b_hidden = _cp_pass(shape, spec, attn_bwd, cp_inter)
+    cp_b, cp_b_hidden = 2 * cp_b, 2 * cp_b_hidden  # backward sends k/v and their gradients
+    forward = Cost(gemm=gemm_f, attention=attn_fwd, memory=mem_fwd, tp_comm=tp_f, cp_comm=cp_f,
+                   hidden={"tp": tp_f_hidden, "cp": cp_f_hidden})
+    backward = Cost(gemm=gemm_b, attention=attn_bwd, memory=2 * mem_fwd, tp_comm=tp_b, cp_comm=cp_b,
+                    hidden={"tp": tp_b_hidden, "cp": cp_b_hidden})
+    return LayerCosts(forward, backward, recompute_selective=attn_fwd + cp_f, recompute_full=forward.total)
+
+
+# ----------------------------------------------------------------------------- chunk ends
+
+
+def embedding_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
+    """Forward/backward of the input embedding on the first stage (a gather, then a tp reduction)."""
+    shape = LayerShape.of(cfg, plan)
+    nbytes = shape.tokens * shape.hidden * shape.bytes
+    inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
+    kind = "reduce_scatter" if shape.sp else "all_reduce"
+    comm = collective_seconds(kind, nbytes, shape.tp, spec, inter)
+    forward = Cost(memory=spec.memory_seconds(2 * nbytes), tp_comm=comm)
+    # The backward scatter-adds into fp32 embedding gradients (and all-gathers under SP).
+    back_comm = collective_seconds("all_gather", nbytes, shape.tp, spec, inter) if shape.sp else 0.0
+    backward = Cost(memory=spec.memory_seconds(nbytes + 2 * shape.tokens * shape.hidden * 4), tp_comm=back_comm)
+    return forward, backward
+
+
+def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
+    """Forward/backward of the last stage's final norm, logits GEMM and vocabulary-parallel loss."""
+    shape = LayerShape.of(cfg, plan)
+    vocab = cfg.model.padded_vocab_size // plan.tp
+    t, h, e, dtype = shape.tokens, shape.hidden, shape.bytes, shape.dtype
+    region = t // shape.tp if shape.sp else t
+    inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
+    gather = collective_seconds("all_gather", t * h * e, shape.tp, spec, inter) if shape.sp else 0.0
+    # Fused loss: one read of the logits forward, one read and one write of their gradient backward.
+    loss_fwd = spec.memory_seconds(t * vocab * e + t * 8)
+    loss_bwd = spec.memory_seconds(2 * t * vocab * e)
+    norm = spec.memory_seconds(2 * region * h * e)
+    forward = Cost(gemm=spec.gemm_seconds(t, vocab, h, dtype), memory=norm + loss_fwd, tp_comm=gather)
+    backward_gemm = spec.gemm_seconds(t, h, vocab, dtype) + spec.gemm_seconds(vocab, h, t, dtype)
+    back_comm = collective_seconds("reduce_scatter" if shape.sp else "all_reduce", t * h * e, shape.tp, spec, inter)
+    backward = Cost(gemm=backward_gemm, memory=spec.memory_seconds(3 * region * h * e) + loss_bwd, tp_comm=back_comm)
+    return forward, backward
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """Forward and backward of one model chunk (a virtual stage) for one micro-batch."""
+
+    forward: Cost
+    backward: Cost
+    layers: int
+
+
+def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], first: bool, last: bool,
+               traits: SystemTraits = MEGASCALE, layer: LayerCosts | None = None) -> ChunkCost:
+    """Cost of one chunk holding `layer_ids`; recomputation follows train.recompute(_layers) per chunk."""
+    layer = layer or layer_costs(cfg, plan, spec, traits)
+    n = len(layer_ids)
+    forward, backward = layer.forward.scaled(n), layer.backward.scaled(n)
+    mode, k = cfg.train.recompute, cfg.train.recompute_layers
+    recomputed = 0 if mode == "none" else (n if k is None else min(k, n))
+    if mode == "selective":
+        backward.recompute += recomputed * layer.recompute_selective
+    elif mode == "full":
+        backward.recompute += recomputed * layer.recompute_full
+    if first:
+        f, b = embedding_costs(cfg, plan, spec)
+        forward.add(f)
+        backward.add(b)
+    if last:
+        f, b = head_costs(cfg, plan, spec)
+        forward.add(f)
+        backward.add(b)
+    return ChunkCost(forward, backward, n)
+
+
+def with_traits(traits: SystemTraits, **changes: bool) -> SystemTraits:
+    """A copy of traits with some fields changed."""
+    return replace(traits, **changes)
+
+
+__all__ = ["MEGASCALE", "ChunkCost", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "chunk_cost",
+           "collective_seconds", "embedding_costs", "group_spans_nodes", "head_costs", "layer_costs",
+           "with_traits"]

@@ -1,0 +1,250 @@
+"""GPU specifications for the performance model: peaks, bandwidths and measured efficiencies.
+
+A `GpuSpec` holds what the time model needs to know about one kind of GPU and
+the node it sits in. Four ship with the package (`a100`, `a100-40g`, `h100`,
+`h200`); `megascale plan --gpu-spec FILE` reads a user's own (YAML or JSON with
+the same fields), and `megascale bench calibrate` measures one on the machine
+it runs on and writes such a file.
+
+Each number's source is in docs/planner.md. In short: peaks and bandwidths are
+the vendor's datasheet figures (dense, no sparsity); efficiencies are what
+public measurements reach (cuBLAS GEMM sweeps, FlashAttention-2's published
+throughput, nccl-tests bus bandwidth on DGX/HGX nodes).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from megascale.errors import UserError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU kind and its node, as the time and memory model see it.
+
+    Bandwidths are per GPU, one direction, in GB/s (1e9 bytes). `gemm_efficiency`
+    is a curve of (size, fraction of the dense peak) points, where size is the
+    geometric mean (M N K)^(1/3) of a GEMM's dimensions: large GEMMs reach the
+    top of the curve, small ones (tp-split widths, small micro-batches, the
+    sequence chunks of tp overlap) fall down it. Between points the curve is interpolated
+    in log(size).
+    """
+
+    name: str
+    description: str
+    peak_tflops: Mapping[str, float]
+    """Dense tensor-core peak per dtype (bf16, fp16) and the fp32 peak (no TF32): TFLOP/s."""
+    memory_gib: float
+    """Device memory, GiB."""
+    hbm_gbps: float
+    """HBM bandwidth, GB/s."""
+    nvlink_gbps: float
+    """NVLink/NVSwitch bandwidth per GPU per direction, GB/s."""
+    nic_gbps: float
+    """Inter-node network bandwidth per GPU per direction (one NIC per GPU), GB/s."""
+    gpus_per_node: int = 8
+    """GPUs joined by NVLink/NVSwitch in one node."""
+    gemm_efficiency: tuple[tuple[float, float], ...] = ((256, 0.30), (1024, 0.60), (4096, 0.80), (16384, 0.85))
+    """(geometric-mean GEMM size, fraction of peak) points, ascending in size."""
+    attention_fwd_efficiency: float = 0.65
+    """Fraction of peak a fused (flash) attention forward reaches on the FLOPs it executes."""
+    attention_bwd_efficiency: float = 0.50
+    """The same for the attention backward (its FLOPs are 2.5x the forward's)."""
+    hbm_efficiency: float = 0.80
+    """Fraction of HBM bandwidth memory-bound kernels (norms, activations, optimizer) reach."""
+    nvlink_efficiency: float = 0.80
+    """Achieved bus bandwidth of large intra-node collectives over nvlink_gbps."""
+    nic_efficiency: float = 0.85
+    """Achieved bus bandwidth of large inter-node collectives over nic_gbps."""
+    intra_latency_us: float = 10.0
+    """Per-hop latency of an intra-node collective step, microseconds."""
+    inter_latency_us: float = 20.0
+    """Per-hop latency of an inter-node collective step, microseconds."""
+    memory_reserve_gib: float = 2.5
+    """Device memory not available to tensors: CUDA context, NCCL and cuBLAS workspaces."""
+    source: str = "built-in"
+    """Where the numbers came from (built-in table, a file, or a calibration run)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form notes kept with the spec (calibration details)."""
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak TFLOP/s for matmuls in `dtype` (fp32, bf16, fp16)."""
+        if dtype not in self.peak_tflops:
+            raise UserError(f"GPU spec {self.name!r} has no peak for dtype {dtype}; add peak_tflops.{dtype}")
+        return float(self.peak_tflops[dtype])
+
+    def gemm_fraction(self, m: float, n: float, k: float) -> float:
+        """Fraction of the dense peak a GEMM of m x k times k x n reaches (interpolated curve)."""
+        size = (float(m) * n * k) ** (1.0 / 3.0)
+        return interpolate_log(self.gemm_efficiency, size)
+
+    def gemm_seconds(self, m: float, n: float, k: float, dtype: str) -> float:
+        """Time of one GEMM: its FLOPs at the curve's efficiency, or its bytes at HBM speed if slower."""
+        flops = 2.0 * m * n * k
+        compute = flops / (self.peak(dtype) * 1e12 * self.gemm_fraction(m, n, k))
+        nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
+        return max(compute, self.memory_seconds(nbytes))
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Time to stream `nbytes` through HBM in a memory-bound kernel."""
+        return nbytes / (self.hbm_gbps * GB * self.hbm_efficiency)
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """Bytes tensors can use: device memory less the reserve."""
+        return (self.memory_gib - self.memory_reserve_gib) * 2**30
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON/YAML (the `--gpu-spec` file format)."""
+        out = asdict(self)
+        out["peak_tflops"] = dict(self.peak_tflops)
+        out["gemm_efficiency"] = [list(p) for p in self.gemm_efficiency]
+        out["extra"] = dict(self.extra)
+        return out
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a `train.dtype` name."""
+    return 4 if dtype == "fp32" else 2
+
+
+def interpolate_log(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear interpolation of (x, y) points in log(x), clamped at both ends."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + t * (y1 - y0)
+
+
+# Datasheet peaks and bandwidths; efficiency curves read off public measurements (docs/planner.md).
+_A100_GEMM = ((256, 0.24), (512, 0.40), (1024, 0.55), (2048, 0.65), (4096, 0.71), (8192, 0.75), (16384, 0.78))
+_H100_GEMM = ((256, 0.15), (512, 0.30), (1024, 0.48), (2048, 0.64), (4096, 0.74), (8192, 0.79), (16384, 0.81))
+
+_A100 = GpuSpec(
+    name="a100", description="NVIDIA A100 80GB SXM, 8 per node on NVSwitch, 8 x 200 Gb/s HDR InfiniBand",
+    peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, memory_gib=80.0, hbm_gbps=2039.0,
+    nvlink_gbps=300.0, nic_gbps=25.0, gemm_efficiency=_A100_GEMM,
+    attention_fwd_efficiency=0.68, attention_bwd_efficiency=0.52)
+_H100 = GpuSpec(
+    name="h100", description="NVIDIA H100 80GB SXM, 8 per node on NVSwitch, 8 x 400 Gb/s NDR InfiniBand",
+    peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, memory_gib=80.0, hbm_gbps=3350.0,
+    nvlink_gbps=450.0, nic_gbps=50.0, gemm_efficiency=_H100_GEMM,
+    attention_fwd_efficiency=0.55, attention_bwd_efficiency=0.40)
+
+BUILTIN_GPUS: Mapping[str, GpuSpec] = MappingProxyType({
+    "a100": _A100,
+    "a100-40g": replace(_A100, name="a100-40g", memory_gib=40.0, hbm_gbps=1555.0,
+                        description="NVIDIA A100 40GB SXM, 8 per node on NVSwitch, 8 x 200 Gb/s HDR InfiniBand"),
+    "h100": _H100,
+    "h200": replace(_H100, name="h200", memory_gib=141.0, hbm_gbps=4800.0,
+                    description="NVIDIA H200 141GB SXM, 8 per node on NVSwitch, 8 x 400 Gb/s NDR InfiniBand"),
+})
+"""The GPU specs shipped with the package, by the name `--gpu` takes."""
+
+
+def builtin_gpu(name: str) -> GpuSpec:
+    """A shipped spec by name; UserError listing the known names otherwise."""
+    key = name.strip().lower()
+    if key not in BUILTIN_GPUS:
+        raise UserError(f"unknown GPU {name!r}; known GPUs: {', '.join(BUILTIN_GPUS)} "
+                        "(or describe yours in a file and pass --gpu-spec FILE)")
+    return BUILTIN_GPUS[key]
+
+
+def spec_from_dict(data: Mapping[str, Any], source: str) -> GpuSpec:
+    """A GpuSpec from plain data; missing optional fields take the defaults, unknown ones are an error.
+
+    `base: NAME` starts from a shipped spec, so a file may override only what it measured.
+    """
+    data = dict(data)
+    base = data.pop("base", None)
+    known = {f.name for f in fields(GpuSpec)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"GPU spec {source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    merged: dict[str, Any] = builtin_gpu(str(base)).to_dict() if base is not None else {}
+    merged.update(data)
+    missing = [name for name in ("name", "peak_tflops", "memory_gib", "hbm_gbps", "nvlink_gbps", "nic_gbps")
+               if name not in merged]
+    if missing:
+        raise UserError(f"GPU spec {source}: missing field(s) {', '.join(missing)} (or give base: a100|h100|...)")
+    merged.setdefault("description", merged["name"])
+    merged["source"] = source
+    try:
+        merged["gemm_efficiency"] = tuple(sorted((float(s), float(e)) for s, e in merged["gemm_efficiency"]))
+        merged["peak_tflops"] = {str(k): float(v) for k, v in dict(merged["peak_tflops"]).items()}
+        spec = GpuSpec(**merged)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"GPU spec {source}: {err}") from None
+    _check_spec(spec, source)
+    return spec
+
+
+def _check_spec(spec: GpuSpec, source: str) -> None:
+    positive = {"memory_gib": spec.memory_gib, "hbm_gbps": spec.hbm_gbps, "nvlink_gbps": spec.nvlink_gbps,
+                "nic_gbps": spec.nic_gbps, "gpus_per_node": spec.gpus_per_node}
+    for name, value in positive.items():
+        if not value > 0:
+            raise UserError(f"GPU spec {source}: {name}={value} must be > 0")
+    fractions = [("attention_fwd_efficiency", spec.attention_fwd_efficiency),
+                 ("attention_bwd_efficiency", spec.attention_bwd_efficiency),
+                 ("hbm_efficiency", spec.hbm_efficiency), ("nvlink_efficiency", spec.nvlink_efficiency),
+                 ("nic_efficiency", spec.nic_efficiency)]
+    fractions += [(f"gemm_efficiency at {s:g}", e) for s, e in spec.gemm_efficiency]
+    for name, value in fractions:
+        if not 0 < value <= 1:
+            raise UserError(f"GPU spec {source}: {name}={value} must be a fraction in (0, 1]")
+    if not spec.gemm_efficiency:
+        raise UserError(f"GPU spec {source}: gemm_efficiency needs at least one (size, fraction) point")
+
+
+def load_gpu_spec(path: str) -> GpuSpec:
+    """Read a `--gpu-spec` file (YAML or JSON)."""
+    if not os.path.isfile(path):
+        raise UserError(f"--gpu-spec {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise UserError(f"--gpu-spec {path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                        f"{str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--gpu-spec {path}: expected a mapping of fields, got {type(data).__name__}")
+    return spec_from_dict(data, path)
+
+
+def write_gpu_spec(spec: GpuSpec, path: str) -> None:
+    """Write a spec as YAML that `load_gpu_spec` reads back."""
+    data = spec.to_dict()
+    data.pop("source", None)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+
+
+def resolve_gpu(name: str | None, spec_file: str | None) -> GpuSpec:
+    """The spec `--gpu NAME` or `--gpu-spec FILE` names (default: h100)."""
+    if spec_file:
+        return load_gpu_spec(spec_file)
+    return builtin_gpu(name or "h100")
+
+
+__all__ = ["BUILTIN_GPUS", "GpuSpec", "builtin_gpu", "dtype_bytes", "interpolate_log", "load_gpu_spec",
+           "resolve_gpu", "spec_from_dict", "write_gpu_spec"]

@@ -1,0 +1,120 @@
+"""One layout's prediction: memory per pipeline stage, step time, throughput and MFU.
+
+`predict(cfg, plan, spec)` joins the memory model (`megascale.perf.memory`) and
+the time model (`megascale.perf.timing`); both read the run plan and the
+parameter table, the same objects the trainer builds, so the planner never
+keeps a second copy of the stage split, the schedule or the parameter count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megascale.config import Config
+from megascale.model.params import ModelLayout, ParamTable, param_table
+from megascale.perf.costs import MEGASCALE, SystemTraits
+from megascale.perf.flops import train_flops_per_token
+from megascale.perf.gpus import GpuSpec
+from megascale.perf.memory import GIB, MemoryEstimate, stage_estimates
+from megascale.perf.timing import StepTime, step_time
+from megascale.run_plan import RunPlan
+
+# MFU is always against the dense 16-bit tensor-core peak, whatever train.dtype says (docs/architecture.md).
+MFU_PEAK_DTYPE = "bf16"
+
+
+@dataclass
+class Prediction:
+    """Everything `megascale plan` reports about one layout."""
+
+    plan: RunPlan
+    spec: GpuSpec
+    memory: list[MemoryEstimate]
+    step: StepTime
+    model_flops_per_step: float
+
+    @property
+    def step_time_s(self) -> float:
+        """Predicted seconds per optimizer step."""
+        return self.step.step_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens trained per second over the whole job."""
+        return self.plan.tokens_per_step / self.step_time_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (no recomputation counted)."""
+        return self.model_flops_per_step / self.step_time_s / self.plan.world_size / 1e12
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation against the GPU's dense bf16 peak."""
+        return self.tflops_per_gpu / self.spec.peak(MFU_PEAK_DTYPE)
+
+    @property
+    def memory_bytes(self) -> float:
+        """Bytes of the most loaded pipeline stage."""
+        return max(e.total_bytes for e in self.memory)
+
+    @property
+    def fits(self) -> bool:
+        """Every stage fits in the GPU's usable memory."""
+        return self.memory_bytes <= self.spec.usable_memory_bytes
+
+    def stage_fits(self, estimate: MemoryEstimate) -> bool:
+        """One stage fits in usable memory."""
+        return estimate.total_bytes <= self.spec.usable_memory_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` object."""
+        stages = [{"stage": e.stage, "layers": e.layers, "params": e.num_params,
+                   "memory_gib": e.total_bytes / GIB, "fits": self.stage_fits(e),
+                   "parts_gib": {name: value / GIB for name, value in memory_parts(e).items()},
+                   "inflight_microbatches": e.inflight_microbatches}
+                  for e in self.memory]
+        return {
+            "layout": self.plan.describe(),
+            "gpu": self.spec.name,
+            "gpus": self.plan.world_size,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "memory_gib": self.memory_bytes / GIB,
+            "usable_memory_gib": self.spec.usable_memory_bytes / GIB,
+            "fits": self.fits,
+            "bubble_fraction": self.step.bubble_fraction,
+            "stages": stages,
+            "breakdown": self.step.breakdown(),
+            "hidden": self.step.hidden,
+        }
+
+
+_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers")
+
+
+def memory_parts(estimate: MemoryEstimate) -> dict[str, float]:
+    """Bytes of each part of a stage's memory estimate that the estimate carries."""
+    return {name: float(getattr(estimate, f"{name}_bytes")) for name in _MEMORY_PARTS
+            if hasattr(estimate, f"{name}_bytes")}
+
+
+def model_flops_per_step(cfg: Config, plan: RunPlan) -> float:
+    """Model FLOPs of one optimizer step (3 x forward, no recompute: the MFU definition)."""
+    return train_flops_per_token(cfg.model) * plan.tokens_per_step
+
+
+def predict(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE,
+            table: Optional[ParamTable] = None) -> Prediction:
+    """Memory and time of cfg under plan on spec's GPUs."""
+    if table is None:
+        table = param_table(cfg, ModelLayout.from_plan(plan))
+    memory = stage_estimates(cfg, plan, table)
+    return Prediction(plan=plan, spec=spec, memory=memory, step=step_time(cfg, plan, spec, table, traits),
+                      model_flops_per_step=model_flops_per_step(cfg, plan))
+
+
+__all__ = ["MFU_PEAK_DTYPE", "Prediction", "memory_parts", "model_flops_per_step", "predict"]

@@ -1,0 +1,187 @@
+"""Layout search: every (tp, pp, vpp, cp, micro-batch, sequence parallel, ZeRO, recompute) that fits, ranked by MFU.
+
+The search keeps the config's model, sequence, global batch and overlaps and
+varies the layout. Each candidate goes through `resolve_plan` (so an impossible
+layout is dropped for the same reason the trainer would refuse it) and the
+memory model; what fits is timed with the pipeline bubble from the analytic
+(p-1)/(v m) formula, and the best few are timed again in the schedule
+simulator, which decides the final order.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+from megascale.config import Config, ConfigError
+from megascale.model.params import ModelLayout, ParamTable, param_table
+from megascale.perf.costs import MEGASCALE, SystemTraits
+from megascale.perf.gpus import GpuSpec
+from megascale.perf.predict import Prediction, predict
+from megascale.run_plan import RunPlan, resolve_plan
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_VPP = 6
+
+
+@dataclass
+class Candidate:
+    """One layout of the search and its prediction."""
+
+    cfg: Config
+    plan: RunPlan
+    prediction: Prediction
+
+    def label(self) -> str:
+        """Short layout name."""
+        p, t = self.plan, self.cfg.train
+        sp = "+sp" if p.sequence_parallel else ""
+        cp = f" cp{p.cp}" if p.cp > 1 else ""
+        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
+                f"recompute={t.recompute}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One point of the search space."""
+
+    tp: int
+    cp: int
+    pp: int
+    vpp: int
+    micro_batch: int
+    sequence_parallel: bool
+    zero: int
+    recompute: str
+
+
+def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
+    """Candidate overrides (before validation)."""
+    m = cfg.model
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= spec.gpus_per_node and gpus % t == 0]
+    cps = [c for c in (1, 2, 4, 8) if m.seq_length >= 4096 * c or c == 1]
+    for tp in tps:
+        for cp in cps:
+            if gpus % (tp * cp):
+                continue
+            for pp in _divisors(gpus // (tp * cp)):
+                if pp > m.num_layers or m.num_layers % pp:
+                    continue
+                for vpp in _divisors(m.num_layers // pp):
+                    if vpp > MAX_VPP or (vpp > 1 and pp == 1):
+                        continue
+                    for mbs in MICRO_BATCHES:
+                        for sp in ((True, False) if tp > 1 else (False,)):
+                            for zero in (1, 0):
+                                for recompute in RECOMPUTE_MODES:
+                                    yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute)
+
+
+def _apply(cfg: Config, choice: Choice) -> Config:
+    new = copy.deepcopy(cfg)
+    p, t = new.parallel, new.train
+    p.tp, p.cp, p.pp, p.vpp, p.dp = choice.tp, choice.cp, choice.pp, choice.vpp, None
+    p.pipeline_layers, p.pipeline_schedule = None, "auto"
+    p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
+    t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
+    t.recompute = "full" if choice.recompute == "full" else "selective" if choice.recompute == "selective" else "none"
+    return new
+
+
+@dataclass
+class SearchResult:
+    """Ranked candidates and why the rest were dropped."""
+
+    ranked: list[Candidate]
+    dropped: Counter[str]
+    considered: int
+
+
+def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCALE, top: int = 5,
+           refine: int = 12) -> SearchResult:
+    """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator."""
+    tables: dict[ModelLayout, ParamTable] = {}
+    dropped: Counter[str] = Counter()
+    fitting: list[Candidate] = []
+    considered = 0
+    for choice in _layouts(cfg, gpus, spec):
+        considered += 1
+        candidate_cfg = _apply(cfg, choice)
+        try:
+            plan = resolve_plan(candidate_cfg, gpus)
+        except ConfigError as err:
+            dropped[_reason(str(err))] += 1
+            continue
+        key = ModelLayout.from_plan(plan)
+        if key not in tables:
+            tables[key] = param_table(candidate_cfg, key)
+        pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
+        if pred is None:
+            dropped["does not fit in memory"] += 1
+            continue
+        fitting.append(Candidate(candidate_cfg, plan, pred))
+    fitting.sort(key=lambda c: -c.prediction.mfu)
+    refined = [Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)]))
+               for c in fitting[:refine]]
+    refined.sort(key=lambda c: -c.prediction.mfu)
+    return SearchResult(refined[:top], dropped, considered)
+
+
+def _reason(message: str) -> str:
+    """A short bucket for a ConfigError message."""
+    for key, reason in (("global_batch_size", "global batch does not split over dp x micro-batch"),
+                        ("interleaved", "interleaving needs micro-batches divisible by pp"),
+                        ("divisible by parallel.tp", "a model width does not divide by tp"),
+                        ("Ulysses", "heads do not divide by the Ulysses size"),
+                        ("seq_length", "sequence does not split over tp x cp")):
+        if key in message:
+            return reason
+    return message.split(";")[0]
+
+
+def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, table: ParamTable) -> Optional[Prediction]:
+    """Prediction with the analytic bubble (fast), or None when the layout does not fit."""
+    from megascale.perf.memory import stage_estimates
+    from megascale.perf.predict import model_flops_per_step
+    from megascale.perf.timing import step_time
+
+    memory = stage_estimates(cfg, plan, table)
+    if max(e.total_bytes for e in memory) > spec.usable_memory_bytes:
+        return None
+    step = step_time(cfg, plan, spec, table, traits, simulate_pipeline=False)
+    return Prediction(plan=plan, spec=spec, memory=memory, step=step,
+                      model_flops_per_step=model_flops_per_step(cfg, plan))
+
+
+def explain(result: SearchResult) -> list[str]:
+    """Why each ranked layout wins or loses against the best: its largest extra costs, in seconds."""
+    if not result.ranked:
+        return []
+    best = result.ranked[0].prediction.step
+    lines = []
+    for index, candidate in enumerate(result.ranked):
+        parts = candidate.prediction.step.breakdown()
+        costly = sorted(((name, value) for name, value in parts.items() if value > 0), key=lambda kv: -kv[1])
+        overheads = [(n, v) for n, v in costly if n not in ("gemm", "attention", "memory_bound")][:3]
+        desc = ", ".join(f"{n} {v:.2f} s" for n, v in overheads) or "no overhead worth naming"
+        if index == 0:
+            lines.append(f"#1 wins: the smallest overheads ({desc})")
+            continue
+        base = best.breakdown()
+        deltas = sorted(((n, parts.get(n, 0.0) - base.get(n, 0.0)) for n in set(parts) | set(base)),
+                        key=lambda kv: -kv[1])
+        worse = ", ".join(f"{n} +{d:.2f} s" for n, d in deltas[:3] if d > 0.005) or "nothing notable"
+        lines.append(f"#{index + 1} loses to #1 by {candidate.prediction.step_time_s - best.step_time_s:+.2f} s: "
+                     f"{worse}")
+    return lines
+
+
+__all__ = ["Candidate", "SearchResult", "explain", "search"]

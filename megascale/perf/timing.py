@@ -1,0 +1,199 @@
+"""Predicted step time of a layout: per-chunk costs run through the real pipeline schedule, plus the step's tail.
+
+A step is:
+
+1. the pipeline: every rank runs the action list the trainer runs (the
+   schedule built by `megascale.distributed.pipeline.schedules`), each forward
+   and backward taking its chunk's modelled time (`megascale.perf.costs`), each
+   stage-to-stage message its transfer time, in the discrete-event simulator
+   the schedule tests use. Its makespan contains the bubble of the actual
+   schedule, non-uniform stages and the last stage's logits included. Without
+   async p2p every compute also waits for its own transfer.
+2. the data-parallel gradient reduction (reduce-scatter with ZeRO-1, all-reduce
+   without) and, with ZeRO-1, the parameter all-gather: exposed in full, or only
+   what the last micro-batch's backward (`overlap_grad_reduce`) or the first
+   micro-batch's forward (`overlap_param_gather`) cannot hide, and never less
+   than one bucket's worth;
+3. the tied-embedding gradient all-reduce between the first and last stage;
+4. the optimizer step, memory-bound over this rank's (ZeRO-sharded) parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megascale.config import Config
+from megascale.distributed.pipeline.schedules import build_all_schedules
+from megascale.distributed.pipeline.simulator import simulate
+from megascale.model.params import ParamTable
+from megascale.perf.costs import (
+    MEGASCALE,
+    ChunkCost,
+    Cost,
+    SystemTraits,
+    chunk_cost,
+    collective_seconds,
+    group_spans_nodes,
+    layer_costs,
+)
+from megascale.perf.gpus import GpuSpec
+from megascale.run_plan import RunPlan
+
+# Optimizer bytes per parameter it updates: read the fp32 gradient (4), read and write the two fp32
+# moments (16), read and write the fp32 master or fp32 parameter (8); 16-bit runs also write the
+# 16-bit parameter. LAMB reads the update and the parameter once more for its trust-ratio norms.
+_ADAM_BYTES = 4 + 16 + 8
+_LAMB_EXTRA_BYTES = 8
+
+
+@dataclass
+class StepTime:
+    """Predicted time of one optimizer step and where it goes (seconds, on the slowest pipeline rank)."""
+
+    step_time_s: float
+    pipeline_s: float
+    bubble_s: float
+    bubble_fraction: float
+    bottleneck_rank: int
+    compute: dict[str, float]
+    exposed: dict[str, float]
+    hidden: dict[str, float]
+    chunk_times: list[list[tuple[float, float]]] = field(default_factory=list)
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per step by part; they add up to the step time (bubble includes idle waiting on p2p)."""
+        parts = {**self.compute, **self.exposed}
+        parts["pipeline_bubble"] = self.bubble_s
+        return parts
+
+
+def chunk_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> list[list[ChunkCost]]:
+    """Cost of every (pipeline rank, local chunk) for one micro-batch."""
+    layer = layer_costs(cfg, plan, spec, traits)
+    costs = []
+    for rank in range(plan.pp):
+        chunks = plan.chunk_layers(rank)
+        costs.append([chunk_cost(cfg, plan, spec, ids, first=rank == 0 and v == 0,
+                                 last=rank == plan.pp - 1 and v == len(chunks) - 1, traits=traits, layer=layer)
+                      for v, ids in enumerate(chunks)])
+    return costs
+
+
+def p2p_seconds(plan: RunPlan, spec: GpuSpec) -> float:
+    """Transfer time of one activation (or its gradient) between neighbouring pipeline stages."""
+    if plan.pp == 1:
+        return 0.0
+    seq, batch, hidden = plan.activation_shape
+    nbytes = seq * batch * hidden * plan.precision.compute_bytes
+    inter = group_spans_nodes(plan, ("pp",), spec.gpus_per_node)
+    return collective_seconds("p2p", nbytes, 2, spec, inter)
+
+
+def _pipeline(plan: RunPlan, times: list[list[tuple[float, float]]], p2p: float,
+              rendezvous: bool) -> tuple[float, list[float]]:
+    """(makespan, busy time per rank) of one step's forward/backward passes."""
+    m = plan.num_microbatches
+    if plan.pp == 1:
+        busy = m * sum(f + b for f, b in times[0])
+        return busy, [busy]
+    schedules = build_all_schedules(plan.schedule, plan.pp, plan.vpp, m)
+    durations = {(r, v): fb for r, chunks in enumerate(times) for v, fb in enumerate(chunks)}
+    result = simulate([list(s) for s in schedules], t_comm=p2p, durations=durations, rendezvous=rendezvous)
+    if result.deadlock:
+        raise RuntimeError(f"the {plan.schedule} schedule does not finish in simulation: {result.deadlock}")
+    return result.makespan, list(result.busy)
+
+
+def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
+                chunks: list[ChunkCost]) -> tuple[dict[str, float], dict[str, float]]:
+    """(exposed, hidden) seconds of the data-parallel reduction and the ZeRO-1 parameter gather."""
+    ranks = plan.dp * plan.cp
+    if ranks == 1:
+        return {}, {}
+    p = cfg.parallel
+    inter = group_spans_nodes(plan, ("dp", "cp"), spec.gpus_per_node)
+    grad_bytes = local_params * 4  # fp32 gradient buckets
+    buckets = max(1.0, grad_bytes / (p.grad_bucket_mb * 2**20))
+    exposed, hidden = {}, {}
+    reduce_kind = "reduce_scatter" if plan.zero == 1 else "all_reduce"
+    reduce = collective_seconds(reduce_kind, grad_bytes, ranks, spec, inter)
+    window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce else 0.0
+    exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
+    hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
+    if plan.zero == 1:
+        gather = collective_seconds("all_gather", local_params * plan.precision.param_bytes, ranks, spec, inter)
+        window = sum(c.forward.total for c in chunks) if p.overlap_param_gather else 0.0
+        exposed["dp_param_gather"] = max(gather / buckets, gather - window) if window else gather
+        hidden["dp_param_gather"] = gather - exposed["dp_param_gather"]
+    return exposed, hidden
+
+
+def optimizer_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int) -> float:
+    """Memory-bound optimizer update over the parameters this rank updates."""
+    updated = local_params / (plan.dp * plan.cp) if plan.zero == 1 else local_params
+    per_param = _ADAM_BYTES + (plan.precision.param_bytes if plan.precision.master_weights else 0)
+    if cfg.optim.name == "lamb":
+        per_param += _LAMB_EXTRA_BYTES
+    per_param += 4  # the global gradient norm reads every gradient once
+    return spec.memory_seconds(updated * per_param)
+
+
+def _embedding_sync(cfg: Config, plan: RunPlan, spec: GpuSpec) -> float:
+    """All-reduce of the tied embedding's gradient between the first and last pipeline stage."""
+    if plan.pp == 1 or not cfg.model.tie_embeddings:
+        return 0.0
+    nbytes = cfg.model.padded_vocab_size // plan.tp * cfg.model.hidden_size * 4
+    return collective_seconds("all_reduce", nbytes, 2, spec, group_spans_nodes(plan, ("pp",), spec.gpus_per_node))
+
+
+def _analytic_pipeline(plan: RunPlan, times: list[list[tuple[float, float]]], p2p: float) -> tuple[float, list[float]]:
+    """(makespan, busy per rank) from the bubble formula: (pp - 1) chunk passes of the slowest rank idle."""
+    m = plan.num_microbatches
+    busy = [m * sum(f + b for f, b in chunks) for chunks in times]
+    slowest = max(range(plan.pp), key=lambda r: busy[r])
+    per_chunk = sum(f + b for f, b in times[slowest]) / plan.vpp
+    return busy[slowest] + (plan.pp - 1) * (per_chunk + 2 * p2p), busy
+
+
+def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
+              traits: SystemTraits = MEGASCALE, simulate_pipeline: bool = True) -> StepTime:
+    """Predicted step time of cfg under plan on GPUs described by spec.
+
+    simulate_pipeline=False replaces the schedule simulation by the bubble formula
+    (the layout search's first pass, where thousands of layouts are timed).
+    """
+    costs = chunk_costs(cfg, plan, spec, traits)
+    p2p = p2p_seconds(plan, spec)
+    blocking = 0.0 if traits.async_p2p else p2p
+    times = [[(c.forward.total + blocking, c.backward.total + blocking) for c in chunks] for chunks in costs]
+    if simulate_pipeline:
+        makespan, busy = _pipeline(plan, times, p2p, rendezvous=not traits.async_p2p)
+    else:
+        makespan, busy = _analytic_pipeline(plan, times, p2p)
+    m = plan.num_microbatches
+    step_parts = []
+    for rank in range(plan.pp):
+        local = table.local_numel(rank)
+        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank])
+        exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local)
+        exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
+        step_parts.append((makespan + sum(exposed.values()), rank, exposed, hidden))
+    total, rank, exposed, hidden = max(step_parts, key=lambda part: part[0])
+    compute = Cost()
+    for chunk in costs[rank]:
+        compute.add(chunk.forward.scaled(m))
+        compute.add(chunk.backward.scaled(m))
+    parts = compute.as_dict()
+    if blocking:
+        parts["pp_p2p"] = 2 * blocking * m * plan.vpp
+    bubble = makespan - busy[rank]
+    for name, value in compute.hidden.items():
+        hidden[name] = value
+    if plan.pp > 1 and traits.async_p2p:
+        hidden["pp_p2p"] = 2 * p2p * m * plan.vpp
+    return StepTime(step_time_s=total, pipeline_s=makespan, bubble_s=bubble,
+                    bubble_fraction=bubble / makespan if makespan else 0.0, bottleneck_rank=rank,
+                    compute=parts, exposed=exposed, hidden=hidden, chunk_times=times)
+
+
+__all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "step_time"]

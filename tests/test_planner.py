@@ -1,0 +1,184 @@
+"""The performance model: GPU specs, collectives, step time against the schedule, the MegaScale table, presets, CLI."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from megascale.cli import main as cli_main
+from megascale.config import load_config
+from megascale.errors import UserError
+from megascale.model.params import ModelLayout, param_table
+from megascale.perf.costs import collective_seconds, layer_costs
+from megascale.perf.gpus import BUILTIN_GPUS, builtin_gpu, interpolate_log, load_gpu_spec, write_gpu_spec
+from megascale.perf.predict import predict
+from megascale.perf.reproduce import reproduce
+from megascale.perf.timing import chunk_costs, step_time
+from megascale.run_plan import resolve_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+# GPUs each preset is planned on (its header comment names the same count).
+PRESET_GPUS = {
+    "tiny.yaml": 1, "gpt2-124m.yaml": 8, "llama-1.3b.yaml": 8, "gpt3-175b.yaml": 1024, "megascale-175b.yaml": 12288,
+    "gpt3-530b.yaml": 8960, "llama3-8b.yaml": 64, "llama3-70b.yaml": 1024, "llama3-405b.yaml": 16384,
+    "yuan-2b.yaml": 64, "yuan-51b.yaml": 1024, "yuan-102b.yaml": 2048,
+}
+
+
+def test_every_gpu_spec_ships_the_named_parts() -> None:
+    assert set(BUILTIN_GPUS) == {"a100", "a100-40g", "h100", "h200"}
+    assert builtin_gpu("a100").peak("bf16") == 312.0 and builtin_gpu("h100").peak("bf16") == 989.0
+    assert builtin_gpu("a100-40g").memory_gib == 40.0 and builtin_gpu("h200").memory_gib == 141.0
+    with pytest.raises(UserError, match="known GPUs: a100, a100-40g, h100, h200"):
+        builtin_gpu("v100")
+
+
+def test_gemm_curve_interpolates_in_log_size_and_clamps() -> None:
+    points = ((100.0, 0.2), (10000.0, 0.8))
+    assert interpolate_log(points, 1000.0) == pytest.approx(0.5)
+    assert interpolate_log(points, 10.0) == 0.2 and interpolate_log(points, 1e6) == 0.8
+    spec = builtin_gpu("h100")
+    # A big square GEMM runs near the top of the curve; the same FLOPs cut into thin slices run slower.
+    assert spec.gemm_fraction(8192, 8192, 8192) > spec.gemm_fraction(256, 8192, 8192)
+
+
+def test_gpu_spec_file_round_trip_and_errors(tmp_path) -> None:
+    path = str(tmp_path / "mine.yaml")
+    write_gpu_spec(builtin_gpu("a100"), path)
+    loaded = load_gpu_spec(path)
+    assert loaded.peak("bf16") == 312.0 and loaded.gemm_efficiency == builtin_gpu("a100").gemm_efficiency
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("base: h100\nname: my-h100\nnic_gbps: 25\n")
+    spec = load_gpu_spec(str(partial))
+    assert spec.nic_gbps == 25 and spec.hbm_gbps == builtin_gpu("h100").hbm_gbps and spec.name == "my-h100"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: h100\nnic_gbs: 25\n")
+    with pytest.raises(UserError, match="unknown field"):
+        load_gpu_spec(str(bad))
+    bad.write_text("base: h100\nhbm_efficiency: 1.5\n")
+    with pytest.raises(UserError, match=r"hbm_efficiency=1\.5 must be a fraction"):
+        load_gpu_spec(str(bad))
+
+
+def test_collectives_follow_the_bus_bandwidth_model() -> None:
+    spec = builtin_gpu("a100")
+    size = 1e9
+    bandwidth = spec.nvlink_gbps * 1e9 * spec.nvlink_efficiency
+    gather = collective_seconds("all_gather", size, 8, spec, inter_node=False)
+    assert gather == pytest.approx(7 * spec.intra_latency_us * 1e-6 + 7 / 8 * size / bandwidth)
+    assert collective_seconds("all_reduce", size, 8, spec, False) == pytest.approx(2 * gather)
+    # Across nodes the NIC (25 GB/s) is the link, 12x slower than NVLink here.
+    slow = collective_seconds("reduce_scatter", size, 8, spec, inter_node=True)
+    assert slow / gather > 10
+    assert collective_seconds("all_reduce", size, 1, spec, False) == 0.0
+
+
+def test_step_time_is_the_schedule_simulation_plus_the_tail() -> None:
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), [])
+    plan = resolve_plan(cfg, 1024)
+    spec = builtin_gpu("a100")
+    table = param_table(cfg, ModelLayout.from_plan(plan))
+    step = step_time(cfg, plan, spec, table)
+    costs = chunk_costs(cfg, plan, spec)
+    m = plan.num_microbatches
+    busy = m * sum(c.forward.total + c.backward.total for c in costs[step.bottleneck_rank])
+    assert step.pipeline_s == pytest.approx(busy + step.bubble_s)
+    assert step.step_time_s == pytest.approx(step.pipeline_s + sum(step.exposed.values()))
+    assert sum(step.breakdown().values()) == pytest.approx(step.step_time_s)
+    # No schedule beats the ideal interleaved bubble (p - 1) / (v m); p2p latency and the heavier end
+    # stages only add to it.
+    assert step.bubble_s / busy >= (plan.pp - 1) / (plan.vpp * m)
+    simulated = step_time(cfg, plan, spec, table)
+    analytic = step_time(cfg, plan, spec, table, simulate_pipeline=False)
+    assert analytic.step_time_s == pytest.approx(simulated.step_time_s, rel=0.05)
+
+
+def test_overlaps_and_recompute_move_time_the_right_way() -> None:
+    base = ["train.global_batch_size=768"]
+    path = os.path.join(CONFIGS, "gpt3-175b.yaml")
+    spec = builtin_gpu("a100")
+
+    def predicted(*overrides: str) -> float:
+        cfg = load_config(path, [*base, *overrides])
+        return predict(cfg, resolve_plan(cfg, 1024), spec).step_time_s
+
+    default = predicted("train.recompute=none")
+    assert predicted("train.recompute=none", "parallel.tp_overlap=false") > default
+    assert predicted("train.recompute=none", "parallel.overlap_grad_reduce=false") > default
+    assert predicted("train.recompute=selective") > default
+    assert predicted("train.recompute=full") > predicted("train.recompute=selective")
+    assert predicted("train.recompute=full", "train.recompute_layers=1") < predicted("train.recompute=full")
+    cfg = load_config(path, [*base, "train.recompute=none"])
+    layer = layer_costs(cfg, resolve_plan(cfg, 1024), spec)
+    assert layer.forward.hidden["tp"] > 0  # tp overlap hides part of the collectives
+
+
+def test_megascale_175b_table_is_reproduced_within_ten_percent() -> None:
+    table, results = reproduce("megascale-175b")
+    assert len(results) == 8 and [c.name for c in table.columns] == ["Megatron-LM", "MegaScale"]
+    worst = 0.0
+    for result in results:
+        for name, (time_error, mfu_error) in result.relative_errors().items():
+            assert abs(time_error) < 0.10, (result.row, name, time_error)
+            assert abs(mfu_error) < 0.10, (result.row, name, mfu_error)
+            worst = max(worst, abs(time_error), abs(mfu_error))
+    assert worst > 0  # a prediction is never the published number by construction
+
+
+@pytest.mark.parametrize("name", sorted(os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS, "*.yaml"))))
+def test_every_preset_plans(name: str, capsys) -> None:
+    assert name in PRESET_GPUS, f"add {name} to PRESET_GPUS with the GPU count its header names"
+    gpu = "a100" if name.startswith(("gpt3", "megascale", "yuan")) else "h100"
+    assert cli_main(["plan", "--config", os.path.join(CONFIGS, name), "--gpus", str(PRESET_GPUS[name]),
+                     "--gpu", gpu, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1 and out["gpus"] == PRESET_GPUS[name]
+    assert len(out["stages"]) == resolve_plan(load_config(os.path.join(CONFIGS, name), []),
+                                              PRESET_GPUS[name]).pp
+
+
+def test_plan_json_has_the_documented_fields(capsys) -> None:
+    assert cli_main(["plan", "--config", os.path.join(CONFIGS, "gpt3-175b.yaml"), "--gpus", "1024", "--gpu", "a100",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib", "fits", "bubble_fraction",
+                "stages", "breakdown"):
+        assert key in out
+    assert out["tokens_per_s"] == pytest.approx(768 * 2048 / out["step_time_s"])
+
+
+def test_plan_says_does_not_fit_instead_of_failing(capsys) -> None:
+    path = os.path.join(CONFIGS, "gpt3-175b.yaml")
+    code = cli_main(["plan", "--config", path, "--gpus", "64", "--gpu", "a100-40g", "parallel.vpp=1",
+                     "train.recompute=none", "train.global_batch_size=64"])
+    out = capsys.readouterr().out
+    assert code == 0 and "DOES NOT FIT" in out and "does not fit: the largest stage needs" in out
+
+
+def test_plan_unknown_gpu_lists_the_known_ones(capsys) -> None:
+    code = cli_main(["plan", "--config", os.path.join(CONFIGS, "tiny.yaml"), "--gpus", "1", "--gpu", "tpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "known GPUs: a100, a100-40g, h100, h200" in err and len(err.strip().splitlines()) == 1
+
+
+def test_small_search_ranks_fitting_layouts(capsys) -> None:
+    code = cli_main(["plan", "--config", os.path.join(CONFIGS, "gpt2-124m.yaml"), "--gpus", "16", "--gpu", "h100",
+                     "--search", "--json", "train.global_batch_size=64"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["ranked"] and out["why"][0].startswith("#1 wins")
+    mfus = [r["mfu"] for r in out["ranked"]]
+    assert mfus == sorted(mfus, reverse=True) and all(r["fits"] for r in out["ranked"])
+
+
+@pytest.mark.slow
+def test_search_175b_on_12288_a100s_beats_megascale() -> None:
+    from megascale.perf.search import search
+
+    cfg = load_config(os.path.join(CONFIGS, "megascale-175b.yaml"), [])
+    result = search(cfg, 12288, builtin_gpu("a100"))
+    assert result.ranked[0].prediction.mfu >= 0.552
