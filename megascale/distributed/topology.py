@@ -373,6 +373,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         init_method = "env://"
+    # No device_id: a bound default group makes torch split every new NCCL group from it
+    # (ncclCommSplit), which all ranks must enter, and our groups are made by their members only.
     dist.init_process_group(backend=backend, init_method=init_method, rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
     return env
