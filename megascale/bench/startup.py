@@ -97,8 +97,9 @@ def create_every_group(layout: RankLayout) -> None:
             os.environ["TORCH_DIST_INIT_BARRIER"] = previous
 
 
-def _worker(rank: int, world: int, workdir: str, rounds: int, modes: list[str]) -> None:
-    store = CountingStore(dist.FileStore(os.path.join(workdir, "store"), world))
+def _measure_world(rank: int, world: int, workdir: str, rounds: int, modes: list[str]) -> list[dict[str, Any]]:
+    """This rank's records for every layout, mode and round of one world size."""
+    store = CountingStore(dist.FileStore(os.path.join(workdir, f"store{world}"), world))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     records = []
     for round_index in range(rounds):
@@ -115,38 +116,50 @@ def _worker(rank: int, world: int, workdir: str, rounds: int, modes: list[str]) 
                 else:
                     create_every_group(layout)
                 elapsed = time.perf_counter() - start
-                records.append({"dims": dims, "mode": mode, "round": round_index, "seconds": elapsed,
-                                "ops": store.reset()})
-    Path(workdir, f"rank{rank}.json").write_text(json.dumps(records))
+                records.append({"world": world, "dims": dims, "mode": mode, "round": round_index,
+                                "seconds": elapsed, "ops": store.reset()})
     dist.barrier()
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # forgets every group, so the next world starts from the same state
+    return records
 
 
-def measure(world: int, rounds: int = 1, modes: tuple[str, ...] = ("local",)) -> list[dict[str, Any]]:
-    """Spawn `world` gloo ranks and create the groups of MEASURED_LAYOUTS[world]; one row per (layout, mode).
+def _worker(rank: int, worlds: list[int], workdir: str, rounds: int, modes: list[str]) -> None:
+    # One spawn serves every world size: the lowest `world` processes form each world in turn.
+    records = [rec for world in worlds if rank < world for rec in _measure_world(rank, world, workdir, rounds, modes)]
+    Path(workdir, f"rank{rank}.json").write_text(json.dumps(records))
 
-    Each row: seconds (slowest rank, median over rounds), ops per rank by kind (first round),
-    their totals per rank, and the (fewest, most) the formula allows each rank.
+
+def measure(worlds: list[int], rounds: int = 1, modes: tuple[str, ...] = ("local",)) -> list[dict[str, Any]]:
+    """Create the groups of MEASURED_LAYOUTS for each world size on real gloo ranks; one row per (world, layout, mode).
+
+    One spawn of max(worlds) processes. Each row: seconds (slowest rank, median over rounds),
+    ops per rank by kind (first round), their totals per rank, and the (fewest, most) the
+    formula allows each rank.
     """
-    if world not in MEASURED_LAYOUTS:
-        raise UserError(f"--worlds: no layouts for {world} ranks; choose from {sorted(MEASURED_LAYOUTS)}")
+    for world in worlds:
+        if world not in MEASURED_LAYOUTS:
+            raise UserError(f"--worlds: no layouts for {world} ranks; choose from {sorted(MEASURED_LAYOUTS)}")
+    if not worlds:
+        return []
+    nprocs = max(worlds)
     with tempfile.TemporaryDirectory(prefix="megascale_startup_") as workdir:
-        mp.start_processes(_worker, args=(world, workdir, rounds, list(modes)), nprocs=world, join=True,
+        mp.start_processes(_worker, args=(worlds, workdir, rounds, list(modes)), nprocs=nprocs, join=True,
                            start_method="spawn")
-        per_rank = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(world)]
-    rows = []
-    for dims in MEASURED_LAYOUTS[world]:
-        layout = measured_layout(world, dims)
-        for mode in modes:
-            mine = [[rec for rec in records if rec["dims"] == dims and rec["mode"] == mode] for records in per_rank]
-            slowest = [max(ranks[i]["seconds"] for ranks in mine) for i in range(rounds)]
-            ops = [ranks[0]["ops"] for ranks in mine]
-            rows.append({"world": world, "dims": dims, "layout": layout_name(layout), "mode": mode,
-                         "plan": ["+".join(names) for names in creation_plan(layout)],
-                         "seconds": statistics.median(slowest), "ops": ops,
-                         "ops_per_rank": [sum(o.values()) for o in ops],
-                         "formula_per_rank": _formula(layout, mode)})
-    return rows
+        per_rank = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(nprocs)]
+    return [_row(world, dims, mode, rounds, per_rank[:world])
+            for world in worlds for dims in MEASURED_LAYOUTS[world] for mode in modes]
+
+
+def _row(world: int, dims: dict[str, int], mode: str, rounds: int, per_rank: list[list[dict]]) -> dict[str, Any]:
+    layout = measured_layout(world, dims)
+    mine = [[rec for rec in records if (rec["world"], rec["dims"], rec["mode"]) == (world, dims, mode)]
+            for records in per_rank]
+    slowest = [max(ranks[i]["seconds"] for ranks in mine) for i in range(rounds)]
+    ops = [ranks[0]["ops"] for ranks in mine]
+    return {"world": world, "dims": dims, "layout": layout_name(layout), "mode": mode,
+            "plan": ["+".join(names) for names in creation_plan(layout)],
+            "seconds": statistics.median(slowest), "ops": ops, "ops_per_rank": [sum(o.values()) for o in ops],
+            "formula_per_rank": _formula(layout, mode)}
 
 
 def _formula(layout: RankLayout, mode: str) -> list[tuple[int, int]]:
@@ -223,7 +236,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--rounds {ns.rounds} must be at least 1")
     modes = ("local",) if ns.no_baseline else MODES
     arith = arithmetic_rows(max(ns.rounds, 5))
-    measured = [row for world in ns.worlds for row in measure(world, ns.rounds, modes)]
+    measured = measure(sorted(set(ns.worlds)), ns.rounds, modes)
     extrapolated = extrapolation_rows()
     if ns.json:
         print(json.dumps({"arithmetic": arith, "measured": measured, "extrapolation": extrapolated}, indent=1))
