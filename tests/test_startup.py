@@ -112,7 +112,7 @@ def test_formula_totals_agree_with_per_rank_formula() -> None:
 @pytest.fixture(scope="module")
 def measured() -> dict[int, list[dict]]:
     """One spawn of 4 processes: ranks 0-1 form a world of 2, then all four a world of 4; both modes."""
-    rows = measure([2, 4], modes=("local", "barrier"))
+    rows = measure([2, 4], modes=("local", "barrier"), one_spawn=True)
     return {world: [row for row in rows if row["world"] == world] for world in (2, 4)}
 
 

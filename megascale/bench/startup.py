@@ -124,29 +124,32 @@ def _measure_world(rank: int, world: int, workdir: str, rounds: int, modes: list
 
 
 def _worker(rank: int, worlds: list[int], workdir: str, rounds: int, modes: list[str]) -> None:
-    # One spawn serves every world size: the lowest `world` processes form each world in turn.
+    # A spawn may serve several world sizes: the lowest `world` processes form each world in turn.
     records = [rec for world in worlds if rank < world for rec in _measure_world(rank, world, workdir, rounds, modes)]
     Path(workdir, f"rank{rank}.json").write_text(json.dumps(records))
 
 
-def measure(worlds: list[int], rounds: int = 1, modes: tuple[str, ...] = ("local",)) -> list[dict[str, Any]]:
+def measure(worlds: list[int], rounds: int = 1, modes: tuple[str, ...] = ("local",),
+            one_spawn: bool = False) -> list[dict[str, Any]]:
     """Create the groups of MEASURED_LAYOUTS for each world size on real gloo ranks; one row per (world, layout, mode).
 
-    One spawn of max(worlds) processes. Each row: seconds (slowest rank, median over rounds),
-    ops per rank by kind (first round), their totals per rank, and the (fewest, most) the
-    formula allows each rank.
+    Each row: seconds (slowest rank, median over rounds), ops per rank by kind (first round),
+    their totals per rank, and the (fewest, most) the formula allows each rank. one_spawn:
+    a single spawn of max(worlds) processes serves every world size, for counts (tests); the
+    ranks waiting for a larger world poll the store meanwhile, so timings want a spawn per world.
     """
     for world in worlds:
         if world not in MEASURED_LAYOUTS:
             raise UserError(f"--worlds: no layouts for {world} ranks; choose from {sorted(MEASURED_LAYOUTS)}")
-    if not worlds:
-        return []
-    nprocs = max(worlds)
-    with tempfile.TemporaryDirectory(prefix="megascale_startup_") as workdir:
-        mp.start_processes(_worker, args=(worlds, workdir, rounds, list(modes)), nprocs=nprocs, join=True,
-                           start_method="spawn")
-        per_rank = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(nprocs)]
-    return [_row(world, dims, mode, rounds, per_rank[:world])
+    per_rank: dict[int, list[dict]] = {}
+    for batch in ([worlds] if one_spawn else [[world] for world in worlds]):
+        with tempfile.TemporaryDirectory(prefix="megascale_startup_") as workdir:
+            nprocs = max(batch)
+            mp.start_processes(_worker, args=(batch, workdir, rounds, list(modes)), nprocs=nprocs, join=True,
+                               start_method="spawn")
+            for rank in range(nprocs):
+                per_rank.setdefault(rank, []).extend(json.loads(Path(workdir, f"rank{rank}.json").read_text()))
+    return [_row(world, dims, mode, rounds, [per_rank[r] for r in range(world)])
             for world in worlds for dims in MEASURED_LAYOUTS[world] for mode in modes]
 
 
