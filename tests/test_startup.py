@@ -136,9 +136,11 @@ def test_barrier_baseline_within_formula_and_costlier(measured: dict[int, list[d
             assert min(row["ops_per_rank"]) > max(rows[(name, "local")]["ops_per_rank"])
 
 
-def test_bench_rejects_bad_rounds() -> None:
+def test_bench_rejects_bad_input() -> None:
     with pytest.raises(UserError, match="--rounds 0"):
         bench_main(["startup", "--rounds", "0", "--worlds"])
+    with pytest.raises(UserError, match="no layouts for 3 ranks"):
+        bench_main(["startup", "--worlds", "3"])
 
 
 def test_named_groups_cover_group_axes() -> None:

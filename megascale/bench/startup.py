@@ -129,6 +129,13 @@ def _worker(rank: int, worlds: list[int], workdir: str, rounds: int, modes: list
     Path(workdir, f"rank{rank}.json").write_text(json.dumps(records))
 
 
+def check_worlds(worlds: list[int]) -> None:
+    """Refuse a world size without measured layouts."""
+    for world in worlds:
+        if world not in MEASURED_LAYOUTS:
+            raise UserError(f"--worlds: no layouts for {world} ranks; choose from {sorted(MEASURED_LAYOUTS)}")
+
+
 def measure(worlds: list[int], rounds: int = 1, modes: tuple[str, ...] = ("local",),
             one_spawn: bool = False) -> list[dict[str, Any]]:
     """Create the groups of MEASURED_LAYOUTS for each world size on real gloo ranks; one row per (world, layout, mode).
@@ -138,9 +145,7 @@ def measure(worlds: list[int], rounds: int = 1, modes: tuple[str, ...] = ("local
     a single spawn of max(worlds) processes serves every world size, for counts (tests); the
     ranks waiting for a larger world poll the store meanwhile, so timings want a spawn per world.
     """
-    for world in worlds:
-        if world not in MEASURED_LAYOUTS:
-            raise UserError(f"--worlds: no layouts for {world} ranks; choose from {sorted(MEASURED_LAYOUTS)}")
+    check_worlds(worlds)
     per_rank: dict[int, list[dict]] = {}
     for batch in ([worlds] if one_spawn else [[world] for world in worlds]):
         with tempfile.TemporaryDirectory(prefix="megascale_startup_") as workdir:
@@ -237,6 +242,7 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     if ns.rounds < 1:
         raise UserError(f"--rounds {ns.rounds} must be at least 1")
+    check_worlds(ns.worlds)
     modes = ("local",) if ns.no_baseline else MODES
     arith = arithmetic_rows(max(ns.rounds, 5))
     measured = measure(sorted(set(ns.worlds)), ns.rounds, modes)
