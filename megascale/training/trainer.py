@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import Config, ConfigError, save_config
+from megascale.data.tokenizer import check_tokenizer
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext
@@ -58,6 +59,7 @@ def validate_runtime(cfg: Config, device: torch.device) -> None:
     if device.type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 is not supported on CPU; use fp32 or bf16")
     check_data_paths(cfg)
+    check_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
 
 
 def check_data_paths(cfg: Config) -> None:
