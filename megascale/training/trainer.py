@@ -59,12 +59,12 @@ def validate_runtime(cfg: Config, device: torch.device) -> None:
     if device.type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 is not supported on CPU; use fp32 or bf16")
     check_data_paths(cfg)
-    check_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
 
 
 def check_data_paths(cfg: Config) -> None:
-    """Fail before building anything when the training data is missing."""
+    """Fail before building anything when the training data (or its tokenizer) is missing or does not fit."""
     d = cfg.data
+    check_tokenizer(d.tokenizer, cfg.model.vocab_size)
     if not d.paths:
         if d.demo:
             return
