@@ -81,10 +81,20 @@ def test_preprocess_writes_the_tokenizers_own_ids(pipeline: dict) -> None:
 
 
 def test_megatron_and_megascale_formats_train_the_same_losses(pipeline: dict) -> None:
-    losses = {fmt: [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-              for fmt, run in pipeline["runs"].items()}
+    from megascale.config import load_config
+    from megascale.perf.flops import causal_halved_train_flops_per_token, train_flops_per_token
+
+    records = {fmt: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+               for fmt, run in pipeline["runs"].items()}
+    losses = {fmt: [r["loss"] for r in recs] for fmt, recs in records.items()}
     assert len(losses["megatron"]) == 3
     assert losses["megatron"] == losses["megascale"]
+    # The causal-halved MFU is logged beside the standard one, in the ratio of the two FLOP counts.
+    model = load_config(pipeline["runs"]["megatron"] / "config.yaml").model
+    ratio = causal_halved_train_flops_per_token(model) / train_flops_per_token(model)
+    assert 0.5 < ratio < 1
+    for rec in records["megatron"]:
+        assert rec["mfu_causal_halved"] == pytest.approx(rec["mfu"] * ratio, rel=1e-12)
 
 
 def test_generate_and_hf_export_keep_the_ids(pipeline: dict, capsys) -> None:
