@@ -14,7 +14,6 @@ import torch
 from megascale.cli import main as cli_main
 from megascale.data.indexed import IndexedDataset
 
-transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +97,7 @@ def test_megatron_and_megascale_formats_train_the_same_losses(pipeline: dict) ->
 
 
 def test_generate_and_hf_export_keep_the_ids(pipeline: dict, capsys) -> None:
+    transformers = pytest.importorskip("transformers")
     from megascale.generate import load_model_for_inference, resolve_tokenizer, sample
 
     run, tok_dir, out = pipeline["runs"]["megatron"], pipeline["tok"], pipeline["root"] / "hf"

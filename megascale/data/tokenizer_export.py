@@ -32,7 +32,11 @@ FILE_MODE = 0o644
 
 
 def _model_proto(tok: SentencePieceTokenizer) -> Any:
-    from sentencepiece import sentencepiece_model_pb2
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # the generated module needs protobuf, which sentencepiece does not require
+        raise UserError("exporting a SentencePiece tokenizer needs the protobuf package; install it with "
+                        "`pip install 'megascale[hf]'` or `pip install protobuf`") from None
 
     proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # generated protobuf module
     proto.ParseFromString(tok.model_proto)
