@@ -169,3 +169,15 @@ def test_bad_megatron_files_are_refused_in_one_line(tmp_path: Path, damage: str,
     with pytest.raises(UserError, match=message) as err:
         IndexedDataset(prefix)
     assert "\n" not in str(err.value) and str(idx) in str(err.value)
+
+
+def test_pointer_check_in_chunks_finds_a_gap_in_any_chunk(tmp_path: Path, monkeypatch) -> None:
+    from megascale.data import megatron_format
+
+    monkeypatch.setattr(megatron_format, "CHECK_CHUNK", 2)  # 5 sequences: chunks of 2, 2 and 1
+    docs = [[[1, 2], [3]], [[4, 5, 6]], [[7], [8, 9]]]
+    spec_write(tmp_path / "m", docs, code=8)
+    assert [IndexedDataset(tmp_path / "m")[i].tolist() for i in range(3)] == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    _patch(tmp_path / "m.idx", 34 + 4 * 5 + 8 * 4, struct.pack("<q", 16))  # the last sequence (at byte 14), in the last chunk
+    with pytest.raises(UserError, match="not stored back to back"):
+        IndexedDataset(tmp_path / "m")

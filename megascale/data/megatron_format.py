@@ -42,6 +42,7 @@ DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int3
                                 6: np.float64, 7: np.float32, 8: np.uint16}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 MAX_SEQUENCE_TOKENS = np.iinfo(np.int32).max  # sequence lengths are stored as int32
+CHECK_CHUNK = 1 << 22  # sequences compared at a time while validating pointers
 
 _FIX = "re-create it with `megascale preprocess --format megatron ...` or Megatron-LM's preprocess_data.py"
 
@@ -70,6 +71,16 @@ def _header(path: Path, size: int) -> tuple[np.dtype, int, int]:
     return np.dtype(DTYPE_CODES[code]), sequences, documents
 
 
+def _pointers_follow_lengths(pointers: np.ndarray, token_starts: np.ndarray, itemsize: int) -> bool:
+    """Whether every sequence starts where the previous one ends, checked in chunks (indexes of
+    hundreds of millions of sequences are memory-mapped, not copied, for this)."""
+    for lo in range(0, len(pointers), CHECK_CHUNK):
+        hi = min(lo + CHECK_CHUNK, len(pointers))
+        if np.any(pointers[lo:hi] != token_starts[lo:hi] * itemsize):
+            return False
+    return True
+
+
 def read_index(path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
     """(token dtype, tokens per document, token offset of each document) of a Megatron ``.idx``.
 
@@ -79,20 +90,22 @@ def read_index(path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
     dtype, sequences, documents = _header(path, path.stat().st_size)
     if documents == 0:
         raise _fail(path, "has no document boundaries (a valid file has at least the leading 0)")
-    lengths = np.fromfile(path, dtype="<i4", count=sequences, offset=HEADER_BYTES).astype(np.int64)
-    pointers = np.fromfile(path, dtype="<i8", count=sequences, offset=HEADER_BYTES + 4 * sequences)
-    doc_starts = np.fromfile(path, dtype="<i8", count=documents, offset=HEADER_BYTES + 12 * sequences)
-    if doc_starts[0] != 0 or doc_starts[-1] != sequences or np.any(np.diff(doc_starts) < 0):
+    layout = (("<i4", sequences, HEADER_BYTES), ("<i8", sequences, HEADER_BYTES + 4 * sequences),
+              ("<i8", documents, HEADER_BYTES + 12 * sequences))
+    lengths, pointers, doc_starts = (
+        np.memmap(path, dtype=kind, mode="r", offset=offset, shape=(count,)) if count else np.zeros(0, kind)
+        for kind, count, offset in layout)
+    if doc_starts[0] != 0 or doc_starts[-1] != sequences or np.any(doc_starts[1:] < doc_starts[:-1]):
         raise _fail(path, "has document indices that do not run from 0 to the sequence count in order")
-    if np.any(lengths < 0):
+    if sequences and int(lengths.min()) < 0:
         raise _fail(path, "has negative sequence lengths")
     token_starts = np.zeros(sequences + 1, dtype=np.int64)
     np.cumsum(lengths, out=token_starts[1:])
-    if np.any(pointers != token_starts[:-1] * dtype.itemsize):
+    if not _pointers_follow_lengths(pointers, token_starts, dtype.itemsize):
         raise _fail(path, "has sequences that are not stored back to back in .bin (megascale reads each "
                           "document as one contiguous range)")
-    offsets = token_starts[doc_starts[:-1]]
-    return dtype, token_starts[doc_starts[1:]] - offsets, offsets
+    offsets = token_starts[np.asarray(doc_starts[:-1])]
+    return dtype, token_starts[np.asarray(doc_starts[1:])] - offsets, offsets
 
 
 def write_index(path: Path, dtype: np.dtype, doc_sizes: np.ndarray) -> None:
