@@ -121,7 +121,7 @@ class IndexedDatasetBuilder:
         if self.fmt == "megatron":
             megatron_format.write_index(idx_tmp, self.dtype, sizes)
         else:
-            _write_megascale_index(idx_tmp, self.dtype, sizes)
+            write_megascale_index(idx_tmp, self.dtype, sizes)
         # .bin first: a reader finding a new .idx must find its matching .bin.
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(idx_tmp, self.idx_path)
@@ -132,7 +132,8 @@ class IndexedDatasetBuilder:
         self._bin_tmp.unlink(missing_ok=True)
 
 
-def _write_megascale_index(path: Path, dtype: np.dtype, sizes: np.ndarray) -> None:
+def write_megascale_index(path: Path, dtype: np.dtype, sizes: np.ndarray) -> None:
+    """Write a megascale (MGSIDX) ``.idx`` for documents of `sizes` tokens stored back to back."""
     offsets = np.zeros_like(sizes)
     if sizes.size:
         np.cumsum(sizes[:-1], out=offsets[1:])
