@@ -132,3 +132,23 @@ def test_generate_and_train_start_from_a_converted_llama(tmp_path: Path, capsys)
     for text in ("def main():", "  import os\n", "\nprint(1)"):
         assert auto(text)["input_ids"] == own.encode(text, add_special_tokens=False).ids
     assert json.loads((tmp_path / "trained" / "generation_config.json").read_text())["eos_token_id"] == 1
+
+
+def test_to_hf_names_the_flag_when_the_runs_tokenizer_is_gone(tmp_path: Path, capsys) -> None:
+    _save(tmp_path / "hf", "gpt2")
+    assert cli_main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert "no tokenizer written (the run names none); pass --tokenizer" in capsys.readouterr().out
+    import yaml
+
+    # A run whose tokenizer is not where it was any more.
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        **yaml.safe_load((tmp_path / "ckpt" / "model.yaml").read_text()),
+        "data": {"tokenizer": str(tmp_path / "moved" / "tokenizer.json")}}))
+    capsys.readouterr()
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out2"),
+                     "--config", str(tmp_path / "run.yaml")]) == 2
+    assert "pass --tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists()

@@ -127,7 +127,8 @@ def checkpoint_to_hf(ckpt: Path, out_dir: Path, arch: str = "auto", config_path:
     cfg = _model_config(step_dir, config_path)
     model = cfg.model
     arch = detect_arch(model) if arch == "auto" else arch
-    tok = run_tokenizer(load_metadata(step_dir).get("config") or cfg.to_dict(), tokenizer)
+    # The run's config: --config when given (as for the model), else the one stored in the checkpoint.
+    tok = run_tokenizer(cfg.to_dict() if config_path else load_metadata(step_dir)["config"], tokenizer)
     tensors, hf_config = to_hf(read_global_state(step_dir), model, arch)
     if tok is not None:
         hf_config.update(export_tokenizer(tok, out_dir, model.vocab_size, model.seq_length))

@@ -42,7 +42,11 @@ def run_tokenizer(run_config: dict, explicit: Optional[str]) -> Optional[Tokeniz
 
     cfg: Config = config_from_dict({"model": run_config["model"], "data": data,
                                     "train": run_config.get("train") or {}})
-    return resolve_tokenizer(cfg)
+    try:
+        return resolve_tokenizer(cfg)
+    except UserError as err:  # e.g. a relative data.tokenizer seen from another directory
+        raise UserError(f"the run's tokenizer cannot be loaded ({err}); pass --tokenizer with the tokenizer "
+                        "the run was trained with") from None
 
 
 def export_tokenizer(tok: Tokenizer, out_dir: Path, model_vocab: int, seq_length: int) -> dict[str, Any]:
