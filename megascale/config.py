@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 # The values a choice field accepts. Each alias is the one source of its choices: the field is
 # annotated with it, `_coerce` validates against it, and code that takes the value uses it too.
 Norm = Literal["layernorm", "rmsnorm"]
-Activation = Literal["gelu", "swiglu"]
+Activation = Literal["gelu", "gelu_exact", "swiglu"]
 Position = Literal["learned", "rope"]
 AttentionVariant = Literal["causal", "sliding_window"]
 CpMode = Literal["ulysses", "ring", "hybrid"]
@@ -77,7 +77,8 @@ class ModelConfig:
     seq_length: int = _f(1024, "training sequence length in tokens")
     norm: Norm = _f("layernorm", "normalisation layer", Norm)
     norm_eps: float = _f(1e-5, "epsilon of the norm layers")
-    activation: Activation = _f("gelu", "MLP activation", Activation)
+    activation: Activation = _f("gelu", "MLP activation: gelu (tanh approximation, GPT-2/Megatron), gelu_exact "
+                                        "(erf form, HF 'gelu'), swiglu", Activation)
     position: Position = _f("learned", "position encoding", Position)
     rope_theta: float = _f(10000.0, "RoPE base frequency")
     attention: AttentionVariant = _f("causal", "attention variant", AttentionVariant)
@@ -188,7 +189,8 @@ class DataConfig:
     paths: list = _f([], "dataset prefixes (X for X.bin/X.idx); may be given as 'weight prefix weight prefix ...'")
     weights: Optional[list] = _f(None, "blend weights, one per path; null = proportional to size")
     split: str = _f("98,2,0", "train,valid,test split of documents, in parts")
-    tokenizer: Optional[str] = _f(None, "SentencePiece model path (used by generate and preprocess)")
+    tokenizer: Optional[str] = _f(None, "SentencePiece .model, HF tokenizer.json, or a directory holding either "
+                                        "(checked against model.vocab_size; used by generate and convert)")
     cache_dir: Optional[str] = _f(None, "where sample indices are cached; null = beside the data")
     prefetch: int = _f(2, "batches prepared ahead by the background loader")
     demo: bool = _f(False, "build the demo corpus from the Python standard library if paths are missing")

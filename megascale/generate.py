@@ -1,4 +1,8 @@
-"""`megascale generate`: sample a continuation from a run's latest checkpoint (one process, any saved layout)."""
+"""`megascale generate`: sample a continuation from a run's latest checkpoint (one process, any saved layout).
+
+--run is a training run directory (config.yaml + checkpoints/) or the output of
+`megascale convert --from-hf` (model.yaml + step directories + tokenizer/).
+"""
 
 from __future__ import annotations
 
@@ -24,37 +28,45 @@ def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None,
     from megascale.distributed.topology import ParallelContext, RankLayout
     from megascale.model import build_model
 
-    config_path = run_dir / "config.yaml"
+    config_path, checkpoints = run_dir / "config.yaml", run_dir / "checkpoints"
+    if not config_path.is_file() and (run_dir / "model.yaml").is_file():
+        config_path, checkpoints = run_dir / "model.yaml", run_dir  # a `convert --from-hf` output
     if not config_path.is_file():
-        raise UserError(f"'{config_path}' not found; pass --run with the train.output_dir of a finished run")
+        raise UserError(f"'{config_path}' not found; pass --run with the train.output_dir of a finished run "
+                        "or the output directory of `megascale convert --from-hf`")
     cfg = load_config(config_path, ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.cp=1",
                                     "parallel.dp=1", "parallel.sequence_parallel=false", "parallel.tp_overlap=false",
                                     "parallel.pipeline_layers=null", "train.dtype=fp32", "train.recompute=none",
                                     f"train.device={device}"])
     ctx = ParallelContext(RankLayout(), rank=0, device=torch.device(device), create_groups=False)
     chunk = build_model(cfg, ctx)[0]
-    manager = CheckpointManager(run_dir / "checkpoints", ctx, cfg)
+    manager = CheckpointManager(checkpoints, ctx, cfg)
     extra = manager.load([param_shard(p) for p in chunk.parameters()], checkpoint)
     if extra is None:
-        raise UserError(f"no complete checkpoint under '{run_dir / 'checkpoints'}'; train with "
+        raise UserError(f"no complete checkpoint under '{checkpoints}'; train with "
                         "checkpoint.save_final=true or pass --checkpoint")
     chunk.eval()
     return cfg, chunk, int(extra.get("step", 0))
 
 
-def resolve_tokenizer(cfg: Config) -> Tokenizer:
-    """The run's SentencePiece tokenizer (the demo corpus's when the run used data.demo)."""
+def resolve_tokenizer(cfg: Config, run_dir: Optional[Path] = None) -> Tokenizer:
+    """The run's tokenizer: data.tokenizer, else run_dir/tokenizer (a `convert --from-hf` output),
+    else the demo corpus's when the run used data.demo."""
+    from megascale.checkpoint.hf_tokenizer_files import TOKENIZER_DIR
     from megascale.data.tokenizer import load_tokenizer
 
     if cfg.data.tokenizer:
         return load_tokenizer(cfg.data.tokenizer)
+    if run_dir is not None and (run_dir / TOKENIZER_DIR).is_dir():
+        return load_tokenizer(run_dir / TOKENIZER_DIR)
     if cfg.data.demo:
         from megascale.data.demo import build_demo_corpus
         from megascale.data.loader import DEMO_VOCAB, demo_cache_dir
 
         _, model_path = build_demo_corpus(demo_cache_dir(cfg), min(DEMO_VOCAB, cfg.model.vocab_size))
         return load_tokenizer(model_path)
-    raise UserError("the run has no data.tokenizer; pass --tokenizer PATH.model")
+    raise UserError("the run has no data.tokenizer; pass --tokenizer (a SentencePiece .model, an HF "
+                    "tokenizer.json or a directory holding either)")
 
 
 @torch.no_grad()
@@ -85,7 +97,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens; 0 = greedy")
     parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="SentencePiece .model, HF tokenizer.json or tokenizer directory (default: the run's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     cfg, chunk, step = load_model_for_inference(Path(args.run), Path(args.checkpoint) if args.checkpoint else None)
@@ -94,7 +107,7 @@ def main(argv: list[str]) -> int:
 
         tok = load_tokenizer(args.tokenizer)
     else:
-        tok = resolve_tokenizer(cfg)
+        tok = resolve_tokenizer(cfg, Path(args.run))
     ids = tok.encode(args.prompt)
     out = sample(chunk, ids, args.max_new_tokens, args.top_k, args.temperature, cfg.model.seq_length, args.seed)
     print(f"[step {step}] {args.prompt}{tok.decode(out[len(ids):])}")

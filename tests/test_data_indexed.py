@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megascale.data.indexed import HEADER_BYTES, IndexedDataset, IndexedDatasetBuilder, dtype_for_vocab
+from megascale.data.indexed import FORMATS, HEADER_BYTES, IndexedDataset, IndexedDatasetBuilder, dtype_for_vocab
 from megascale.errors import UserError
 
 
@@ -15,18 +15,19 @@ def _random_docs(vocab: int, n: int, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, vocab, size=int(k)) for k in rng.integers(0, 50, size=n)] + [np.zeros(0, np.int64)]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("vocab,dtype", [(50_000, np.uint16), (65_535, np.uint16), (65_536, np.int32),
                                          (200_000, np.int32)])
-def test_round_trip(tmp_path, vocab, dtype):
+def test_round_trip(tmp_path, vocab, dtype, fmt):
     assert dtype_for_vocab(vocab) is dtype
     docs = _random_docs(vocab, 40, seed=vocab)
     docs[0][:1] = vocab - 1  # the largest id must survive the narrow dtype
-    builder = IndexedDatasetBuilder(tmp_path / "d", vocab_size=vocab)
+    builder = IndexedDatasetBuilder(tmp_path / "d", vocab_size=vocab, fmt=fmt)
     for doc in docs:
         builder.add_document(doc)
     builder.finalize()
     ds = IndexedDataset(tmp_path / "d")
-    assert ds.dtype == np.dtype(dtype)
+    assert ds.dtype == np.dtype(dtype) and ds.format == fmt
     assert len(ds) == len(docs)
     assert ds.num_tokens == sum(len(d) for d in docs)
     assert (tmp_path / "d.bin").stat().st_size == ds.num_tokens * np.dtype(dtype).itemsize
@@ -47,8 +48,8 @@ def test_out_of_range_id_rejected(tmp_path):
     assert not (tmp_path / "d.bin").exists() and not list(tmp_path.iterdir())
 
 
-def _write(prefix, docs, vocab=1000):
-    builder = IndexedDatasetBuilder(prefix, vocab_size=vocab)
+def _write(prefix, docs, vocab=1000, fmt="megascale"):
+    builder = IndexedDatasetBuilder(prefix, vocab_size=vocab, fmt=fmt)
     for doc in docs:
         builder.add_document(doc)
     builder.finalize()

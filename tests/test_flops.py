@@ -6,6 +6,7 @@ import pytest
 
 from megascale.config import load_config
 from megascale.perf.flops import (
+    causal_halved_train_flops_per_token,
     classic_gpt_flops_per_token,
     forward_flops_per_token,
     hardware_flops_per_token,
@@ -31,6 +32,38 @@ def test_megatron_mfu_column_of_megascale_table() -> None:
     m = load_config(None, GPT3).model
     mfu = train_flops_per_token(m) * 1_466_800 / 12_288 / 312e12
     assert round(100 * mfu, 1) == 41.2
+
+
+def _megatron_lm_flops_per_token(layers: int, h: int, heads: int, kv: int, ffn: int, s: int, vocab: int,
+                                 gated: bool) -> float:
+    """Current Megatron-LM's count (num_floating_point_operations, dense model) per token:
+    12 l h^2 ((1 + kv/q + s/(2h)) + ffn/h * (1.5 if gated else 1)) + 6 h V; its s/(2h) halves causal attention."""
+    return 12 * layers * h * h * ((1 + kv / heads + s / h / 2) + ffn / h * (1.5 if gated else 1.0)) + 6 * h * vocab
+
+
+LLAMA_7B = ["model.num_layers=32", "model.hidden_size=4096", "model.num_heads=32", "model.vocab_size=32000",
+            "model.seq_length=4096", "model.activation=swiglu", "model.ffn_hidden_size=11008"]
+
+
+@pytest.mark.parametrize("overrides,megatron,excess", [
+    (GPT3, (96, 12288, 96, 96, 4 * 12288, 2048, 64000, False), 1.4),
+    (LLAMA_7B, (32, 4096, 32, 32, 11008, 4096, 32000, True), 7.5),
+    ([*LLAMA_7B, "model.num_kv_heads=8"], (32, 4096, 32, 8, 11008, 4096, 32000, True), 8.5),
+], ids=["gpt3-175b", "llama-7b-s4096", "gqa-7b-s4096"])
+def test_causal_halved_figure_is_megatron_lms_count(overrides: list[str], megatron: tuple, excess: float) -> None:
+    m = load_config(None, overrides).model
+    halved = causal_halved_train_flops_per_token(m)
+    assert halved == pytest.approx(_megatron_lm_flops_per_token(*megatron), rel=1e-12)
+    assert round(100 * (train_flops_per_token(m) / halved - 1), 1) == excess
+
+
+def test_causal_halving_leaves_a_narrow_window_alone() -> None:
+    base = ["model.num_layers=1", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=128",
+            "model.seq_length=1024", "model.attention=sliding_window"]
+    narrow = load_config(None, [*base, "model.window_size=256"]).model
+    assert causal_halved_train_flops_per_token(narrow) == train_flops_per_token(narrow)
+    wide = load_config(None, [*base, "model.window_size=4096"]).model  # covers the sequence: plain causal
+    assert train_flops_per_token(wide) - causal_halved_train_flops_per_token(wide) == 3 * 2 * 1024 * 64
 
 
 def test_gqa_and_swiglu_change_matmul_sizes() -> None:

@@ -1,12 +1,18 @@
 """`megascale convert`: megascale checkpoints <-> HuggingFace, and merging to one safetensors file.
 
   megascale convert --to-hf   CKPT OUT_DIR [--arch auto|llama|gpt2] [--config FILE] [--dtype fp32|bf16|fp16]
+                              [--tokenizer T]
   megascale convert --from-hf HF_DIR OUT_ROOT [--step N]
   megascale convert --merge   CKPT OUT.safetensors [--include-optim] [--dtype ...]
 
 CKPT is a step dir, a checkpoints root (its newest complete checkpoint) or a run dir.
+--to-hf also writes the run's tokenizer (data.tokenizer, or --tokenizer) as HF
+tokenizer files and a generation_config.json.
 --from-hf writes a one-rank checkpoint (model weights only) under OUT_ROOT plus
-OUT_ROOT/model.yaml with the matching `model:` section; it loads under any layout.
+OUT_ROOT/model.yaml with the matching `model:` section and OUT_ROOT/tokenizer/
+when the HF model has one; it loads under any layout, and `megascale generate
+--run OUT_ROOT` samples from it. HF config fields megascale cannot compute
+exactly are refused (docs/checkpoint.md).
 """
 
 from __future__ import annotations
@@ -22,7 +28,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megascale.checkpoint.format import DTYPES, records_of
-from megascale.checkpoint.hf import detect_arch, from_hf, model_from_hf, to_hf
+from megascale.checkpoint.hf import detect_arch, from_hf, to_hf
+from megascale.checkpoint.hf_config import model_from_hf
+from megascale.checkpoint.hf_tokenizer_files import (
+    export_tokenizer,
+    import_tokenizer,
+    normal_permissions,
+    run_tokenizer,
+)
 from megascale.checkpoint.manager import CheckpointManager, resolve_checkpoint
 from megascale.checkpoint.reader import load_metadata, load_shards
 from megascale.config import Config, config_from_dict, load_config
@@ -65,6 +78,7 @@ def write_hf(out_dir: Path, tensors: dict[str, torch.Tensor], hf_config: dict, d
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    normal_permissions([out_dir / "model.safetensors", out_dir / "config.json"])
 
 
 def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -98,16 +112,28 @@ def hf_to_checkpoint(hf_dir: Path, out_root: Path, step: int = 0) -> Path:
     if not manager.last_save_stats["ok"]:
         raise UserError(f"writing {out_root} failed: {manager.last_save_stats['error']}")
     (out_root / "model.yaml").write_text(yaml.safe_dump({"model": cfg.to_dict()["model"]}, sort_keys=False))
+    import_tokenizer(hf_dir, out_root)
     return out_root / manager.latest().name  # type: ignore[union-attr]
 
 
 def checkpoint_to_hf(ckpt: Path, out_dir: Path, arch: str = "auto", config_path: Optional[str] = None,
-                     dtype: Optional[torch.dtype] = None) -> str:
-    """Convert a megascale checkpoint into an HF model directory; returns the architecture used."""
+                     dtype: Optional[torch.dtype] = None, tokenizer: Optional[str] = None) -> str:
+    """Convert a megascale checkpoint into an HF model directory; returns the architecture used.
+
+    The tokenizer (`tokenizer`, else the run's) is written beside the weights; a note
+    is printed when there is none to write.
+    """
     step_dir = resolve_checkpoint(ckpt)
-    model = _model_config(step_dir, config_path).model
+    cfg = _model_config(step_dir, config_path)
+    model = cfg.model
     arch = detect_arch(model) if arch == "auto" else arch
+    # The run's config: --config when given (as for the model), else the one stored in the checkpoint.
+    tok = run_tokenizer(cfg.to_dict() if config_path else load_metadata(step_dir)["config"], tokenizer)
     tensors, hf_config = to_hf(read_global_state(step_dir), model, arch)
+    if tok is not None:
+        hf_config.update(export_tokenizer(tok, out_dir, model.vocab_size, model.seq_length))
+    else:
+        print("note: no tokenizer written (the run names none); pass --tokenizer to include one")
     write_hf(out_dir, tensors, hf_config, dtype)
     return arch
 
@@ -123,6 +149,7 @@ def merge_checkpoint(ckpt: Path, out_file: Path, include_optim: bool = False,
     meta = load_metadata(step_dir)
     save_file(state, str(out_file), metadata={"format": "megascale-merged", "step": str(meta.get("step")),
                                               "source": str(step_dir)})
+    normal_permissions([out_file])
     return len(state)
 
 
@@ -138,6 +165,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dst", help="destination directory or file")
     parser.add_argument("--arch", default="auto", choices=("auto", "llama", "gpt2"), help="--to-hf: target family")
     parser.add_argument("--config", default=None, help="--to-hf: config YAML, when the checkpoint stores none")
+    parser.add_argument("--tokenizer", default=None,
+                        help="--to-hf: tokenizer to export (default: the run's data.tokenizer)")
     parser.add_argument("--dtype", default=None, choices=tuple(PRECISION_DTYPES),
                         help="cast floating tensors on output")
     parser.add_argument("--step", type=int, default=0, help="--from-hf: step number of the written checkpoint")
@@ -148,7 +177,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"{src} does not exist")
     dtype = PRECISION_DTYPES[args.dtype] if args.dtype else None
     if args.to_hf:
-        arch = checkpoint_to_hf(src, dst, args.arch, args.config, dtype)
+        arch = checkpoint_to_hf(src, dst, args.arch, args.config, dtype, args.tokenizer)
         print(f"wrote HuggingFace {arch} model to {dst}")
     elif args.from_hf:
         step_dir = hf_to_checkpoint(src, dst, args.step)

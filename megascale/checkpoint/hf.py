@@ -22,13 +22,19 @@ from megascale.errors import UserError
 
 ARCHES = ("llama", "gpt2")
 _LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False}
-_GPT2 = {"norm": "layernorm", "activation": "gelu", "position": "learned", "bias": True}
+_GPT2 = {"norm": "layernorm", "activation": ("gelu", "gelu_exact"), "position": "learned", "bias": True}
+# Our GPT-2 activations -> HF's activation_function (tanh form, erf form).
+_HF_GELU = {"gelu": "gelu_new", "gelu_exact": "gelu"}
+
+
+def _matches(value: Any, want: Any) -> bool:
+    return value in want if isinstance(want, tuple) else value == want
 
 
 def detect_arch(model: ModelConfig) -> str:
     """'llama' or 'gpt2' from the model's variant; UserError if it is neither."""
     for arch, want in (("llama", _LLAMA), ("gpt2", _GPT2)):
-        if all(getattr(model, k) == v for k, v in want.items()):
+        if all(_matches(getattr(model, k), v) for k, v in want.items()):
             return arch
     raise UserError(f"model (norm={model.norm}, activation={model.activation}, position={model.position}, "
                     f"bias={model.bias}) matches neither Llama (rmsnorm, swiglu, rope, no bias) nor GPT-2 "
@@ -37,7 +43,8 @@ def detect_arch(model: ModelConfig) -> str:
 
 def _check_arch(model: ModelConfig, arch: str) -> None:
     want = _LLAMA if arch == "llama" else _GPT2
-    wrong = [f"model.{k}={getattr(model, k)} (needs {v})" for k, v in want.items() if getattr(model, k) != v]
+    wrong = [f"model.{k}={getattr(model, k)} (needs {v})" for k, v in want.items()
+             if not _matches(getattr(model, k), v)]
     if arch == "gpt2" and model.kv_heads != model.num_heads:
         wrong.append(f"model.num_kv_heads={model.kv_heads} (GPT-2 has no grouped-query attention)")
     if model.parallel_block or model.attention != "causal":
@@ -143,42 +150,13 @@ def llama_config(model: ModelConfig) -> dict:
 
 
 def gpt2_config(model: ModelConfig) -> dict:
-    """HF GPT2Config fields for this model (tanh GeLU, as GPT-2 and our gelu use)."""
+    """HF GPT2Config fields for this model (our gelu is HF's tanh gelu_new, gelu_exact its erf gelu)."""
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model.vocab_size,
             "n_embd": model.hidden_size, "n_layer": model.num_layers, "n_head": model.num_heads,
             "n_inner": model.ffn_size, "n_positions": model.seq_length, "layer_norm_epsilon": model.norm_eps,
-            "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "activation_function": _HF_GELU[model.activation], "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "scale_attn_weights": True, "tie_word_embeddings": model.tie_embeddings,
             "initializer_range": model.init_std}
-
-
-def model_from_hf(config: dict) -> dict[str, Any]:
-    """Our `model:` config section from an HF config.json (Llama or GPT-2)."""
-    kind = config.get("model_type")
-    if kind == "llama":
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise UserError(f"HF rope scaling {rope} is not supported; only the default rotary embedding is")
-        heads = config["num_attention_heads"]
-        if config.get("head_dim") not in (None, config["hidden_size"] // heads):
-            raise UserError(f"HF head_dim={config['head_dim']} differs from hidden_size/num_heads; not supported")
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise UserError("HF Llama with attention_bias/mlp_bias is not supported (our Llama has no biases)")
-        return {"num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"], "num_heads": heads,
-                "num_kv_heads": config.get("num_key_value_heads") or heads,
-                "ffn_hidden_size": config["intermediate_size"], "vocab_size": config["vocab_size"],
-                "seq_length": config.get("max_position_embeddings", 2048), "norm": "rmsnorm",
-                "norm_eps": config.get("rms_norm_eps", 1e-6), "activation": "swiglu", "position": "rope",
-                "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                "bias": False, "tie_embeddings": bool(config.get("tie_word_embeddings", False))}
-    if kind == "gpt2":
-        h = config["n_embd"]
-        return {"num_layers": config["n_layer"], "hidden_size": h, "num_heads": config["n_head"],
-                "num_kv_heads": None, "ffn_hidden_size": config.get("n_inner") or 4 * h,
-                "vocab_size": config["vocab_size"], "seq_length": config["n_positions"], "norm": "layernorm",
-                "norm_eps": config.get("layer_norm_epsilon", 1e-5), "activation": "gelu", "position": "learned",
-                "bias": True, "tie_embeddings": bool(config.get("tie_word_embeddings", True))}
-    raise UserError(f"HF model_type {kind!r} is not supported; convert Llama-style ('llama') or 'gpt2' models")
 
 
 def from_hf(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from megascale.data.preprocess import tokenize_to_dataset
 from megascale.data.tokenizer import train_tokenizer
 from megascale.errors import UserError
 
-DEMO_VERSION = 2  # bump when the corpus recipe changes
+DEMO_VERSION = 3  # bump when the corpus recipe or its file format changes (3: Megatron-LM index)
 DEFAULT_MAX_BYTES = 6_000_000
 MIN_VOCAB = 512  # byte fallback needs 256 byte pieces + specials + the corpus's characters
 # Tests hold odd fixtures, encodings holds generated code-page tables: neither reads like real text.

@@ -1,6 +1,10 @@
 """Indexed token dataset: PREFIX.bin (token ids) + PREFIX.idx (document index), memory-mapped.
 
-Format (little-endian):
+Two index formats are read, told apart by their magic header: Megatron-LM's
+``MMIDIDX`` (see megatron_format.py; what `megascale preprocess` writes by
+default) and megascale's own ``MGSIDX``, below. The ``.bin`` is the same for both.
+
+megascale's format (little-endian):
 
 ``PREFIX.bin``
     every document's token ids, concatenated, as uint16 when the vocabulary is
@@ -32,8 +36,10 @@ from typing import Any, Optional, Union, cast
 
 import numpy as np
 
+from megascale.data import megatron_format
 from megascale.errors import UserError
 
+FORMATS = ("megatron", "megascale")
 MAGIC = b"MGSIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 32
@@ -43,6 +49,11 @@ CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 PathLike = Union[str, Path]
 
 _FIX = "re-create it with `megascale preprocess --output-prefix PREFIX ...` (see docs/data.md)"
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise UserError(f"dataset format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
 
 
 def dtype_for_vocab(vocab_size: int) -> type:
@@ -69,14 +80,18 @@ class IndexedDatasetBuilder:
     interrupted run never leaves a pair of files that looks complete.
     """
 
-    def __init__(self, prefix: PathLike, vocab_size: Optional[int] = None, dtype: Optional[type] = None) -> None:
+    def __init__(self, prefix: PathLike, vocab_size: Optional[int] = None, dtype: Optional[type] = None,
+                 fmt: str = "megatron") -> None:
+        _check_format(fmt)
         if dtype is None:
             if vocab_size is None:
                 raise ValueError("IndexedDatasetBuilder needs vocab_size or dtype")
             dtype = dtype_for_vocab(vocab_size)
+        self.fmt = fmt
         self.dtype = np.dtype(dtype)
-        if self.dtype not in CODE_OF_DTYPE:
-            raise ValueError(f"unsupported token dtype {self.dtype}; use uint16 or int32")
+        codes = megatron_format.CODE_OF_DTYPE if fmt == "megatron" else CODE_OF_DTYPE
+        if self.dtype not in codes or self.dtype.kind not in "iu":
+            raise ValueError(f"unsupported token dtype {self.dtype} for the {fmt} format; use uint16 or int32")
         self.bin_path, self.idx_path = data_file_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
@@ -102,15 +117,11 @@ class IndexedDatasetBuilder:
         """Write the index and move both files into place."""
         self._bin.close()
         sizes = np.asarray(self._sizes, dtype=np.int64)
-        offsets = np.zeros_like(sizes)
-        if sizes.size:
-            np.cumsum(sizes[:-1], out=offsets[1:])
         idx_tmp = self.idx_path.with_name(self.idx_path.name + ".tmp")
-        with open(idx_tmp, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<QB7xQ", VERSION, CODE_OF_DTYPE[self.dtype], sizes.size))
-            f.write(sizes.astype("<i8").tobytes())
-            f.write(offsets.astype("<i8").tobytes())
+        if self.fmt == "megatron":
+            megatron_format.write_index(idx_tmp, self.dtype, sizes)
+        else:
+            write_megascale_index(idx_tmp, self.dtype, sizes)
         # .bin first: a reader finding a new .idx must find its matching .bin.
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(idx_tmp, self.idx_path)
@@ -121,8 +132,55 @@ class IndexedDatasetBuilder:
         self._bin_tmp.unlink(missing_ok=True)
 
 
+def write_megascale_index(path: Path, dtype: np.dtype, sizes: np.ndarray) -> None:
+    """Write a megascale (MGSIDX) ``.idx`` for documents of `sizes` tokens stored back to back."""
+    offsets = np.zeros_like(sizes)
+    if sizes.size:
+        np.cumsum(sizes[:-1], out=offsets[1:])
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<QB7xQ", VERSION, CODE_OF_DTYPE[dtype], sizes.size))
+        f.write(sizes.astype("<i8").tobytes())
+        f.write(offsets.astype("<i8").tobytes())
+
+
+def _read_megascale_index(path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        header = f.read(HEADER_BYTES)
+    if len(header) < HEADER_BYTES:
+        raise UserError(f"'{path}' is a truncated megascale index: {_FIX}")
+    version, code, count = struct.unpack("<QB7xQ", header[8:])
+    if version != VERSION:
+        raise UserError(f"'{path}' has index format version {version}, this megascale reads version "
+                        f"{VERSION}: {_FIX}")
+    if code not in DTYPE_CODES:
+        raise UserError(f"'{path}' has dtype code {code}, which megascale's MGSIDX format does not define "
+                        f"(1 = uint16, 2 = int32); it is corrupt: {_FIX}")
+    if size != HEADER_BYTES + 16 * count:
+        raise UserError(f"'{path}' is {size} bytes, expected {HEADER_BYTES + 16 * count} for {count} "
+                        f"documents; it is truncated or corrupt: {_FIX}")
+    if count == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return np.dtype(DTYPE_CODES[code]), empty, empty
+    arrays = np.memmap(path, dtype="<i8", mode="r", offset=HEADER_BYTES, shape=(2, count))
+    return np.dtype(DTYPE_CODES[code]), np.asarray(arrays[0]), np.asarray(arrays[1])
+
+
+def index_format(path: Path) -> str:
+    """'megatron' or 'megascale' from an index file's magic header; UserError for anything else."""
+    with open(path, "rb") as f:
+        head = f.read(len(megatron_format.MAGIC))
+    if head == megatron_format.MAGIC:
+        return "megatron"
+    if head[:len(MAGIC)] == MAGIC:
+        return "megascale"
+    raise UserError(f"'{path}' is neither a Megatron-LM (MMIDIDX) nor a megascale (MGSIDX) index file "
+                    f"(bad magic header): {_FIX}")
+
+
 class IndexedDataset:
-    """Read-only, memory-mapped view of PREFIX.bin / PREFIX.idx.
+    """Read-only, memory-mapped view of PREFIX.bin / PREFIX.idx (either index format, see `format`).
 
     ``ds[i]`` is document i as a numpy array (a view into the memory map);
     ``ds.get(i, offset, length)`` reads part of it.
@@ -149,26 +207,10 @@ class IndexedDataset:
                         else np.zeros(0, dtype=self.dtype))
 
     def _read_index(self) -> tuple[np.dtype, np.ndarray, np.ndarray]:
-        path = self.idx_path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            header = f.read(HEADER_BYTES)
-        if len(header) < HEADER_BYTES or header[:8] != MAGIC:
-            raise UserError(f"'{path}' is not a megascale index file (bad magic header): {_FIX}")
-        version, code, count = struct.unpack("<QB7xQ", header[8:])
-        if version != VERSION:
-            raise UserError(f"'{path}' has index format version {version}, this megascale reads version "
-                            f"{VERSION}: {_FIX}")
-        if code not in DTYPE_CODES:
-            raise UserError(f"'{path}' has unknown dtype code {code}; it is corrupt: {_FIX}")
-        if size != HEADER_BYTES + 16 * count:
-            raise UserError(f"'{path}' is {size} bytes, expected {HEADER_BYTES + 16 * count} for {count} "
-                            f"documents; it is truncated or corrupt: {_FIX}")
-        if count == 0:
-            empty = np.zeros(0, dtype=np.int64)
-            return np.dtype(DTYPE_CODES[code]), empty, empty
-        arrays = np.memmap(path, dtype="<i8", mode="r", offset=HEADER_BYTES, shape=(2, count))
-        return np.dtype(DTYPE_CODES[code]), np.asarray(arrays[0]), np.asarray(arrays[1])
+        self.format = index_format(self.idx_path)
+        if self.format == "megatron":
+            return megatron_format.read_index(self.idx_path)
+        return _read_megascale_index(self.idx_path)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -190,4 +232,5 @@ class IndexedDataset:
         return self._tokens[start:start + length]
 
     def __repr__(self) -> str:
-        return f"IndexedDataset({self.prefix!r}, docs={len(self)}, tokens={self.num_tokens}, dtype={self.dtype})"
+        return (f"IndexedDataset({self.prefix!r}, format={self.format}, docs={len(self)}, tokens={self.num_tokens}, "
+                f"dtype={self.dtype})")

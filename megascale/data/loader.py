@@ -168,6 +168,9 @@ class BatchIterator:
         if self.vocab_size is not None and batch.size and int(batch.max()) >= self.vocab_size:
             raise UserError(f"{self.name} data holds token id {int(batch.max())} >= model.vocab_size "
                             f"{self.vocab_size}; set model.vocab_size to the tokenizer's vocabulary size")
+        if batch.size and int(batch.min()) < 0:  # signed Megatron dtypes can hold them
+            raise UserError(f"{self.name} data holds negative token id {int(batch.min())}; the dataset was not "
+                            "made by a tokenizer: re-create it with `megascale preprocess`")
         return batch
 
     def _stop_prefetch(self) -> None:

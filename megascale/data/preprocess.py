@@ -24,7 +24,7 @@ from typing import Optional, TextIO
 
 import numpy as np
 
-from megascale.data.indexed import IndexedDatasetBuilder, dtype_for_vocab
+from megascale.data.indexed import FORMATS, IndexedDatasetBuilder, dtype_for_vocab
 from megascale.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 from megascale.errors import UserError
 
@@ -206,22 +206,38 @@ def _init_worker(tokenizer: Tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str], append_eos: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens of several documents concatenated (EOS after each), and their sizes."""
+@dataclass(frozen=True)
+class DocumentFraming:
+    """Special ids put around every document: BOS before (-1: none), EOS after (-1: none)."""
+
+    bos: int = -1
+    eos: int = -1
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, append_eos: bool, prepend_bos: bool) -> DocumentFraming:
+        """The framing asked for; UserError naming the flag when the tokenizer lacks the token."""
+        eos = tokenizer.special_id("eos", "pass --no-eos to write documents without it") if append_eos else -1
+        bos = tokenizer.special_id("bos", "drop --add-bos") if prepend_bos else -1
+        return cls(bos=bos, eos=eos)
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str],
+                     framing: DocumentFraming) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of several documents concatenated (framed by BOS/EOS as asked), and their sizes."""
     ids = tokenizer.encode_batch(texts)
-    if append_eos:
-        eos = tokenizer.eos_id
-        for doc in ids:
-            doc.append(eos)
+    head = [framing.bos] if framing.bos >= 0 else []
+    tail = [framing.eos] if framing.eos >= 0 else []
+    if head or tail:
+        ids = [head + doc + tail for doc in ids]
     sizes = np.fromiter((len(d) for d in ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter((t for d in ids for t in d), dtype=np.int64, count=int(sizes.sum()))
     return flat, sizes
 
 
-def _encode_in_worker(args: tuple[list[str], bool]) -> tuple[np.ndarray, np.ndarray]:
-    texts, append_eos = args
+def _encode_in_worker(args: tuple[list[str], DocumentFraming]) -> tuple[np.ndarray, np.ndarray]:
+    texts, framing = args
     assert _worker_tokenizer is not None
-    flat, sizes = encode_documents(_worker_tokenizer, texts, append_eos)
+    flat, sizes = encode_documents(_worker_tokenizer, texts, framing)
     return flat.astype(dtype_for_vocab(_worker_tokenizer.vocab_size)), sizes
 
 
@@ -247,14 +263,18 @@ class PreprocessResult:
 
 
 def tokenize_to_dataset(docs: Iterable[str], tokenizer: Tokenizer, output_prefix: str, workers: int = 1,
-                        append_eos: bool = True,
-                        on_chunk: Optional[Callable[[int, int], None]] = None) -> PreprocessResult:
+                        append_eos: bool = True, on_chunk: Optional[Callable[[int, int], None]] = None,
+                        fmt: str = "megatron", prepend_bos: bool = False) -> PreprocessResult:
     """Tokenize documents (in order) into output_prefix.bin/.idx, with `workers` processes.
 
-    on_chunk(documents_so_far, tokens_so_far) is called after each chunk (progress).
+    Each document is EOS-terminated (append_eos) and BOS-led (prepend_bos); a
+    tokenizer lacking the token asked for is refused before anything is written.
+    fmt is the index format ('megatron' or 'megascale'); on_chunk(documents_so_far,
+    tokens_so_far) is called after each chunk (progress).
     """
     start = time.perf_counter()
-    builder = IndexedDatasetBuilder(output_prefix, vocab_size=tokenizer.vocab_size)
+    framing = DocumentFraming.of(tokenizer, append_eos, prepend_bos)
+    builder = IndexedDatasetBuilder(output_prefix, vocab_size=tokenizer.vocab_size, fmt=fmt)
 
     def write(flat: np.ndarray, sizes: np.ndarray) -> None:
         for piece in np.split(flat, np.cumsum(sizes)[:-1]):
@@ -265,14 +285,14 @@ def tokenize_to_dataset(docs: Iterable[str], tokenizer: Tokenizer, output_prefix
     try:
         if workers <= 1:
             for chunk in _chunks(docs, CHUNK_DOCS):
-                write(*encode_documents(tokenizer, chunk, append_eos))
+                write(*encode_documents(tokenizer, chunk, framing))
         else:
             with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
                 # A bounded window of async tasks: ordered output, flat memory (Pool.imap would
                 # read the whole input ahead).
                 window: deque = deque()
                 for chunk in _chunks(docs, CHUNK_DOCS):
-                    window.append(pool.apply_async(_encode_in_worker, ((chunk, append_eos),)))
+                    window.append(pool.apply_async(_encode_in_worker, ((chunk, framing),)))
                     if len(window) >= 4 * workers:
                         write(*window.popleft().get())
                 while window:
@@ -290,13 +310,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help=".txt or .jsonl files, or directories holding them (read in the order given)")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--format", choices=FORMATS, default="megatron",
+                   help="index format: megatron (Megatron-LM's MMIDIDX, readable by its tools; default) or "
+                        "megascale (MGSIDX); training reads both")
     p.add_argument("--input-format", choices=("auto", "txt", "jsonl"), default="auto",
                    help="auto: by file extension (.jsonl/.json are JSON lines, anything else text)")
     p.add_argument("--json-key", default="text", help="JSON field holding the document text (default: text)")
     p.add_argument("--doc-per-line", action="store_true", help="text files: every line is a document "
                    "(default: every file is one document)")
     tok = p.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--tokenizer-model", metavar="M", help="existing SentencePiece .model file")
+    tok.add_argument("--tokenizer-model", "--tokenizer", metavar="T",
+                     help="existing tokenizer: a SentencePiece .model, an HF tokenizer.json, or a directory "
+                          "holding either")
     tok.add_argument("--train-tokenizer", action="store_true",
                      help="train a SentencePiece model on the inputs first and write PREFIX.model")
     p.add_argument("--vocab-size", type=int, help="with --train-tokenizer: vocabulary size")
@@ -310,6 +335,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip malformed lines (bad JSON, missing key, non-UTF-8) and report how many")
     p.add_argument("--no-eos", action="store_true", help="do not append EOS after each document")
+    p.add_argument("--add-bos", action="store_true", help="prepend BOS to each document (Llama-style data)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 
@@ -334,6 +360,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return DocumentReader(paths, args.input_format, args.json_key, args.doc_per_line, args.skip_bad_lines)
 
     log = None if args.quiet else sys.stderr
+    tokenizer: Tokenizer
     if args.train_tokenizer:
         if not args.vocab_size or args.vocab_size < 1:
             raise UserError("--train-tokenizer needs --vocab-size N (e.g. --vocab-size 32000)")
@@ -350,12 +377,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     progress = Progress(docs.total_bytes, log)
     result = tokenize_to_dataset(
         docs, tokenizer, args.output_prefix, workers=args.workers, append_eos=not args.no_eos,
+        prepend_bos=args.add_bos, fmt=args.format,
         on_chunk=lambda n_docs, n_tokens: progress.update(docs.stats.bytes_read, n_docs, n_tokens))
     progress.update(docs.stats.bytes_read, result.documents, result.tokens, final=True)
 
     dtype = np.dtype(dtype_for_vocab(tokenizer.vocab_size)).name
-    print(f"wrote {args.output_prefix}.bin/.idx: {result.documents} documents, {result.tokens} tokens ({dtype}, "
-          f"vocab {tokenizer.vocab_size}) in {result.seconds:.1f} s")
+    print(f"wrote {args.output_prefix}.bin/.idx ({args.format} format): {result.documents} documents, "
+          f"{result.tokens} tokens ({dtype}, vocab {tokenizer.vocab_size}) in {result.seconds:.1f} s")
     if docs.stats.empty_docs:
         print(f"skipped {docs.stats.empty_docs} empty documents")
     if args.skip_bad_lines:

@@ -1,4 +1,11 @@
-"""Tokenizer front: a thin wrapper over a SentencePiece model, plus training one.
+"""Tokenizer front: SentencePiece models and HuggingFace ``tokenizers`` tokenizers behind one interface.
+
+`load_tokenizer` takes a SentencePiece ``.model`` file, an HF ``tokenizer.json``
+or a directory holding either. ``encode`` returns exactly the ids the tokenizer's
+own library gives without special tokens (SentencePiece ``encode``, HF
+``encode(text, add_special_tokens=False)``); BOS/EOS are added only where asked
+for (`megascale preprocess` appends EOS to every document, prepends BOS with
+``--add-bos``).
 
 Training uses byte fallback, so any text (code, any script, control bytes)
 encodes without an unknown token, and identity normalisation with whitespace
@@ -8,6 +15,7 @@ kept, so ``decode(encode(text)) == text`` for ordinary text and source code.
 from __future__ import annotations
 
 import io
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -26,8 +34,63 @@ def _sentencepiece() -> ModuleType:
     return sentencepiece
 
 
-class Tokenizer:
-    """Encode/decode text with a SentencePiece model; ids are plain Python ints."""
+class Tokenizer(ABC):
+    """Encode/decode text; ids are plain Python ints. Special ids are -1 when the tokenizer has none."""
+
+    path: Optional[str]
+    kind: str  # "sentencepiece" or "huggingface"
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int:
+        """End-of-document id (-1 when the tokenizer has none)."""
+
+    @property
+    @abstractmethod
+    def bos_id(self) -> int:
+        """Beginning-of-sequence id (-1 when the tokenizer has none)."""
+
+    @property
+    @abstractmethod
+    def pad_id(self) -> int:
+        """Padding id (-1 when the tokenizer has none)."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, no special tokens added."""
+
+    @abstractmethod
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of several texts at once (faster than a Python loop)."""
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of token ids."""
+
+    @abstractmethod
+    def id_to_piece(self, token_id: int) -> str:
+        """The piece string of one id (for debugging)."""
+
+    def special_id(self, which: str, flag: str) -> int:
+        """The 'eos' or 'bos' id; UserError naming the missing piece and `flag` when the tokenizer has none."""
+        token_id = self.eos_id if which == "eos" else self.bos_id
+        if token_id < 0:
+            raise UserError(f"tokenizer {self.path or ''} has no {which.upper()} token; {flag}")
+        return token_id
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r}, vocab_size={self.vocab_size})"
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model."""
+
+    kind = "sentencepiece"
 
     def __init__(self, model_proto: bytes, path: Optional[str] = None) -> None:
         spm = _sentencepiece()
@@ -36,39 +99,36 @@ class Tokenizer:
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
 
     @property
+    def model_proto(self) -> bytes:
+        """The serialized SentencePiece model."""
+        return self._model_proto
+
+    @property
     def vocab_size(self) -> int:
-        """Number of token ids (pieces) in the model."""
         return int(self._sp.get_piece_size())
 
     @property
     def eos_id(self) -> int:
-        """End-of-document id, appended by `megascale preprocess` after every document."""
         return int(self._sp.eos_id())
 
     @property
     def bos_id(self) -> int:
-        """Beginning-of-sequence id (-1 when the model has none)."""
         return int(self._sp.bos_id())
 
     @property
     def pad_id(self) -> int:
-        """Padding id (-1 when the model has none)."""
         return int(self._sp.pad_id())
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of text (no BOS/EOS added)."""
         return list(self._sp.encode(text))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of several texts at once (faster than a Python loop)."""
         return [list(ids) for ids in self._sp.encode(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of token ids."""
         return self._sp.decode([int(i) for i in ids])
 
     def id_to_piece(self, token_id: int) -> str:
-        """The piece string of one id (for debugging)."""
         return self._sp.id_to_piece(int(token_id))
 
     def __getstate__(self) -> dict:
@@ -76,24 +136,52 @@ class Tokenizer:
         return {"model_proto": self._model_proto, "path": self.path}
 
     def __setstate__(self, state: dict) -> None:
-        Tokenizer.__init__(self, state["model_proto"], state["path"])
+        SentencePieceTokenizer.__init__(self, state["model_proto"], state["path"])
 
-    def __repr__(self) -> str:
-        return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+_NOT_FOUND = ("pass a SentencePiece .model file, an HF tokenizer.json or a directory holding one, "
+              "or train one with `megascale preprocess --train-tokenizer --vocab-size N ...`")
 
 
 def load_tokenizer(path: PathLike) -> Tokenizer:
-    """Load a SentencePiece ``.model`` file; UserError naming the path if it is missing or invalid."""
+    """Load a SentencePiece ``.model``, an HF ``tokenizer.json``, or a directory holding one of them.
+
+    A directory with a ``tokenizer.json`` is an HF tokenizer (its ``tokenizer_config.json``
+    names the special tokens); otherwise its ``tokenizer.model`` is read as SentencePiece.
+    UserError naming the path if nothing usable is there.
+    """
     path = Path(path)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            from megascale.data.hf_tokenizer import load_hf_tokenizer
+
+            return load_hf_tokenizer(path / "tokenizer.json")
+        if not (path / "tokenizer.model").is_file():
+            raise UserError(f"tokenizer directory '{path}' holds neither tokenizer.json nor tokenizer.model; "
+                            f"{_NOT_FOUND}")
+        path = path / "tokenizer.model"
     if not path.is_file():
-        raise UserError(f"tokenizer model '{path}' not found; pass an existing SentencePiece .model file "
-                        f"or train one with `megascale preprocess --train-tokenizer --vocab-size N ...`")
+        raise UserError(f"tokenizer '{path}' not found; {_NOT_FOUND}")
+    if path.suffix == ".json":
+        from megascale.data.hf_tokenizer import load_hf_tokenizer
+
+        return load_hf_tokenizer(path)
     proto = path.read_bytes()
     try:
-        return Tokenizer(proto, str(path))
+        return SentencePieceTokenizer(proto, str(path))
     except (RuntimeError, OSError) as err:
-        raise UserError(f"'{path}' is not a valid SentencePiece model ({err}); "
-                        f"re-train it with `megascale preprocess --train-tokenizer`") from None
+        raise UserError(f"'{path}' is not a valid SentencePiece model ({err}); pass a .model file or an HF "
+                        f"tokenizer.json, or re-train it with `megascale preprocess --train-tokenizer`") from None
+
+
+def check_tokenizer(path: Optional[PathLike], model_vocab_size: int) -> None:
+    """Training preflight: data.tokenizer (when set) loads and fits model.vocab_size; UserError otherwise."""
+    if not path:
+        return
+    tok = load_tokenizer(path)
+    if tok.vocab_size > model_vocab_size:
+        raise UserError(f"data.tokenizer '{path}' has {tok.vocab_size} ids but model.vocab_size is "
+                        f"{model_vocab_size}; set model.vocab_size={tok.vocab_size}")
 
 
 def _training_lines(texts: Iterable[str], max_line_bytes: int) -> Iterator[str]:
@@ -106,7 +194,7 @@ def _training_lines(texts: Iterable[str], max_line_bytes: int) -> Iterator[str]:
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, output_path: PathLike,
                     model_type: str = "bpe", input_sentence_size: int = 200_000,
-                    seed: int = 1234, num_threads: int = 2) -> Tokenizer:
+                    seed: int = 1234, num_threads: int = 2) -> SentencePieceTokenizer:
     """Train a SentencePiece model on texts and write it to output_path (a ``.model`` file).
 
     input_sentence_size caps how many lines SentencePiece samples (keeps training
@@ -149,4 +237,4 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, output_path: PathLike
     tmp = output_path.with_name(output_path.name + ".tmp")
     tmp.write_bytes(proto)
     tmp.replace(output_path)
-    return Tokenizer(proto, str(output_path))
+    return SentencePieceTokenizer(proto, str(output_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megascale.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_std
@@ -17,6 +18,8 @@ class MLP(nn.Module):
         m, tp = bc.model, bc.tp
         self.ops = bc.ops
         self.swiglu = m.activation == "swiglu"
+        # The erf GeLU (HF's "gelu") has no fused kernel: imported models need its exact values.
+        self.exact_gelu = m.activation == "gelu_exact"
         ffn = m.ffn_size
         if self.swiglu:
             self.fc1 = ColumnParallelLinear(f"{name}.fc1", (2, ffn, m.hidden_size), 1, tp, m.bias, m.init_std)
@@ -30,6 +33,8 @@ class MLP(nn.Module):
         h = self.fc1(x)
         if self.swiglu:
             h = self.ops.swiglu(h[..., 0, :], h[..., 1, :])
+        elif self.exact_gelu:
+            h = F.gelu(h)
         else:
             h = self.ops.bias_gelu(h, None)
         return self.fc2(h)

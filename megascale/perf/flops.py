@@ -5,7 +5,8 @@ Model FLOPs per token follow Narayanan et al. 2021: training = 3 x forward
 per token = 2 x (multiply-adds) of the qkv projection, attention scores
 (q.k over the s keys), attention over values, output projection and MLP; plus
 the logit layer. Attention is not halved for the causal mask (report that
-separately if wanted); a sliding window counts min(window, s) keys. The padded
+separately if wanted: `causal_halved_train_flops_per_token`, logged as
+mfu_causal_halved); a sliding window counts min(window, s) keys. The padded
 vocabulary is used because those logits are computed. For the classic GPT (MHA,
 4h GeLU MLP) this equals 72 l h^2 (1 + s/(6h) + V/(12 l h)) per token.
 
@@ -94,6 +95,23 @@ def forward_flops_per_token(m: ModelConfig, seq_length: Optional[int] = None) ->
 def train_flops_per_token(m: ModelConfig, seq_length: Optional[int] = None) -> float:
     """Model FLOPs per trained token: 3 x forward (no recompute counted)."""
     return TRAIN_FORWARD_MULTIPLE * forward_flops_per_token(m, seq_length)
+
+
+def causal_halved_train_flops_per_token(m: ModelConfig, seq_length: Optional[int] = None) -> float:
+    """Model FLOPs per token with the causal attention core halved: current Megatron-LM's convention.
+
+    Under a causal mask a query attends on average to half the sequence, so Megatron-LM
+    counts s/2 keys. This differs from `train_flops_per_token` (the MFU definition) only
+    in the attention core; a sliding window narrower than the sequence is counted at its
+    width in both (each query sees ~window keys), so only full causal attention is halved.
+    Logged as `mfu_causal_halved` for comparison with Megatron-LM's reported MFU.
+    """
+    s = seq_length or m.seq_length
+    dims = LayerDims.of(m, s)
+    if dims.keys < s:
+        return train_flops_per_token(m, s)
+    halved = m.num_layers * attention_core_flops(dims) / 2
+    return train_flops_per_token(m, s) - TRAIN_FORWARD_MULTIPLE * halved
 
 
 def gpt_train_flops_per_token(layers: int, hidden: int, heads: int, seq: int, padded_vocab: int,

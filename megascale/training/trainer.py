@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import Config, ConfigError, save_config
+from megascale.data.tokenizer import check_tokenizer
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext
 from megascale.model.gpt import build_model
-from megascale.perf.flops import device_peak, train_flops_per_token
+from megascale.perf.flops import causal_halved_train_flops_per_token, device_peak, train_flops_per_token
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.training.fault import numerics
 from megascale.training.fault.inject import FaultInjector
@@ -61,8 +62,9 @@ def validate_runtime(cfg: Config, device: torch.device) -> None:
 
 
 def check_data_paths(cfg: Config) -> None:
-    """Fail before building anything when the training data is missing."""
+    """Fail before building anything when the training data (or its tokenizer) is missing or does not fit."""
     d = cfg.data
+    check_tokenizer(d.tokenizer, cfg.model.vocab_size)
     if not d.paths:
         if d.demo:
             return
@@ -127,6 +129,7 @@ class Trainer:
         self.train_data, self.valid_data = build_data(cfg, self.ctx, self.consumed_samples, plan=self.plan)
         self.peak = device_peak(self.device, cfg.train.peak_tflops)
         self.flops_per_token = train_flops_per_token(cfg.model)
+        self.causal_halved_flops_per_token = causal_halved_train_flops_per_token(cfg.model)
         self.memory_estimate_gb = 0.0
         self._announce()
         self.lifecycle = self._build_fault_lifecycle()
@@ -295,6 +298,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak.tflops,
+            "mfu_causal_halved": tflops / self.peak.tflops * self.causal_halved_flops_per_token / self.flops_per_token,
             "step_time_s": step_time,
             "mem_gb": self._memory_gb(),
             "consumed_samples": self.consumed_samples,
