@@ -18,6 +18,7 @@ Two transport models:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -28,6 +29,7 @@ from megascale.distributed.pipeline.schedules import (
     SEND_BWD,
     SEND_FWD,
     Action,
+    ActionKind,
 )
 
 
@@ -45,6 +47,9 @@ class SimResult:
     peak_in_flight: list[int]
     deadlock: Optional[str] = None
     finish: list[float] = field(default_factory=list)
+    peak_weight: list[float] = field(default_factory=list)
+    """Per rank, the peak over time of the summed chunk weights of live (chunk, micro-batch) items
+    (with `chunk_weights`; e.g. each chunk's activation bytes, so chunks of unequal size count as such)."""
 
     @property
     def bubble(self) -> list[float]:
@@ -101,7 +106,7 @@ class _Simulator:
     """State of one simulation; see `simulate`."""
 
     def __init__(self, schedules: list[list[Action]], t_fwd: float, t_bwd: float, t_comm: float,
-                 rendezvous: bool) -> None:
+                 rendezvous: bool, chunk_weights: Optional[Sequence[Sequence[float]]] = None) -> None:
         self.schedules = schedules
         self.pp = len(schedules)
         self.vpp = 1 + max((a.chunk for s in schedules for a in s), default=0)
@@ -118,6 +123,9 @@ class _Simulator:
         self.done_compute: list[set[tuple]] = [set() for _ in range(self.pp)]
         self.in_flight = [0] * self.pp
         self.peak = [0] * self.pp
+        self.weights = chunk_weights
+        self.live_weight = [0.0] * self.pp
+        self.peak_weight = [0.0] * self.pp
 
     # -- communication --------------------------------------------------------------------------
     def _post(self, rank: int, action: Action) -> None:
@@ -208,6 +216,10 @@ class _Simulator:
         self.done_compute[rank].add((action.kind, action.chunk, action.microbatch))
         self.in_flight[rank] += 1 if action.kind is FORWARD else -1
         self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
+        if self.weights is not None:
+            weight = self.weights[rank][action.chunk]
+            self.live_weight[rank] += weight if action.kind is FORWARD else -weight
+            self.peak_weight[rank] = max(self.peak_weight[rank], self.live_weight[rank])
         return True
 
     def run(self) -> SimResult:
@@ -254,18 +266,43 @@ class _Simulator:
                         finish[rank] = max(finish[rank], done)
         makespan = max(finish) if finish else 0.0
         idle = [makespan - b for b in self.busy]
-        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish)
+        peak_weight = list(self.peak_weight) if self.weights is not None else []
+        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish, peak_weight)
 
 
 def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2.0, t_comm: float = 0.0,
-             rendezvous: bool = False) -> SimResult:
+             rendezvous: bool = False, chunk_weights: Optional[Sequence[Sequence[float]]] = None) -> SimResult:
     """Run all ranks' schedules on a model of the executor; t_* are per-chunk compute and per-message times.
 
     Returns busy/idle time and peak in-flight micro-batches per rank; `SimResult.deadlock`
     describes where every rank is stuck if the schedules cannot finish. Raises
     ScheduleError for malformed schedules (unmatched or mismatched messages).
+    chunk_weights[rank][chunk] (optional): what one live micro-batch of that chunk
+    weighs; `SimResult.peak_weight` is then each rank's weighted peak.
     """
-    return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous).run()
+    return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous, chunk_weights).run()
 
 
-__all__ = ["ScheduleError", "SimResult", "check_coverage", "simulate"]
+def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[float]) -> tuple[float, list[int]]:
+    """Weighted peak of live (chunk, micro-batch) items along one rank's compute order.
+
+    An item is live from its forward to the end of its backward. Memory depends only on
+    the order a rank runs its computes in, not on when, so this equals the simulator's
+    `peak_weight` for that rank without simulating the others. Returns the peak and how
+    many items of each chunk are live at it (the first time it is reached).
+    """
+    live = [0] * len(weights)
+    total, peak, at_peak = 0.0, 0.0, list(live)
+    for kind, chunk, _ in order:
+        if kind is FORWARD:
+            live[chunk] += 1
+            total += weights[chunk]
+            if total > peak:
+                peak, at_peak = total, list(live)
+        elif kind is BACKWARD:
+            live[chunk] -= 1
+            total -= weights[chunk]
+    return peak, at_peak
+
+
+__all__ = ["ScheduleError", "SimResult", "check_coverage", "peak_live", "simulate"]
