@@ -170,7 +170,7 @@ def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, select
         # The checkpoint keeps q, k, v as they enter the core (v a view of qkv) and the core's output.
         return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
     if sh.ring > 1:
-        return _ring_bytes(cfg, sh) + proj_input + rope_tables
+        return _ring_bytes(cfg, sh) + rope_tables
     if sh.ulysses > 1:
         # All-to-all outputs are new tensors; the qkv output and the rotated copies are not kept.
         return _sdpa_bytes(cfg, sh, kernels, local_inputs=False) + proj_input + rope_tables
@@ -194,11 +194,19 @@ def _local_attention_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> f
 
 
 def _ring_bytes(cfg: Config, sh: Shapes) -> float:
-    """Ring attention keeps q, k, v, an fp32 output and fp32 lse (the projection input is a reshaped copy)."""
-    fp32_out = sh.per_token(sh.q_heads * sh.head_dim, FP32) + sh.tokens * sh.q_heads * FP32
+    """Ring attention keeps q, k, v, an fp32 output and fp32 lse, and the projection's input.
+
+    The fp32 output is allocated like q (sequence-major), so turning it back into
+    [s, b, heads * d] is a view: in fp32 the projection reads the kept output itself,
+    in 16-bit a cast copy. Hybrid sends it through the all-to-all first (a new tensor).
+    """
+    heads = sh.q_heads * sh.head_dim
+    fp32_out = sh.per_token(heads, FP32) + sh.tokens * sh.q_heads * FP32
     if sh.ulysses > 1:  # hybrid: the ring runs on the all-to-all outputs
-        return _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, _spread_kv(sh)) + fp32_out
-    return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + fp32_out
+        q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, _spread_kv(sh))
+        return q_kv + fp32_out + _heads_bytes(sh, sh.q_heads)
+    proj_input = 0.0 if sh.act == FP32 else _heads_bytes(sh, sh.q_heads)
+    return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
 
 
 def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -238,7 +246,9 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
 def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     """First stage: token ids (and, with tp, the shifted ids and the out-of-shard mask), positions, dropout mask."""
     ids = sh.tokens * (INDEX + 1 if sh.tp > 1 else INDEX)
-    positions = sh.seq * INDEX if cfg.model.position == "learned" else 0
+    # Learned positions index the table with this rank's positions: under cp a slice of the
+    # ring rank's zigzag positions (seq * ulysses of them).
+    positions = sh.seq * sh.ulysses * INDEX if cfg.model.position == "learned" else 0
     return ids + positions + dropout_mask_bytes(cfg, sh, kernels)
 
 
