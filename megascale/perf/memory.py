@@ -82,6 +82,13 @@ def default_profile(cfg: Config) -> KernelProfile:
     return kernel_profile("cpu" if cfg.train.device == "cpu" else "cuda", cfg.kernels.backend)
 
 
+def _profile(cfg: Config, kernels: Optional[KernelProfile]) -> KernelProfile:
+    profile = kernels or default_profile(cfg)
+    if profile not in act.KERNEL_PROFILES:
+        raise ValueError(f"kernels={profile!r} is not one of {', '.join(act.KERNEL_PROFILES)}")
+    return profile
+
+
 @functools.lru_cache(maxsize=256)
 def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int,
                weights: tuple[float, ...]) -> tuple[float, tuple[int, ...]]:
@@ -139,9 +146,13 @@ def _transient(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfile, l
     return max(work, largest_param * plan.precision.param_bytes)
 
 
-def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: ParamTable,
-                    kernels: KernelProfile) -> MemoryEstimate:
+def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[ParamTable] = None,
+                    kernels: Optional[KernelProfile] = None) -> MemoryEstimate:
+    """Estimate of pipeline rank `stage` (the table is built from the plan when not given)."""
     tp, pp, cp, dp = plan.tp, plan.pp, plan.cp, plan.dp
+    if table is None:
+        table = param_table(cfg, ModelLayout.from_plan(plan))
+    kernels = _profile(cfg, kernels)
     sh = Shapes.of(cfg, plan)
     count = table.local_numel(stage)
     optimizer: float = count * (8 + (4 if plan.precision.master_weights else 0))
@@ -173,9 +184,7 @@ def stage_estimates(cfg: Config, plan: RunPlan, kernels: Optional[KernelProfile]
     "reference" (torch ops, CPU); by default from train.device and kernels.backend.
     """
     table = param_table(cfg, ModelLayout.from_plan(plan))
-    profile = kernels or default_profile(cfg)
-    if profile not in act.KERNEL_PROFILES:
-        raise ValueError(f"kernels={profile!r} is not one of {', '.join(act.KERNEL_PROFILES)}")
+    profile = _profile(cfg, kernels)
     return [_stage_estimate(cfg, plan, stage, table, profile) for stage in range(plan.pp)]
 
 
