@@ -163,8 +163,8 @@ SLOW_LAYOUTS = {
 def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str]]:
     dropout = "llama_dropout" if "ring" in layout or "hybrid" in layout else "dropout"
     if full:
-        cases = _grid(["gpt", "llama", dropout], ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "reference")
-        cases += _grid(["gpt", "llama"], ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "fused")
+        cases = _grid(["gpt", "llama", dropout], ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
+        cases += _grid(["gpt", "llama"], ("bf16",), ["none", "selective"], ["first", "last"], "fused")
     else:
         cases = (_grid(["gpt", "llama"], ("fp32", "bf16"), ["none"], ["whole"], "reference")
                  + _grid(["llama", dropout], ("bf16",), ["selective", "full_first1"], ["middle"], "reference")
