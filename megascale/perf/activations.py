@@ -47,8 +47,11 @@ class Shapes:
     seq: int
     """s/cp: positions of one sequence held by this rank."""
     batch: int
+    """Sequences per micro-batch."""
     hidden: int
+    """Model width h."""
     head_dim: int
+    """Width of one attention head."""
     q_heads: int
     """Query heads per tp rank."""
     kv_heads: int
@@ -60,9 +63,13 @@ class Shapes:
     act: int
     """Bytes per activation element (train.dtype)."""
     tp: int
+    """Tensor-parallel size."""
     sp: bool
+    """Sequence parallelism in effect."""
     ulysses: int
+    """Ranks of the Ulysses all-to-all (1 without context parallelism)."""
     ring: int
+    """Ranks of the attention ring (1 without context parallelism)."""
 
     @staticmethod
     def of(cfg: Config, plan: RunPlan) -> Shapes:
@@ -122,7 +129,7 @@ def _q_k_copies(cfg: Config, sh: Shapes) -> float:
     return _heads_bytes(sh, sh.q_heads) if sh.group > 1 and sh.kv_heads > 1 else 0.0
 
 
-def _spread_kv(sh: Shapes) -> int:
+def spread_kv_heads(sh: Shapes) -> int:
     """kv heads per rank after the Ulysses spread (kv heads repeated until the group divides them)."""
     if sh.kv_heads % sh.ulysses == 0:
         return sh.kv_heads
@@ -143,7 +150,7 @@ def _sdpa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, local_inputs: b
     """
     m = cfg.model
     heads = sh.q_heads // sh.ulysses
-    kv = _spread_kv(sh) if sh.ulysses > 1 else sh.kv_heads
+    kv = spread_kv_heads(sh) if sh.ulysses > 1 else sh.kv_heads
     positions = sh.seq * sh.ulysses
     mask = positions * positions * sh.act if m.attention == "sliding_window" else 0.0
     repeated = sh.q_heads > kv  # grouped-query: k and v are repeated into new [.., q_heads, d] tensors
@@ -203,7 +210,7 @@ def _ring_bytes(cfg: Config, sh: Shapes) -> float:
     heads = sh.q_heads * sh.head_dim
     fp32_out = sh.per_token(heads, FP32) + sh.tokens * sh.q_heads * FP32
     if sh.ulysses > 1:  # hybrid: the ring runs on the all-to-all outputs
-        q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, _spread_kv(sh))
+        q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, spread_kv_heads(sh))
         return q_kv + fp32_out + _heads_bytes(sh, sh.q_heads)
     proj_input = 0.0 if sh.act == FP32 else _heads_bytes(sh, sh.q_heads)
     return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
@@ -306,4 +313,5 @@ __all__ = [
     "layer_recompute",
     "mlp_bytes",
     "norm_bytes",
+    "spread_kv_heads",
 ]

@@ -120,14 +120,17 @@ def _chunk_weights(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int
 
 
 def _comm_buffers(plan: RunPlan, sh: Shapes) -> float:
+    """Buffers of the collectives in flight beside the saved activations (see the module docstring)."""
     total = 0.0
     if plan.tp > 1:
         total += sh.tokens * sh.hidden * sh.act  # one gathered / all-reduced [s, b, h] in flight
     if sh.ulysses > 1:
         total += 2 * sh.per_token(sh.q_heads * sh.head_dim, sh.act)  # all-to-all send pieces + receive buffers
     if sh.ring > 1:
-        kv_block = 2 * sh.per_token(sh.kv_heads * sh.head_dim, sh.act) // sh.ulysses
-        total += 2 * kv_block  # the kv block being sent and the one being received
+        kv_heads = act.spread_kv_heads(sh) if sh.ulysses > 1 else sh.kv_heads
+        kv_block = 2 * sh.per_token(kv_heads * sh.head_dim, sh.act)  # k and v stacked into one message
+        # The block being sent, the one arriving, and the fp32 copy each step computes on (16-bit runs).
+        total += 2 * kv_block + (kv_block * act.FP32 / sh.act if sh.act != act.FP32 else 0.0)
     if plan.pp > 1:
         total += 2 * sh.residual_tokens * sh.hidden * sh.act  # a posted forward and a posted backward receive
     return total
