@@ -165,10 +165,14 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
     if full:
         cases = _grid(["gpt", "llama", dropout], ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
         cases += _grid(["gpt", "llama"], ("bf16",), ["none", "selective"], ["first", "last"], "fused")
-    else:
-        cases = (_grid(["gpt", "llama"], ("fp32", "bf16"), ["none"], ["whole"], "reference")
-                 + _grid(["llama", dropout], ("bf16",), ["selective", "full_first1"], ["middle"], "reference")
-                 + _grid(["gpt", "llama"], ("bf16",), ["none"], ["first", "last"], "fused"))
+    else:  # one case per setting: dtype, recompute mode, MHA/GQA, dropout, stage position, profile
+        cases = (_grid(["gpt"], ("fp32",), ["none"], ["whole"], "reference")
+                 + _grid(["llama"], ("bf16",), ["none"], ["whole"], "reference")
+                 + _grid(["llama"], ("bf16",), ["selective"], ["middle"], "reference")
+                 + _grid([dropout], ("bf16",), ["none"], ["middle"], "reference")
+                 + _grid(["gpt"], ("bf16",), ["full_first1"], ["middle"], "reference")
+                 + _grid(["llama"], ("bf16",), ["none"], ["first"], "fused")
+                 + _grid(["gpt"], ("bf16",), ["none"], ["last"], "fused"))
     layouts = {**LAYOUTS, **SLOW_LAYOUTS}
     return [(f"{layout}-{case}", [*overrides, *layouts[layout]], kernels, stage)
             for case, overrides, kernels, stage in cases]
@@ -181,7 +185,7 @@ def _layout_case(layout: str, full: bool, rank: int, world: int, shared: Any) ->
 
 def _check_layout(outcome: Outcome) -> None:
     results = [row for rank_rows in outcome.check() for row in rank_rows]
-    assert len(results) >= 2 * 8
+    assert len(results) >= 2 * 7
     assert not _failures(results), "\n".join(_failures(results))
 
 
@@ -198,6 +202,6 @@ def test_saved_bytes_two_ranks(two_rank_results: dict[str, Outcome], layout: str
 @pytest.mark.slow
 def test_saved_bytes_four_ranks_full_grid() -> None:
     names = [*LAYOUTS, *SLOW_LAYOUTS]
-    outcomes = run_scenarios({name: partial(_layout_case, name, True) for name in names}, 4)
+    outcomes = run_scenarios({name: partial(_layout_case, name, True) for name in names}, 4, timeout=3600.0)
     for name in names:
         _check_layout(outcomes[name])
