@@ -101,7 +101,7 @@ def test_stage_activations_are_live_items_times_chunk_bytes() -> None:
     assert middle.activations_bytes == 3 * (act.chunk_bytes(cfg, plan, "reference", 2, False, False) + message)
     head = act.head_bytes(cfg, sh, "reference")
     assert last.activations_bytes == act.chunk_bytes(cfg, plan, "reference", 2, False, True) - head
-    assert last.logits_bytes == head + act.head_backward_bytes(sh, "reference")
+    assert last.logits_bytes == head + act.head_transient_bytes(cfg, sh, "reference")
     assert first.logits_bytes == 0
     for e in (first, middle, last):
         parts = (e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes + e.logits_bytes

@@ -266,10 +266,22 @@ def head_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     return norm_bytes(cfg, sh, kernels) + _linear_input_bytes(sh) + ce
 
 
-def head_backward_bytes(sh: Shapes, kernels: KernelProfile) -> float:
-    """Transient gradient of the logits while the loss backpropagates (fp32, then cast, on the reference path)."""
-    grad = sh.per_token(sh.vocab, FP32 if kernels == "reference" else sh.act)
-    return grad + (sh.per_token(sh.vocab, sh.act) if kernels == "reference" and sh.act != FP32 else 0.0)
+def head_transient_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """Logits-sized buffers alive beside the saved ones while the loss runs, forward or backward (the larger).
+
+    Forward: the logits GEMM output, its clone when this rank's slice holds padded
+    vocabulary entries (masked before the loss), and on the reference path the fp32
+    copy, the shifted logits and their exp next to the kept softmax. Backward: the
+    logits gradient (fp32 and its cast on the reference path).
+    """
+    logits = sh.per_token(sh.vocab, sh.act)
+    fp32 = sh.per_token(sh.vocab, FP32)
+    padded = cfg.model.padded_vocab_size > cfg.model.vocab_size
+    if kernels == "fused":  # the kernel keeps the (masked) logits and recomputes the softmax: a gradient's worth
+        return logits
+    forward = logits * (2 if padded else 1) + (fp32 if sh.act != FP32 else 0.0) + 2 * fp32
+    backward = fp32 + (logits if sh.act != FP32 else 0.0)
+    return max(forward, backward)
 
 
 def layer_recompute(cfg: Config, position: int) -> Recompute:
@@ -306,8 +318,8 @@ __all__ = [
     "attention_core_bytes",
     "chunk_bytes",
     "embedding_bytes",
-    "head_backward_bytes",
     "head_bytes",
+    "head_transient_bytes",
     "input_kept",
     "layer_bytes",
     "layer_recompute",

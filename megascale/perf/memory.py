@@ -13,8 +13,9 @@ schedule, micro-batches, precision) and the model's own parameter table:
   checked against autograd's saved tensors in the tests), plus the chunk output the
   pipeline executor keeps until its backward, weighted over the (chunk, micro-batch)
   items that are live at the peak of this rank's compute order in the real schedule.
-- logits: the loss head's saved buffers of the live last-chunk items and the gradient
-  of the logits while the loss backpropagates (last stage only).
+- logits: the loss head's saved buffers of the live last-chunk items and the
+  logits-sized buffers alive while the loss runs (the logits, their padded-vocabulary
+  clone, the reference path's fp32 intermediates, or the logits gradient; last stage).
 - communication buffers: the tensor-parallel all-gather/all-reduce buffer, the
   context-parallel all-to-all or ring kv buffers and the posted pipeline receives.
 - transient: the largest working set that exists only inside one backward: a
@@ -52,7 +53,8 @@ class MemoryEstimate:
     activations_bytes: float
     """Saved activations of the live (chunk, micro-batch) items at the schedule's peak, embedding included."""
     logits_bytes: float
-    """Loss head: saved logits/softmax buffers of live last-chunk items + the logits gradient (last stage)."""
+    """Loss head: saved logits/softmax buffers of live last-chunk items + the logits-sized buffers
+    alive while the loss runs (last stage)."""
     comm_buffers_bytes: float
     """tp/sp collective buffer, cp all-to-all or ring kv buffers, posted pipeline receives."""
     transient_bytes: float
@@ -136,16 +138,14 @@ def _comm_buffers(plan: RunPlan, sh: Shapes) -> float:
     return total
 
 
-def _transient(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfile, last: bool,
-               largest_param: int) -> float:
+def _transient(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfile, largest_param: int) -> float:
+    """Backward-only working set beside the saved activations (the loss head's is in logits_bytes)."""
     recompute = cfg.train.recompute
     work = 0.0
     if recompute == "full":
         work = act.layer_bytes(cfg, sh, kernels, "none")
     elif recompute == "selective":
         work = act.attention_core_bytes(cfg, sh, kernels, selective=False)
-    if last:
-        work = max(work, act.head_backward_bytes(sh, kernels))
     return max(work, largest_param * plan.precision.param_bytes)
 
 
@@ -166,7 +166,7 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
                             tuple(w for w, _ in weights))
     last = stage == pp - 1
     head_live = sum(n * head for n, (_, head) in zip(live, weights))
-    logits = head_live + (act.head_backward_bytes(sh, kernels) if last else 0.0)
+    logits = head_live + (act.head_transient_bytes(cfg, sh, kernels) if last else 0.0)
     largest = max((e.local_numel(tp) for e in table.held_by(stage)), default=0)
     desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {plan.zero}, {plan.precision.name}, "
             f"recompute {cfg.train.recompute}{', sequence parallel' if plan.sequence_parallel else ''}, "
@@ -175,7 +175,7 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
         params_bytes=float(count * plan.precision.param_bytes), grads_bytes=count * 4.0,
         optimizer_bytes=float(optimizer), activations_bytes=peak - head_live, logits_bytes=logits,
         comm_buffers_bytes=_comm_buffers(plan, sh),
-        transient_bytes=_transient(cfg, plan, sh, kernels, last, largest),
+        transient_bytes=_transient(cfg, plan, sh, kernels, largest),
         num_params=count, stage=stage, inflight_microbatches=sum(live) / plan.vpp,
         layers=plan.rank_layer_counts[stage], kernels=kernels, description=desc)
 
