@@ -23,6 +23,7 @@ plain-torch stand-in of the extension (megascale.kernels.emulate) with dropout 0
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Optional
 
@@ -191,7 +192,8 @@ def _check_layout(outcome: Outcome) -> None:
 
 @pytest.fixture(scope="module")
 def two_rank_results() -> dict[str, Outcome]:
-    return run_scenarios({name: partial(_layout_case, name, False) for name in LAYOUTS}, 2)
+    scenarios: dict[str, Any] = {name: partial(_layout_case, name, False) for name in LAYOUTS}
+    return run_scenarios({**scenarios, "pipeline_peaks": _pipeline_peaks}, 2)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -210,9 +212,9 @@ def test_saved_bytes_four_ranks_full_grid() -> None:
 # ----------------------------------------------------------------------------- measured peak of a step
 
 
-def measure_peak_bytes(chunk: torch.nn.Module, batch: dict) -> int:
-    """Peak of the bytes the CPU allocator holds beyond what existed before (parameters), over a
-    forward and backward, from the profiler's allocation records."""
+def measure_peak_bytes(run: Callable[[], Any]) -> int:
+    """Peak of the bytes the CPU allocator holds beyond what existed before (parameters, their
+    gradients), while run() executes, from the profiler's allocation records."""
     import json
     import tempfile
     from pathlib import Path
@@ -220,7 +222,7 @@ def measure_peak_bytes(chunk: torch.nn.Module, batch: dict) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        chunk(None, batch).backward()
+        run()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -232,24 +234,73 @@ def measure_peak_bytes(chunk: torch.nn.Module, batch: dict) -> int:
     return max(r["Total Allocated"] for r in records) - before
 
 
+def _working_bytes(cfg: Any, plan: Any, pp_rank: int) -> float:
+    """The estimate's part that a step allocates: everything but parameters, gradients and optimizer state."""
+    from megascale.perf.memory import stage_estimates
+
+    est = stage_estimates(cfg, plan, "reference")[pp_rank]
+    return est.activations_bytes + est.logits_bytes + est.comm_buffers_bytes + est.transient_bytes
+
+
+def _zero_grads(chunks: list[torch.nn.Module]) -> None:
+    """Gradients exist before the step, as in a running trainer (their buffers are not the step's)."""
+    for param in (p for chunk in chunks for p in chunk.parameters()):
+        param.grad = torch.zeros_like(param)
+
+
+PEAK_BASE = [*BASE, "model.hidden_size=128", "model.seq_length=256", "train.micro_batch_size=4"]
+
+
 @pytest.mark.parametrize("extra", [["train.dtype=fp32", "model.vocab_size=2000"],
                                    ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "train.recompute=full"]],
                          ids=["gpt_fp32_padded_vocab", "llama_bf16_full_recompute"])
 def test_estimate_matches_measured_peak_of_a_micro_batch(extra: list[str]) -> None:
     # One process, the whole model in one chunk: the peak of a micro-batch's forward and backward
-    # comes while the loss runs, with every layer's saved tensors alive. The estimate's
-    # activations + logits must match the allocator's peak (parameters exist before it starts;
-    # their gradients appear later in backward, below the peak with this vocabulary).
+    # comes while the loss runs, with every layer's saved tensors alive.
     from megascale.model import build_model
-    from megascale.perf.memory import stage_estimates
     from megascale.run_plan import resolve_plan
 
-    cfg = parity.make_config([*BASE, "model.hidden_size=128", "model.seq_length=256", "train.micro_batch_size=4",
-                              "train.global_batch_size=4", *extra])
+    cfg = parity.make_config([*PEAK_BASE, "train.global_batch_size=4", *extra])
     plan = resolve_plan(cfg, 1)
-    chunk = build_model(cfg, parity.single_context(), plan=plan)[0]
+    chunks = build_model(cfg, parity.single_context(), plan=plan)
+    _zero_grads(chunks)
     tokens = torch.randint(0, cfg.model.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
-    measured = measure_peak_bytes(chunk, {"tokens": tokens, "labels": tokens})
-    est = stage_estimates(cfg, plan, "reference")[0]
-    predicted = est.activations_bytes + est.logits_bytes
+    measured = measure_peak_bytes(lambda: chunks[0](None, {"tokens": tokens, "labels": tokens}).backward())
+    predicted = _working_bytes(cfg, plan, 0)
     assert abs(predicted - measured) < TOLERANCE * measured, (predicted, measured)
+
+
+PIPELINES = {"1f1b": ["model.num_layers=4"], "interleaved": ["model.num_layers=8", "parallel.vpp=2"]}
+
+
+def _pipeline_peaks(rank: int, world: int, shared: Any) -> dict[str, tuple[int, float]]:
+    """(measured, estimated) peak of one pipelined step on this pipeline rank, per schedule."""
+    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined
+    from megascale.model import build_model
+    from megascale.run_plan import resolve_plan
+
+    peaks = {}
+    for name, extra in PIPELINES.items():
+        cfg = parity.make_config([*PEAK_BASE, "model.vocab_size=512", "train.global_batch_size=16",
+                                  "parallel.pp=2", *extra])
+        plan = resolve_plan(cfg, world)
+        ctx = parity.layout_context(cfg, rank, world)
+        chunks = build_model(cfg, ctx, plan=plan)
+        _zero_grads(chunks)
+        generator = torch.Generator().manual_seed(0)
+        batches = [{"tokens": tokens, "labels": tokens, "loss_scale": 1e-4}
+                   for tokens in (torch.randint(0, 512, (4, 256), generator=generator)
+                                  for _ in range(plan.num_microbatches))]
+        schedule = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.num_microbatches, ctx.pp_rank)
+        measured = measure_peak_bytes(partial(forward_backward_pipelined, chunks, batches, ctx, schedule,
+                                              plan.activation_shape, plan.precision.compute_dtype))
+        peaks[name] = (measured, _working_bytes(cfg, plan, ctx.pp_rank))
+    return peaks
+
+
+def test_estimate_matches_measured_peak_of_a_pipelined_step(two_rank_results: dict[str, Outcome]) -> None:
+    # pp 2, 4 micro-batches: rank 0 holds two (1F1B) or five chunk items (interleaved) at its
+    # peak, plus the outputs the executor keeps and its posted receives; rank 1 peaks in the loss.
+    for rank, peaks in enumerate(two_rank_results["pipeline_peaks"].check()):
+        for name, (measured, predicted) in peaks.items():
+            assert abs(predicted - measured) < TOLERANCE * measured, (name, rank, predicted, measured)

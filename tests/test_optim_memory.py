@@ -101,8 +101,11 @@ def test_stage_activations_are_live_items_times_chunk_bytes() -> None:
     assert middle.activations_bytes == 3 * (act.chunk_bytes(cfg, plan, "reference", 2, False, False) + message)
     head = act.head_bytes(cfg, sh, "reference")
     assert last.activations_bytes == act.chunk_bytes(cfg, plan, "reference", 2, False, True) - head
-    assert last.logits_bytes == head + act.head_transient_bytes(cfg, sh, "reference")
-    assert first.logits_bytes == 0
+    # The last stage peaks while the loss runs forward: the softmax's fp32 intermediates beside the logits.
+    assert last.logits_bytes == head + act.head_working_bytes(cfg, sh, "reference")[0] and last.transient_bytes == 0
+    # The first stage peaks in its first backward with all four items live: the embedding's gradient
+    # (padded vocabulary 1024 x h 64, fp32) is its largest backward working set.
+    assert first.logits_bytes == 0 and first.transient_bytes == max(act.backward_gradient_bytes(cfg, sh), 1024 * 64 * 4)
     for e in (first, middle, last):
         parts = (e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes + e.logits_bytes
                  + e.comm_buffers_bytes + e.transient_bytes)

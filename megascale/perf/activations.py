@@ -266,8 +266,8 @@ def head_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     return norm_bytes(cfg, sh, kernels) + _linear_input_bytes(sh) + ce
 
 
-def head_transient_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
-    """Logits-sized buffers alive beside the saved ones while the loss runs, forward or backward (the larger).
+def head_working_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> tuple[float, float]:
+    """Logits-sized buffers alive beside the saved ones while the loss runs: (forward, backward).
 
     Forward: the logits GEMM output, its clone when this rank's slice holds padded
     vocabulary entries (masked before the loss), and on the reference path the fp32
@@ -277,11 +277,17 @@ def head_transient_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> flo
     logits = sh.per_token(sh.vocab, sh.act)
     fp32 = sh.per_token(sh.vocab, FP32)
     padded = cfg.model.padded_vocab_size > cfg.model.vocab_size
-    if kernels == "fused":  # the kernel keeps the (masked) logits and recomputes the softmax: a gradient's worth
-        return logits
+    if kernels == "fused":  # the kernel keeps the (masked) logits and recomputes the softmax in backward
+        return (logits if padded else 0.0), logits
     forward = logits * (2 if padded else 1) + (fp32 if sh.act != FP32 else 0.0) + 2 * fp32
-    backward = fp32 + (logits if sh.act != FP32 else 0.0)
-    return max(forward, backward)
+    return forward, fp32 + (logits if sh.act != FP32 else 0.0)
+
+
+def backward_gradient_bytes(cfg: Config, sh: Shapes) -> float:
+    """Activation gradients alive at once inside one layer's backward: the MLP's widest one
+    (its fc1 output, [.., 2, ffn] for SwiGLU) beside the gradient of a [s, b, h] tensor."""
+    width = sh.ffn * (2 if cfg.model.activation == "swiglu" else 1)
+    return sh.per_token(width + sh.hidden, sh.act)
 
 
 def layer_recompute(cfg: Config, position: int) -> Recompute:
@@ -316,10 +322,11 @@ __all__ = [
     "KernelProfile",
     "Shapes",
     "attention_core_bytes",
+    "backward_gradient_bytes",
     "chunk_bytes",
     "embedding_bytes",
     "head_bytes",
-    "head_transient_bytes",
+    "head_working_bytes",
     "input_kept",
     "layer_bytes",
     "layer_recompute",

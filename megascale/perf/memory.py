@@ -18,9 +18,11 @@ schedule, micro-batches, precision) and the model's own parameter table:
   clone, the reference path's fp32 intermediates, or the logits gradient; last stage).
 - communication buffers: the tensor-parallel all-gather/all-reduce buffer, the
   context-parallel all-to-all or ring kv buffers and the posted pipeline receives.
-- transient: the largest working set that exists only inside one backward: a
-  recomputed layer (full recompute), a recomputed attention core (selective), or a
-  parameter's gradient before it is added into the fp32 bucket.
+- transient: the working set that exists only inside one backward: a recomputed
+  layer (full recompute) or attention core (selective), plus the layer's activation
+  gradients (the MLP's widest beside an [s, b, h] one) or a parameter's gradient
+  before it is added into the fp32 bucket, whichever is larger. On the last stage
+  only what exceeds the loss's working set counts: the two never coexist.
 
 Not counted: the CUDA context and allocator fragmentation, NCCL's own buffers,
 torch.compile's different saved tensors, and the data loader.
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megascale.config import Config
-from megascale.distributed.pipeline.schedules import compute_order
+from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, ActionKind, compute_order
 from megascale.distributed.pipeline.simulator import peak_live
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf import activations as act
@@ -58,7 +60,8 @@ class MemoryEstimate:
     comm_buffers_bytes: float
     """tp/sp collective buffer, cp all-to-all or ring kv buffers, posted pipeline receives."""
     transient_bytes: float
-    """Largest backward-only working set (recomputed layer or core, a parameter gradient before bucketing)."""
+    """Backward-only working set (recomputed layer or core, activation or parameter gradients); on the
+    last stage only what exceeds the loss head's working set, which never coexists with it."""
     num_params: int
     stage: int
     inflight_microbatches: float
@@ -91,34 +94,63 @@ def _profile(cfg: Config, kernels: Optional[KernelProfile]) -> KernelProfile:
     return profile
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """What one live micro-batch of a chunk weighs, and what its forward / backward briefly adds."""
+
+    saved: float
+    """Saved activations (loss head included) plus the tensors the pipeline executor keeps."""
+    head: float
+    """The loss head's part of `saved` (last chunk of the last stage only)."""
+    forward_work: float
+    """Alive only during this chunk's forward beside the saved tensors (the loss's logits buffers)."""
+    backward_work: float
+    """Alive only during this chunk's backward (recomputed layer, gradients, the logits gradient)."""
+    backward_is_loss: bool = False
+    """The loss's logits gradient is the larger part of backward_work."""
+
+    def loss_work_at(self, in_forward: bool) -> bool:
+        """Whether what this chunk's forward (or backward) adds at the peak belongs to the loss head."""
+        return self.head > 0 and (in_forward or self.backward_is_loss)
+
+
 @functools.lru_cache(maxsize=256)
-def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int,
-               weights: tuple[float, ...]) -> tuple[float, tuple[int, ...]]:
-    """Weighted peak of live items on one pipeline rank (cached: the planner asks for many layouts)."""
-    if schedule == NO_PIPELINE:
-        return max(weights), tuple(1 if w == max(weights) else 0 for w in weights)
-    peak, live = peak_live(compute_order(schedule, pp, vpp, microbatches, rank), weights)
-    return peak, tuple(live)
+def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int, chunks: tuple[_Chunk, ...],
+               ) -> tuple[float, tuple[int, ...], Optional[tuple[bool, int]]]:
+    """(peak bytes, live items per chunk, (in a forward?, chunk) at the peak) of one pipeline rank.
+
+    Cached: a layout search asks for the same schedules many times.
+    """
+    if schedule == NO_PIPELINE:  # each micro-batch's backward runs before the next forward
+        order: list[tuple[ActionKind, int, int]] = [(FORWARD, 0, 0), (BACKWARD, 0, 0)]
+    else:
+        order = compute_order(schedule, pp, vpp, microbatches, rank)
+    peak, live, action = peak_live(order, [c.saved for c in chunks],
+                                   [(c.forward_work, c.backward_work) for c in chunks])
+    return peak, tuple(live), None if action is None else (action[0] is FORWARD, action[1])
 
 
-def _chunk_weights(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int) -> list[tuple[float, float]]:
-    """(saved bytes, head bytes) of one live micro-batch per chunk of `rank`, executor-held tensors included."""
+def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, largest_param: int) -> tuple[_Chunk, ...]:
+    """The `_Chunk` of every chunk of pipeline rank `rank`."""
     sh = Shapes.of(cfg, plan)
     message = sh.residual_tokens * sh.hidden * sh.act  # the activation passed between stages
-    chunks = plan.chunk_layers(rank)
-    weights = []
-    for v, layer_ids in enumerate(chunks):
+    layer_work = _backward_work(cfg, plan, sh, kernels, largest_param)
+    layers = plan.chunk_layers(rank)
+    out = []
+    for v, layer_ids in enumerate(layers):
         first = rank == 0 and v == 0
-        last = rank == plan.pp - 1 and v == len(chunks) - 1
+        last = rank == plan.pp - 1 and v == len(layers) - 1
         saved = act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last)
-        head = act.head_bytes(cfg, sh, kernels) if last else 0.0
         if plan.pp > 1:
             # The executor keeps a chunk's output (sent on) and its received input until the backward.
             saved += 0.0 if last else message
             if not first and not act.input_kept(cfg, kernels, act.layer_recompute(cfg, 0)):
                 saved += message
-        weights.append((saved, head))
-    return weights
+        head_forward, head_backward = act.head_working_bytes(cfg, sh, kernels) if last else (0.0, 0.0)
+        out.append(_Chunk(saved=saved, head=act.head_bytes(cfg, sh, kernels) if last else 0.0,
+                          forward_work=head_forward, backward_work=max(layer_work, head_backward),
+                          backward_is_loss=head_backward > layer_work))
+    return tuple(out)
 
 
 def _comm_buffers(plan: RunPlan, sh: Shapes) -> float:
@@ -138,15 +170,16 @@ def _comm_buffers(plan: RunPlan, sh: Shapes) -> float:
     return total
 
 
-def _transient(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfile, largest_param: int) -> float:
-    """Backward-only working set beside the saved activations (the loss head's is in logits_bytes)."""
+def _backward_work(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfile, largest_param: int) -> float:
+    """Working set of one layer's backward beside the saved activations: its recomputed activations,
+    plus its activation gradients or a parameter's gradient before bucketing, whichever is larger."""
     recompute = cfg.train.recompute
-    work = 0.0
+    replayed = 0.0
     if recompute == "full":
-        work = act.layer_bytes(cfg, sh, kernels, "none")
+        replayed = act.layer_bytes(cfg, sh, kernels, "none")
     elif recompute == "selective":
-        work = act.attention_core_bytes(cfg, sh, kernels, selective=False)
-    return max(work, largest_param * plan.precision.param_bytes)
+        replayed = act.attention_core_bytes(cfg, sh, kernels, selective=False)
+    return replayed + max(act.backward_gradient_bytes(cfg, sh), largest_param * plan.precision.param_bytes)
 
 
 def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[ParamTable] = None,
@@ -161,21 +194,22 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
     optimizer: float = count * (8 + (4 if plan.precision.master_weights else 0))
     if plan.zero == 1:
         optimizer /= dp * cp
-    weights = _chunk_weights(cfg, plan, kernels, stage)
-    peak, live = _rank_peak(plan.schedule, pp, plan.vpp, plan.num_microbatches, stage,
-                            tuple(w for w, _ in weights))
-    last = stage == pp - 1
-    head_live = sum(n * head for n, (_, head) in zip(live, weights))
-    logits = head_live + (act.head_transient_bytes(cfg, sh, kernels) if last else 0.0)
     largest = max((e.local_numel(tp) for e in table.held_by(stage)), default=0)
+    chunks = _chunks(cfg, plan, kernels, stage, largest)
+    peak, live, at = _rank_peak(plan.schedule, pp, plan.vpp, plan.num_microbatches, stage, chunks)
+    saved = sum(n * c.saved for n, c in zip(live, chunks))
+    head = sum(n * c.head for n, c in zip(live, chunks))
+    # What the compute at the peak adds on top of the live items: the loss's buffers, or a backward's.
+    work = peak - saved
+    loss_work = at is not None and chunks[at[1]].loss_work_at(in_forward=at[0])
     desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {plan.zero}, {plan.precision.name}, "
             f"recompute {cfg.train.recompute}{', sequence parallel' if plan.sequence_parallel else ''}, "
             f"{kernels} kernels")
     return MemoryEstimate(
         params_bytes=float(count * plan.precision.param_bytes), grads_bytes=count * 4.0,
-        optimizer_bytes=float(optimizer), activations_bytes=peak - head_live, logits_bytes=logits,
-        comm_buffers_bytes=_comm_buffers(plan, sh),
-        transient_bytes=_transient(cfg, plan, sh, kernels, largest),
+        optimizer_bytes=float(optimizer), activations_bytes=saved - head,
+        logits_bytes=head + (work if loss_work else 0.0), comm_buffers_bytes=_comm_buffers(plan, sh),
+        transient_bytes=0.0 if loss_work else work,
         num_params=count, stage=stage, inflight_microbatches=sum(live) / plan.vpp,
         layers=plan.rank_layer_counts[stage], kernels=kernels, description=desc)
 

@@ -283,26 +283,33 @@ def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2
     return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous, chunk_weights).run()
 
 
-def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[float]) -> tuple[float, list[int]]:
+def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[float],
+              working: Optional[Sequence[tuple[float, float]]] = None,
+              ) -> tuple[float, list[int], Optional[tuple[ActionKind, int, int]]]:
     """Weighted peak of live (chunk, micro-batch) items along one rank's compute order.
 
     An item is live from its forward to the end of its backward. Memory depends only on
     the order a rank runs its computes in, not on when, so this equals the simulator's
-    `peak_weight` for that rank without simulating the others. Returns the peak and how
-    many items of each chunk are live at it (the first time it is reached).
+    `peak_weight` for that rank without simulating the others. working[chunk], when
+    given, is (bytes alive only during that chunk's forward, ... during its backward),
+    added at those moments. Returns the peak, how many items of each chunk are live at
+    it (the first time it is reached) and the compute action it happens in.
     """
     live = [0] * len(weights)
     total, peak, at_peak = 0.0, 0.0, list(live)
-    for kind, chunk, _ in order:
+    action: Optional[tuple[ActionKind, int, int]] = None
+    for item in order:
+        kind, chunk, _ = item
         if kind is FORWARD:
             live[chunk] += 1
             total += weights[chunk]
-            if total > peak:
-                peak, at_peak = total, list(live)
-        elif kind is BACKWARD:
+        extra = 0.0 if working is None else working[chunk][0 if kind is FORWARD else 1]
+        if total + extra > peak:
+            peak, at_peak, action = total + extra, list(live), item
+        if kind is BACKWARD:
             live[chunk] -= 1
             total -= weights[chunk]
-    return peak, at_peak
+    return peak, at_peak, action
 
 
 __all__ = ["ScheduleError", "SimResult", "check_coverage", "peak_live", "simulate"]
