@@ -11,18 +11,21 @@ schedule, micro-batches, precision) and the model's own parameter table:
   rank's owned range: divided over dp x cp with ZeRO-1.
 - activations: what autograd keeps per micro-batch and chunk (`megascale.perf.activations`,
   checked against autograd's saved tensors in the tests), plus the chunk output the
-  pipeline executor keeps until its backward, weighted over the (chunk, micro-batch)
-  items that are live at the peak of this rank's compute order in the real schedule.
-- logits: the loss head's saved buffers of the live last-chunk items and the
-  logits-sized buffers alive while the loss runs (the logits, their padded-vocabulary
-  clone, the reference path's fp32 intermediates, or the logits gradient; last stage).
+  pipeline executor keeps until its backward, for the (chunk, micro-batch) items live
+  at the peak of this rank's compute order in the real schedule.
+- logits: the loss head's saved buffers of the live last-chunk items, plus, when the
+  peak falls while the loss runs, the logits-sized buffers of that moment (the logits,
+  their padded-vocabulary clone, the reference path's fp32 intermediates, or the
+  logits gradient).
 - communication buffers: the tensor-parallel all-gather/all-reduce buffer, the
   context-parallel all-to-all or ring kv buffers and the posted pipeline receives.
-- transient: the working set that exists only inside one backward: a recomputed
-  layer (full recompute) or attention core (selective), plus the layer's activation
-  gradients (the MLP's widest beside an [s, b, h] one) or a parameter's gradient
-  before it is added into the fp32 bucket, whichever is larger. On the last stage
-  only what exceeds the loss's working set counts: the two never coexist.
+- transient: when the peak falls inside a layer's backward, that backward's working
+  set: the layer's recomputed activations (full) or attention core (selective), plus
+  its activation gradients (the MLP's widest beside an [s, b, h] one) or a
+  parameter's gradient before it is added into the fp32 bucket, whichever is larger.
+
+The peak is taken at one moment (one compute of the schedule), so the terms
+coexist and total_bytes is that peak, not a sum of maxima from different moments.
 
 Not counted: the CUDA context and allocator fragmentation, NCCL's own buffers,
 torch.compile's different saved tensors, and the data loader.
