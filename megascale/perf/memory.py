@@ -58,13 +58,13 @@ class MemoryEstimate:
     activations_bytes: float
     """Saved activations of the live (chunk, micro-batch) items at the schedule's peak, embedding included."""
     logits_bytes: float
-    """Loss head: saved logits/softmax buffers of live last-chunk items + the logits-sized buffers
-    alive while the loss runs (last stage)."""
+    """Loss head (last stage): saved logits/softmax buffers of live last-chunk items, plus the
+    logits-sized buffers of the moment when the peak falls while the loss runs."""
     comm_buffers_bytes: float
     """tp/sp collective buffer, cp all-to-all or ring kv buffers, posted pipeline receives."""
     transient_bytes: float
-    """Backward-only working set (recomputed layer or core, activation or parameter gradients); on the
-    last stage only what exceeds the loss head's working set, which never coexists with it."""
+    """When the peak falls inside a layer's backward: its working set (recomputed layer or core,
+    activation or parameter gradients)."""
     num_params: int
     stage: int
     inflight_microbatches: float
