@@ -1,34 +1,48 @@
-"""Analytic per-rank memory estimate: parameters, gradients, optimizer state, activations.
+"""Per-pipeline-stage memory estimate: parameters, gradients, optimizer state, activations, logits, buffers.
 
-Parameters are counted from the parameter table (`megascale.model.params`), the
-real model built on the meta device, so the count is exactly what each rank holds
-(tp-split matrices, replicated norms and row-parallel biases, the tied embedding
-copy on the last stage). Gradients live in
-the fp32 bucket buffers of the data-parallel optimizer (4 bytes per parameter
-whatever the model dtype); optimizer state is two fp32 moments plus, for 16-bit
-models, an fp32 master copy, divided over dp x cp with ZeRO-1.
+Every term mirrors what the code allocates, from the run plan (stage split, chunks,
+schedule, micro-batches, precision) and the model's own parameter table:
 
-Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
-in Large Transformer Models"), bytes per layer per micro-batch with 16-bit
-activations, s = sequence per cp rank, b = micro-batch, h = hidden, a = heads,
-t = tp:
-- no recompute, no SP:    s*b*h*(10 + 24/t + 5*a*s/(h*t))
-- no recompute, with SP:  s*b*h*(34 + 5*a*s/h) / t
-- selective recompute:    the 5*a*s/h attention term is dropped
-- full recompute:         2*s*b*h per layer (the layer input; / t with SP)
-Under 1F1B the first pipeline stage holds min(pp, micro-batches) micro-batches
-of activations, times (1 + (pp-1)/(pp*vpp)) with interleaving; GPipe holds all.
-The formulas include dropout masks and the materialised attention matrix, so
-they are an upper bound when dropout is 0 or flash attention is used.
+- parameters: `param_table` (the real model on the meta device) for this pipeline
+  rank, in the parameter dtype; they live in the data-parallel parameter buffer.
+- gradients: the fp32 bucket buffer of the data-parallel optimizer (4 bytes per
+  parameter whatever the model dtype; reductions run in place on it).
+- optimizer: two fp32 moments plus, for 16-bit models, an fp32 master copy, over the
+  rank's owned range: divided over dp x cp with ZeRO-1.
+- activations: what autograd keeps per micro-batch and chunk (`megascale.perf.activations`,
+  checked against autograd's saved tensors in the tests), plus the chunk output the
+  pipeline executor keeps until its backward, for the (chunk, micro-batch) items live
+  at the peak of this rank's compute order in the real schedule.
+- logits: the loss head's saved buffers of the live last-chunk items, plus, when the
+  peak falls while the loss runs, the logits-sized buffers of that moment (the logits,
+  their padded-vocabulary clone, the reference path's fp32 intermediates, or the
+  logits gradient).
+- communication buffers: the tensor-parallel all-gather/all-reduce buffer, the
+  context-parallel all-to-all or ring kv buffers and the posted pipeline receives.
+- transient: when the peak falls inside a layer's backward, that backward's working
+  set: the layer's recomputed activations (full) or attention core (selective), plus
+  its activation gradients (the MLP's widest beside an [s, b, h] one) or a
+  parameter's gradient before it is added into the fp32 bucket, whichever is larger.
+
+The peak is taken at one moment (one compute of the schedule), so the terms
+coexist and total_bytes is that peak, not a sum of maxima from different moments.
+
+Not counted: the CUDA context and allocator fragmentation, NCCL's own buffers,
+torch.compile's different saved tensors, and the data loader.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 from megascale.config import Config
+from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, ActionKind, compute_order
+from megascale.distributed.pipeline.simulator import peak_live
 from megascale.model.params import ModelLayout, ParamTable, param_table
+from megascale.perf import activations as act
+from megascale.perf.activations import KernelProfile, Shapes
 from megascale.run_plan import NO_PIPELINE, RunPlan
 
 GIB = 2 ** 30
@@ -36,95 +50,191 @@ GIB = 2 ** 30
 
 @dataclass
 class MemoryEstimate:
-    """Estimated bytes on the most loaded rank (the pipeline stage with the largest total)."""
+    """Estimated bytes held by one rank of pipeline stage `stage` at its peak."""
 
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float
+    """Saved activations of the live (chunk, micro-batch) items at the schedule's peak, embedding included."""
+    logits_bytes: float
+    """Loss head (last stage): saved logits/softmax buffers of live last-chunk items, plus the
+    logits-sized buffers of the moment when the peak falls while the loss runs."""
+    comm_buffers_bytes: float
+    """tp/sp collective buffer, cp all-to-all or ring kv buffers, posted pipeline receives."""
+    transient_bytes: float
+    """When the peak falls inside a layer's backward: its working set (recomputed layer or core,
+    activation or parameter gradients)."""
     num_params: int
     stage: int
     inflight_microbatches: float
+    """Live (chunk, micro-batch) items at the peak divided by chunks per rank: micro-batches of a whole rank."""
     layers: int
+    kernels: str
     description: str
 
     @property
     def total_bytes(self) -> float:
-        """Sum of the four parts."""
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+        """Sum of every term."""
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.logits_bytes + self.comm_buffers_bytes + self.transient_bytes)
 
 
-def _activation_bytes_per_layer(cfg: Config, tp: int, cp: int, recompute: str) -> float:
-    m, p = cfg.model, cfg.parallel
-    s, b, h, a = m.seq_length / cp, cfg.train.micro_batch_size, m.hidden_size, m.num_heads
-    sp = p.sequence_parallel and tp > 1
-    if recompute == "full":
-        per = 2 * s * b * h / (tp if sp else 1)
-    else:
-        attention = 0.0 if recompute == "selective" else 5 * a * s / h
-        per = s * b * h * (34 + attention) / tp if sp else s * b * h * (10 + 24 / tp + attention / tp)
-    return per * (2 if cfg.train.dtype == "fp32" else 1)  # the formulas assume 16-bit activations
+def kernel_profile(device_type: str, backend: str) -> KernelProfile:
+    """The saved-tensor profile of a run: fused kernels on CUDA unless kernels.backend=torch, else reference."""
+    return "fused" if device_type == "cuda" and backend != "torch" else "reference"
 
 
-def _inflight(schedule: str, pp: int, vpp: int, stage: int, microbatches: int) -> float:
-    """Micro-batches whose activations pipeline rank `stage` holds at its peak under a resolved schedule."""
-    if schedule == NO_PIPELINE:
-        return 1.0  # without pipelining each micro-batch's backward runs before the next forward
-    if schedule == "gpipe":
-        return float(microbatches)
-    inflight = float(min(pp - stage, microbatches))
-    if schedule == "interleaved" and pp > 1:
-        inflight *= 1 + (pp - 1) / (pp * vpp)
-    return inflight
+def default_profile(cfg: Config) -> KernelProfile:
+    """Profile of cfg's intended device: train.device=cpu or kernels.backend=torch -> reference, else fused."""
+    return kernel_profile("cpu" if cfg.train.device == "cpu" else "cuda", cfg.kernels.backend)
 
 
-def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[ParamTable] = None) -> MemoryEstimate:
-    """Estimate for pipeline rank `stage`, which holds the plan's layers of that rank.
+def _profile(cfg: Config, kernels: Optional[KernelProfile]) -> KernelProfile:
+    profile = kernels or default_profile(cfg)
+    if profile not in act.KERNEL_PROFILES:
+        raise ValueError(f"kernels={profile!r} is not one of {', '.join(act.KERNEL_PROFILES)}")
+    return profile
 
-    Parameter counts come from the model's own parameter table (`table`, built
-    from the plan's layout when not given), so they match the real model exactly.
+
+@dataclass(frozen=True)
+class _Chunk:
+    """What one live micro-batch of a chunk weighs, and what its forward / backward briefly adds."""
+
+    saved: float
+    """Saved activations (loss head included) plus the tensors the pipeline executor keeps."""
+    head: float
+    """The loss head's part of `saved` (last chunk of the last stage only)."""
+    forward_work: float
+    """Alive only during this chunk's forward beside the saved tensors (the loss's logits buffers)."""
+    backward_work: float
+    """Alive only during this chunk's backward (recomputed layer, gradients, the logits gradient)."""
+    backward_is_loss: bool = False
+    """The loss's logits gradient is the larger part of backward_work."""
+
+    def loss_work_at(self, in_forward: bool) -> bool:
+        """Whether what this chunk's forward (or backward) adds at the peak belongs to the loss head."""
+        return self.head > 0 and (in_forward or self.backward_is_loss)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int, chunks: tuple[_Chunk, ...],
+               ) -> tuple[float, tuple[int, ...], Optional[tuple[bool, int]]]:
+    """(peak bytes, live items per chunk, (in a forward?, chunk) at the peak) of one pipeline rank.
+
+    Cached: a layout search asks for the same schedules many times.
     """
-    m, t = cfg.model, cfg.train
+    if schedule == NO_PIPELINE:  # each micro-batch's backward runs before the next forward
+        order: list[tuple[ActionKind, int, int]] = [(FORWARD, 0, 0), (BACKWARD, 0, 0)]
+    else:
+        order = compute_order(schedule, pp, vpp, microbatches, rank)
+    peak, live, action = peak_live(order, [c.saved for c in chunks],
+                                   [(c.forward_work, c.backward_work) for c in chunks])
+    return peak, tuple(live), None if action is None else (action[0] is FORWARD, action[1])
+
+
+def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, largest_param: int) -> tuple[_Chunk, ...]:
+    """The `_Chunk` of every chunk of pipeline rank `rank`."""
+    sh = Shapes.of(cfg, plan)
+    message = sh.residual_tokens * sh.hidden * sh.act  # the activation passed between stages
+    layer_work = _backward_work(cfg, plan, sh, kernels, largest_param)
+    layers = plan.chunk_layers(rank)
+    out = []
+    for v, layer_ids in enumerate(layers):
+        first = rank == 0 and v == 0
+        last = rank == plan.pp - 1 and v == len(layers) - 1
+        saved = act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last)
+        if plan.pp > 1:
+            # The executor keeps a chunk's output (sent on) and its received input until the backward.
+            saved += 0.0 if last else message
+            if not first and not act.input_kept(cfg, kernels, act.layer_recompute(cfg, 0)):
+                saved += message
+        head_forward, head_backward = act.head_working_bytes(cfg, sh, kernels) if last else (0.0, 0.0)
+        out.append(_Chunk(saved=saved, head=act.head_bytes(cfg, sh, kernels) if last else 0.0,
+                          forward_work=head_forward, backward_work=max(layer_work, head_backward),
+                          backward_is_loss=head_backward > layer_work))
+    return tuple(out)
+
+
+def _comm_buffers(plan: RunPlan, sh: Shapes) -> float:
+    """Buffers of the collectives in flight beside the saved activations (see the module docstring)."""
+    total = 0.0
+    if plan.tp > 1:
+        total += sh.tokens * sh.hidden * sh.act  # one gathered / all-reduced [s, b, h] in flight
+    if sh.ulysses > 1:
+        total += 2 * sh.per_token(sh.q_heads * sh.head_dim, sh.act)  # all-to-all send pieces + receive buffers
+    if sh.ring > 1:
+        kv_heads = act.spread_kv_heads(sh) if sh.ulysses > 1 else sh.kv_heads
+        kv_block = 2 * sh.per_token(kv_heads * sh.head_dim, sh.act)  # k and v stacked into one message
+        # The block being sent, the one arriving, and the fp32 copy each step computes on (16-bit runs).
+        total += 2 * kv_block + (kv_block * act.FP32 / sh.act if sh.act != act.FP32 else 0.0)
+    if plan.pp > 1:
+        total += 2 * sh.residual_tokens * sh.hidden * sh.act  # a posted forward and a posted backward receive
+    return total
+
+
+def _backward_work(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfile, largest_param: int) -> float:
+    """Working set of one layer's backward beside the saved activations: its recomputed activations,
+    plus its activation gradients or a parameter's gradient before bucketing, whichever is larger."""
+    recompute = cfg.train.recompute
+    replayed = 0.0
+    if recompute == "full":
+        replayed = act.layer_bytes(cfg, sh, kernels, "none")
+    elif recompute == "selective":
+        replayed = act.attention_core_bytes(cfg, sh, kernels, selective=False)
+    return replayed + max(act.backward_gradient_bytes(cfg, sh), largest_param * plan.precision.param_bytes)
+
+
+def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[ParamTable] = None,
+                    kernels: Optional[KernelProfile] = None) -> MemoryEstimate:
+    """Estimate of pipeline rank `stage` (the table is built from the plan when not given)."""
     tp, pp, cp, dp = plan.tp, plan.pp, plan.cp, plan.dp
-    layers = plan.rank_layer_counts[stage]
-    first, last = stage == 0, stage == pp - 1
     if table is None:
         table = param_table(cfg, ModelLayout.from_plan(plan))
+    kernels = _profile(cfg, kernels)
+    sh = Shapes.of(cfg, plan)
     count = table.local_numel(stage)
-    dtype_bytes = plan.precision.param_bytes
     optimizer: float = count * (8 + (4 if plan.precision.master_weights else 0))
     if plan.zero == 1:
         optimizer /= dp * cp
-    inflight = _inflight(plan.schedule, pp, plan.vpp, stage, plan.num_microbatches)
-    recompute = t.recompute
-    k = layers if t.recompute_layers is None or recompute == "none" else min(t.recompute_layers, layers)
-    per_mb = (k * _activation_bytes_per_layer(cfg, tp, cp, recompute)
-              + (layers - k) * _activation_bytes_per_layer(cfg, tp, cp, "none"))
-    s, b, h = m.seq_length / cp, t.micro_batch_size, m.hidden_size
-    sp = plan.sequence_parallel
-    if first:
-        per_mb += 3 * s * b * h / (tp if sp else 1)  # embedding output (16-bit) and its dropout mask
-    activations = per_mb * inflight
-    if last:
-        # The last micro-batch's fp32 logits of the local vocabulary slice and their gradient.
-        activations += 2 * 4 * s * b * m.padded_vocab_size / tp
+    largest = max((e.local_numel(tp) for e in table.held_by(stage)), default=0)
+    chunks = _chunks(cfg, plan, kernels, stage, largest)
+    peak, live, at = _rank_peak(plan.schedule, pp, plan.vpp, plan.num_microbatches, stage, chunks)
+    saved = sum(n * c.saved for n, c in zip(live, chunks))
+    head = sum(n * c.head for n, c in zip(live, chunks))
+    # What the compute at the peak adds on top of the live items: the loss's buffers, or a backward's.
+    work = peak - saved
+    loss_work = at is not None and chunks[at[1]].loss_work_at(in_forward=at[0])
     desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {plan.zero}, {plan.precision.name}, "
-            f"recompute {recompute}{', sequence parallel' if sp else ''}")
-    return MemoryEstimate(count * dtype_bytes, count * 4.0, float(optimizer), float(activations), count, stage,
-                          inflight, layers, desc)
+            f"recompute {cfg.train.recompute}{', sequence parallel' if plan.sequence_parallel else ''}, "
+            f"{kernels} kernels")
+    return MemoryEstimate(
+        params_bytes=float(count * plan.precision.param_bytes), grads_bytes=count * 4.0,
+        optimizer_bytes=float(optimizer), activations_bytes=saved - head,
+        logits_bytes=head + (work if loss_work else 0.0), comm_buffers_bytes=_comm_buffers(plan, sh),
+        transient_bytes=0.0 if loss_work else work,
+        num_params=count, stage=stage, inflight_microbatches=sum(live) / plan.vpp,
+        layers=plan.rank_layer_counts[stage], kernels=kernels, description=desc)
 
 
-def stage_estimates(cfg: Config, plan: RunPlan, table: Optional[ParamTable] = None) -> list[MemoryEstimate]:
-    """Per-rank memory estimate of every pipeline rank, with the plan's layer split (table: the plan's
-    parameter table, built here when not given)."""
+def stage_estimates(cfg: Config, plan: RunPlan, kernels: Optional[KernelProfile] = None,
+                    table: Optional[ParamTable] = None) -> list[MemoryEstimate]:
+    """Per-rank memory estimate of every pipeline rank, with the plan's layer split and schedule.
+
+    kernels: saved-tensor profile, "fused" (csrc kernels + flash attention on GPU) or
+    "reference" (torch ops, CPU); by default from train.device and kernels.backend.
+    table: the plan's parameter table, built here when not given (the layout search
+    shares one between candidates of the same split).
+    """
     if table is None:
         table = param_table(cfg, ModelLayout.from_plan(plan))
-    return [_stage_estimate(cfg, plan, stage, table) for stage in range(plan.pp)]
+    profile = _profile(cfg, kernels)
+    return [_stage_estimate(cfg, plan, stage, table, profile) for stage in range(plan.pp)]
 
 
-def estimate_memory(cfg: Config, plan: RunPlan) -> MemoryEstimate:
+def estimate_memory(cfg: Config, plan: RunPlan, kernels: Optional[KernelProfile] = None) -> MemoryEstimate:
     """Per-rank memory estimate for cfg under the plan's layout; the most loaded pipeline stage."""
-    return max(stage_estimates(cfg, plan), key=lambda e: e.total_bytes)
+    return max(stage_estimates(cfg, plan, kernels), key=lambda e: e.total_bytes)
 
 
 def _size(nbytes: float) -> str:
@@ -133,7 +243,10 @@ def _size(nbytes: float) -> str:
 
 def format_memory(est: MemoryEstimate) -> str:
     """One-line summary, e.g. for the trainer's start-up banner."""
+    logits = f", logits {_size(est.logits_bytes)}" if est.logits_bytes else ""
     return (f"memory estimate per rank ({est.description}; {est.layers} layers, {est.num_params / 1e6:.2f}M params): "
             f"params {_size(est.params_bytes)}, grads {_size(est.grads_bytes)}, "
             f"optimizer {_size(est.optimizer_bytes)}, activations {_size(est.activations_bytes)} "
-            f"({est.inflight_microbatches:.3g} micro-batches in flight), total {_size(est.total_bytes)}")
+            f"({est.inflight_microbatches:.3g} micro-batches in flight){logits}, "
+            f"buffers {_size(est.comm_buffers_bytes)}, transient {_size(est.transient_bytes)}, "
+            f"total {_size(est.total_bytes)}")

@@ -112,7 +112,7 @@ def predict(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = ME
     """Memory and time of cfg under plan on spec's GPUs."""
     if table is None:
         table = param_table(cfg, ModelLayout.from_plan(plan))
-    memory = stage_estimates(cfg, plan, table)
+    memory = stage_estimates(cfg, plan, "fused", table)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step_time(cfg, plan, spec, table, traits),
                       model_flops_per_step=model_flops_per_step(cfg, plan))
 

@@ -153,7 +153,7 @@ def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, tabl
     from megascale.perf.predict import model_flops_per_step
     from megascale.perf.timing import step_time
 
-    memory = stage_estimates(cfg, plan, table)
+    memory = stage_estimates(cfg, plan, "fused", table)
     if max(e.total_bytes for e in memory) > spec.usable_memory_bytes:
         return None
     step = step_time(cfg, plan, spec, table, traits, simulate_pipeline=False)

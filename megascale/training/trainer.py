@@ -203,9 +203,9 @@ class Trainer:
                  f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
                  f"{params / 1e6:.2f}M params on this rank | {self.plan.num_microbatches} micro-batches/step | "
                  f"{self.flops_per_token / 1e9:.3f} GFLOP/token"]
-        from megascale.perf.memory import estimate_memory, format_memory
+        from megascale.perf.memory import estimate_memory, format_memory, kernel_profile
 
-        estimate = estimate_memory(self.cfg, self.plan)
+        estimate = estimate_memory(self.cfg, self.plan, kernel_profile(self.device.type, self.cfg.kernels.backend))
         self.memory_estimate_gb = estimate.total_bytes / 2**30
         lines.append(format_memory(estimate))
         for line in lines:

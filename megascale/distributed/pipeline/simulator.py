@@ -18,7 +18,7 @@ Two transport models:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +29,7 @@ from megascale.distributed.pipeline.schedules import (
     SEND_BWD,
     SEND_FWD,
     Action,
+    ActionKind,
 )
 
 Durations = Mapping[tuple[int, int], tuple[float, float]]
@@ -49,6 +50,9 @@ class SimResult:
     peak_in_flight: list[int]
     deadlock: Optional[str] = None
     finish: list[float] = field(default_factory=list)
+    peak_weight: list[float] = field(default_factory=list)
+    """Per rank, the peak over time of the summed chunk weights of live (chunk, micro-batch) items
+    (with `chunk_weights`; e.g. each chunk's activation bytes, so chunks of unequal size count as such)."""
 
     @property
     def bubble(self) -> list[float]:
@@ -105,7 +109,8 @@ class _Simulator:
     """State of one simulation; see `simulate`."""
 
     def __init__(self, schedules: list[list[Action]], t_fwd: float, t_bwd: float, t_comm: float,
-                 rendezvous: bool, durations: Optional[Durations] = None) -> None:
+                 rendezvous: bool, chunk_weights: Optional[Sequence[Sequence[float]]] = None,
+                 durations: Optional[Durations] = None) -> None:
         self.schedules = schedules
         self.durations = durations
         self.pp = len(schedules)
@@ -124,6 +129,9 @@ class _Simulator:
         self.done_compute: list[set[tuple]] = [set() for _ in range(self.pp)]
         self.in_flight = [0] * self.pp
         self.peak = [0] * self.pp
+        self.weights = chunk_weights
+        self.live_weight = [0.0] * self.pp
+        self.peak_weight = [0.0] * self.pp
 
     # -- communication --------------------------------------------------------------------------
     def _post(self, rank: int, action: Action) -> None:
@@ -224,6 +232,10 @@ class _Simulator:
         self.done_compute[rank].add((action.kind, action.chunk, action.microbatch))
         self.in_flight[rank] += 1 if action.kind is FORWARD else -1
         self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
+        if self.weights is not None:
+            weight = self.weights[rank][action.chunk]
+            self.live_weight[rank] += weight if action.kind is FORWARD else -weight
+            self.peak_weight[rank] = max(self.peak_weight[rank], self.live_weight[rank])
         return True
 
     def run(self) -> SimResult:
@@ -270,11 +282,13 @@ class _Simulator:
                         finish[rank] = max(finish[rank], done)
         makespan = max(finish) if finish else 0.0
         idle = [makespan - b for b in self.busy]
-        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish)
+        peak_weight = list(self.peak_weight) if self.weights is not None else []
+        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish, peak_weight)
 
 
 def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2.0, t_comm: float = 0.0,
-             rendezvous: bool = False, durations: Optional[Durations] = None) -> SimResult:
+             rendezvous: bool = False, chunk_weights: Optional[Sequence[Sequence[float]]] = None,
+             durations: Optional[Durations] = None) -> SimResult:
     """Run all ranks' schedules on a model of the executor; t_* are per-chunk compute and per-message times.
 
     durations: per (rank, local chunk) (forward, backward) times, replacing t_fwd/t_bwd
@@ -283,8 +297,40 @@ def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2
     Returns busy/idle time and peak in-flight micro-batches per rank; `SimResult.deadlock`
     describes where every rank is stuck if the schedules cannot finish. Raises
     ScheduleError for malformed schedules (unmatched or mismatched messages).
+    chunk_weights[rank][chunk] (optional): what one live micro-batch of that chunk
+    weighs; `SimResult.peak_weight` is then each rank's weighted peak.
     """
-    return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous, durations).run()
+    return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous, chunk_weights,
+                      durations).run()
 
 
-__all__ = ["ScheduleError", "SimResult", "check_coverage", "simulate"]
+def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[float],
+              working: Optional[Sequence[tuple[float, float]]] = None,
+              ) -> tuple[float, list[int], Optional[tuple[ActionKind, int, int]]]:
+    """Weighted peak of live (chunk, micro-batch) items along one rank's compute order.
+
+    An item is live from its forward to the end of its backward. Memory depends only on
+    the order a rank runs its computes in, not on when, so this equals the simulator's
+    `peak_weight` for that rank without simulating the others. working[chunk], when
+    given, is (bytes alive only during that chunk's forward, ... during its backward),
+    added at those moments. Returns the peak, how many items of each chunk are live at
+    it (the first time it is reached) and the compute action it happens in.
+    """
+    live = [0] * len(weights)
+    total, peak, at_peak = 0.0, 0.0, list(live)
+    action: Optional[tuple[ActionKind, int, int]] = None
+    for item in order:
+        kind, chunk, _ = item
+        if kind is FORWARD:
+            live[chunk] += 1
+            total += weights[chunk]
+        extra = 0.0 if working is None else working[chunk][0 if kind is FORWARD else 1]
+        if total + extra > peak:
+            peak, at_peak, action = total + extra, list(live), item
+        if kind is BACKWARD:
+            live[chunk] -= 1
+            total -= weights[chunk]
+    return peak, at_peak, action
+
+
+__all__ = ["ScheduleError", "SimResult", "check_coverage", "peak_live", "simulate"]

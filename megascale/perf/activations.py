@@ -1,0 +1,336 @@
+"""What autograd saves for backward in one micro-batch's forward of one model chunk, in bytes.
+
+This mirrors the model code (megascale/model, the tensor/context-parallel layers
+and the kernel fronts) tensor by tensor: every buffer kept alive for backward is
+counted once per storage, parameters excluded. Two saved-tensor profiles:
+
+- "reference": the plain torch ops CPU runs use (`*_reference` in
+  megascale/kernels, SDPA's CPU kernels). Norm statistics are in the activation
+  dtype, RMSNorm keeps its fp32 input and normalised input, SwiGLU keeps silu(gate),
+  the cross entropy keeps an fp32 softmax, dropout keeps a mask in the activation
+  dtype, and attention dropout takes SDPA's math path (probabilities kept).
+- "fused": the csrc kernels' autograd Functions plus flash attention on GPU:
+  norms keep their input and fp32 mean/rstd, rotary keeps only the shared cos/sin
+  tables, SwiGLU keeps gate and up, the cross entropy keeps the logits and one fp32
+  lse per token, dropout masks are bool, attention dropout is regenerated.
+
+Storage aliasing matters and is followed exactly: q/k/v slices of the fused qkv
+output are views, so saving one of them keeps the whole qkv output alive;
+grouped-query attention repeats k/v into new tensors; a sequence-parallel
+column-parallel GEMM keeps the all-gathered (full local sequence) input.
+`tests/test_memory_model.py` checks these numbers against autograd's saved
+tensors on the real model for a grid of layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megascale.config import Config, Recompute
+from megascale.run_plan import RunPlan
+
+KernelProfile = Literal["reference", "fused"]
+KERNEL_PROFILES: tuple[KernelProfile, ...] = ("reference", "fused")
+FP32 = 4
+INDEX = 8  # int64 token ids / positions
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The per-rank sizes one micro-batch's activations are made of (elements, not bytes)."""
+
+    tokens: int
+    """b * s/cp: tokens of one micro-batch on this rank inside the tensor-parallel region."""
+    residual_tokens: int
+    """Tokens of the residual stream (norms, dropout, residual): tokens / tp with sequence parallelism."""
+    seq: int
+    """s/cp: positions of one sequence held by this rank."""
+    batch: int
+    """Sequences per micro-batch."""
+    hidden: int
+    """Model width h."""
+    head_dim: int
+    """Width of one attention head."""
+    q_heads: int
+    """Query heads per tp rank."""
+    kv_heads: int
+    """Key/value heads per tp rank."""
+    ffn: int
+    """MLP width per tp rank."""
+    vocab: int
+    """Padded vocabulary per tp rank."""
+    act: int
+    """Bytes per activation element (train.dtype)."""
+    tp: int
+    """Tensor-parallel size."""
+    sp: bool
+    """Sequence parallelism in effect."""
+    ulysses: int
+    """Ranks of the Ulysses all-to-all (1 without context parallelism)."""
+    ring: int
+    """Ranks of the attention ring (1 without context parallelism)."""
+
+    @staticmethod
+    def of(cfg: Config, plan: RunPlan) -> Shapes:
+        """The shapes of cfg under the plan's layout."""
+        m, tp = cfg.model, plan.tp
+        tokens = plan.micro_batch_size * plan.local_seq_length
+        return Shapes(tokens=tokens, residual_tokens=tokens // tp if plan.sequence_parallel else tokens,
+                      seq=plan.local_seq_length, batch=plan.micro_batch_size, hidden=m.hidden_size,
+                      head_dim=m.head_dim, q_heads=m.num_heads // tp, kv_heads=m.kv_heads // tp, ffn=m.ffn_size // tp,
+                      vocab=m.padded_vocab_size // tp, act=plan.precision.compute_bytes, tp=tp,
+                      sp=plan.sequence_parallel, ulysses=plan.ulysses_size if plan.cp > 1 else 1,
+                      ring=plan.ring_size if plan.cp > 1 else 1)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.q_heads // self.kv_heads
+
+    def per_token(self, width: float, nbytes: float) -> float:
+        """Bytes of a [tokens, width] tensor."""
+        return self.tokens * width * nbytes
+
+
+def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """What one norm keeps, its input included (x is kept by the norm, not by the residual add)."""
+    n, h = sh.residual_tokens, sh.hidden
+    if kernels == "fused":  # input rows + fp32 rstd (+ fp32 mean for LayerNorm); weight is the parameter
+        return n * h * sh.act + n * FP32 * (1 if cfg.model.norm == "rmsnorm" else 2)
+    if cfg.model.norm == "layernorm":  # aten layer norm: input, mean and rstd in the input dtype on CPU
+        return n * h * sh.act + 2 * n * sh.act
+    # x.float() (x itself in fp32), rsqrt(mean(x^2)), x * rstd, and an fp32 copy of a 16-bit weight.
+    half = sh.act != FP32
+    return n * h * FP32 * 2 + n * FP32 + (h * FP32 if half else 0)
+
+
+def _linear_input_bytes(sh: Shapes) -> float:
+    """A column-parallel GEMM keeps its input: the norm output, or the all-gathered sequence under SP."""
+    return sh.per_token(sh.hidden, sh.act)
+
+
+def _qkv_bytes(sh: Shapes) -> float:
+    return sh.per_token((sh.q_heads + 2 * sh.kv_heads) * sh.head_dim, sh.act)
+
+
+def _heads_bytes(sh: Shapes, heads: int) -> float:
+    return sh.per_token(heads * sh.head_dim, sh.act)
+
+
+def _q_k_copies(cfg: Config, sh: Shapes) -> float:
+    """Bytes of the new q/k tensors attention receives (v is always a slice of the qkv output).
+
+    RoPE rotates contiguous copies of q and k; without it q is a view of qkv unless
+    several kv groups of several query heads each must be gathered into one tensor.
+    """
+    if cfg.model.position == "rope":
+        return _heads_bytes(sh, sh.q_heads) + _heads_bytes(sh, sh.kv_heads)
+    return _heads_bytes(sh, sh.q_heads) if sh.group > 1 and sh.kv_heads > 1 else 0.0
+
+
+def spread_kv_heads(sh: Shapes) -> int:
+    """kv heads per rank after the Ulysses spread (kv heads repeated until the group divides them)."""
+    if sh.kv_heads % sh.ulysses == 0:
+        return sh.kv_heads
+    return next(f for f in range(1, sh.group + 1)
+                if sh.group % f == 0 and (sh.kv_heads * f) % sh.ulysses == 0) * sh.kv_heads
+
+
+def _math_path(cfg: Config, kernels: KernelProfile) -> bool:
+    """CPU SDPA runs attention dropout through its math kernel (probabilities kept); GPU flash regenerates it."""
+    return kernels == "reference" and cfg.model.attention_dropout > 0
+
+
+def _sdpa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, local_inputs: bool) -> float:
+    """What SDPA keeps over heads/ulysses and seq*ulysses positions (its output, if kept, included).
+
+    local_inputs (cp = 1): q and unrepeated k/v may be views of qkv, accounted for by the caller;
+    otherwise they are the all-to-all outputs, new tensors.
+    """
+    m = cfg.model
+    heads = sh.q_heads // sh.ulysses
+    kv = spread_kv_heads(sh) if sh.ulysses > 1 else sh.kv_heads
+    positions = sh.seq * sh.ulysses
+    mask = positions * positions * sh.act if m.attention == "sliding_window" else 0.0
+    repeated = sh.q_heads > kv  # grouped-query: k and v are repeated into new [.., q_heads, d] tensors
+    q_bytes = _heads_bytes(sh, sh.q_heads)
+    if _math_path(cfg, kernels):
+        # Scaled q and k, softmax, dropout mask and dropped probabilities, v; the output is not kept.
+        # The CPU math kernel computes 16-bit inputs in fp32, so v is then an fp32 copy too.
+        probs = sh.batch * heads * positions * positions * FP32
+        if sh.act == FP32:
+            v = q_bytes if repeated else (0.0 if local_inputs else _heads_bytes(sh, kv))
+        else:
+            v = sh.per_token((sh.q_heads if repeated else kv) * sh.head_dim, FP32)
+        return 2 * sh.per_token(sh.q_heads * sh.head_dim, FP32) + 3 * probs + v + mask
+    kv_bytes = 2 * q_bytes if repeated else (0.0 if local_inputs else 2 * _heads_bytes(sh, kv))
+    lse = sh.tokens * sh.q_heads * FP32
+    return (0.0 if local_inputs else q_bytes) + kv_bytes + q_bytes + lse + mask
+
+
+def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, selective: bool) -> float:
+    """Everything between the qkv GEMM output and the output projection's input, both included."""
+    rope_tables = 4 * sh.seq * sh.head_dim * FP32 if cfg.model.position == "rope" and kernels == "reference" else 0.0
+    proj_input = _heads_bytes(sh, sh.q_heads)
+    if selective:
+        # The checkpoint keeps q, k, v as they enter the core (v a view of qkv) and the core's output.
+        return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
+    if sh.ring > 1:
+        return _ring_bytes(cfg, sh) + rope_tables
+    if sh.ulysses > 1:
+        # All-to-all outputs are new tensors; the qkv output and the rotated copies are not kept.
+        return _sdpa_bytes(cfg, sh, kernels, local_inputs=False) + proj_input + rope_tables
+    return _local_attention_bytes(cfg, sh, kernels) + rope_tables
+
+
+def _local_attention_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """cp = 1: SDPA over the local heads; which of q/k/v alias the qkv output decides what stays alive."""
+    rope = cfg.model.position == "rope"
+    math = _math_path(cfg, kernels)
+    mha = sh.group == 1
+    q_copy = rope or (sh.group > 1 and sh.kv_heads > 1)
+    v_view_kept = mha and (not math or sh.act == FP32)
+    total = _qkv_bytes(sh) if v_view_kept or (not math and not q_copy) else 0.0
+    if not math:
+        total += _heads_bytes(sh, sh.q_heads) if q_copy else 0.0
+        total += _heads_bytes(sh, sh.kv_heads) if rope and mha else 0.0  # the rotated k
+    # Flash keeps its output and the projection reads a view of it; the math path's output is copied.
+    proj_input = _heads_bytes(sh, sh.q_heads) if math else 0.0
+    return total + _sdpa_bytes(cfg, sh, kernels, local_inputs=True) + proj_input
+
+
+def _ring_bytes(cfg: Config, sh: Shapes) -> float:
+    """Ring attention keeps q, k, v, an fp32 output and fp32 lse, and the projection's input.
+
+    The fp32 output is allocated like q (sequence-major), so turning it back into
+    [s, b, heads * d] is a view: in fp32 the projection reads the kept output itself,
+    in 16-bit a cast copy. Hybrid sends it through the all-to-all first (a new tensor).
+    """
+    heads = sh.q_heads * sh.head_dim
+    fp32_out = sh.per_token(heads, FP32) + sh.tokens * sh.q_heads * FP32
+    if sh.ulysses > 1:  # hybrid: the ring runs on the all-to-all outputs
+        q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, spread_kv_heads(sh))
+        return q_kv + fp32_out + _heads_bytes(sh, sh.q_heads)
+    proj_input = 0.0 if sh.act == FP32 else _heads_bytes(sh, sh.q_heads)
+    return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
+
+
+def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """fc1 output, activation and fc2 input (fc1's own input is counted with the norm output)."""
+    ffn = sh.per_token(sh.ffn, sh.act)
+    if cfg.model.activation == "swiglu":
+        # reference: the [.., 2, ffn] fc1 output (gate and up views), silu(gate), the product;
+        # fused: contiguous copies of gate and up, the product.
+        return 4 * ffn if kernels == "reference" else 3 * ffn
+    return 2 * ffn  # GeLU input and output
+
+
+def dropout_mask_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """One hidden-dropout mask on the residual stream (0 without dropout)."""
+    if cfg.model.dropout <= 0:
+        return 0.0
+    per = sh.act if kernels == "reference" else 1  # CPU keeps a scaled mask in the input dtype, CUDA a bool one
+    return sh.residual_tokens * sh.hidden * per
+
+
+def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
+    """Saved bytes of one transformer block for one micro-batch (its input included)."""
+    m = cfg.model
+    if recompute == "full":
+        return sh.residual_tokens * sh.hidden * sh.act  # the checkpoint keeps the block input only
+    norm = norm_bytes(cfg, sh, kernels)
+    core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
+    mask = dropout_mask_bytes(cfg, sh, kernels)
+    linear_in = _linear_input_bytes(sh)
+    if m.parallel_block:
+        # One norm feeds both GEMMs; under SP each column-parallel GEMM gathers its own copy.
+        inputs = linear_in * (2 if sh.sp else 1)
+        return norm + inputs + core + mlp_bytes(cfg, sh, kernels) + mask
+    return 2 * norm + 2 * linear_in + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+
+
+def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """First stage: token ids (and, with tp, the shifted ids and the out-of-shard mask), positions, dropout mask."""
+    ids = sh.tokens * (INDEX + 1 if sh.tp > 1 else INDEX)
+    # Learned positions index the table with this rank's positions: under cp a slice of the
+    # ring rank's zigzag positions (seq * ulysses of them).
+    positions = sh.seq * sh.ulysses * INDEX if cfg.model.position == "learned" else 0
+    return ids + positions + dropout_mask_bytes(cfg, sh, kernels)
+
+
+def head_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """Last stage: final norm, the logits GEMM input and the cross entropy's saved buffers."""
+    ce = (sh.per_token(sh.vocab, FP32) + sh.tokens * (INDEX + 2) if kernels == "reference"
+          else sh.per_token(sh.vocab, sh.act) + sh.tokens * (INDEX + FP32))
+    return norm_bytes(cfg, sh, kernels) + _linear_input_bytes(sh) + ce
+
+
+def head_working_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> tuple[float, float]:
+    """Logits-sized buffers alive beside the saved ones while the loss runs: (forward, backward).
+
+    Forward: the logits GEMM output, its clone when this rank's slice holds padded
+    vocabulary entries (masked before the loss), and on the reference path the fp32
+    copy, the shifted logits and their exp next to the kept softmax. Backward: the
+    logits gradient (fp32 and its cast on the reference path).
+    """
+    logits = sh.per_token(sh.vocab, sh.act)
+    fp32 = sh.per_token(sh.vocab, FP32)
+    padded = cfg.model.padded_vocab_size > cfg.model.vocab_size
+    if kernels == "fused":  # the kernel keeps the (masked) logits and recomputes the softmax in backward
+        return (logits if padded else 0.0), logits
+    forward = logits * (2 if padded else 1) + (fp32 if sh.act != FP32 else 0.0) + 2 * fp32
+    return forward, fp32 + (logits if sh.act != FP32 else 0.0)
+
+
+def backward_gradient_bytes(cfg: Config, sh: Shapes) -> float:
+    """Activation gradients alive at once inside one layer's backward: the MLP's widest one
+    (its fc1 output, [.., 2, ffn] for SwiGLU) beside the gradient of a [s, b, h] tensor."""
+    width = sh.ffn * (2 if cfg.model.activation == "swiglu" else 1)
+    return sh.per_token(width + sh.hidden, sh.act)
+
+
+def layer_recompute(cfg: Config, position: int) -> Recompute:
+    """Recompute mode of the position-th layer of a chunk (train.recompute_layers: the first k of each chunk)."""
+    k = cfg.train.recompute_layers
+    return cfg.train.recompute if k is None or position < k else "none"
+
+
+def chunk_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: int, first: bool,
+                last: bool) -> float:
+    """Saved bytes of one micro-batch's forward through a chunk of num_layers layers."""
+    sh = Shapes.of(cfg, plan)
+    modes = [layer_recompute(cfg, i) for i in range(num_layers)]
+    total = sum(layer_bytes(cfg, sh, kernels, mode) for mode in modes)
+    if kernels == "fused" and cfg.model.position == "rope" and any(mode != "full" for mode in modes):
+        total += sh.seq * sh.head_dim * FP32  # the chunk's fp32 cos/sin tables, shared by its layers
+    if first:
+        total += embedding_bytes(cfg, sh, kernels)
+    if last:
+        total += head_bytes(cfg, sh, kernels)
+    return total
+
+
+def input_kept(cfg: Config, kernels: KernelProfile, first_mode: Recompute) -> bool:
+    """Whether autograd keeps a chunk's input tensor itself (else only the pipeline executor holds it)."""
+    return not (first_mode != "full" and kernels == "reference" and cfg.model.norm == "rmsnorm"
+                and cfg.train.dtype != "fp32")  # the reference RMSNorm keeps an fp32 copy instead
+
+
+__all__ = [
+    "KERNEL_PROFILES",
+    "KernelProfile",
+    "Shapes",
+    "attention_core_bytes",
+    "backward_gradient_bytes",
+    "chunk_bytes",
+    "embedding_bytes",
+    "head_bytes",
+    "head_working_bytes",
+    "input_kept",
+    "layer_bytes",
+    "layer_recompute",
+    "mlp_bytes",
+    "norm_bytes",
+    "spread_kv_heads",
+]

@@ -1,0 +1,308 @@
+"""The activation memory model against what autograd really saves on the real model.
+
+For one micro-batch's forward through one model chunk, a `saved_tensors_hooks`
+pack hook sees every tensor autograd keeps for backward. Each distinct storage is
+counted once (by its data pointer; saved tensors stay alive until backward, so
+pointers are not reused), parameter storages are left out, everything else is in:
+linear inputs, norm statistics, attention outputs and lse, dropout masks, the
+loss's softmax, token ids. `megascale.perf.activations.chunk_bytes` must agree
+within 5% (it is written to agree exactly; the margin is for torch versions that
+save an extra small tensor).
+
+Grid: single-process chunks as first / middle / last / whole pipeline stage (the
+chunk's first/last flags), recompute none / selective / full / first layer only,
+fp32 and bf16, MHA and GQA, GeLU and SwiGLU, LayerNorm and RMSNorm, learned and
+rotary positions, dropout 0 and > 0, parallel block, sliding window; and on two
+gloo ranks (one spawn) tp 2 with and without sequence parallelism and cp 2
+Ulysses and ring. The "reference" profile is what these CPU runs execute; the
+"fused" profile is checked by driving the csrc autograd fronts through the
+plain-torch stand-in of the extension (megascale.kernels.emulate) with dropout 0
+(on CPU, dropout masks and attention dropout take CPU-only paths).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Optional
+
+import parity
+import pytest
+import torch
+from dist_utils import Outcome, run_scenarios
+
+BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=500",
+        "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2", "train.seed=3"]
+LLAMA = ["model.num_kv_heads=2", "model.activation=swiglu", "model.position=rope", "model.norm=rmsnorm",
+         "model.bias=false"]
+VARIANTS = {
+    "gpt": [],
+    "llama": LLAMA,
+    "gqa1_learned": ["model.num_kv_heads=1"],
+    "dropout": ["model.dropout=0.1", "model.attention_dropout=0.1"],
+    "llama_dropout": [*LLAMA, "model.dropout=0.1"],
+    "parallel_window": ["model.parallel_block=true", "model.attention=sliding_window", "model.window_size=8"],
+}
+RECOMPUTE = {
+    "none": [],
+    "selective": ["train.recompute=selective"],
+    "full": ["train.recompute=full"],
+    "full_first1": ["train.recompute=full", "train.recompute_layers=1"],
+}
+STAGES = {"whole": (True, True), "first": (True, False), "middle": (False, False), "last": (False, True)}
+TOLERANCE = 0.05
+
+
+def measure_saved_bytes(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves during chunk(hidden, batch)."""
+    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        chunk(hidden, batch)
+    return sum(saved.values())
+
+
+def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1) -> tuple[int, float]:
+    """(measured, modelled) saved bytes of one micro-batch through this rank's chunk of the layout."""
+    from megascale.kernels import emulate
+    from megascale.model import build_model
+    from megascale.perf.activations import chunk_bytes
+    from megascale.run_plan import resolve_plan
+
+    cfg = parity.make_config(overrides)
+    p = cfg.parallel
+    dp = world // (p.tp * p.pp * p.cp)  # the rest of the ranks replicate the model: one micro-batch each
+    cfg = parity.make_config([*overrides, f"train.global_batch_size={cfg.train.micro_batch_size * dp}"])
+    plan = resolve_plan(cfg, world)
+    chunk = build_model(cfg, parity.layout_context(cfg, rank, world), plan=plan)[0]
+    if kernels == "fused":  # the csrc autograd fronts over the extension's plain-torch stand-in
+        chunk.bc.ops._extension = lambda *tensors: emulate
+    chunk.first, chunk.last = STAGES[stage]
+    generator = torch.Generator().manual_seed(0)
+    m = cfg.model
+    tokens, labels = (torch.randint(0, m.vocab_size, (plan.micro_batch_size, m.seq_length), generator=generator)
+                      for _ in range(2))
+    hidden = None
+    if not chunk.first:
+        hidden = torch.randn(plan.activation_shape, generator=generator).to(plan.precision.compute_dtype)
+        hidden.requires_grad_(True)
+    got = measure_saved_bytes(chunk, hidden, {"tokens": tokens, "labels": labels})
+    return got, chunk_bytes(cfg, plan, kernels, len(chunk.layer_ids), chunk.first, chunk.last)
+
+
+def _grid(variants: list[str], dtypes: tuple[str, ...], recompute: list[str], stages: list[str],
+          kernels: str) -> list[tuple[str, list[str], str, str]]:
+    """(case id, overrides, kernels, stage) of every combination; fused only where CPU runs what GPUs do."""
+    cases = []
+    for variant, dtype, mode, stage in itertools.product(variants, dtypes, recompute, stages):
+        if kernels == "fused" and "dropout" in variant:
+            continue
+        overrides = [*BASE, *VARIANTS[variant], *RECOMPUTE[mode], f"train.dtype={dtype}"]
+        cases.append((f"{kernels}-{variant}-{dtype}-{mode}-{stage}", overrides, kernels, stage))
+    return cases
+
+
+def _failures(results: list[tuple[str, int, float]]) -> list[str]:
+    return [f"{case}: autograd saved {got} bytes, model says {want:.0f} ({want / got - 1:+.1%})"
+            for case, got, want in results if abs(want - got) > TOLERANCE * got]
+
+
+# ----------------------------------------------------------------------------- single process
+
+# The default suite covers every variant, dtype, recompute mode and stage position at least
+# once per profile; the slow test runs their full product.
+SINGLE = (_grid(list(VARIANTS), ("fp32", "bf16"), ["none"], ["whole", "middle"], "reference")
+          + _grid(["gpt", "llama", "dropout"], ("bf16",), ["selective"], ["first", "last"], "reference")
+          + _grid(["gpt", "llama"], ("fp32",), ["full", "full_first1"], ["first", "middle"], "reference")
+          + _grid(["gpt", "llama", "gqa1_learned", "parallel_window"], ("bf16",), ["none"], ["whole", "middle"],
+                  "fused")
+          + _grid(["llama"], ("fp32",), ["selective", "full_first1"], ["first", "last"], "fused"))
+SINGLE_SLOW = (_grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "reference")
+               + _grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "fused"))
+
+
+def _check_single(cases: list[tuple[str, list[str], str, str]]) -> None:
+    results = [(case, *compare(overrides, kernels, stage)) for case, overrides, kernels, stage in cases]
+    assert not _failures(results), "\n".join(_failures(results))
+
+
+def test_saved_bytes_single_process() -> None:
+    assert len(SINGLE) >= 40
+    _check_single(SINGLE)
+
+
+@pytest.mark.slow
+def test_saved_bytes_single_process_full_grid() -> None:
+    _check_single(SINGLE_SLOW)
+
+
+# ----------------------------------------------------------------------------- gloo ranks
+
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "cp2_ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses"],
+    "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
+}
+SLOW_LAYOUTS = {
+    "tp2_sp_overlap": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"],
+    "hybrid_2x2": ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.ulysses_size=2"],
+    "tp2_sp_cp2_ring": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
+                        "parallel.cp_mode=ring"],
+    "tp2_cp2_ulysses": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_mode=ulysses"],
+}
+
+
+def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str]]:
+    dropout = "llama_dropout" if "ring" in layout or "hybrid" in layout else "dropout"
+    if full:
+        cases = _grid(["gpt", "llama", dropout], ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
+        cases += _grid(["gpt", "llama"], ("bf16",), ["none", "selective"], ["first", "last"], "fused")
+    else:  # one case per setting: dtype, recompute mode, MHA/GQA, dropout, stage position, profile
+        cases = (_grid(["gpt"], ("fp32",), ["none"], ["whole"], "reference")
+                 + _grid(["llama"], ("bf16",), ["none"], ["whole"], "reference")
+                 + _grid(["llama"], ("bf16",), ["selective"], ["middle"], "reference")
+                 + _grid([dropout], ("bf16",), ["none"], ["middle"], "reference")
+                 + _grid(["gpt"], ("bf16",), ["full_first1"], ["middle"], "reference")
+                 + _grid(["llama"], ("bf16",), ["none"], ["first"], "fused")
+                 + _grid(["gpt"], ("bf16",), ["none"], ["last"], "fused"))
+    layouts = {**LAYOUTS, **SLOW_LAYOUTS}
+    return [(f"{layout}-{case}", [*overrides, *layouts[layout]], kernels, stage)
+            for case, overrides, kernels, stage in cases]
+
+
+def _layout_case(layout: str, full: bool, rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
+    return [(f"{case} rank {rank}", *compare(overrides, kernels, stage, rank, world))
+            for case, overrides, kernels, stage in _layout_grid(layout, full)]
+
+
+def _check_layout(outcome: Outcome) -> None:
+    results = [row for rank_rows in outcome.check() for row in rank_rows]
+    assert len(results) >= 2 * 7
+    assert not _failures(results), "\n".join(_failures(results))
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> dict[str, Outcome]:
+    scenarios: dict[str, Any] = {name: partial(_layout_case, name, False) for name in LAYOUTS}
+    return run_scenarios({**scenarios, "pipeline_peaks": _pipeline_peaks}, 2)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_saved_bytes_two_ranks(two_rank_results: dict[str, Outcome], layout: str) -> None:
+    _check_layout(two_rank_results[layout])
+
+
+@pytest.mark.slow
+def test_saved_bytes_four_ranks_full_grid() -> None:
+    names = [*LAYOUTS, *SLOW_LAYOUTS]
+    outcomes = run_scenarios({name: partial(_layout_case, name, True) for name in names}, 4, timeout=3600.0)
+    for name in names:
+        _check_layout(outcomes[name])
+
+
+# ----------------------------------------------------------------------------- measured peak of a step
+
+
+def measure_peak_bytes(run: Callable[[], Any]) -> int:
+    """Peak of the bytes the CPU allocator holds beyond what existed before (parameters, their
+    gradients), while run() executes, from the profiler's allocation records."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    records = [e["args"] for e in sorted(events, key=lambda e: e["ts"]) if e.get("name") == "[memory]"]
+    # The allocator's running total carries over from earlier profiling in this process: start from
+    # the total just before the first recorded allocation.
+    before = records[0]["Total Allocated"] - records[0]["Bytes"]
+    return max(r["Total Allocated"] for r in records) - before
+
+
+def _working_bytes(cfg: Any, plan: Any, pp_rank: int) -> float:
+    """The estimate's part that a step allocates: everything but parameters, gradients and optimizer state."""
+    from megascale.perf.memory import stage_estimates
+
+    est = stage_estimates(cfg, plan, "reference")[pp_rank]
+    return est.activations_bytes + est.logits_bytes + est.comm_buffers_bytes + est.transient_bytes
+
+
+def _zero_grads(chunks: list[torch.nn.Module]) -> None:
+    """Gradients exist before the step, as in a running trainer (their buffers are not the step's)."""
+    for param in (p for chunk in chunks for p in chunk.parameters()):
+        param.grad = torch.zeros_like(param)
+
+
+PEAK_BASE = [*BASE, "model.hidden_size=128", "model.seq_length=256", "train.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("extra", [["train.dtype=fp32", "model.vocab_size=2000"],
+                                   ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "train.recompute=full"]],
+                         ids=["gpt_fp32_padded_vocab", "llama_bf16_full_recompute"])
+def test_estimate_matches_measured_peak_of_a_micro_batch(extra: list[str]) -> None:
+    # One process, the whole model in one chunk: the peak of a micro-batch's forward and backward
+    # comes while the loss runs, with every layer's saved tensors alive.
+    from megascale.model import build_model
+    from megascale.run_plan import resolve_plan
+
+    cfg = parity.make_config([*PEAK_BASE, "train.global_batch_size=4", *extra])
+    plan = resolve_plan(cfg, 1)
+    chunks = build_model(cfg, parity.single_context(), plan=plan)
+    _zero_grads(chunks)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
+    measured = measure_peak_bytes(lambda: chunks[0](None, {"tokens": tokens, "labels": tokens}).backward())
+    predicted = _working_bytes(cfg, plan, 0)
+    assert abs(predicted - measured) < TOLERANCE * measured, (predicted, measured)
+
+
+PIPELINES = {"1f1b": ["model.num_layers=4"], "interleaved": ["model.num_layers=8", "parallel.vpp=2"]}
+
+
+def _pipeline_peaks(rank: int, world: int, shared: Any) -> dict[str, tuple[int, float]]:
+    """(measured, estimated) peak of one pipelined step on this pipeline rank, per schedule."""
+    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined
+    from megascale.model import build_model
+    from megascale.run_plan import resolve_plan
+
+    peaks = {}
+    for name, extra in PIPELINES.items():
+        cfg = parity.make_config([*PEAK_BASE, "model.vocab_size=512", "train.global_batch_size=16",
+                                  "parallel.pp=2", *extra])
+        plan = resolve_plan(cfg, world)
+        ctx = parity.layout_context(cfg, rank, world)
+        chunks = build_model(cfg, ctx, plan=plan)
+        _zero_grads(chunks)
+        generator = torch.Generator().manual_seed(0)
+        batches = [{"tokens": tokens, "labels": tokens, "loss_scale": 1e-4}
+                   for tokens in (torch.randint(0, 512, (4, 256), generator=generator)
+                                  for _ in range(plan.num_microbatches))]
+        schedule = build_schedule(plan.schedule, plan.pp, plan.vpp, plan.num_microbatches, ctx.pp_rank)
+        measured = measure_peak_bytes(partial(forward_backward_pipelined, chunks, batches, ctx, schedule,
+                                              plan.activation_shape, plan.precision.compute_dtype))
+        peaks[name] = (measured, _working_bytes(cfg, plan, ctx.pp_rank))
+    return peaks
+
+
+def test_estimate_matches_measured_peak_of_a_pipelined_step(two_rank_results: dict[str, Outcome]) -> None:
+    # pp 2, 4 micro-batches: rank 0 holds two (1F1B) or five chunk items (interleaved) at its
+    # peak, plus the outputs the executor keeps and two posted receives. The estimate may only
+    # fall short by what it does not model, which depends on transfer timing: receives posted
+    # further ahead and gradients whose send has not completed (measured: 0.6% to 4.1% short).
+    for rank, peaks in enumerate(two_rank_results["pipeline_peaks"].check()):
+        for name, (measured, predicted) in peaks.items():
+            assert -0.08 < predicted / measured - 1 < 0.02, (name, rank, predicted, measured)
