@@ -196,7 +196,10 @@ class RunPlan:
         """One line for logs: the layout, micro-batches and schedule."""
         cp = f" x cp {self.cp} ({self.cp_mode})" if self.cp > 1 else ""
         sp = ", sequence parallel" if self.sequence_parallel else ""
-        pipe = f", {self.schedule} schedule, layers per stage {list(self.stage_layer_counts)}" if self.pp > 1 else ""
+        counts = self.stage_layer_counts
+        split = (f"{len(counts)} stages of {counts[0]} layers" if len(set(counts)) == 1
+                 else f"layers per stage {list(counts)}")
+        pipe = f", {self.schedule} schedule, {split}" if self.pp > 1 else ""
         return (f"tp {self.tp} x pp {self.pp} (vpp {self.vpp}){cp} x dp {self.dp} = {self.world_size} ranks{sp}, "
                 f"zero {self.zero}, {self.num_microbatches} micro-batches/step{pipe}, {self.precision.name}")
 

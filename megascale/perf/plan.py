@@ -14,8 +14,8 @@ import json
 
 from megascale.config import Config, load_config
 from megascale.perf.gpus import BUILTIN_GPUS, GpuSpec, resolve_gpu
-from megascale.perf.memory import GIB, format_memory
-from megascale.perf.predict import Prediction, predict
+from megascale.perf.memory import GIB
+from megascale.perf.predict import Prediction, memory_parts, predict
 from megascale.run_plan import resolve_plan
 
 
@@ -102,10 +102,16 @@ def format_prediction(pred: Prediction) -> str:
     lines = [f"layout: {plan.describe()}",
              f"gpu: {spec.name} ({spec.description}; {spec.source}), usable memory "
              f"{spec.usable_memory_bytes / GIB:.1f} GiB of {spec.memory_gib:g}"]
-    lines.append("memory per pipeline rank (modelled bytes of what each rank holds):")
+    lines.append(f"memory per pipeline rank at its peak, GiB ({pred.memory[0].kernels} kernels; "
+                 "modelled from what autograd saves, docs/planner.md):")
+    parts = list(memory_parts(pred.memory[0]))
+    lines.append("  rank  layers  in-flight  " + "  ".join(f"{name:>12}" for name in parts) + "       total")
     for estimate in pred.memory:
-        verdict = "fits" if pred.stage_fits(estimate) else "DOES NOT FIT"
-        lines.append(f"  {verdict:>12}: " + format_memory(estimate))
+        values = memory_parts(estimate)
+        verdict = "" if pred.stage_fits(estimate) else "  DOES NOT FIT"
+        lines.append(f"  {estimate.stage:>4}  {estimate.layers:>6}  {estimate.inflight_microbatches:>9.3g}  "
+                     + "  ".join(f"{values[name] / GIB:>12.2f}" for name in parts)
+                     + f"  {estimate.total_bytes / GIB:>10.2f}{verdict}")
     if not pred.fits:
         lines.append(f"  -> does not fit: the largest stage needs {pred.memory_bytes / GIB:.1f} GiB of "
                      f"{spec.usable_memory_bytes / GIB:.1f} GiB; try recompute, a smaller micro-batch, ZeRO-1, "

@@ -93,7 +93,7 @@ class Prediction:
         }
 
 
-_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers")
+_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers", "transient")
 
 
 def memory_parts(estimate: MemoryEstimate) -> dict[str, float]:
