@@ -41,6 +41,7 @@ LrScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 LogLevel = Literal["debug", "info", "warning"]
 KernelBackend = Literal["auto", "cuda", "torch"]
 NanPolicy = Literal["skip", "rollback", "stop"]
+SaveFailurePolicy = Literal["continue", "stop"]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2"]
 HeartbeatStore = Literal["auto", "store", "files"]
 
@@ -205,6 +206,12 @@ class CheckpointConfig:
     load: Optional[str] = _f(None, "checkpoint directory to start from; null = resume from output_dir if present")
     resume: bool = _f(True, "resume automatically from the latest checkpoint in output_dir")
     broadcast_load: bool = _f(False, "one data-parallel replica reads, then broadcasts to the others")
+    allow_fresh_start: bool = _f(False, "when checkpoints exist in output_dir but none is usable, start from step 0 "
+                                        "instead of refusing (the unusable step dirs are kept, never overwritten)")
+    on_save_failure: SaveFailurePolicy = _f("continue", "when a periodic save fails (disk full, failing file "
+                                                        "system): continue training on the last good checkpoint, "
+                                                        "or stop (exit non-zero); a failed final save always exits "
+                                                        "non-zero", SaveFailurePolicy)
 
 
 @dataclass

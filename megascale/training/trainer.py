@@ -159,16 +159,19 @@ class Trainer:
     def _resume(self) -> None:
         c = self.cfg.checkpoint
         path = Path(c.load) if c.load else None
-        if path is None and not (c.resume and self.ckpt.latest() is not None):
+        if path is None and not c.resume:
+            self.ckpt.protect_existing()  # a fresh run never overwrites the step dirs already there
             return
         shards = self.state_shards()
-        stored = self.ckpt.tensor_names(path)
         # Optimizer state the checkpoint lacks (weights only, e.g. converted from HuggingFace, or an
         # fp32 run's checkpoint that has no fp32 master copy) starts fresh from the loaded weights.
-        missing = {s.name for s in shards if s.name.startswith("optim.") and s.name not in stored}
-        extra = self.ckpt.load([s for s in shards if s.name not in missing], path)
+        extra = self.ckpt.load(shards, path, optional=lambda name: name.startswith("optim."))
+        for name, reason in self.ckpt.last_load_stats.get("skipped", []):
+            self._note_skipped(name, reason)
         if extra is None:
             return
+        stored = self.ckpt.last_load_stats["names"]
+        missing = {s.name for s in shards if s.name.startswith("optim.") and s.name not in stored}
         self.resumed_extra = extra
         if missing:
             self.optimizer.reload_master_from_params()
@@ -190,6 +193,14 @@ class Trainer:
                 self.sink.print(f"loaded model weights from {path or self.ckpt.latest()}; optimizer starts fresh")
             else:
                 self.sink.print(f"resumed from step {self.step} ({self.consumed_samples} samples consumed)")
+
+    def _note_skipped(self, name: str, reason: str) -> None:
+        """A checkpoint passed over on resume: one log line and a `checkpoint_skipped` event (rank 0)."""
+        self.sink.print(f"checkpoint {name} skipped: {reason}")
+        if self.ctx.rank == 0:
+            from megascale.training.fault.events import append_event
+
+            append_event(self.run_dir, "checkpoint_skipped", step=None, ranks=[], checkpoint=name, reason=reason)
 
     def _announce(self) -> None:
         if not self.ctx.is_logging_rank:
