@@ -242,6 +242,8 @@ class FaultConfig:
     step_timeout_s: float = _f(300.0, "seconds one training step may take before the watchdog declares a hang")
     checkpoint_timeout_s: float = _f(900.0, "seconds a checkpoint save or load may block before it counts as hung")
     heartbeat_s: float = _f(5.0, "seconds between watchdog heartbeats")
+    run_lock_stale_s: float = _f(120.0, "seconds without a heartbeat after which the run lock of train.output_dir "
+                                        "(held by a run on any host) counts as stale and a new run may take it")
     nan_policy: NanPolicy = _f("stop", "on a NaN/Inf loss or gradient norm, or a loss spike: skip the update, "
                                        "rollback to the last checkpoint and skip the batch, or stop", NanPolicy)
     spike_zscore: float = _f(0.0, "a loss more than this many standard deviations above the recent window "

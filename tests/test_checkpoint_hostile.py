@@ -9,16 +9,20 @@ past a hostile checkpoint must end on the same loss as the clean run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_tamper import edit_json, global_shards, manager, reseal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from train_utils import ROOT, SMALL, train
 
 from megascale.checkpoint.format import CheckpointError
@@ -270,3 +274,113 @@ def test_run_refuses_to_start_when_no_checkpoint_is_usable(clean, tmp_path: Path
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "allow_fresh_start" in proc.stderr
     assert sorted(str(p.relative_to(out)) for p in (out / "checkpoints").rglob("*")) == before
+
+
+# ----------------------------------------------------------------------------- fuzzing
+# Any value a hostile file could hold where a record expects another: numbers far out of
+# range, paths out of the directory, wrong types, tagged tensors with impossible shapes.
+_VALUES = st.one_of(
+    st.integers(-2**64, 2**64), st.none(), st.booleans(), st.floats(allow_nan=True), st.text(max_size=12),
+    st.sampled_from(["../../../secret.txt", "/etc/passwd", "rank_00000.safetensors", "extra/rank_00001.json",
+                     "float32", "complex128", "crc32c", "BF16", "step_00000004"]),
+    st.lists(st.integers(-3, 2**45), max_size=4),
+    st.fixed_dictionaries({"__tensor__": st.sampled_from(["", "AAAA", "!!"]),
+                           "dtype": st.sampled_from(["float32", "int8", "nope"]),
+                           "shape": st.lists(st.integers(-1, 2**40), max_size=3)}),
+)
+_TARGETS = ["metadata.json", "extra_state.json", "COMMITTED", "latest", "header"]
+
+
+def _mutate_json(doc, data: st.DataObject):
+    """Replace (or delete) one node of a JSON document, chosen by walking down from the root."""
+    if not isinstance(doc, (dict, list)) or not doc or data.draw(st.integers(0, 3), label="stop") == 0:
+        return data.draw(_VALUES, label="value")
+    keys = list(doc) if isinstance(doc, dict) else list(range(len(doc)))
+    key = data.draw(st.sampled_from(keys), label="key")
+    if isinstance(doc, dict) and data.draw(st.integers(0, 9), label="delete") == 0:
+        del doc[key]
+    else:
+        doc[key] = _mutate_json(doc[key], data)
+    return doc
+
+
+def _mutate_bytes(raw: bytes, data: st.DataObject, region: int) -> bytes:
+    """Flip, cut or insert bytes within the first `region` bytes."""
+    out = bytearray(raw)
+    kind = data.draw(st.sampled_from(["flip", "truncate", "insert"]), label="byte op")
+    at = data.draw(st.integers(0, max(region - 1, 0)), label="at")
+    if kind == "flip" and out:
+        out[at] ^= data.draw(st.integers(1, 255), label="xor")
+    elif kind == "truncate":
+        del out[at:]
+    else:
+        out[at:at] = data.draw(st.binary(min_size=1, max_size=8), label="inserted")
+    return bytes(out)
+
+
+def _header_json_mutation(path: Path, data: st.DataObject) -> None:
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = _mutate_json(json.loads(raw[8:8 + length]), data)
+    text = json.dumps(header).encode()
+    text = text.ljust(length) if len(text) <= length else text  # a longer header moves the data start
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length:])
+
+
+def _mutate(step_dir: Path, target: str, data: st.DataObject) -> None:
+    path = {"latest": step_dir.parent / "latest", "header": step_dir / "rank_00000.safetensors"}.get(
+        target, step_dir / target)
+    as_json = data.draw(st.booleans(), label="json-level") and target != "latest"
+    if target == "header":
+        if as_json:
+            _header_json_mutation(path, data)
+        else:
+            raw = path.read_bytes()
+            path.write_bytes(_mutate_bytes(raw, data, 8 + int.from_bytes(raw[:8], "little")))
+    elif as_json:
+        path.write_text(json.dumps(_mutate_json(json.loads(path.read_text()), data)))
+    else:
+        path.write_bytes(_mutate_bytes(path.read_bytes(), data, max(path.stat().st_size, 1)))
+
+
+def _fuzz_case(clean, data: st.DataObject) -> None:
+    run, _, tensors = clean
+    target = data.draw(st.sampled_from(_TARGETS), label="target")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "checkpoints"
+        step_dir = root / STEPS[2]
+        step_dir.mkdir(parents=True)
+        for item in (run / "checkpoints" / STEPS[2]).iterdir():
+            if item.name == "rank_00000.safetensors" and target != "header":
+                os.link(item, step_dir / item.name)  # read-only below: no need to copy the data
+            else:
+                shutil.copy(item, step_dir / item.name)
+        (root / "latest").write_text(STEPS[2] + "\n")
+        _mutate(step_dir, target, data)
+        if data.draw(st.booleans(), label="reseal"):
+            # A crafted file with its checksums recomputed: only validation stands. When the tampering
+            # left nothing the resealer can parse, the files stay as mutated.
+            with contextlib.suppress(ValueError, OSError, KeyError, TypeError, AttributeError, OverflowError):
+                reseal(step_dir)
+        shards = global_shards(run / "checkpoints" / STEPS[2])
+        try:
+            extra = manager(root).load(shards)
+        except CheckpointError:
+            return
+        assert extra is not None and all(torch.equal(s.tensor, tensors[STEPS[2]][s.name]) for s in shards)
+
+
+_FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]}
+
+
+@settings(max_examples=40, derandomize=True, **_FUZZ)  # the same 40 cases every run: the default suite is stable
+@given(data=st.data())
+def test_fuzzed_checkpoint_loads_identically_or_raises_checkpoint_error(clean, data: st.DataObject) -> None:
+    _fuzz_case(clean, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, **_FUZZ)
+@given(data=st.data())
+def test_fuzzed_checkpoint_many_cases(clean, data: st.DataObject) -> None:
+    _fuzz_case(clean, data)
