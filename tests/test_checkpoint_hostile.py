@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -360,7 +361,8 @@ def _fuzz_case(clean, data: st.DataObject) -> None:
         if data.draw(st.booleans(), label="reseal"):
             # A crafted file with its checksums recomputed: only validation stands. When the tampering
             # left nothing the resealer can parse, the files stay as mutated.
-            with contextlib.suppress(ValueError, OSError, KeyError, TypeError, AttributeError, OverflowError):
+            with contextlib.suppress(ValueError, OSError, KeyError, TypeError, AttributeError, OverflowError,
+                                     struct.error):
                 reseal(step_dir)
         shards = global_shards(run / "checkpoints" / STEPS[2])
         try:

@@ -54,6 +54,10 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be used (missing, partial or corrupt file); the message names the file."""
 
 
+class CheckpointSaveFailed(CheckpointError):
+    """A save that could not be committed where the run must not go on (the final one, or on_save_failure=stop)."""
+
+
 class CheckpointMismatch(CheckpointError):
     """An intact checkpoint of another model (tensor missing, other global shape): falling back cannot help."""
 

@@ -171,11 +171,15 @@ class CheckpointManager:
         plan = self.planner.plan(shards)
         to_write = [shards[i] for i in plan.write_indices]
         extra_json = json.dumps(encode_extra(extra_state))  # encoded now: the caller may mutate its dict
-        self.root.mkdir(parents=True, exist_ok=True)
-        partial = _own_dir(self.root / partial_dir_name(step))
         stats: dict[str, Any] = {"step": step, "blocking_s": 0.0, "snapshot_s": None, "total_s": None,
                                  "bytes": plan.total_bytes, "ok": None, "error": None}
         self.last_save_stats = stats
+        partial = self.root / partial_dir_name(step)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _own_dir(partial)
+        except OSError as err:  # e.g. a full disk: every rank still joins the commit, which then fails
+            stats["snapshot_error"] = f"rank {self.rank}: creating {partial}: {type(err).__name__}: {err}"
         if not self.cfg.checkpoint.async_save:
             if all(s.tensor.device.type == "cpu" and s.tensor.is_contiguous() for s in to_write):
                 # The caller blocks until the commit, so nothing changes the tensors meanwhile:
@@ -276,10 +280,11 @@ class CheckpointManager:
                 file_name = rank_file_name(self.rank)
                 recs, size, header = write_rank_file(partial / file_name, pieces, self.fault_hook)
                 records = [asdict(r) for r in recs]
-            extra_name = EXTRA_FILE if self.rank == 0 else f"extra/rank_{self.rank:05d}.json"
-            _own_dir((partial / extra_name).parent)
-            atomic_write_text(partial / extra_name, extra_json)
-            extra_sum = [extra_name, file_checksum(extra_json.encode())]
+            if error is None:
+                extra_name = EXTRA_FILE if self.rank == 0 else f"extra/rank_{self.rank:05d}.json"
+                _own_dir((partial / extra_name).parent)
+                atomic_write_text(partial / extra_name, extra_json)
+                extra_sum = [extra_name, file_checksum(extra_json.encode())]
         except Exception as err:  # noqa: BLE001 - reported to rank 0, which then refuses to commit
             error = f"rank {self.rank}: {type(err).__name__}: {err}"
         outcome: Optional[str] = None

@@ -294,6 +294,22 @@ class Trainer:
             state = "saved" if stats.get("ok") else f"FAILED ({stats.get('error')}); latest stays on the previous one"
             self.sink.print(f"checkpoint step {stats['step']} {state}: training blocked {stats['blocking_s']:.3f} s, "
                             f"total {stats['total_s']:.2f} s, {stats.get('bytes', 0) / 2**20:.1f} MiB")
+        if not stats.get("ok") and numerics.NONFINITE_TAG not in (stats.get("error") or ""):
+            self._save_failed(stats)
+
+    def _save_failed(self, stats: dict) -> None:
+        """A failed save (disk full, failing file system): the final one, or any with on_save_failure=stop, ends
+        the run with a non-zero exit; the last good checkpoint stays intact either way."""
+        final = stats["step"] == self.cfg.train.steps
+        if not final and self.cfg.checkpoint.on_save_failure == "continue":
+            return
+        from megascale.checkpoint.format import CheckpointSaveFailed
+
+        latest = self.ckpt.latest()
+        why = "the final checkpoint" if final else "checkpoint.on_save_failure=stop"
+        raise CheckpointSaveFailed(f"checkpoint step {stats['step']} was not saved ({why}): {stats.get('error')}; "
+                                   f"the last good checkpoint {latest.name if latest else '(none)'} is intact: free "
+                                   "space or fix the file system, then run again to resume from it")
 
     def _record(self, loss: torch.Tensor, stats: StepStats, step_time: float, tokens_per_step: int) -> dict:
         tokens_per_s = tokens_per_step / step_time
