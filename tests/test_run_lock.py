@@ -109,3 +109,13 @@ def test_two_runs_started_together_one_refuses(tmp_path: Path) -> None:
     steps = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert steps == ["step_00000002", "step_00000004"] and not (out / LOCK_FILE).exists()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_reused_pid_does_not_keep_a_lock_alive(tmp_path: Path) -> None:
+    path = _plant(tmp_path, socket.gethostname(), os.getpid(), 0.0)  # this live process, but not the holder
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(record, process_start="1")))
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert lock.held()
+    lock.release()

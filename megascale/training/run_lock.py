@@ -43,6 +43,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _process_start(pid: int) -> Optional[str]:
+    """The kernel's start time of a process (Linux /proc), to tell a pid reused by another process apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]  # field 22, counted after the parenthesised command name
+
+
 def read_holder(path: Path) -> Optional[dict]:
     """The lock's record (host, pid, start_time, token), or None when missing or unreadable."""
     try:
@@ -59,8 +68,12 @@ def stale_reason(holder: Optional[dict], age_s: float, stale_after_s: float) -> 
     if holder is None:
         return None  # being written right now, or damaged: the heartbeat age decides
     pid = holder.get("pid")
-    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
-        return f"its process {pid} on this host is gone"
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int):
+        if not _pid_alive(pid):
+            return f"its process {pid} on this host is gone"
+        started = holder.get("process_start")
+        if started is not None and _process_start(pid) not in (None, started):
+            return f"its process {pid} on this host is gone (the pid now belongs to another process)"
     return None
 
 
@@ -92,7 +105,8 @@ class RunLock:
             self.run_dir.mkdir(parents=True)
             self._created_dir = True
         for _ in range(5):
-            record = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": time.time(), "token": self.token}
+            record = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": time.time(),
+                      "process_start": _process_start(os.getpid()), "token": self.token}
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
             except FileExistsError:
