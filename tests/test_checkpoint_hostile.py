@@ -105,6 +105,17 @@ def test_symlinked_rank_file_and_step_dir_are_refused(clean, tmp_path: Path) -> 
     assert [name for name, _ in stats["skipped"]] == ["step_00000008", STEPS[2]]
 
 
+@pytest.mark.parametrize("name", ["metadata.json", "COMMITTED", "extra_state.json"])
+def test_symlinked_json_file_is_refused(clean, tmp_path: Path, name: str) -> None:
+    run, _, tensors = clean
+    root = _copy(run, tmp_path)
+    outside = tmp_path / name
+    os.replace(root / STEPS[2] / name, outside)
+    os.symlink(outside, root / STEPS[2] / name)
+    extra, got, stats = _load(root)
+    _assert_fell_back_to(tensors, got, extra, stats, STEPS[1], "symbolic link")
+
+
 @pytest.mark.parametrize("latest", [b"\xff\xfe\x00garbage\x80", b"../../../etc", b""])
 def test_garbage_in_latest_is_ignored(clean, tmp_path: Path, latest: bytes) -> None:
     run, _, tensors = clean

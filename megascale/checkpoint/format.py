@@ -241,6 +241,9 @@ def incomplete_reason(step_dir: Path) -> Optional[str]:
         return "is a symbolic link (checkpoint directories are never followed through links)"
     if not (step_dir / COMMIT_MARKER).is_file():
         return f"no {COMMIT_MARKER} marker (the save never finished)"
+    links = [name for name in (METADATA_FILE, COMMIT_MARKER) if (step_dir / name).is_symlink()]
+    if links:
+        return f"{links[0]} is a symbolic link (checkpoint files are never followed through links)"
     try:
         meta = json.loads((step_dir / METADATA_FILE).read_bytes())
         files = meta.get("files", {}) if isinstance(meta, dict) else None
@@ -249,7 +252,7 @@ def incomplete_reason(step_dir: Path) -> Optional[str]:
         for file, size in files.items():
             if not _RANK_FILE_RE.match(str(file)):
                 return f"{METADATA_FILE} field files names {str(file)[:80]!r}, outside the step directory"
-            actual = (step_dir / str(file)).stat().st_size
+            actual = (step_dir / str(file)).lstat().st_size  # a link's own size: links are refused on read
             if not isinstance(size, int) or actual < size:
                 return f"{file} is truncated ({actual} of {size} bytes)"
     except FileNotFoundError as err:
