@@ -386,7 +386,7 @@ def _fuzz_case(clean, data: st.DataObject) -> None:
 _FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]}
 
 
-@settings(max_examples=40, derandomize=True, **_FUZZ)  # the same 40 cases every run: the default suite is stable
+@settings(max_examples=25, derandomize=True, **_FUZZ)  # the same 25 cases every run: the default suite is stable
 @given(data=st.data())
 def test_fuzzed_checkpoint_loads_identically_or_raises_checkpoint_error(clean, data: st.DataObject) -> None:
     _fuzz_case(clean, data)
