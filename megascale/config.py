@@ -41,6 +41,7 @@ LrScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 LogLevel = Literal["debug", "info", "warning"]
 KernelBackend = Literal["auto", "cuda", "torch"]
 NanPolicy = Literal["skip", "rollback", "stop"]
+SaveFailurePolicy = Literal["continue", "stop"]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2"]
 HeartbeatStore = Literal["auto", "store", "files"]
 
@@ -207,6 +208,12 @@ class CheckpointConfig:
     load: Optional[str] = _f(None, "checkpoint directory to start from; null = resume from output_dir if present")
     resume: bool = _f(True, "resume automatically from the latest checkpoint in output_dir")
     broadcast_load: bool = _f(False, "one data-parallel replica reads, then broadcasts to the others")
+    allow_fresh_start: bool = _f(False, "when checkpoints exist in output_dir but none is usable, start from step 0 "
+                                        "instead of refusing (the unusable step dirs are kept, never overwritten)")
+    on_save_failure: SaveFailurePolicy = _f("continue", "when a periodic save fails (disk full, failing file "
+                                                        "system): continue training on the last good checkpoint, "
+                                                        "or stop (exit non-zero); a failed final save always exits "
+                                                        "non-zero", SaveFailurePolicy)
 
 
 @dataclass
@@ -237,6 +244,8 @@ class FaultConfig:
     step_timeout_s: float = _f(300.0, "seconds one training step may take before the watchdog declares a hang")
     checkpoint_timeout_s: float = _f(900.0, "seconds a checkpoint save or load may block before it counts as hung")
     heartbeat_s: float = _f(5.0, "seconds between watchdog heartbeats")
+    run_lock_stale_s: float = _f(120.0, "seconds without a heartbeat after which the run lock of train.output_dir "
+                                        "(held by a run on any host) counts as stale and a new run may take it")
     nan_policy: NanPolicy = _f("stop", "on a NaN/Inf loss or gradient norm, or a loss spike: skip the update, "
                                        "rollback to the last checkpoint and skip the batch, or stop", NanPolicy)
     spike_zscore: float = _f(0.0, "a loss more than this many standard deviations above the recent window "

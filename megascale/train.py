@@ -60,13 +60,15 @@ def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
         start_watchdog,
     )
     from megascale.training.fault.worker import exit_after_hang, worker_process
+    from megascale.training.run_lock import run_lock
     from megascale.training.trainer import Trainer, check_data_paths
 
     if backend is None and cfg.train.device == "cpu":
         backend = "gloo"
     check_data_paths(cfg)  # nothing is written to the run directory before this check
     env = read_dist_env()
-    with worker_process(env.rank, cfg.train.output_dir, env.world_size) as fault_state:
+    lock = run_lock(cfg.train.output_dir, env.rank, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s)
+    with lock, worker_process(env.rank, cfg.train.output_dir, env.world_size) as fault_state:
         # Hang watchdog: from launch on, so a rank stuck before its first step is named too.
         progress = Progress()
         watchdog = start_watchdog(cfg, env.rank, env.world_size, progress)
@@ -110,7 +112,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         check_data_paths(cfg)
         if args.max_restarts < 0:
             raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
-        return launch_local(argv, args.nproc, args.max_restarts, cfg)
+        from megascale.training.run_lock import launcher_lock
+
+        with launcher_lock(cfg.train.output_dir, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s):
+            return launch_local(argv, args.nproc, args.max_restarts, cfg)
     run_training(cfg, args.backend)
     return 0
 

@@ -81,3 +81,46 @@ def test_corrupt_files_raise_user_error(tmp_path, damage):
         idx.write_bytes(bytes(raw))
     with pytest.raises(UserError, match=r"d\.(idx|bin)'.*megascale preprocess"):
         IndexedDataset(prefix)
+
+
+def _patch_index(prefix, sizes, offsets) -> None:
+    """Overwrite the size and offset arrays of a real .idx in place (same document count)."""
+    idx = f"{prefix}.idx"
+    with open(idx, "r+b") as f:
+        f.seek(HEADER_BYTES)
+        f.write(np.asarray(sizes, "<i8").tobytes() + np.asarray(offsets, "<i8").tobytes())
+
+
+@pytest.mark.parametrize("sizes,offsets,problem", [
+    ([5, -3, 8], [0, 5, 2], "document 1 (size -3, offset 5) has a negative size"),   # sums and offsets still agree
+    ([5, 3, 2], [0, -4, 5], "document 1 (size 3, offset -4) has a negative offset"),
+    ([5, 3, 2], [0, 5, 1], "document 2 (size 2, offset 1) starts before the previous document"),
+    ([5, 3, 2], [0, 5, 2**62], "document 2 (size 2, offset 4611686018427387904) ends past the 10 tokens"),
+])
+def test_index_sizes_and_offsets_are_validated(tmp_path, sizes, offsets, problem):
+    builder = IndexedDatasetBuilder(tmp_path / "d", vocab_size=100)
+    for n in (5, 3, 2):
+        builder.add_document(np.arange(n))
+    builder.finalize()
+    _patch_index(tmp_path / "d", sizes, offsets)
+    with pytest.raises(UserError) as err:
+        IndexedDataset(tmp_path / "d")
+    assert problem in str(err.value) and "d.idx" in str(err.value)
+
+
+def test_out_of_range_token_names_the_dataset_and_tokenizer(tmp_path):
+    from megascale.data.gpt_dataset import GPTDataset
+    from megascale.data.loader import BatchIterator
+
+    builder = IndexedDatasetBuilder(tmp_path / "wide", vocab_size=1000)
+    for _ in range(8):
+        builder.add_document(np.full(20, 999))
+    builder.finalize()
+    samples = GPTDataset(IndexedDataset(tmp_path / "wide"), (0, 8), seq_length=8, num_samples=4, seed=1)
+    loader = BatchIterator(samples, num_samples=4, seq_length=8, global_batch_size=2, micro_batch_size=1,
+                           prefetch=0, vocab_size=512, tokenizer="tok/sp512.model")
+    with pytest.raises(UserError) as err:
+        loader.next_step()
+    message = str(err.value)
+    assert f"dataset '{tmp_path / 'wide'}'" in message and "data.tokenizer=tok/sp512.model" in message
+    assert "token id 999 >= model.vocab_size 512" in message

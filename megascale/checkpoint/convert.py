@@ -38,6 +38,7 @@ from megascale.checkpoint.hf_tokenizer_files import (
 )
 from megascale.checkpoint.manager import CheckpointManager, resolve_checkpoint
 from megascale.checkpoint.reader import load_metadata, load_shards
+from megascale.checkpoint.validate import check_coverage
 from megascale.config import Config, config_from_dict, load_config
 from megascale.distributed.sharding import TensorShard
 from megascale.distributed.topology import ParallelContext, RankLayout
@@ -52,6 +53,7 @@ def read_global_state(step_dir: Path, include_optim: bool = False) -> dict[str, 
     for name, records in records_of(meta).items():
         if name.startswith("optim.") and not include_optim:
             continue
+        check_coverage(step_dir, name, records)  # before allocating what the index claims
         shape = tuple(records[0].global_shape)
         tensor = torch.empty(shape, dtype=DTYPES[records[0].dtype])
         shards.append(TensorShard(name, shape, (0,) * len(shape), shape, tensor))

@@ -41,6 +41,7 @@ METADATA_FILE = "metadata.json"
 EXTRA_FILE = "extra_state.json"
 COMMIT_MARKER = "COMMITTED"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_RANK_FILE_RE = re.compile(r"^rank_\d{5,}\.safetensors$")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -51,6 +52,14 @@ DTYPES: dict[str, torch.dtype] = {
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used (missing, partial or corrupt file); the message names the file."""
+
+
+class CheckpointSaveFailed(CheckpointError):
+    """A save that could not be committed where the run must not go on (the final one, or on_save_failure=stop)."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint of another model (tensor missing, other global shape): falling back cannot help."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -150,14 +159,15 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint file {path} is unreadable or corrupt: {err}") from None
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"checkpoint file {path} is unreadable or corrupt: {type(err).__name__}: {err}") from None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write tmp + fsync + os.replace + fsync(dir): readers see the old or the new file, never half."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
+    tmp.unlink(missing_ok=True)  # O_EXCL below: never written through a link planted under this name
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -225,34 +235,70 @@ def checksum_function(name: str) -> Callable[[Any], int]:
                     "was written by a newer megascale, upgrade to load it")
 
 
+def incomplete_reason(step_dir: Path) -> Optional[str]:
+    """Why a step dir cannot be loaded at all (no commit marker, unparseable metadata, short data file), or None."""
+    if step_dir.is_symlink():
+        return "is a symbolic link (checkpoint directories are never followed through links)"
+    if not (step_dir / COMMIT_MARKER).is_file():
+        return f"no {COMMIT_MARKER} marker (the save never finished)"
+    links = [name for name in (METADATA_FILE, COMMIT_MARKER) if (step_dir / name).is_symlink()]
+    if links:
+        return f"{links[0]} is a symbolic link (checkpoint files are never followed through links)"
+    try:
+        meta = json.loads((step_dir / METADATA_FILE).read_bytes())
+        files = meta.get("files", {}) if isinstance(meta, dict) else None
+        if not isinstance(files, dict):
+            return f"{METADATA_FILE} is not a megascale metadata index"
+        for file, size in files.items():
+            if not _RANK_FILE_RE.match(str(file)):
+                return f"{METADATA_FILE} field files names {str(file)[:80]!r}, outside the step directory"
+            actual = (step_dir / str(file)).lstat().st_size  # a link's own size: links are refused on read
+            if not isinstance(size, int) or actual < size:
+                return f"{file} is truncated ({actual} of {size} bytes)"
+    except FileNotFoundError as err:
+        return f"{Path(err.filename or METADATA_FILE).name} is missing"
+    except (OSError, ValueError, RecursionError) as err:
+        return f"{METADATA_FILE} is unreadable: {type(err).__name__}"
+    return None
+
+
 def is_complete(step_dir: Path) -> bool:
     """A step dir is loadable: commit marker, parseable metadata, every data file present and long enough."""
-    if not (step_dir / COMMIT_MARKER).is_file() or not (step_dir / METADATA_FILE).is_file():
-        return False
+    return incomplete_reason(step_dir) is None
+
+
+def latest_name(root: Path) -> Optional[str]:
+    """The step dir name `latest` holds, or None when it is missing or holds anything but a step dir name."""
     try:
-        meta = json.loads((step_dir / METADATA_FILE).read_text())
-        for file, size in meta.get("files", {}).items():
-            if (step_dir / file).stat().st_size < size:
-                return False
-    except (OSError, ValueError):
-        return False
-    return True
+        text = (root / LATEST_FILE).read_bytes()[:256].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if _STEP_RE.match(text) else None
+
+
+def scan_checkpoints(root: Path) -> tuple[list[Path], dict[Path, str]]:
+    """(complete step dirs newest first, the one `latest` names first; {unusable step dir: why})."""
+    if not root.is_dir():
+        return [], {}
+    steps = sorted((p for p in root.iterdir() if parse_step(p) is not None and (p.is_dir() or p.is_symlink())),
+                   key=lambda p: parse_step(p) or 0, reverse=True)
+    found, unusable = [], {}
+    for path in steps:
+        reason = incomplete_reason(path)
+        if reason is None:
+            found.append(path)
+        else:
+            unusable[path] = reason
+    named = latest_name(root)
+    if named is not None and root / named in found:
+        found.remove(root / named)
+        found.insert(0, root / named)
+    return found, unusable
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete step dirs under root, newest first; the one named by `latest` goes first if complete."""
-    if not root.is_dir():
-        return []
-    steps = sorted((p for p in root.iterdir() if p.is_dir() and parse_step(p) is not None),
-                   key=lambda p: parse_step(p) or 0, reverse=True)
-    found = [p for p in steps if is_complete(p)]
-    named = root / LATEST_FILE
-    if named.is_file():
-        target = root / named.read_text().strip()
-        if target in found:
-            found.remove(target)
-            found.insert(0, target)
-    return found
+    return scan_checkpoints(root)[0]
 
 
 # ----------------------------------------------------------------------------- extra state as JSON
@@ -278,18 +324,38 @@ def encode_extra(value: Any) -> Any:
                     "convert it to lists, numbers, strings, bytes or tensors")
 
 
-def decode_extra(value: Any) -> Any:
-    """Inverse of `encode_extra`."""
+def decode_extra(value: Any, depth: int = 0) -> Any:
+    """Inverse of `encode_extra`; CheckpointError for anything `encode_extra` cannot have written."""
+    if depth > 64:
+        raise CheckpointError("extra state is nested deeper than any megascale writes; the file is corrupt")
     if isinstance(value, dict):
         if "__tensor__" in value:
-            raw = bytearray(base64.b64decode(value["__tensor__"]))
-            dtype = DTYPES[value["dtype"]]
-            if not raw:
-                return torch.empty(value["shape"], dtype=dtype)
-            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(value["shape"]).clone()
+            return _decode_tensor(value)
         if "__bytes__" in value:
-            return base64.b64decode(value["__bytes__"])
-        return {k: decode_extra(v) for k, v in value.items()}
+            return _b64(value["__bytes__"])
+        return {k: decode_extra(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [decode_extra(v) for v in value]
+        return [decode_extra(v, depth + 1) for v in value]
     return value
+
+
+def _b64(text: Any) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"extra state holds malformed base64 data ({err}); the file is corrupt") from None
+
+
+def _decode_tensor(value: dict) -> torch.Tensor:
+    """A tagged tensor, checked: known dtype, a shape whose size is exactly the bytes stored."""
+    raw = bytearray(_b64(value["__tensor__"]))
+    dtype, shape = DTYPES.get(value.get("dtype")), value.get("shape")  # type: ignore[arg-type]
+    if dtype is None or not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise CheckpointError(f"extra state tensor has dtype {value.get('dtype')!r} / shape {shape!r}; "
+                              f"dtypes are {', '.join(DTYPES)}, shapes lists of sizes: the file is corrupt")
+    if math.prod(shape) * dtype.itemsize != len(raw):
+        raise CheckpointError(f"extra state tensor of shape {shape} ({value.get('dtype')}) stores {len(raw)} bytes; "
+                              "the file is corrupt")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()

@@ -38,6 +38,7 @@ from megascale.checkpoint.format import (
     LATEST_FILE,
     METADATA_FILE,
     CheckpointError,
+    CheckpointMismatch,
     PieceRecord,
     atomic_write_text,
     build_metadata,
@@ -45,15 +46,22 @@ from megascale.checkpoint.format import (
     decode_extra,
     encode_extra,
     fsync_dir,
-    is_complete,
+    incomplete_reason,
     parse_step,
     partial_dir_name,
     rank_file_name,
-    read_json,
+    scan_checkpoints,
     step_dir_name,
 )
 from megascale.checkpoint.planner import SavePlanner, json_all_gather, json_broadcast, json_gather
 from megascale.checkpoint.reader import load_metadata, load_shards
+from megascale.checkpoint.validate import (
+    check_counters,
+    corrupt,
+    file_checksum,
+    read_checked_json,
+    read_marker,
+)
 from megascale.checkpoint.writer import HostBufferPool, check_shard, write_rank_file
 from megascale.config import Config
 from megascale.distributed.sharding import TensorShard
@@ -73,9 +81,9 @@ def resolve_checkpoint(path: Path) -> Path:
     """A step dir from a step dir, a checkpoints root (its newest complete one) or a run dir."""
     path = Path(path)
     if (path / METADATA_FILE).exists() or (path / COMMIT_MARKER).exists() or parse_step(path) is not None:
-        if not is_complete(path):
-            raise CheckpointError(f"checkpoint {path} is incomplete (no {COMMIT_MARKER} marker or missing files); "
-                                  "it was never committed, load an older step")
+        reason = incomplete_reason(path)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {path} cannot be loaded: {reason}; load an older step")
         return path
     for root in (path, path / "checkpoints"):
         found = complete_checkpoints(root)
@@ -87,9 +95,27 @@ def resolve_checkpoint(path: Path) -> Path:
 def _verified(step_dir: Path) -> bool:
     """The commit marker says the state passed the manager's state_check (e.g. was finite)."""
     try:
-        return bool(json.loads((step_dir / COMMIT_MARKER).read_text()).get("verified"))
-    except (OSError, ValueError, AttributeError):
+        return bool(read_marker(step_dir).get("verified"))
+    except CheckpointError:
         return False
+
+
+def _remove(path: Path) -> None:
+    """Delete a step or partial dir; a link in its place is removed itself, never followed."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _own_dir(path: Path) -> Path:
+    """Create (or reuse) a directory this save writes into, replacing a link planted in its place."""
+    if path.is_symlink():
+        log.warning("%s was a symbolic link (to %r); removed it, checkpoints are written only inside %s",
+                    path, os.readlink(path), path.parent)
+        path.unlink(missing_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class CheckpointManager:
@@ -123,6 +149,10 @@ class CheckpointManager:
         self._broadcast_cache: Optional[tuple[tuple, list[bool]]] = None
         self._own_extra = False
         self._stored_layout: Optional[dict] = None
+        self._stored_names: set[str] = set()
+        # Step dirs found unusable or skipped on load: a later save of the same step moves them aside
+        # instead of replacing them, and pruning leaves them alone (they are the user's to inspect).
+        self.protected: set[str] = set()
 
     # ------------------------------------------------------------------------------------------ save
     def save(self, step: int, shards: list[TensorShard], extra_state: dict) -> None:
@@ -141,11 +171,15 @@ class CheckpointManager:
         plan = self.planner.plan(shards)
         to_write = [shards[i] for i in plan.write_indices]
         extra_json = json.dumps(encode_extra(extra_state))  # encoded now: the caller may mutate its dict
-        partial = self.root / partial_dir_name(step)
-        partial.mkdir(parents=True, exist_ok=True)
         stats: dict[str, Any] = {"step": step, "blocking_s": 0.0, "snapshot_s": None, "total_s": None,
                                  "bytes": plan.total_bytes, "ok": None, "error": None}
         self.last_save_stats = stats
+        partial = self.root / partial_dir_name(step)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _own_dir(partial)
+        except OSError as err:  # e.g. a full disk: every rank still joins the commit, which then fails
+            stats["snapshot_error"] = f"rank {self.rank}: creating {partial}: {type(err).__name__}: {err}"
         if not self.cfg.checkpoint.async_save:
             if all(s.tensor.device.type == "cpu" and s.tensor.is_contiguous() for s in to_write):
                 # The caller blocks until the commit, so nothing changes the tensors meanwhile:
@@ -237,24 +271,26 @@ class CheckpointManager:
                           stats: dict) -> None:
         error: Optional[str] = stats.get("snapshot_error")
         records: list[dict] = []
-        file_name, size = None, 0
+        file_name, size, header, extra_sum = None, 0, None, None
         try:
             if pieces and error is None and self.state_check is not None:
                 refused = self.state_check(pieces)
                 error = f"rank {self.rank}: {refused}" if refused else None
             if pieces and error is None:
                 file_name = rank_file_name(self.rank)
-                recs, size = write_rank_file(partial / file_name, pieces, self.fault_hook)
+                recs, size, header = write_rank_file(partial / file_name, pieces, self.fault_hook)
                 records = [asdict(r) for r in recs]
-            extra_path = partial / EXTRA_FILE if self.rank == 0 else partial / "extra" / f"rank_{self.rank:05d}.json"
-            extra_path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(extra_path, extra_json)
+            if error is None:
+                extra_name = EXTRA_FILE if self.rank == 0 else f"extra/rank_{self.rank:05d}.json"
+                _own_dir((partial / extra_name).parent)
+                atomic_write_text(partial / extra_name, extra_json)
+                extra_sum = [extra_name, file_checksum(extra_json.encode())]
         except Exception as err:  # noqa: BLE001 - reported to rank 0, which then refuses to commit
             error = f"rank {self.rank}: {type(err).__name__}: {err}"
         outcome: Optional[str] = None
         try:
-            reports = json_gather({"error": error, "records": records, "file": file_name, "size": size},
-                                  self._group, self.world, self.rank)
+            reports = json_gather({"error": error, "records": records, "file": file_name, "size": size,
+                                   "header": header, "extra": extra_sum}, self._group, self.world, self.rank)
             if self.rank == 0:
                 assert reports is not None
                 outcome = self._commit(step, partial, reports)
@@ -271,6 +307,7 @@ class CheckpointManager:
         """Rank 0: publish the checkpoint if every rank succeeded; returns an error message otherwise."""
         errors = [r["error"] for r in reports if r["error"]]
         if errors:
+            _remove(partial)  # every rank has reported: nothing writes into it any more
             return "; ".join(errors[:4]) + (f" (+{len(errors) - 4} more)" if len(errors) > 4 else "")
         try:
             records = [PieceRecord(**d) for rep in reports for d in rep["records"]]
@@ -283,13 +320,18 @@ class CheckpointManager:
                 if stale.name not in extras:
                     stale.unlink()
             meta = build_metadata(step, records, _layout_of(self.ctx), files)
+            meta["headers"] = {rep["file"]: rep["header"] for rep in reports if rep["file"]}
             meta["config"] = self.cfg.to_dict()
-            atomic_write_text(partial / METADATA_FILE, json.dumps(meta))
-            marker = {"step": step, "time": time.time(), "verified": self.state_check is not None}
+            meta_json = json.dumps(meta)
+            atomic_write_text(partial / METADATA_FILE, meta_json)
+            # The marker, written last, carries the checksums of every JSON file of the checkpoint
+            # (the data files' headers are covered by metadata.json, their pieces by its records).
+            sums = dict(rep["extra"] for rep in reports if rep["extra"])
+            sums[METADATA_FILE] = file_checksum(meta_json.encode())
+            marker = {"step": step, "time": time.time(), "verified": self.state_check is not None, "files": sums}
             atomic_write_text(partial / COMMIT_MARKER, json.dumps(marker) + "\n")
+            self._make_room(step_dir_name(step))
             final = self.root / step_dir_name(step)
-            if final.exists():
-                shutil.rmtree(final)  # re-saving a step (e.g. after a resume) replaces it
             os.replace(partial, final)
             fsync_dir(self.root)
             atomic_write_text(self.root / LATEST_FILE, final.name + "\n")
@@ -301,8 +343,22 @@ class CheckpointManager:
                                                 daemon=True)
                 self._pruner.start()
         except Exception as err:  # noqa: BLE001 - returned to the caller as the commit's outcome
+            _remove(partial)
             return f"rank 0 commit: {type(err).__name__}: {err}"
         return None
+
+    def _make_room(self, name: str) -> None:
+        """Before publishing step dir `name`: an older dir of that name is replaced, or kept aside when protected."""
+        final = self.root / name
+        if final.is_symlink():
+            final.unlink()
+        elif final.name in self.protected:
+            aside = self.root / f"{name}.unusable.{int(time.time())}"
+            os.replace(final, aside)
+            self.protected.discard(name)  # the name now holds this run's checkpoint, pruned as usual
+            log.warning("checkpoint %s was unusable at startup; kept as %s, not overwritten", final, aside.name)
+        elif final.exists():
+            shutil.rmtree(final)  # re-saving a step (e.g. after a rollback) replaces it
 
     def _prune(self, step: int) -> None:
         keep = self.cfg.checkpoint.keep_last
@@ -311,7 +367,7 @@ class CheckpointManager:
         doomed = complete[keep:] if keep > 0 else []
         # Never prune the newest checkpoint whose state was verified (finite) before its commit.
         verified = next((p for p in complete if _verified(p)), None)
-        doomed = [p for p in doomed if p != verified]
+        doomed = [p for p in doomed if p != verified and p.name not in self.protected]
         for path in self.root.iterdir():
             # partial dirs of older steps are leftovers of crashed saves
             if path.name.startswith(".step_") and path.name.endswith(".partial"):
@@ -319,7 +375,7 @@ class CheckpointManager:
                 if older is not None and older < step:
                     doomed.append(path)
         for path in doomed:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
 
     # ------------------------------------------------------------------------------------------ load
     def latest(self) -> Optional[Path]:
@@ -327,56 +383,96 @@ class CheckpointManager:
         found = complete_checkpoints(self.root)
         return found[0] if found else None
 
-    def load(self, shards: list[TensorShard], path: Optional[Path] = None) -> Optional[dict]:
+    def load(self, shards: list[TensorShard], path: Optional[Path] = None,
+             optional: Optional[Callable[[str], bool]] = None) -> Optional[dict]:
         """Fill every shard in place from `path` (or the newest loadable checkpoint); returns the extra state.
 
         Returns None when there is nothing to load. A corrupt newest checkpoint makes every rank
-        fall back to the previous complete one; an explicit `path` that is corrupt raises.
+        fall back to the previous complete one, and every checkpoint skipped is logged with its
+        reason (`last_load_stats["skipped"]`). When step dirs exist but none loads, this raises
+        `CheckpointError` listing each, unless `checkpoint.allow_fresh_start` is set: then it
+        returns None and those dirs are kept (`protected`). An explicit `path` that is corrupt raises.
+        Shards whose names `optional` accepts may be absent from the checkpoint (they keep their
+        values; `last_load_stats["names"]` lists what the checkpoint holds).
         """
         self.wait()
-        if path is not None:
-            candidates = [str(resolve_checkpoint(Path(path)))] if self.rank == 0 else None
-        else:
-            candidates = [str(p) for p in complete_checkpoints(self.root)] if self.rank == 0 else None
+        scan: Optional[list[list]] = None
+        if self.rank == 0 and path is not None:
+            scan = [[str(resolve_checkpoint(Path(path)))], []]
+        elif self.rank == 0:
+            complete, unusable = scan_checkpoints(self.root)
+            scan = [[str(p) for p in complete], [[p.name, reason] for p, reason in unusable.items()]]
         # Rank 0 decides the candidates so every rank tries the same ones in the same order.
-        candidates = json_broadcast(candidates, self._group, self.world, self.rank)
+        candidates, unusable_list = json_broadcast(scan, self._group, self.world, self.rank)
+        skipped: list[tuple[str, str]] = [(name, reason) for name, reason in unusable_list]
+        for name, reason in skipped:
+            if self.rank == 0:
+                log.warning("checkpoint %s skipped: %s", self.root / name, reason)
         mask = self._broadcast_mask(shards) if self._use_broadcast() and candidates else None
-        failures: list[str] = []
         for cand in candidates:
             step_dir = Path(cand)
             start = time.perf_counter()
-            status: Optional[list] = None
-            extra: Optional[dict] = None
-            try:
-                extra, bytes_read = self._read(step_dir, shards, mask)
-            except CheckpointError as err:
-                status = ["corrupt", f"rank {self.rank}: {err}"]
-            except UserError as err:
-                status = ["layout", str(err)]
-            except OSError as err:
-                status = ["corrupt", f"rank {self.rank}: reading {step_dir}: {err}"]
-            statuses = json_all_gather(status, self._group, self.world)
-            bad = [s for s in statuses if s is not None]
+            extra, bytes_read, bad = self._try_read(step_dir, shards, mask, optional)
             if not bad:
                 if mask is not None:
                     self._broadcast_replicas(shards, mask)
+                self.protected |= {name for name, _ in skipped}
                 self.last_load_stats = {"path": str(step_dir), "load_s": time.perf_counter() - start,
-                                        "bytes_read": bytes_read, "fallbacks": failures,
+                                        "bytes_read": bytes_read, "fallbacks": [r for _, r in skipped],
+                                        "skipped": skipped, "names": self._stored_names,
                                         "own_extra": self._own_extra, "layout": self._stored_layout,
                                         "same_layout": self._stored_layout == _layout_of(self.ctx)}
                 return extra
             layout_errors = [s[1] for s in bad if s[0] == "layout"]
             if layout_errors:
-                raise UserError(layout_errors[0])
+                raise CheckpointMismatch(layout_errors[0])
             message = "; ".join(s[1] for s in bad[:4])
             if path is not None:
                 raise CheckpointError(message)
             if self.rank == 0:
                 log.error("checkpoint %s is not loadable, falling back to an older one: %s", step_dir, message)
-            failures.append(message)
-        if failures:
-            raise CheckpointError(f"no loadable checkpoint under {self.root}: " + " | ".join(failures))
+            skipped.append((step_dir.name, message))
+        self._nothing_loaded(skipped)
         return None
+
+    def _try_read(self, step_dir: Path, shards: list[TensorShard], mask: Optional[list[bool]],
+                  optional: Optional[Callable[[str], bool]]) -> tuple[Optional[dict], int, list[list]]:
+        """Read one candidate on every rank: (extra state, bytes read, [[kind, message] of each failed rank])."""
+        status: Optional[list] = None
+        extra: Optional[dict] = None
+        bytes_read = 0
+        try:
+            extra, bytes_read = self._read(step_dir, shards, mask, optional)
+        except CheckpointMismatch as err:
+            status = ["layout", str(err)]
+        except CheckpointError as err:
+            status = ["corrupt", f"rank {self.rank}: {err}"]
+        except UserError as err:
+            status = ["layout", str(err)]
+        except OSError as err:
+            status = ["corrupt", f"rank {self.rank}: reading {step_dir}: {err}"]
+        statuses = json_all_gather(status, self._group, self.world)
+        return extra, bytes_read, [s for s in statuses if s is not None]
+
+    def _nothing_loaded(self, skipped: list[tuple[str, str]]) -> None:
+        """No checkpoint loaded: fine when there were none; else refuse, or start fresh when allowed."""
+        self.last_load_stats = {"path": None, "skipped": skipped, "fallbacks": [r for _, r in skipped]}
+        if not skipped:
+            return
+        listing = "; ".join(f"{name}: {reason}" for name, reason in skipped)
+        if not self.cfg.checkpoint.allow_fresh_start:
+            raise CheckpointError(f"{len(skipped)} checkpoint(s) under {self.root} but none is usable ({listing}); "
+                                  "repair or remove them, or pass checkpoint.allow_fresh_start=true to start from "
+                                  "step 0 (they are kept, never overwritten)")
+        self.protected |= {name for name, _ in skipped}
+        if self.rank == 0:
+            log.warning("no usable checkpoint under %s (%s); starting from step 0 as checkpoint.allow_fresh_start "
+                        "asks, the unusable step dirs are kept", self.root, listing)
+
+    def protect_existing(self) -> None:
+        """A fresh start in a directory that holds step dirs: keep them all (moved aside, never replaced or pruned)."""
+        if self.root.is_dir():
+            self.protected |= {p.name for p in self.root.iterdir() if parse_step(p) is not None}
 
     def tensor_names(self, path: Optional[Path] = None) -> set[str]:
         """Global names stored in a checkpoint (default: the newest), e.g. to skip optimizer state
@@ -402,20 +498,31 @@ class CheckpointManager:
     def _use_broadcast(self) -> bool:
         return bool(self.cfg.checkpoint.broadcast_load) and self.ctx.dp_size > 1 and self.ctx.group("dp") is not None
 
-    def _read(self, step_dir: Path, shards: list[TensorShard], mask: Optional[list[bool]]) -> tuple[dict, int]:
+    def _read(self, step_dir: Path, shards: list[TensorShard], mask: Optional[list[bool]],
+              optional: Optional[Callable[[str], bool]] = None) -> tuple[dict, int]:
+        marker = read_marker(step_dir)
         meta = load_metadata(step_dir)
+        self._stored_names = set(meta["tensors"])
         todo = shards
         if mask is not None and self.ctx.dp_rank != 0:
             todo = [s for s, common in zip(shards, mask) if not common]
+        if optional is not None:
+            todo = [s for s in todo if s.name in self._stored_names or not optional(s.name)]
         bytes_read = load_shards(step_dir, todo, metadata=meta)
-        own = step_dir / "extra" / f"rank_{self.rank:05d}.json"
+        own = f"extra/rank_{self.rank:05d}.json"
         # metadata.json is the one record of the layout (and config) a checkpoint was written
         # under; extra state written before that held copies of both, which are ignored.
         self._stored_layout = meta.get("layout")
         same_layout = self._stored_layout == _layout_of(self.ctx)
-        extra_path = own if self.rank != 0 and same_layout and own.is_file() else step_dir / EXTRA_FILE
-        extra = decode_extra(read_json(extra_path))
-        self._own_extra = extra_path == own or self.rank == 0
+        name = own if self.rank != 0 and same_layout and (step_dir / own).is_file() else EXTRA_FILE
+        extra = decode_extra(read_checked_json(step_dir, name, marker))
+        if not isinstance(extra, dict):
+            raise corrupt(step_dir / name, "the extra state is not a JSON object")
+        check_counters(extra, step_dir / name)
+        if extra.get("step", meta["step"]) != meta["step"]:
+            raise corrupt(step_dir / name, f"extra state step {extra['step']} is not the checkpoint's step "
+                                           f"{meta['step']}")
+        self._own_extra = name == own or self.rank == 0
         return extra, bytes_read
 
     def _broadcast_replicas(self, shards: list[TensorShard], mask: list[bool]) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import struct
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,13 +29,24 @@ from megascale.checkpoint.format import (
     DTYPES,
     METADATA_FILE,
     CheckpointError,
+    CheckpointMismatch,
     PieceRecord,
     checksum_function,
-    read_json,
     records_of,
 )
+from megascale.checkpoint.validate import (
+    MAX_HEADER_BYTES,
+    check_header,
+    check_header_bytes,
+    check_metadata,
+    corrupt,
+    member,
+    open_nofollow,
+    parse_json,
+    read_checked_json,
+    read_marker,
+)
 from megascale.distributed.sharding import TensorShard
-from megascale.errors import UserError
 
 _CHUNK_ELEMENTS = 1 << 22  # elements per index-arithmetic chunk (~100 MB of int64 indices at most)
 # Bytes of read pieces whose checksum may still be pending, beyond the newest piece (which is
@@ -50,10 +63,11 @@ class PieceReader:
     `finish()` returns (load_shards calls it).
     """
 
-    def __init__(self, step_dir: Path, verify: bool = True) -> None:
+    def __init__(self, step_dir: Path, verify: bool = True, headers: Optional[dict] = None) -> None:
         self.step_dir = step_dir
         self.verify = verify
-        self._files: dict[str, io.BufferedReader] = {}
+        self._headers = headers or {}
+        self._files: dict[str, tuple[io.BufferedReader, int, dict, int]] = {}
         self._last: Optional[tuple[str, str, torch.Tensor]] = None
         self._sums: Optional[ThreadPoolExecutor] = None
         self._pending: deque[tuple[Future, PieceRecord, torch.Tensor]] = deque()
@@ -65,6 +79,7 @@ class PieceReader:
         if self._last is not None and self._last[:2] == (rec.file, rec.key):
             return self._last[2]
         begin, end = rec.byte_range
+        self._checked(rec)  # before allocating: the range must lie inside the file
         raw = torch.empty(end - begin, dtype=torch.uint8)
         self._read_bytes(rec, raw)
         tensor = raw.view(DTYPES[rec.dtype]).reshape(rec.stored_shape)
@@ -75,15 +90,38 @@ class PieceReader:
         """Read a piece straight into a contiguous CPU tensor of its exact size and dtype (no staging copy)."""
         self._read_bytes(rec, dest.view(-1).view(torch.uint8))
 
+    def _open(self, name: str) -> tuple[io.BufferedReader, int, dict, int]:
+        """(handle, data start, parsed safetensors header, file size) of a rank file, checked once."""
+        path = member(self.step_dir, name, "file")
+        try:
+            handle = os.fdopen(open_nofollow(path, write=False), "rb")
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing") from None
+        try:
+            size = os.fstat(handle.fileno()).st_size
+            head = handle.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 <= length <= min(MAX_HEADER_BYTES, size - 8):
+                raise corrupt(path, f"the safetensors header length {length} does not fit the {size}-byte file")
+            raw = handle.read(length)
+            check_header_bytes(path, head + raw, self._headers.get(name))
+            header = parse_json(raw, path)
+        except BaseException:
+            handle.close()
+            raise
+        opened = (handle, 8 + length, header, size)
+        self._files[name] = opened
+        return opened
+
+    def _checked(self, rec: PieceRecord) -> io.BufferedReader:
+        """The open file of a piece, after checking the piece against its header and the file length."""
+        handle, data_start, header, size = self._files.get(rec.file) or self._open(rec.file)
+        check_header(self.step_dir / rec.file, header, data_start, size, rec)
+        return handle
+
     def _read_bytes(self, rec: PieceRecord, raw: torch.Tensor) -> None:
         path = self.step_dir / rec.file
-        handle = self._files.get(rec.file)
-        if handle is None:
-            try:
-                handle = open(path, "rb")  # noqa: SIM115 - cached per file for many ranged reads, closed by close()
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint file {path} is missing") from None
-            self._files[rec.file] = handle
+        handle = self._checked(rec)
         begin, end = rec.byte_range
         handle.seek(begin)
         got = handle.readinto(raw.numpy().data) if raw.numel() else 0
@@ -118,7 +156,7 @@ class PieceReader:
 
     def close(self) -> None:
         """Close every open file and stop the checksum thread (outstanding checks are dropped)."""
-        for handle in self._files.values():
+        for handle, *_ in self._files.values():
             handle.close()
         self._files.clear()
         self._last = None
@@ -241,8 +279,9 @@ def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceRe
     name = request.name
     saved_shape = tuple(records[0].global_shape)
     if saved_shape != tuple(request.global_shape):
-        raise UserError(f"tensor {name}: checkpoint holds global shape {saved_shape} but the model asks for "
-                        f"{tuple(request.global_shape)}; load a checkpoint of the same model configuration")
+        raise CheckpointMismatch(f"tensor {name}: checkpoint holds global shape {saved_shape} but the model asks "
+                                 f"for {tuple(request.global_shape)}; load a checkpoint of the same model "
+                                 "configuration")
     r_off, r_shape = list(request.offsets), list(request.local_shape)
     r_flat = _flat_interval(request.flat_range, r_shape)
     need = r_flat[1] - r_flat[0]
@@ -299,7 +338,7 @@ def fill_shard(request: TensorShard, records: list[PieceRecord], reader: PieceRe
         where = f"box offsets {tuple(r_off)} shape {tuple(r_shape)}"
         if request.flat_range is not None:
             where += f" flat range {tuple(request.flat_range)}"
-        raise UserError(f"tensor {name}: the checkpoint covers only {filled} of the {need} elements of {where} "
+        raise CheckpointError(f"tensor {name}: the checkpoint covers only {filled} of the {need} elements of {where} "
                         f"(global shape {saved_shape}); it was saved incompletely or by a different model")
     if dest is not request.tensor:
         request.tensor.copy_(dest)
@@ -320,10 +359,7 @@ def _exact_piece(request: TensorShard, records: list[PieceRecord], dest: torch.T
 
 def load_metadata(step_dir: Path) -> dict:
     """Parse a step dir's metadata.json (CheckpointError naming the file when missing or corrupt)."""
-    meta = read_json(step_dir / METADATA_FILE)
-    if not isinstance(meta, dict) or "tensors" not in meta:
-        raise CheckpointError(f"checkpoint file {step_dir / METADATA_FILE} is not a megascale metadata index")
-    return meta
+    return check_metadata(read_checked_json(step_dir, METADATA_FILE, read_marker(step_dir)), step_dir)
 
 
 def load_shards(step_dir: Path, shards: list[TensorShard], verify: bool = True,
@@ -333,9 +369,10 @@ def load_shards(step_dir: Path, shards: list[TensorShard], verify: bool = True,
     by_name = records_of(meta)
     for shard in shards:
         if shard.name not in by_name:
-            raise UserError(f"tensor {shard.name} (global shape {tuple(shard.global_shape)}) is not in checkpoint "
-                            f"{step_dir}; the checkpoint was saved by a different model or without this state")
-    reader = PieceReader(step_dir, verify=verify)
+            raise CheckpointMismatch(f"tensor {shard.name} (global shape {tuple(shard.global_shape)}) is not in "
+                                     f"checkpoint {step_dir}; the checkpoint was saved by a different model or "
+                                     "without this state")
+    reader = PieceReader(step_dir, verify=verify, headers=meta.get("headers"))
     try:
         # Read in file/byte order so the disk sees mostly forward reads.
         order = sorted(range(len(shards)), key=lambda i: min(

@@ -13,14 +13,16 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from megascale.checkpoint.format import DEFAULT_CHECKSUM, PieceRecord, checksum_function, dtype_name, piece_numel
+from megascale.checkpoint.validate import open_nofollow
 from megascale.distributed.sharding import TensorShard
 from megascale.errors import UserError
 
@@ -129,10 +131,20 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
+def _write_all(f: Any, data: memoryview) -> None:
+    """Unbuffered writes may take fewer bytes than given (a filling disk): write the rest, or raise."""
+    while len(data):
+        written = f.write(data)
+        if not written:
+            raise OSError(f"writing {f.name}: the file system accepted no more bytes")
+        data = data[written:]
+
+
 def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
                     fault_hook: Optional[Callable[[str], None]] = None,
-                    checksum: str = DEFAULT_CHECKSUM) -> tuple[list[PieceRecord], int]:
-    """Stream pieces into one safetensors file, fsync it, and return their records and the file size.
+                    checksum: str = DEFAULT_CHECKSUM) -> tuple[list[PieceRecord], int, dict]:
+    """Stream pieces into one safetensors file, fsync it; returns their records, the file size, and
+    the header's record (length and CRC-32 of the bytes before the data) for the metadata index.
 
     The file is written by hand (8-byte header length, JSON header, raw data) straight
     from each buffer's memory: the library's serialiser first turns every tensor into a
@@ -161,14 +173,17 @@ def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
         fault_hook("before_write")
     checksum_fn = checksum_function(checksum)
     records = []
-    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="checksum") as sums:
-        f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+    head = struct.pack("<Q", len(header_bytes)) + header_bytes
+    # never through a link planted where the file goes: the bytes would land outside the checkpoint
+    with os.fdopen(open_nofollow(path, write=True), "wb", buffering=0) as f, \
+            ThreadPoolExecutor(1, thread_name_prefix="checksum") as sums:
+        _write_all(f, memoryview(head))
         pending = []
         for _key, _shard, stored in keyed:
             raw = _raw_bytes(stored)
             pending.append(sums.submit(checksum_fn, raw))
             for start in range(0, len(raw), _WRITE_CHUNK):  # bounded writes: no huge kernel copies at once
-                f.write(raw[start:start + _WRITE_CHUNK])
+                _write_all(f, raw[start:start + _WRITE_CHUNK])
         for (key, shard, stored), value in zip(keyed, pending):
             begin, end = header[key]["data_offsets"]
             records.append(PieceRecord(
@@ -180,4 +195,4 @@ def write_rank_file(path: Path, pieces: list[tuple[TensorShard, torch.Tensor]],
         os.fsync(f.fileno())
     if fault_hook is not None:
         fault_hook("after_write")
-    return records, data_start + offset
+    return records, data_start + offset, {"length": len(head), "crc32": zlib.crc32(head)}

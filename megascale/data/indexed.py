@@ -177,6 +177,21 @@ def index_format(path: Path) -> str:
         return "megascale"
     raise UserError(f"'{path}' is neither a Megatron-LM (MMIDIDX) nor a megascale (MGSIDX) index file "
                     f"(bad magic header): {_FIX}")
+def check_index(sizes: np.ndarray, offsets: np.ndarray, bin_tokens: int, idx_path: Path, bin_path: Path) -> None:
+    """Document sizes and offsets (in tokens) are non-negative, offsets never decrease, and every
+    document lies inside the .bin's `bin_tokens` tokens; UserError naming the first bad document."""
+    if not len(sizes):
+        return
+    checks = [(sizes < 0, "has a negative size"), (offsets < 0, "has a negative offset"),
+              (np.concatenate([[False], offsets[1:] < offsets[:-1]]), "starts before the previous document"),
+              # compared as a difference: offset + size could overflow int64 in a hostile index
+              ((sizes > bin_tokens) | (offsets > bin_tokens - np.minimum(sizes, bin_tokens)),
+               f"ends past the {bin_tokens} tokens of '{bin_path}'")]
+    for bad, problem in checks:
+        if bad.any():
+            doc = int(np.argmax(bad))
+            raise UserError(f"dataset index '{idx_path}': document {doc} (size {int(sizes[doc])}, offset "
+                            f"{int(offsets[doc])}) {problem}; the index is corrupt: {_FIX}")
 
 
 class IndexedDataset:
@@ -194,9 +209,10 @@ class IndexedDataset:
                 raise UserError(f"dataset file '{path}' not found; check data.paths, or create it with "
                                 f"`megascale preprocess --output-prefix {self.prefix} ...`")
         self.dtype, self.sizes, self.offsets = self._read_index()
+        actual = self.bin_path.stat().st_size
+        check_index(self.sizes, self.offsets, actual // self.dtype.itemsize, self.idx_path, self.bin_path)
         self.num_tokens = int(self.sizes.sum())
         expected = self.num_tokens * self.dtype.itemsize
-        actual = self.bin_path.stat().st_size
         if actual != expected:
             raise UserError(f"dataset file '{self.bin_path}' holds {actual} bytes but its index "
                             f"'{self.idx_path}' describes {expected}; the pair is corrupt or mismatched: {_FIX}")

@@ -95,7 +95,7 @@ class BatchIterator:
                  global_batch_size: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  consumed_samples: int = 0, cycle: bool = False, src_rank: int = 0, group: Any = None,
                  rank: int = 0, device: Optional[torch.device] = None, prefetch: int = 2,
-                 vocab_size: Optional[int] = None, name: str = "train") -> None:
+                 vocab_size: Optional[int] = None, name: str = "train", tokenizer: Optional[str] = None) -> None:
         per_rank, rest = divmod(global_batch_size, dp_size)
         if rest or per_rank % micro_batch_size:
             raise UserError(f"train.global_batch_size={global_batch_size} must be divisible by "
@@ -120,6 +120,7 @@ class BatchIterator:
         self.prefetch = prefetch
         self.vocab_size = vocab_size
         self.name = name
+        self.tokenizer = tokenizer
         self._start = consumed_samples
         self._position = consumed_samples
         self._prefetcher: Optional[_Prefetcher] = None
@@ -164,10 +165,16 @@ class BatchIterator:
     def read_local(self, position: int) -> np.ndarray:
         """[local batch, seq_length+1] int64 tokens of this rank's slice (source rank only)."""
         assert self.dataset is not None
-        batch = np.stack([self.dataset[int(i)] for i in self.sample_ids(position)])
+        ids = self.sample_ids(position)
+        batch = np.stack([self.dataset[int(i)] for i in ids])
         if self.vocab_size is not None and batch.size and int(batch.max()) >= self.vocab_size:
-            raise UserError(f"{self.name} data holds token id {int(batch.max())} >= model.vocab_size "
-                            f"{self.vocab_size}; set model.vocab_size to the tokenizer's vocabulary size")
+            sample = int(ids[int(np.argmax(batch.max(axis=1)))])
+            tokenizer = f"data.tokenizer={self.tokenizer}" if self.tokenizer else "data.tokenizer unset"
+            raise UserError(f"{self.name} sample {sample} from dataset {sample_source(self.dataset, sample)} "
+                            f"holds token id {int(batch.max())} >= model.vocab_size {self.vocab_size} "
+                            f"({tokenizer}): the data was tokenized with a larger vocabulary than this model's; "
+                            "re-run `megascale preprocess` with the model's tokenizer, or raise model.vocab_size "
+                            "if that dataset's tokenizer is the one you mean")
         if batch.size and int(batch.min()) < 0:  # signed Megatron dtypes can hold them
             raise UserError(f"{self.name} data holds negative token id {int(batch.min())}; the dataset was not "
                             "made by a tokenizer: re-create it with `megascale preprocess`")
@@ -243,6 +250,14 @@ def demo_cache_dir(cfg: Config) -> Path:
     from megascale.data.demo import default_demo_dir
 
     return Path(cfg.data.cache_dir) / "demo" if cfg.data.cache_dir else default_demo_dir()
+
+
+def sample_source(dataset: Any, index: int) -> str:
+    """The indexed dataset (its prefix) sample `index` of a GPT or blended dataset comes from."""
+    while hasattr(dataset, "dataset_index") and hasattr(dataset, "datasets"):  # a blend: follow the sample
+        dataset, index = dataset.datasets[int(dataset.dataset_index[index])], int(dataset.dataset_sample_index[index])
+    indexed = getattr(dataset, "indexed", None)
+    return repr(getattr(indexed, "prefix", "?"))
 
 
 def dataset_prefixes(cfg: Config) -> tuple[list[str], Optional[list[float]]]:
@@ -340,7 +355,8 @@ def build_data(cfg: Config, ctx: ParallelContext, consumed_samples: int = 0, *,
     common: dict[str, Any] = dict(seq_length=plan.seq_length, global_batch_size=plan.global_batch_size,
                                   micro_batch_size=plan.micro_batch_size, dp_rank=ctx.dp_rank, dp_size=plan.dp,
                                   src_rank=src_rank, group=group, rank=ctx.rank, device=ctx.device,
-                                  prefetch=cfg.data.prefetch, vocab_size=cfg.model.vocab_size)
+                                  prefetch=cfg.data.prefetch, vocab_size=cfg.model.vocab_size,
+                                  tokenizer=cfg.data.tokenizer)
     train = BatchIterator(datasets[0], num_samples=train_samples, consumed_samples=consumed_samples,
                           name="train", **common)
     valid = (BatchIterator(datasets[1], num_samples=valid_samples, cycle=True, name="valid", **common)

@@ -43,6 +43,7 @@ class MetricsSink:
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
+        self._write_failed = False
         self.tb: Optional[Any] = None
         if enabled and tensorboard:
             try:
@@ -56,8 +57,18 @@ class MetricsSink:
         """Append one record (and its scalars to TensorBoard)."""
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as err:  # a full disk must not end the run: training and checkpoints decide that
+            if not self._write_failed:
+                print(f"megascale: WARNING: cannot append to {self.path} ({err}); training goes on, metrics records "
+                      "are lost until the file system accepts writes again", file=sys.stderr, flush=True)
+            self._write_failed = True
+            return
+        if self._write_failed:
+            print(f"megascale: {self.path} is writable again; metrics records resume", file=sys.stderr, flush=True)
+            self._write_failed = False
         if self.tb is not None:
             for key, value in rec.items():
                 if isinstance(value, (int, float)) and key != "step":

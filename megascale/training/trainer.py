@@ -162,16 +162,19 @@ class Trainer:
     def _resume(self) -> None:
         c = self.cfg.checkpoint
         path = Path(c.load) if c.load else None
-        if path is None and not (c.resume and self.ckpt.latest() is not None):
+        if path is None and not c.resume:
+            self.ckpt.protect_existing()  # a fresh run never overwrites the step dirs already there
             return
         shards = self.state_shards()
-        stored = self.ckpt.tensor_names(path)
         # Optimizer state the checkpoint lacks (weights only, e.g. converted from HuggingFace, or an
         # fp32 run's checkpoint that has no fp32 master copy) starts fresh from the loaded weights.
-        missing = {s.name for s in shards if s.name.startswith("optim.") and s.name not in stored}
-        extra = self.ckpt.load([s for s in shards if s.name not in missing], path)
+        extra = self.ckpt.load(shards, path, optional=lambda name: name.startswith("optim."))
+        for name, reason in self.ckpt.last_load_stats.get("skipped", []):
+            self._note_skipped(name, reason)
         if extra is None:
             return
+        stored = self.ckpt.last_load_stats["names"]
+        missing = {s.name for s in shards if s.name.startswith("optim.") and s.name not in stored}
         self.resumed_extra = extra
         if missing:
             self.optimizer.reload_master_from_params()
@@ -193,6 +196,14 @@ class Trainer:
                 self.sink.print(f"loaded model weights from {path or self.ckpt.latest()}; optimizer starts fresh")
             else:
                 self.sink.print(f"resumed from step {self.step} ({self.consumed_samples} samples consumed)")
+
+    def _note_skipped(self, name: str, reason: str) -> None:
+        """A checkpoint passed over on resume: one log line and a `checkpoint_skipped` event (rank 0)."""
+        self.sink.print(f"checkpoint {name} skipped: {reason}")
+        if self.ctx.rank == 0:
+            from megascale.training.fault.events import append_event
+
+            append_event(self.run_dir, "checkpoint_skipped", step=None, ranks=[], checkpoint=name, reason=reason)
 
     def _announce(self) -> None:
         if not self.ctx.is_logging_rank:
@@ -286,6 +297,22 @@ class Trainer:
             state = "saved" if stats.get("ok") else f"FAILED ({stats.get('error')}); latest stays on the previous one"
             self.sink.print(f"checkpoint step {stats['step']} {state}: training blocked {stats['blocking_s']:.3f} s, "
                             f"total {stats['total_s']:.2f} s, {stats.get('bytes', 0) / 2**20:.1f} MiB")
+        if not stats.get("ok") and numerics.NONFINITE_TAG not in (stats.get("error") or ""):
+            self._save_failed(stats)
+
+    def _save_failed(self, stats: dict) -> None:
+        """A failed save (disk full, failing file system): the final one, or any with on_save_failure=stop, ends
+        the run with a non-zero exit; the last good checkpoint stays intact either way."""
+        final = stats["step"] == self.cfg.train.steps
+        if not final and self.cfg.checkpoint.on_save_failure == "continue":
+            return
+        from megascale.checkpoint.format import CheckpointSaveFailed
+
+        latest = self.ckpt.latest()
+        why = "the final checkpoint" if final else "checkpoint.on_save_failure=stop"
+        raise CheckpointSaveFailed(f"checkpoint step {stats['step']} was not saved ({why}): {stats.get('error')}; "
+                                   f"the last good checkpoint {latest.name if latest else '(none)'} is intact: free "
+                                   "space or fix the file system, then run again to resume from it")
 
     def _record(self, loss: torch.Tensor, stats: StepStats, step_time: float, tokens_per_step: int) -> dict:
         tokens_per_s = tokens_per_step / step_time
