@@ -178,6 +178,7 @@ def _resolve(closed: tuple[int, float, Any, Any, list[tuple[str, Any, Any]]], se
         offset, duration = seconds(step_start, begin), seconds(begin, end)
         times.spans.append((name, offset, duration))
         times.phases[name] = times.phases.get(name, 0.0) + duration
+    times.spans.sort(key=lambda span: (span[1], -span[2]))  # spans close inner-first: list them by start
     if "pipeline" in times.phases:
         busy = times.phases.get("forward", 0.0) + times.phases.get("backward", 0.0)
         times.phases["pp_bubble"] = max(times.phases["pipeline"] - busy, 0.0)

@@ -1,13 +1,13 @@
-"""Straggler detection: which ranks are slower than their peers, from one interval of timers.
+"""Straggler detection: which ranks are slower than their peers, over a window of steps.
 
 In synchronous training every rank's step takes as long as the slowest one's, so
 step time alone hides a straggler: its peers wait for it inside collectives. What
 differs is how the time splits. A slow rank computes longer and waits less; its
 peers compute normally and wait longer. So each rank's *compute time* (step time
-less the time spent waiting on peers, see `StepTimes.compute_s`) is compared with
-the median over all ranks; a rank whose median compute (or step) time over the
-interval exceeds the ranks' median by more than `threshold` is named.
-"""
+less the time spent waiting on peers, see `StepTimes.compute_s`) is divided, step
+by step, by the median of its peers (the ranks of its pipeline stage when there
+are enough of them, else all ranks); a rank whose typical ratio over the window
+exceeds 1 + `threshold` is named."""
 
 from __future__ import annotations
 
@@ -53,9 +53,11 @@ def relative_slowness(records: Iterable[dict], metric: str) -> dict[int, float]:
 
     Normalising each step by its own median first cancels what every rank shares (a slow step
     for all, a busy host, a checkpoint), so only what sets a rank apart from its peers remains."""
-    by_step: dict[int, dict[int, float]] = {}
+    peers = peer_groups(records)
+    by_step: dict[tuple[int, int], dict[int, float]] = {}
     for record in records:
-        by_step.setdefault(int(record["step"]), {})[int(record["rank"])] = float(record[metric])
+        rank = int(record["rank"])
+        by_step.setdefault((int(record["step"]), peers[rank]), {})[rank] = float(record[metric])
     ratios: dict[int, list[float]] = {}
     for values in by_step.values():
         median = statistics.median(values.values())
@@ -63,6 +65,19 @@ def relative_slowness(records: Iterable[dict], metric: str) -> dict[int, float]:
             for rank, value in values.items():
                 ratios.setdefault(rank, []).append(value / median)
     return {rank: statistics.median(r) for rank, r in ratios.items()}
+
+
+def peer_groups(records: Iterable[dict]) -> dict[int, int]:
+    """rank -> the group it is compared within: its pipeline stage when every stage has at least
+    three ranks (stages do different work: the first embeds, the last computes the loss), else one
+    group of all ranks."""
+    stage = {int(r["rank"]): int(r.get("coords", {}).get("pp", 0)) for r in records}
+    sizes: dict[int, int] = {}
+    for pp in stage.values():
+        sizes[pp] = sizes.get(pp, 0) + 1
+    if len(sizes) > 1 and min(sizes.values()) >= 3:
+        return stage
+    return dict.fromkeys(stage, 0)
 
 
 def find_stragglers(records: list[dict], threshold: float) -> list[Straggler]:
@@ -102,4 +117,4 @@ def phase_spread(records: list[dict]) -> tuple[str, float, float]:
     return slowest, statistics.fmean(values), max(values) - min(values)
 
 
-__all__ = ["Straggler", "find_stragglers", "per_rank_medians", "phase_spread"]
+__all__ = ["Straggler", "find_stragglers", "peer_groups", "per_rank_medians", "phase_spread"]
