@@ -25,7 +25,7 @@ import torch
 # The phases a step is made of. Communication phases are named `<axis>_<collective>`, so the
 # report can group them; "wait" phases are time a rank spends waiting for others or for data.
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
-COMM_PHASES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "cp_all_to_all", "cp_ring",
+COMM_PHASES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "tp_overlap_wait", "cp_all_to_all", "cp_ring",
                "dp_reduce_scatter", "dp_all_reduce", "dp_param_all_gather", "pp_send_wait", "pp_recv_wait",
                "embedding_all_reduce", "loss_all_reduce", "grad_norm_all_reduce")
 # "pipeline" spans a pipelined forward/backward; "pp_bubble" is derived from it: the part of it

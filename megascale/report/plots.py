@@ -144,7 +144,8 @@ def plot_phases(run: RunRecords, out: Path) -> Optional[Path]:
 
 def _depths(spans: list[tuple[str, float, float]]) -> list[tuple[str, float, float, int]]:
     """Each span with its nesting depth (0 = outermost)."""
-    out, stack = [], []  # stack: end times of the open enclosing spans
+    out: list[tuple[str, float, float, int]] = []
+    stack: list[float] = []  # end times of the open enclosing spans
     for name, start, dur in sorted(spans, key=lambda s: (s[1], -s[2])):
         while stack and start >= stack[-1]:
             stack.pop()

@@ -44,7 +44,7 @@ class RunRecords:
 
     def rank_label(self, rank: int) -> str:
         """'rank 3 pp0 dp1 cp0 tp1' from the rank's timer records."""
-        coords = next((r.get("coords", {}) for r in self.timers if int(r["rank"]) == rank), {})
+        coords: dict = next((r.get("coords", {}) for r in self.timers if int(r["rank"]) == rank), {})
         return " ".join([f"rank {rank}", *(f"{axis}{index}" for axis, index in coords.items())])
 
 
