@@ -6,6 +6,7 @@ import itertools
 import statistics
 
 import pytest
+import torch
 
 from megascale import timers as timers_mod
 from megascale.config import ConfigError, load_config
@@ -162,3 +163,25 @@ def test_log_line_elapsed_and_eta():
     rec = {"step": 50, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0, "tflops_per_device": 1.0,
            "mfu": 0.5, "mem_gb": 1.0, "step_time_s": 2.5, **fields}
     assert format_line(rec, 1480, "table").endswith("elapsed 2m05s eta 59m35s")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_timers_read_back_one_step_late():
+    t = PhaseTimers(enabled=True, device=torch.device("cuda"))
+    x = torch.randn(2048, 2048, device="cuda")
+    results = []
+    for step in (1, 2):
+        t.begin_step(step)
+        with t.phase("forward"):
+            for _ in range(20):
+                x = torch.tanh(x @ x)
+        with t.phase("dp_all_reduce"):
+            pass
+        results.append(t.end_step())
+    assert results[0] is None  # step 1's events are read when step 2 ends
+    first = results[1]
+    assert first is not None and first.step == 1
+    assert 0 < first.phases["forward"] <= first.step_s and first.phases["dp_all_reduce"] < first.phases["forward"]
+    last = t.flush()
+    assert last is not None and last.step == 2 and t.flush() is None
