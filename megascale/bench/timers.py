@@ -54,6 +54,10 @@ def _step(trainer: Any, timers: PhaseTimers) -> tuple[float, float, int]:
     with timers.phase("optimizer"):
         trainer.optimizer.step(trainer.step, loss=loss)
     times = timers.end_step()
+    if trainer.device.type == "cuda":  # the step's kernels are queued: wait for them before reading the clock
+        import torch
+
+        torch.cuda.synchronize(trainer.device)
     trainer.step += 1
     return time.perf_counter() - wall, time.process_time() - cpu, len(times.spans) if times else 0
 
