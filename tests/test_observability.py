@@ -24,7 +24,7 @@ from megascale.report.timeline import check_trace
 from megascale.training.fault.events import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 12
+STEPS = 10
 SLOW_RANK = 2
 MODEL = ["model.num_layers=2", "model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2",
          "model.seq_length=64", "train.global_batch_size=16", "train.micro_batch_size=4",
