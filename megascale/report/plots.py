@@ -61,18 +61,18 @@ def plot_loss(run: RunRecords, out: Path) -> Optional[Path]:
 
 
 def plot_throughput(run: RunRecords, out: Path) -> Optional[Path]:
-    """throughput.png: tokens/s (left axis) and MFU (right axis) over steps."""
+    """throughput.png: tokens/s (top) and MFU (bottom) over steps."""
     steps, tokens = _series(run, "tokens_per_s")
     if not steps:
         return None
-    fig, ax = pyplot().subplots(figsize=(7, 4))
-    ax.plot(steps, tokens, color="tab:blue")
-    ax.set(xlabel="step", ylabel="tokens/s", title="Throughput and MFU")
-    ax.grid(alpha=0.3)
+    fig, (top, bottom) = pyplot().subplots(2, 1, figsize=(7, 5), sharex=True)
+    top.plot(steps, tokens, "o-", color="tab:blue", markersize=3)
+    top.set(ylabel="tokens/s", title="Throughput and MFU")
     mfu_steps, mfu = _series(run, "mfu")
-    right = ax.twinx()
-    right.plot(mfu_steps, [100 * m for m in mfu], color="tab:orange")
-    right.set_ylabel("MFU (%)", color="tab:orange")
+    bottom.plot(mfu_steps, [100 * m for m in mfu], "o-", color="tab:orange", markersize=3)
+    bottom.set(xlabel="step", ylabel="MFU (%)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     return _save(fig, out / "throughput.png")
 
 
@@ -114,7 +114,8 @@ def plot_heatmap(run: RunRecords, out: Path, metric: str) -> Optional[Path]:
     image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="inferno",
                       extent=(run.steps[0] - 0.5, run.steps[-1] + 0.5, len(ranks) - 0.5, -0.5))
     ax.set_yticks(range(len(ranks)), [run.rank_label(rank) for rank in ranks], fontsize=8)
-    ax.set(xlabel="step", title=f"{metric.removesuffix('_ms')} per rank and step (ms)")
+    label = {"step_ms": "step time", "compute_ms": "compute time"}.get(metric, metric)
+    ax.set(xlabel="step", title=f"{label} per rank and step (ms)")
     fig.colorbar(image, ax=ax, label="ms")
     return _save(fig, out / f"heatmap_{metric.removesuffix('_ms')}.png")
 
