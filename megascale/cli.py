@@ -1,4 +1,4 @@
-"""Command line: megascale train | preprocess | convert | generate | plan | doctor | bench.
+"""Command line: megascale train | preprocess | convert | generate | plan | doctor | bench | report.
 
 Each subcommand lives in its own module exposing ``main(argv) -> int``; this file
 only dispatches. User errors (ConfigError, UserError) are printed as one line
@@ -22,6 +22,7 @@ COMMANDS = {
     "plan": ("megascale.perf.plan", "estimate memory and time of a layout"),
     "doctor": ("megascale.doctor", "check the environment, every device and every communication group"),
     "bench": ("megascale.bench", "benchmarks: tp, pipeline, dp, kernels, mfu, checkpoint"),
+    "report": ("megascale.report.cli", "plots, rank x step heat map and merged timeline of a run directory"),
 }
 
 

@@ -44,6 +44,7 @@ NanPolicy = Literal["skip", "rollback", "stop"]
 SaveFailurePolicy = Literal["continue", "stop"]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2"]
 HeartbeatStore = Literal["auto", "store", "files"]
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 def choices_of(literal: Any) -> tuple:
@@ -217,13 +218,33 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases: metrics.jsonl scalars mirrored to a W&B run by the logging rank."""
+
+    project: Optional[str] = _f(None, "W&B project; null = W&B off")
+    entity: Optional[str] = _f(None, "W&B entity (user or team); null = the account's default")
+    name: Optional[str] = _f(None, "W&B run name; null = the run directory's name")
+    mode: WandbMode = _f("online", "online, offline (written locally, `wandb sync` later) or disabled", WandbMode)
+
+
+@dataclass
 class LogConfig:
     """Logging and metrics."""
 
     interval: int = _f(1, "steps between log lines and metrics records")
     tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
     level: LogLevel = _f("info", "log level", LogLevel)
-    timers: bool = _f(True, "per-phase timers in metrics (forward, backward, optimizer, comm)")
+    timers: bool = _f(True, "always-on per-rank phase timers (forward, backward, each collective, optimizer, "
+                            "data wait, checkpoint blocking, pipeline bubble) gathered into timers.jsonl every "
+                            "log interval, with straggler detection; see docs/observability.md")
+    straggler_threshold: float = _f(0.1, "name a rank as a straggler when its median compute or step time over "
+                                         "the straggler window exceeds the median rank's by more than this fraction "
+                                         "(0.1 = 10%); 0 = off")
+    straggler_window: int = _f(16, "steps (the most recent, every rank) the straggler medians are taken over")
+    profile_steps: Optional[str] = _f(None, "torch.profiler trace of steps N..M on every rank, as 'N-M' (or 'N'), "
+                                            "written to profile/rank_R.json in the run directory")
+    wandb: WandbConfig = field(default_factory=lambda: WandbConfig(),
+                               metadata={"help": "Weights & Biases sink (optional extra megascale[wandb])"})
 
 
 @dataclass
@@ -506,4 +527,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("optim.warmup_steps must be >= 0")
     if cfg.log.interval < 1:
         raise ConfigError(f"log.interval={cfg.log.interval} must be >= 1")
+    _positive("log.straggler_window", cfg.log.straggler_window)
+    if cfg.log.straggler_threshold < 0:
+        raise ConfigError(f"log.straggler_threshold={cfg.log.straggler_threshold} must be >= 0 (0 = off)")
+    if cfg.log.profile_steps is not None:
+        from megascale.training.profiling import parse_profile_steps
+
+        parse_profile_steps(cfg.log.profile_steps)
 

@@ -33,7 +33,7 @@ def test_parse_every_action_with_defaults():
         Fault("kill", 1, 5, "step_start"),
         Fault("hang", 0, 2, "step_start", mode="sleep"),
         Fault("raise", None, 3, "after_forward"),
-        Fault("slow", 2, 4, "step_start", seconds=1.5),
+        Fault("slow", 2, 4, "step_start", seconds=1.5, mode="sleep"),
         Fault("nan", 1, 6, "after_forward", attempt=None),
         Fault("crash_in_save", 0, 10, "in_save"),
     ]

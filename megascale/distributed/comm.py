@@ -16,7 +16,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megascale.timers import PhaseTimers, timed
+
 Group = Optional[Any]
+Timers = Optional[PhaseTimers]  # the rank's phase timers: the paired ops time their collectives as tp_* / cp_*
 
 # all_gather_into_tensor / reduce_scatter_tensor are deprecated in newer torch in favour of
 # *_single, which torch 2.11 lacks; keep the portable names without the noise.
@@ -80,23 +83,25 @@ def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: Group, timers: Timers) -> torch.Tensor:
+        ctx.group, ctx.timers = group, timers
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return all_reduce(grad.contiguous().clone(), ctx.group), None
+        with timed(ctx.timers, "tp_all_reduce"):
+            return all_reduce(grad.contiguous().clone(), ctx.group), None, None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return all_reduce(x.contiguous().clone(), group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, timers: Timers) -> torch.Tensor:
+        with timed(timers, "tp_all_reduce"):
+            return all_reduce(x.contiguous().clone(), group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToDim(torch.autograd.Function):
@@ -128,40 +133,47 @@ class _GatherSeqReduceScatterGrad(torch.autograd.Function):
     its gradient is reduce-scattered back (each rank's GEMM saw the full sequence)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return all_gather_dim(x, 0, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, timers: Timers) -> torch.Tensor:
+        ctx.group, ctx.timers = group, timers
+        with timed(timers, "tp_all_gather"):
+            return all_gather_dim(x, 0, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return reduce_scatter_dim0(grad, ctx.group), None
+        with timed(ctx.timers, "tp_reduce_scatter"):
+            return reduce_scatter_dim0(grad, ctx.group), None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     """Sequence parallel: reduce-scatter the row-parallel GEMM output along the sequence."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter_dim0(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, timers: Timers) -> torch.Tensor:
+        ctx.group, ctx.timers = group, timers
+        with timed(timers, "tp_reduce_scatter"):
+            return reduce_scatter_dim0(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return all_gather_dim(grad, 0, ctx.group), None
+        with timed(ctx.timers, "tp_all_gather"):
+            return all_gather_dim(grad, 0, ctx.group), None, None
 
 
 class _AllToAll(torch.autograd.Function):
     """Split x along scatter_dim over the group, concatenate received pieces along gather_dim."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group) -> torch.Tensor:
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return all_to_all_dims(x, scatter_dim, gather_dim, group)
+    def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group,
+                timers: Timers) -> torch.Tensor:
+        ctx.dims, ctx.group, ctx.timers = (scatter_dim, gather_dim), group, timers
+        with timed(timers, "cp_all_to_all"):
+            return all_to_all_dims(x, scatter_dim, gather_dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         scatter_dim, gather_dim = ctx.dims
-        return all_to_all_dims(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+        with timed(ctx.timers, "cp_all_to_all"):
+            return all_to_all_dims(grad, gather_dim, scatter_dim, ctx.group), None, None, None, None
 
 
 def all_to_all_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group) -> torch.Tensor:
@@ -175,14 +187,14 @@ def all_to_all_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: G
     return torch.cat(outputs, dim=gather_dim)
 
 
-def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+def copy_to_group(x: torch.Tensor, group: Group, timers: Timers = None) -> torch.Tensor:
     """Identity forward, all-reduce backward (input of a column-parallel region)."""
-    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group, timers)
 
 
-def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+def reduce_from_group(x: torch.Tensor, group: Group, timers: Timers = None) -> torch.Tensor:
     """All-reduce forward, identity backward (output of a row-parallel region)."""
-    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group, timers)
 
 
 def scatter_to_group(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -195,16 +207,17 @@ def gather_from_group(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherFromDim.apply(x, dim, group)
 
 
-def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: Group, timers: Timers = None) -> torch.Tensor:
     """SP: all-gather dim 0 forward, reduce-scatter backward."""
-    return x if group_size(group) == 1 else _GatherSeqReduceScatterGrad.apply(x, group)
+    return x if group_size(group) == 1 else _GatherSeqReduceScatterGrad.apply(x, group, timers)
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: Group, timers: Timers = None) -> torch.Tensor:
     """SP: reduce-scatter dim 0 forward, all-gather backward."""
-    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group, timers)
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group) -> torch.Tensor:
-    """Autograd all-to-all (Ulysses): scatter one dim, gather another."""
-    return x if group_size(group) == 1 else _AllToAll.apply(x, scatter_dim, gather_dim, group)
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group,
+               timers: Timers = None) -> torch.Tensor:
+    """Autograd all-to-all (Ulysses): scatter one dim, gather another (timed as cp_all_to_all)."""
+    return x if group_size(group) == 1 else _AllToAll.apply(x, scatter_dim, gather_dim, group, timers)

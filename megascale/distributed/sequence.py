@@ -19,7 +19,7 @@ path (local SDPA, Ulysses, the tiles of ring attention, generation).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -123,15 +123,16 @@ class LocalSequence(SequenceLayout):
         return "LocalSequence()"
 
 
-def build_sequence_layout(ctx: ParallelContext, cfg: Config) -> SequenceLayout:
+def build_sequence_layout(ctx: ParallelContext, cfg: Config, timers: Optional[Any] = None) -> SequenceLayout:
     """The run's sequence layout: `LocalSequence` for cp = 1, else the context-parallel one of parallel.cp_mode.
 
     Validates the context-parallel settings and creates their sub-groups, so call
-    it once per run and hand the result to the model.
+    it once per run and hand the result to the model. `timers` (the rank's phase timers) times the
+    context-parallel collectives.
     """
     if ctx.cp_size == 1:
         return LocalSequence()
     # Imported here: the context-parallel package builds on this module.
     from megascale.distributed.context_parallel.layout import ContextParallelSequence
 
-    return ContextParallelSequence.build(ctx, cfg)
+    return ContextParallelSequence.build(ctx, cfg, timers)

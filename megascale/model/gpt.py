@@ -33,6 +33,7 @@ from megascale.model.block import TransformerBlock
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
 from megascale.run_plan import RunPlan, precision_of
 from megascale.seeds import tensor_parallel_seed
+from megascale.timers import PhaseTimers
 
 
 class GPTChunk(nn.Module):
@@ -147,7 +148,8 @@ class GPTChunk(nn.Module):
 
 def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = None,
                 plan: Optional[RunPlan] = None, sequence: Optional[SequenceLayout] = None,
-                materialize: bool = True, chunk_layers: Optional[list[list[int]]] = None) -> list[GPTChunk]:
+                materialize: bool = True, chunk_layers: Optional[list[list[int]]] = None,
+                timers: Optional[PhaseTimers] = None) -> list[GPTChunk]:
     """This rank's model chunks (one per virtual stage), parameters already sharded and placed.
 
     With the run's `plan` the chunks hold the plan's layers and dtype; without one (a
@@ -159,6 +161,7 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     The chunks are built on the meta device and then materialised one parameter
     at a time, so no more than one global tensor exists at once. materialize=False
     leaves them on meta (shapes and shard specs only, no storage: a parameter table).
+    timers: the rank's phase timers, on which the tensor- and context-parallel collectives are timed.
     """
     from megascale.kernels import get_ops
 
@@ -168,9 +171,9 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
         rng = RNGTracker(tensor_parallel_seed(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.cp_rank), ctx.device)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
-                    device=ctx.device, dtype=precision.param_dtype, defer_init=True)
+                    device=ctx.device, dtype=precision.param_dtype, defer_init=True, timers=timers)
     if sequence is None:
-        sequence = build_sequence_layout(ctx, cfg)
+        sequence = build_sequence_layout(ctx, cfg, timers=timers)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
                       recompute=cfg.train.recompute, sequence=sequence)
     if chunk_layers is None:

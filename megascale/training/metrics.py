@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from megascale.training.sinks import ScalarSink, numeric_scalars, open_tensorboard, open_wandb
+
 
 def format_line(rec: dict, total_steps: int, peak_source: str) -> str:
     """One log line: step, loss, lr, grad norm, tokens/s, TFLOP/s, MFU, memory."""
@@ -26,7 +28,25 @@ def format_line(rec: dict, total_steps: int, peak_source: str) -> str:
         parts.append(f"skipped {rec['skipped_steps']}")
     if "val_loss" in rec:
         parts.append(f"val {rec['val_loss']:.3f}")
+    if "elapsed_s" in rec:
+        parts.append(f"elapsed {_duration(rec['elapsed_s'])} eta {_duration(rec['eta_s'])}")
     return " | ".join(parts)
+
+
+def elapsed_and_eta(elapsed_s: float, steps_done: int, steps_left: int) -> dict[str, float]:
+    """Wall time since training (re)started and the time left at the mean step time so far."""
+    per_step = elapsed_s / steps_done if steps_done > 0 else 0.0
+    return {"elapsed_s": round(elapsed_s, 3), "eta_s": round(per_step * max(steps_left, 0), 3)}
+
+
+def _duration(seconds: float) -> str:
+    """1h02m, 3m05s or 12s."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _si(value: float) -> str:
@@ -38,23 +58,21 @@ def _si(value: float) -> str:
 
 class MetricsSink:
     """Appends records to metrics.jsonl (never rewritten: a resumed run continues the file),
-    mirrors scalars to TensorBoard when installed and enabled, prints log lines."""
+    mirrors their numbers to TensorBoard / W&B when asked for and installed, prints log lines."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, cfg: Optional[Any] = None) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self._write_failed = False
-        self.tb: Optional[Any] = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except Exception:  # noqa: BLE001 - tensorboard not installed: the jsonl file is the record
-                self.tb = None
+        self.scalar_sinks: list[ScalarSink] = []
+        if not enabled:
+            return
+        opened = [open_tensorboard(run_dir, self.print) if tensorboard else None,
+                  open_wandb(run_dir, cfg, self.print) if cfg is not None else None]
+        self.scalar_sinks = [sink for sink in opened if sink is not None]
 
     def write(self, rec: dict) -> None:
-        """Append one record (and its scalars to TensorBoard)."""
+        """Append one record (and its numbers to the scalar sinks)."""
         if not self.enabled:
             return
         try:
@@ -69,10 +87,9 @@ class MetricsSink:
         if self._write_failed:
             print(f"megascale: {self.path} is writable again; metrics records resume", file=sys.stderr, flush=True)
             self._write_failed = False
-        if self.tb is not None:
-            for key, value in rec.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, rec["step"])
+        scalars = numeric_scalars(rec)
+        for sink in self.scalar_sinks:
+            sink.log(scalars, int(rec["step"]))
 
     def print(self, line: str) -> None:
         """Print a log line on the logging rank."""
@@ -80,6 +97,7 @@ class MetricsSink:
             print(line, file=sys.stdout, flush=True)
 
     def close(self) -> None:
-        """Flush TensorBoard."""
-        if self.tb is not None:
-            self.tb.close()
+        """Flush and finish the scalar sinks."""
+        for sink in self.scalar_sinks:
+            sink.close()
+        self.scalar_sinks = []

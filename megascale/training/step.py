@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megascale.distributed import comm
+from megascale.timers import PhaseTimers, timed
 from megascale.training.fault.progress import Progress
 
 if TYPE_CHECKING:
@@ -30,14 +31,16 @@ def _to_device(batch: dict, device: torch.device, loss_scale: float) -> dict:
 def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, plan: RunPlan,
                      ctx: ParallelContext, optimizer: DistributedOptimizer,
                      progress: Optional[Progress] = None,
-                     loss_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+                     loss_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                     timers: Optional[PhaseTimers] = None) -> torch.Tensor:
     """Run every micro-batch of this step; returns the global mean loss (valid on the last stage).
 
     Micro-batch losses are scaled by 1 / tokens of the global batch, so they sum to the global
     mean and gradients are summed (not averaged) over data/context-parallel ranks. `progress`
     (the hang watchdog's phase marks) learns which collective the step is in. loss_hook, when
     given, maps this rank's loss share before the data/context-parallel sum (fault drills poison
-    it there, so the whole group sees the NaN as a real fault would spread).
+    it there, so the whole group sees the NaN as a real fault would spread). `timers`, when given,
+    times the forward, backward and communication phases.
     """
     batches = [_to_device(b, ctx.device, plan.loss_scale_per_token) for b in batches]
     optimizer.zero_grad()
@@ -48,23 +51,27 @@ def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, 
         total = torch.zeros((), device=ctx.device)
         for i, batch in enumerate(batches):
             optimizer.sync_enabled(i == len(batches) - 1)
-            loss = chunk(None, batch)
-            optimizer.scale_loss(loss).backward()
+            with timed(timers, "forward"):
+                loss = chunk(None, batch)
+            with timed(timers, "backward"):
+                optimizer.scale_loss(loss).backward()
             total += loss.detach()
     else:
-        total = _pipelined(chunks, batches, plan, ctx, optimizer)
+        with timed(timers, "pipeline"):
+            total = _pipelined(chunks, batches, plan, ctx, optimizer, timers)
     progress.collective = "dp_cp gradient reduce"
     optimizer.finish_grad_sync()
     if loss_hook is not None:
         total = loss_hook(total)
     progress.collective = "dp_cp all_reduce (loss)"
     # Each dp x cp rank holds its share of the global mean; the sum over them is the global mean.
-    comm.all_reduce(total, ctx.group("dp_cp"))
+    with timed(timers, "loss_all_reduce"):
+        comm.all_reduce(total, ctx.group("dp_cp"))
     return total
 
 
 def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: RunPlan, ctx: ParallelContext,
-               optimizer: DistributedOptimizer) -> torch.Tensor:
+               optimizer: DistributedOptimizer, timers: Optional[PhaseTimers]) -> torch.Tensor:
     from megascale.distributed.pipeline import (
         build_schedule,
         forward_backward_pipelined,
@@ -74,7 +81,7 @@ def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: Run
     losses = forward_backward_pipelined(
         list(chunks), batches, ctx, schedule, plan.activation_shape, plan.precision.compute_dtype,
         loss_fn_scale=optimizer.scale_loss,
-        before_last_backward=lambda chunk: optimizer.sync_enabled(True, chunk=chunk),
+        before_last_backward=lambda chunk: optimizer.sync_enabled(True, chunk=chunk), timers=timers,
     )
     total = torch.zeros((), device=ctx.device)
     for loss in losses:

@@ -20,11 +20,14 @@ from megascale.distributed.topology import ParallelContext
 from megascale.model.gpt import build_model
 from megascale.perf.flops import causal_halved_train_flops_per_token, device_peak, train_flops_per_token
 from megascale.run_plan import RunPlan, resolve_plan
+from megascale.timers import PhaseTimers
 from megascale.training.fault import numerics
 from megascale.training.fault.inject import FaultInjector
 from megascale.training.fault.progress import Progress
-from megascale.training.metrics import MetricsSink, format_line
+from megascale.training.metrics import MetricsSink, elapsed_and_eta, format_line
+from megascale.training.profiling import StepProfiler
 from megascale.training.step import evaluate, forward_backward
+from megascale.training.timer_log import TimerLog
 
 if TYPE_CHECKING:  # built lazily below: these pull in the heavy optimizer/checkpoint stacks
     from megascale.checkpoint.manager import CheckpointManager
@@ -98,7 +101,8 @@ class Trainer:
         validate_runtime(cfg, self.device)
         numerics.validate(cfg)
         self.run_dir = Path(cfg.train.output_dir)
-        self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard)
+        self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard, cfg)
+        self.timers = PhaseTimers(cfg.log.timers, self.device)  # passed to everything that runs a phase
         if self.ctx.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
@@ -108,8 +112,11 @@ class Trainer:
         if self.ctx.pp_size > 1 and self.ctx.pp_group is not None:
             # NCCL: the first op on the pp group must include every member, not a batched p2p.
             dist.barrier(group=self.ctx.pp_group)
-        self.chunks = build_model(cfg, self.ctx, self.rng, plan=self.plan)
+        self.chunks = build_model(cfg, self.ctx, self.rng, plan=self.plan, timers=self.timers)
         self.optimizer = self._build_optimizer()
+        self.timer_log = TimerLog(self.ctx, self.run_dir, cfg.log.timers, cfg.log.straggler_threshold,
+                                  cfg.log.straggler_window, self.sink.print)
+        self.profiler = StepProfiler(cfg.log.profile_steps, self.run_dir, self.ctx.rank, self.device)
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
@@ -138,7 +145,7 @@ class Trainer:
     def _build_optimizer(self) -> DistributedOptimizer:
         from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 
-        return DistributedOptimizer(self.chunks, self.ctx, self.cfg)
+        return DistributedOptimizer(self.chunks, self.ctx, self.cfg, timers=self.timers)
 
     def _build_fault_lifecycle(self) -> RunLifecycle:
         from megascale.training.fault.lifecycle import RunLifecycle
@@ -229,23 +236,30 @@ class Trainer:
         records: list[dict] = []
         tokens_per_step = self.plan.tokens_per_step
         window_start, window_steps = time.perf_counter(), 0
+        self.train_start, self.start_step = time.perf_counter(), self.step
         for chunk in self.chunks:
             chunk.train()
         while self.step < cfg.train.steps:
             self.progress.enter("step", self.step + 1)
             step_start = time.perf_counter()
-            if self.ctx.is_first_stage or self.ctx.is_last_stage:
-                batches = self.train_data.next_step()
-            else:  # middle pipeline stages need no tokens: keep the position, skip the read
-                self.train_data.skip_step()
-                batches = [{} for _ in range(self.plan.num_microbatches)]
+            self.profiler.begin_step(self.step + 1)
+            self.timers.begin_step(self.step + 1)
+            with self.timers.phase("data_wait"):
+                if self.ctx.is_first_stage or self.ctx.is_last_stage:
+                    batches = self.train_data.next_step()
+                else:  # middle pipeline stages need no tokens: keep the position, skip the read
+                    self.train_data.skip_step()
+                    batches = [{} for _ in range(self.plan.num_microbatches)]
             self.faults.at("step_start", self.step + 1)
             loss = forward_backward(self.chunks, batches, plan=self.plan, ctx=self.ctx, optimizer=self.optimizer,
-                                    progress=self.progress, loss_hook=self.faults.loss_hook(self.step + 1))
+                                    progress=self.progress, loss_hook=self.faults.loss_hook(self.step + 1),
+                                    timers=self.timers)
             self.faults.at("after_forward", self.step + 1)
             self.progress.collective = "optimizer"
-            self.ckpt.before_update()  # an async checkpoint's snapshot ran under this forward/backward
-            stats = self.optimizer.step(self.step, loss=loss, guard=self.numerics.check)
+            with self.timers.phase("checkpoint_blocking"):
+                self.ckpt.before_update()  # an async checkpoint's snapshot ran under this forward/backward
+            with self.timers.phase("optimizer"):
+                stats = self.optimizer.step(self.step, loss=loss, guard=self.numerics.check)
             self._report_checkpoint()
             self.step += 1
             self.consumed_samples += cfg.train.global_batch_size
@@ -259,11 +273,13 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 elapsed = (time.perf_counter() - window_start) / window_steps
                 rec = self._record(loss, stats, elapsed, tokens_per_step)
+                rec.update(elapsed_and_eta(time.perf_counter() - self.train_start, self.step - self.start_step,
+                                           cfg.train.steps - self.step))
                 if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.valid_data:
                     rec["val_loss"] = evaluate(self.chunks, self.valid_data, cfg.train.eval_iters, plan=self.plan,
                                               ctx=self.ctx)
                 self.sink.write(rec)
-                self.sink.print(format_line(rec, cfg.train.steps, self.peak.source))
+                self.sink.print(format_line(rec, cfg.train.steps, self.peak.source) + self.timer_log.log_fields())
                 if len(records) == 0 and self.device.type == "cuda" and self.memory_estimate_gb:
                     self.sink.print(f"memory: measured peak {rec['mem_gb']:.2f} GiB vs estimate "
                                     f"{self.memory_estimate_gb:.2f} GiB "
@@ -273,7 +289,10 @@ class Trainer:
             self.lifecycle.step_done(self.step, time.perf_counter() - step_start)
             if self._should_save():
                 self.progress.enter("checkpoint_save")
-                self.save()
+                with self.timers.phase("checkpoint_blocking"):
+                    self.save()
+            self.timer_log.step_done(self.timers.end_step(), self.step, self.step % cfg.log.interval == 0)
+            self.profiler.end_step(self.step)
             if self.lifecycle.stop_requested():  # preemption: every rank stops after this same step
                 self.progress.enter("checkpoint_save")
                 self.lifecycle.preempt_save(self)
@@ -282,6 +301,9 @@ class Trainer:
         self.ckpt.wait()
         self.progress.enter("done")
         self._report_checkpoint()
+        self.timer_log.add(self.timers.flush())
+        self.timer_log.close(self.step)
+        self.profiler.close()
         self.sink.close()
         self.lifecycle.finish(self.run_dir)  # raises Preempted (SystemExit) after a preemption
         return records

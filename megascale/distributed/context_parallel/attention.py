@@ -66,9 +66,10 @@ class CPSettings:
     ring_rank: int
     ring_group: Any
     ring_ranks: tuple[int, ...]
+    timers: Any = None  # the rank's phase timers: all-to-alls timed as cp_all_to_all, ring waits as cp_ring
 
 
-def build_cp_settings(ctx: ParallelContext, cfg: Config) -> CPSettings:
+def build_cp_settings(ctx: ParallelContext, cfg: Config, timers: Any = None) -> CPSettings:
     """Validate the config for context parallelism and build this rank's groups.
 
     Hybrid sub-groups are created with local synchronisation: each rank creates
@@ -89,7 +90,7 @@ def build_cp_settings(ctx: ParallelContext, cfg: Config) -> CPSettings:
                       ulysses_size=ulysses, ulysses_rank=ulysses_rank,
                       ulysses_group=_sub_group(ulysses_ranks, cp_ranks, group),
                       ring_size=ring, ring_rank=ring_rank, ring_group=_sub_group(ring_ranks, cp_ranks, group),
-                      ring_ranks=tuple(ring_ranks))
+                      ring_ranks=tuple(ring_ranks), timers=timers)
 
 
 def _sub_group(ranks: list[int], cp_ranks: list[int], cp_group: Any) -> Optional[Any]:
@@ -132,13 +133,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings,
         raise ValueError(f"attention dropout {dropout_p} is not supported by ring attention (cp_mode={cp.mode})")
     k, v = _spread_kv_heads(q.shape[2], k, v, cp.ulysses_size)
     if cp.ulysses_size > 1:  # sequence-sharded -> head-sharded
-        q, k, v = (comm.all_to_all(t, 2, 0, cp.ulysses_group) for t in (q, k, v))
+        q, k, v = (comm.all_to_all(t, 2, 0, cp.ulysses_group, cp.timers) for t in (q, k, v))
     if cp.ring_size > 1:
         out = _ring(q, k, v, cp, window)
     else:
         out = sdpa_attention(q, k, v, window, dropout_p)
     if cp.ulysses_size > 1:  # head-sharded -> sequence-sharded
-        out = comm.all_to_all(out, 0, 2, cp.ulysses_group)
+        out = comm.all_to_all(out, 0, 2, cp.ulysses_group, cp.timers)
     return out
 
 
@@ -163,6 +164,6 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings, win
     # [s, b, nkv*g, d] -> [b, nkv, g, s, d]: query heads of one kv head side by side.
     qg = q.reshape(s, b, nkv, nq // nkv, d).permute(1, 2, 3, 0, 4)
     kg, vg = (t.permute(1, 2, 0, 3) for t in (k, v))
-    spec = RingSpec(group=cp.ring_group, ranks=cp.ring_ranks, index=cp.ring_rank, window=window)
+    spec = RingSpec(group=cp.ring_group, ranks=cp.ring_ranks, index=cp.ring_rank, window=window, timers=cp.timers)
     out = ring_attention(qg, kg, vg, spec)
     return out.permute(3, 0, 1, 2, 4).reshape(s, b, nq, d)

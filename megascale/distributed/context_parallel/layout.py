@@ -7,6 +7,8 @@ without knowing which mode (or that context parallelism) is active.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
 from megascale.config import Config
@@ -29,9 +31,9 @@ class ContextParallelSequence(SequenceLayout):
         self.size = settings.size
 
     @classmethod
-    def build(cls, ctx: ParallelContext, cfg: Config) -> ContextParallelSequence:
+    def build(cls, ctx: ParallelContext, cfg: Config, timers: Optional[Any] = None) -> ContextParallelSequence:
         """Validate the config for context parallelism and create this rank's sub-groups."""
-        return cls(build_cp_settings(ctx, cfg))
+        return cls(build_cp_settings(ctx, cfg, timers))
 
     def shard_batch(self, batch: dict) -> dict:
         """Keep this rank's tokens (zigzag pairs for ring, contiguous for Ulysses) of every sequence entry."""

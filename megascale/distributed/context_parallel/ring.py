@@ -29,13 +29,14 @@ log-sum-exp (SDPA does not); attention dropout is not supported here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megascale.distributed.sequence import attention_mask
+from megascale.timers import timed
 
 
 def zigzag_positions(seq: int, world: int, rank: int) -> torch.Tensor:
@@ -157,8 +158,8 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
 class RingComm:
     """Async send-to-next / receive-from-previous over a ring of global ranks."""
 
-    def __init__(self, group: Any, ranks: tuple[int, ...], index: int) -> None:
-        self.group = group
+    def __init__(self, group: Any, ranks: tuple[int, ...], index: int, timers: Any = None) -> None:
+        self.group, self.timers = group, timers
         self.next = ranks[(index + 1) % len(ranks)]
         self.prev = ranks[(index - 1) % len(ranks)]
 
@@ -169,11 +170,11 @@ class RingComm:
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
         return recv, dist.batch_isend_irecv(ops)
 
-    @staticmethod
-    def wait(works: list) -> None:
-        """Block until a started exchange is complete."""
-        for work in works:
-            work.wait()
+    def wait(self, works: list) -> None:
+        """Block until a started exchange is complete (timed as cp_ring)."""
+        with timed(self.timers, "cp_ring"):
+            for work in works:
+                work.wait()
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ class RingSpec:
     ranks: tuple[int, ...]  # global ranks of the ring, in ring order
     index: int  # this rank's position in the ring
     window: int  # sliding window in tokens; 0 = full causal
+    timers: Any = field(default=None, compare=False)  # the rank's phase timers: ring waits are cp_ring
 
     @property
     def size(self) -> int:
@@ -197,7 +199,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec) -> torch.Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
-        comm = RingComm(ring.group, ring.ranks, ring.index)
+        comm = RingComm(ring.group, ring.ranks, ring.index, ring.timers)
         chunk = q.shape[3] // 2
         qf = q.float()
         out = torch.zeros_like(qf)
@@ -223,7 +225,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring: RingSpec = ctx.ring
         scale = 1.0 / math.sqrt(q.shape[-1])
-        comm = RingComm(ring.group, ring.ranks, ring.index)
+        comm = RingComm(ring.group, ring.ranks, ring.index, ring.timers)
         chunk = q.shape[3] // 2
         qf, dout = q.float(), grad_out.float()
         delta = (dout * out).sum(dim=-1)

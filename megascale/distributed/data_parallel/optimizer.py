@@ -44,6 +44,7 @@ from megascale.errors import UserError
 from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_squares
 from megascale.optim.loss_scale import LossScaler
 from megascale.optim.schedules import lr_at
+from megascale.timers import PhaseTimers, timed
 
 
 @dataclass
@@ -68,8 +69,9 @@ def default_no_decay(param: nn.Parameter, spec: ShardSpec) -> bool:
 class DistributedOptimizer:
     """Bucketed, overlapped data-parallel gradient reduction plus AdamW/LAMB, replicated (zero=0) or ZeRO-1."""
 
-    def __init__(self, chunks: Sequence[nn.Module], ctx: ParallelContext, cfg: Config) -> None:
-        self.ctx, self.cfg = ctx, cfg
+    def __init__(self, chunks: Sequence[nn.Module], ctx: ParallelContext, cfg: Config,
+                 timers: Optional[PhaseTimers] = None) -> None:
+        self.ctx, self.cfg, self.timers = ctx, cfg, timers
         self.zero = int(cfg.parallel.zero)
         self.overlap_grad = bool(cfg.parallel.overlap_grad_reduce)
         self.overlap_gather = bool(cfg.parallel.overlap_param_gather)
@@ -166,24 +168,26 @@ class DistributedOptimizer:
             for bucket in buf.buckets:
                 if not bucket.launched:
                     self._launch_reduce(buf, bucket)
-        for buf in self.buffers:
-            for bucket in buf.buckets:
-                if bucket.reduce_handle is not None:
-                    bucket.reduce_handle.wait()
-                    bucket.reduce_handle = None
+        in_flight = any(bucket.reduce_handle is not None for buf in self.buffers for bucket in buf.buckets)
+        with timed(self.timers if in_flight else None, "dp_reduce_scatter" if self.zero == 1 else "dp_all_reduce"):
+            for buf in self.buffers:
+                for bucket in buf.buckets:
+                    if bucket.reduce_handle is not None:
+                        bucket.reduce_handle.wait()
+                        bucket.reduce_handle = None
         # Under sequence parallelism each tp rank saw only its sequence shard, so the grads
         # of tp-replicated params (norms, row-parallel biases) are partial: sum them over tp.
         # Buffer layouts are identical across tp ranks, so with ZeRO-1 the owned ranges line up.
-        self._sum_grads(self.sp_params, self.ctx.group("tp"))
-        self._sum_grads(self.tied_params, self.ctx.group("embedding"))
+        self._sum_grads(self.sp_params, self.ctx.group("tp"), "tp_all_reduce")
+        self._sum_grads(self.tied_params, self.ctx.group("embedding"), "embedding_all_reduce")
 
-    @staticmethod
-    def _sum_grads(params: list[nn.Parameter], group: Optional[Any]) -> None:
+    def _sum_grads(self, params: list[nn.Parameter], group: Optional[Any], phase: str) -> None:
         if not params or group is None:
             return
         grads = [main_grad(p) for p in params]
         flat = _flatten_dense_tensors(grads)
-        torch.distributed.all_reduce(flat, group=group)
+        with timed(self.timers, phase):
+            torch.distributed.all_reduce(flat, group=group)
         for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(reduced)
 
@@ -202,13 +206,14 @@ class DistributedOptimizer:
         # are identical and summing them would count them twice.
         groups = [self.ctx.group("mp")] + ([self.comm.group] if self.zero == 1 else [])
         share = self._loss_share(loss)
-        if share is None:
-            return global_norm(local, groups), torch.zeros((), device=self.ctx.device)
-        packed = torch.stack([local, share])
-        for group in groups:
-            if group is not None:
-                torch.distributed.all_reduce(packed, group=group)
-        return packed[0].sqrt(), packed[1]
+        with timed(self.timers, "grad_norm_all_reduce"):
+            if share is None:
+                return global_norm(local, groups), torch.zeros((), device=self.ctx.device)
+            packed = torch.stack([local, share])
+            for group in groups:
+                if group is not None:
+                    torch.distributed.all_reduce(packed, group=group)
+            return packed[0].sqrt(), packed[1]
 
     def _loss_share(self, loss: Optional[Tensor]) -> Optional[Tensor]:
         """This rank's term of the global loss in the norm's all-reduce: the loss on exactly one
@@ -259,6 +264,10 @@ class DistributedOptimizer:
     def _gather_params(self) -> None:
         if self.zero != 1 or self.comm.group is None:
             return
+        with timed(self.timers, "dp_param_all_gather"):
+            self._start_gathers()
+
+    def _start_gathers(self) -> None:
         # Issue the gathers in the order the next forward needs them: buckets hold params
         # in reverse order, so the last bucket of the first chunk is used first.
         for buf in self.buffers:
@@ -280,9 +289,12 @@ class DistributedOptimizer:
 
     def wait_params(self) -> None:
         """Block until every pending parameter all-gather (ZeRO-1) has finished."""
-        for buf in self.buffers:
-            for bucket in buf.buckets:
-                self._wait_gather(bucket)
+        if not any(bucket.gather_handle is not None for buf in self.buffers for bucket in buf.buckets):
+            return
+        with timed(self.timers, "dp_param_all_gather"):
+            for buf in self.buffers:
+                for bucket in buf.buckets:
+                    self._wait_gather(bucket)
 
     @staticmethod
     def _wait_gather(bucket: Bucket) -> None:
@@ -306,8 +318,10 @@ class DistributedOptimizer:
     def _make_wait_hook(self, buckets: list[Bucket]) -> Any:
         def pre_hook(module: nn.Module, args: Any) -> None:
             self._fired_modules.add(id(module))
-            for bucket in buckets:
-                self._wait_gather(bucket)
+            if any(bucket.gather_handle is not None for bucket in buckets):
+                with timed(self.timers, "dp_param_all_gather"):
+                    for bucket in buckets:
+                        self._wait_gather(bucket)
 
         return pre_hook
 

@@ -34,6 +34,7 @@ from megascale.distributed.pipeline.schedules import (
     build_schedule,
 )
 from megascale.distributed.topology import ParallelContext
+from megascale.timers import PhaseTimers, timed
 
 
 def _identity(loss: Tensor) -> Tensor:
@@ -46,11 +47,11 @@ class _PipelineRun:
     def __init__(self, chunks: Sequence[nn.Module], microbatches: list[dict], ctx: ParallelContext,
                  schedule: list[Action], tensor_shape: tuple[int, ...], dtype: torch.dtype,
                  loss_fn_scale: Callable[[Tensor], Tensor], before_last_backward: Optional[Callable[[int], None]],
-                 keep_graph: bool) -> None:
+                 keep_graph: bool, timers: Optional[PhaseTimers] = None) -> None:
         self.chunks, self.microbatches, self.ctx, self.schedule = chunks, microbatches, ctx, schedule
         self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
         self.loss_fn_scale, self.before_last_backward = loss_fn_scale, before_last_backward
-        self.keep_graph = keep_graph
+        self.keep_graph, self.timers = keep_graph, timers
         self.pp, self.pp_rank, self.vpp = ctx.pp_size, ctx.pp_rank, len(chunks)
         self.num_stages = self.pp * self.vpp
         self.group = ctx.group("pp")
@@ -115,7 +116,8 @@ class _PipelineRun:
                                "is needed before it was posted")
         buffer, work = self.received.pop(key)
         if work is not None:
-            work.wait()
+            with timed(self.timers, "pp_recv_wait"):
+                work.wait()
         return buffer
 
     def drop_finished_sends(self) -> None:
@@ -124,9 +126,10 @@ class _PipelineRun:
 
     def wait_sends(self) -> None:
         """Every send must finish before the step ends: its buffer may be reused afterwards."""
-        for work, _ in self.sends:
-            if work is not None:
-                work.wait()
+        with timed(self.timers, "pp_send_wait"):
+            for work, _ in self.sends:
+                if work is not None:
+                    work.wait()
         self.sends = []
 
     # -- compute ----------------------------------------------------------------------------------
@@ -137,7 +140,8 @@ class _PipelineRun:
             hidden = self.take(RECV_FWD, chunk, microbatch)
             if self.keep_graph:
                 hidden.requires_grad_(True)
-        output = self.chunks[chunk](hidden, self.microbatches[microbatch])
+        with timed(self.timers, "forward"):
+            output = self.chunks[chunk](hidden, self.microbatches[microbatch])
         if self.stage(chunk) == self.num_stages - 1:
             self.losses[microbatch] = output.detach()
             if not self.keep_graph:
@@ -152,10 +156,12 @@ class _PipelineRun:
             self.before_last_backward(chunk)
         output = self.outputs.pop((chunk, microbatch))
         if self.stage(chunk) == self.num_stages - 1:
-            torch.autograd.backward(self.loss_fn_scale(output))
+            with timed(self.timers, "backward"):
+                torch.autograd.backward(self.loss_fn_scale(output))
         else:
             grad = self.take(RECV_BWD, chunk, microbatch)
-            torch.autograd.backward(output, grad_tensors=grad)
+            with timed(self.timers, "backward"):
+                torch.autograd.backward(output, grad_tensors=grad)
         if self.stage(chunk) == 0:
             self.inputs.pop((chunk, microbatch), None)
 
@@ -198,7 +204,8 @@ def _check_args(chunks: Sequence[nn.Module], microbatches: list[dict], ctx: Para
 def forward_backward_pipelined(chunks: Sequence[nn.Module], microbatches: list[dict], ctx: ParallelContext,
                                schedule: list[Action], tensor_shape: tuple[int, ...], dtype: torch.dtype,
                                loss_fn_scale: Callable[[Tensor], Tensor] = _identity,
-                               before_last_backward: Optional[Callable[[int], None]] = None) -> list[Tensor]:
+                               before_last_backward: Optional[Callable[[int], None]] = None,
+                               timers: Optional[PhaseTimers] = None) -> list[Tensor]:
     """Run this rank's pipeline schedule over all micro-batches (forward and backward).
 
     chunks[c](hidden, microbatch) is chunk c's forward: hidden is None on the first
@@ -207,11 +214,12 @@ def forward_backward_pipelined(chunks: Sequence[nn.Module], microbatches: list[d
     the chunk returns a scalar loss, backpropagated as loss_fn_scale(loss).
     before_last_backward(c) runs right before the last backward of chunk c (enable
     gradient reduction there). Returns the detached losses on the last stage, in
-    micro-batch order, and an empty list elsewhere. Gradients accumulate in .grad.
+    micro-batch order, and an empty list elsewhere. Gradients accumulate in .grad. `timers`
+    times forward, backward and the waits for receives and sends.
     """
     _check_args(chunks, microbatches, ctx, schedule)
     run = _PipelineRun(chunks, microbatches, ctx, schedule, tensor_shape, dtype, loss_fn_scale,
-                       before_last_backward, keep_graph=True)
+                       before_last_backward, keep_graph=True, timers=timers)
     return run.run()
 
 

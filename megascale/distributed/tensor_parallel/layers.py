@@ -13,7 +13,7 @@ reduce-scattered along the sequence). The embedding is vocabulary-parallel.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -48,6 +48,8 @@ class TPSettings:
     # Build parameters on the meta device with their init recipe attached; `materialize_params`
     # fills them in later, one tensor at a time (or never, for a parameter table).
     defer_init: bool = False
+    # The rank's phase timers (megascale.timers.PhaseTimers): the layer's collectives are timed on it.
+    timers: Optional[Any] = field(default=None, compare=False)
 
     @property
     def sp(self) -> bool:
@@ -170,7 +172,7 @@ class ColumnParallelLinear(nn.Module):
         if s.overlap and s.size > 1:
             y = tp_overlap.column_linear(x, self.weight.view(-1, self.weight.shape[-1]), s)
         else:
-            x = comm.gather_sequence(x, s.group) if s.sp else comm.copy_to_group(x, s.group)
+            x = comm.gather_sequence(x, s.group, s.timers) if s.sp else comm.copy_to_group(x, s.group, s.timers)
             y = F.linear(x, self.weight.view(-1, self.weight.shape[-1]))
         y = y.view(*y.shape[:-1], *self.out_shape)
         if self.bias is not None:
@@ -199,7 +201,8 @@ class RowParallelLinear(nn.Module):
             y = tp_overlap.row_linear(x, self.weight, s)
         else:
             y = F.linear(x, self.weight)
-            y = comm.reduce_scatter_sequence(y, s.group) if s.sp else comm.reduce_from_group(y, s.group)
+            y = (comm.reduce_scatter_sequence(y, s.group, s.timers) if s.sp
+                 else comm.reduce_from_group(y, s.group, s.timers))
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -225,7 +228,9 @@ class VocabParallelEmbedding(nn.Module):
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-            return comm.reduce_scatter_sequence(out, s.group) if s.sp else comm.reduce_from_group(out, s.group)
+            if s.sp:
+                return comm.reduce_scatter_sequence(out, s.group, s.timers)
+            return comm.reduce_from_group(out, s.group, s.timers)
         return F.embedding(ids, self.weight)
 
 
@@ -234,9 +239,9 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, settings: TPSett
     if settings.overlap and settings.size > 1:
         return tp_overlap.column_linear(hidden, weight, settings)
     if settings.sp:
-        hidden = comm.gather_sequence(hidden, settings.group)
+        hidden = comm.gather_sequence(hidden, settings.group, settings.timers)
     else:
-        hidden = comm.copy_to_group(hidden, settings.group)
+        hidden = comm.copy_to_group(hidden, settings.group, settings.timers)
     return F.linear(hidden, weight)
 
 

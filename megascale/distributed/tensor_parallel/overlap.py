@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from megascale.timers import timed
+
 if TYPE_CHECKING:
     from megascale.distributed.tensor_parallel.layers import TPSettings
 
@@ -53,24 +55,28 @@ __all__ = ["column_linear", "row_linear"]
 class _InFlight:
     """A communication that has been issued; `wait()` orders the caller after it."""
 
-    def __init__(self, works: Optional[list[Any]] = None, event: Optional[torch.cuda.Event] = None) -> None:
+    def __init__(self, works: Optional[list[Any]] = None, event: Optional[torch.cuda.Event] = None,
+                 timers: Any = None) -> None:
         self.works = works or []
         self.event = event
+        self.timers = timers
 
     def wait(self) -> None:
-        """Block on gloo work (CPU) or make the current CUDA stream wait for the side stream."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-        for work in self.works:
-            work.wait()
+        """Block on gloo work (CPU) or make the current CUDA stream wait for the side stream;
+        timed as tp_overlap_wait: the part of the overlapped communication the GEMMs did not hide."""
+        with timed(self.timers, "tp_overlap_wait"):
+            if self.event is not None:
+                torch.cuda.current_stream().wait_event(self.event)
+            for work in self.works:
+                work.wait()
         self.works, self.event = [], None
 
 
 class _Channel:
     """Issues this tp group's collectives so that they run beside the GEMMs."""
 
-    def __init__(self, group: Any, device: torch.device) -> None:
-        self.group = group
+    def __init__(self, group: Any, device: torch.device, timers: Any = None) -> None:
+        self.group, self.timers = group, timers
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         # p2p ops address peers by global rank.
@@ -82,7 +88,7 @@ class _Channel:
 
     def _issue(self, launch: Callable[[], list[Any]], tensors: tuple[torch.Tensor, ...]) -> _InFlight:
         if self.stream is None:
-            return _InFlight(works=launch())
+            return _InFlight(works=launch(), timers=self.timers)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.stream.device))
         self.stream.wait_event(ready)  # inputs were written on the compute stream
@@ -95,7 +101,7 @@ class _Channel:
             # Allocated on the compute stream, used on the side stream: keep the caching
             # allocator from reusing the memory before the side stream is done with it.
             t.record_stream(self.stream)
-        return _InFlight(event=done)
+        return _InFlight(event=done, timers=self.timers)
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor) -> _InFlight:
         """Send `send` to the next rank of the ring and receive the previous rank's into `recv`."""
@@ -188,7 +194,7 @@ class _ColumnLinear(torch.autograd.Function):
         if not settings.sp:
             ctx.save_for_backward(x, weight)
             return _mm(x, weight.t())
-        channel = _Channel(settings.group, x.device)
+        channel = _Channel(settings.group, x.device, settings.timers)
         x = x.contiguous()
         total = x.new_empty((channel.size * x.shape[0], *x.shape[1:]))
         x_chunks = list(total.chunk(channel.size, dim=0))
@@ -207,7 +213,7 @@ class _ColumnLinear(torch.autograd.Function):
         inp, weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_y = grad_y.contiguous()
-        channel = _Channel(settings.group, grad_y.device)
+        channel = _Channel(settings.group, grad_y.device, settings.timers)
         dweight: list[Optional[torch.Tensor]] = [None]
 
         def weight_grad() -> None:
@@ -237,7 +243,7 @@ class _RowLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> torch.Tensor:
         ctx.settings = settings
         ctx.save_for_backward(x, weight)
-        channel = _Channel(settings.group, x.device)
+        channel = _Channel(settings.group, x.device, settings.timers)
         weight_t = weight.t()
         if settings.sp:
             _check_divisible(x.shape[0], channel.size, "row-parallel reduce-scatter")
@@ -264,7 +270,7 @@ class _RowLinear(torch.autograd.Function):
             dx = _mm(grad_y, weight) if need_dx else None
             dweight = _weight_grad(grad_y, x) if need_dw else None
             return dx, dweight, None
-        channel = _Channel(settings.group, grad_y.device)
+        channel = _Channel(settings.group, grad_y.device, settings.timers)
         full = grad_y.new_empty((channel.size * grad_y.shape[0], *grad_y.shape[1:]))
         grad_chunks = list(full.chunk(channel.size, dim=0))
         grad_chunks[channel.rank].copy_(grad_y)

@@ -7,7 +7,11 @@ A spec is a ``;``-separated list of items ``ACTION:rank=R:step=S[:key=value...]`
                      included, so only its peers can notice; ``mode=sleep`` blocks the training thread
                      forever while the watchdog thread keeps running;
 - ``raise``          raise a RuntimeError on this rank (an exception on one rank);
-- ``slow``           sleep ``seconds=X`` on this rank (a straggler);
+- ``slow``           sleep ``seconds=X`` on this rank (a straggler); or, with ``factor=F``, sleep F
+                     times the time this step has taken so far (a device F*100% slower; fires at
+                     ``after_forward`` by default); ``until=M`` repeats it every step from S to M;
+                     ``mode=busy`` spins the CPU instead of sleeping (a slower device keeps its core
+                     busy: on an oversubscribed CPU a sleep would hand the core to its peers);
 - ``nan``            multiply this rank's loss by NaN (see ``FaultInjector.poison_loss``);
 - ``crash_in_save``  SIGKILL this rank inside the checkpoint writer, after its data file is written
                      and before the commit (a half-written checkpoint).
@@ -39,7 +43,7 @@ ALLOWED_KEYS = {
     "kill": {"point"},
     "hang": {"point", "mode"},
     "raise": {"point"},
-    "slow": {"point", "seconds"},
+    "slow": {"point", "seconds", "factor", "until", "mode"},
     "nan": set(),
     "crash_in_save": set(),
 }
@@ -57,10 +61,13 @@ class Fault:
     attempt: Optional[int] = 0  # None: every attempt
     seconds: float = 0.0
     mode: str = "stop"
+    factor: float = 0.0  # slow: sleep this times the step's time so far instead of fixed seconds
+    until: Optional[int] = None  # slow: fire on every step from `step` to `until`
 
     def matches(self, rank: int, point: str, step: int, attempt: int) -> bool:
         """True when this fault fires on `rank` at `point` of `step` in restart `attempt`."""
-        return ((self.rank is None or self.rank == rank) and self.point == point and self.step == step
+        last = self.step if self.until is None else self.until
+        return ((self.rank is None or self.rank == rank) and self.point == point and self.step <= step <= last
                 and (self.attempt is None or self.attempt == attempt))
 
 
@@ -107,26 +114,38 @@ def _parse_item(item: str) -> Fault:
 
 
 def _build_fault(item: str, action: str, fields: dict[str, str]) -> Fault:
-    point = fields.get("point", DEFAULT_POINT.get(action, "step_start"))
+    default = "after_forward" if "factor" in fields else DEFAULT_POINT.get(action, "step_start")
+    point = fields.get("point", default)
     if point not in POINTS:
         raise _spec_error(item, f"point={point!r} is not one of {', '.join(POINTS)}")
-    mode = fields.get("mode", "stop")
-    if mode not in ("stop", "sleep"):
-        raise _spec_error(item, f"mode={mode!r} is not stop or sleep")
-    seconds = 0.0
-    if action == "slow":
-        if "seconds" not in fields:
-            raise _spec_error(item, "slow needs seconds=X")
-        try:
-            seconds = float(fields["seconds"])
-        except ValueError:
-            raise _spec_error(item, f"seconds={fields['seconds']!r} is not a number") from None
-        if not seconds > 0:
-            raise _spec_error(item, f"seconds={seconds} must be > 0")
+    modes = ("sleep", "busy") if action == "slow" else ("stop", "sleep")
+    mode = fields.get("mode", modes[0])
+    if mode not in modes:
+        raise _spec_error(item, f"mode={mode!r} is not {' or '.join(modes)}")
+    seconds, factor = _slow_amount(item, fields) if action == "slow" else (0.0, 0.0)
     step = _int_field(item, "step", fields["step"])
     assert step is not None
+    until = _int_field(item, "until", fields["until"]) if "until" in fields else None
+    if until is not None and until < step:
+        raise _spec_error(item, f"until={until} is before step={step}")
     return Fault(action=action, rank=_int_field(item, "rank", fields["rank"], "all"), step=step, point=point,
-                 attempt=_int_field(item, "attempt", fields.get("attempt", "0"), "any"), seconds=seconds, mode=mode)
+                 attempt=_int_field(item, "attempt", fields.get("attempt", "0"), "any"), seconds=seconds, mode=mode,
+                 factor=factor, until=until)
+
+
+def _slow_amount(item: str, fields: dict[str, str]) -> tuple[float, float]:
+    """(seconds, factor) of a slow item: exactly one of them given, a positive number."""
+    given = [key for key in ("seconds", "factor") if key in fields]
+    if len(given) != 1:
+        raise _spec_error(item, "slow needs seconds=X or factor=F (one of them)")
+    key = given[0]
+    try:
+        value = float(fields[key])
+    except ValueError:
+        raise _spec_error(item, f"{key}={fields[key]!r} is not a number") from None
+    if not value > 0:
+        raise _spec_error(item, f"{key}={value} must be > 0")
+    return (value, 0.0) if key == "seconds" else (0.0, value)
 
 
 def parse_fault_spec(spec: Optional[str]) -> list[Fault]:
@@ -153,6 +172,7 @@ class FaultInjector:
         self.attempt = attempt
         self.faults = [f for f in faults if (f.rank is None or f.rank == rank)
                        and (f.attempt is None or f.attempt == attempt)]
+        self.step_began = time.perf_counter()  # start of the current step, for slow:factor
 
     @classmethod
     def from_config(cls, cfg: Any, rank: int, environ: Optional[Mapping[str, str]] = None) -> FaultInjector:
@@ -168,6 +188,8 @@ class FaultInjector:
 
     def at(self, point: str, step: int) -> None:
         """Fire every fault of this rank registered for `point` at `step` (nan is left to poison_loss)."""
+        if point == "step_start":
+            self.step_began = time.perf_counter()
         for fault in self.faults:
             if fault.action != "nan" and fault.matches(self.rank, point, step, self.attempt):
                 self._fire(fault, step)
@@ -202,7 +224,8 @@ class FaultInjector:
               flush=True)
 
     def _fire(self, fault: Fault, step: int) -> None:
-        self._announce(fault, step)
+        if step == fault.step:  # a repeating slow-down is announced once
+            self._announce(fault, step)
         if fault.action in ("kill", "crash_in_save"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "hang":
@@ -213,7 +236,18 @@ class FaultInjector:
         elif fault.action == "raise":
             raise RuntimeError(f"injected fault: raise on rank {self.rank} at step {step} ({fault.point})")
         elif fault.action == "slow":
-            time.sleep(fault.seconds)
+            seconds = fault.seconds or fault.factor * (time.perf_counter() - self.step_began)
+            if fault.mode == "busy":
+                _spin(seconds)
+            else:
+                time.sleep(seconds)
+
+
+def _spin(seconds: float) -> None:
+    """Keep this core busy for `seconds` of wall time."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 __all__ = ["ACTIONS", "ENV_VAR", "POINTS", "Fault", "FaultInjector", "parse_fault_spec", "restart_attempt"]

@@ -1,0 +1,1 @@
+"""`megascale report RUN_DIR`: pictures and a merged timeline of a run, written to RUN_DIR/report/."""

@@ -1,0 +1,120 @@
+"""Straggler detection: which ranks are slower than their peers, over a window of steps.
+
+In synchronous training every rank's step takes as long as the slowest one's, so
+step time alone hides a straggler: its peers wait for it inside collectives. What
+differs is how the time splits. A slow rank computes longer and waits less; its
+peers compute normally and wait longer. So each rank's *compute time* (step time
+less the time spent waiting on peers, see `StepTimes.compute_s`) is divided, step
+by step, by the median of its peers (the ranks of its pipeline stage when there
+are enough of them, else all ranks); a rank whose typical ratio over the window
+exceeds 1 + `threshold` is named."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """One rank found slow over the window: how much slower than its peers, and where it is."""
+
+    rank: int
+    host: str
+    coords: dict[str, int]
+    metric: str  # "compute_ms" or "step_ms": the one that exceeded the threshold most
+    value_ms: float  # this rank's median over the window
+    median_ms: float  # the median rank's median over the window
+    slowdown: float  # median over steps of (this rank / the step's median rank) - 1; 0.2 = 20% slower
+
+    def describe(self) -> str:
+        """One line naming the rank, its coordinates and host."""
+        where = " ".join(f"{axis}{index}" for axis, index in self.coords.items())
+        return (f"straggler: rank {self.rank} ({where}, host {self.host}) {self.metric.removesuffix('_ms')} "
+                f"{self.value_ms:.1f} ms vs median {self.median_ms:.1f} ms (+{100 * self.slowdown:.0f}%)")
+
+    def to_event(self) -> dict:
+        """Fields of its events.jsonl record."""
+        return {"host": self.host, "coords": self.coords, "metric": self.metric, "value_ms": round(self.value_ms, 3),
+                "median_ms": round(self.median_ms, 3), "slowdown": round(self.slowdown, 4)}
+
+
+def per_rank_medians(records: Iterable[dict], metric: str) -> dict[int, float]:
+    """Median of `metric` over each rank's records."""
+    values: dict[int, list[float]] = {}
+    for record in records:
+        values.setdefault(int(record["rank"]), []).append(float(record[metric]))
+    return {rank: statistics.median(vals) for rank, vals in values.items()}
+
+
+def relative_slowness(records: Iterable[dict], metric: str) -> dict[int, float]:
+    """Per rank: the median over steps of its `metric` divided by that step's median over ranks.
+
+    Normalising each step by its own median first cancels what every rank shares (a slow step
+    for all, a busy host, a checkpoint), so only what sets a rank apart from its peers remains."""
+    peers = peer_groups(records)
+    by_step: dict[tuple[int, int], dict[int, float]] = {}
+    for record in records:
+        rank = int(record["rank"])
+        by_step.setdefault((int(record["step"]), peers[rank]), {})[rank] = float(record[metric])
+    ratios: dict[int, list[float]] = {}
+    for values in by_step.values():
+        median = statistics.median(values.values())
+        if median > 0:
+            for rank, value in values.items():
+                ratios.setdefault(rank, []).append(value / median)
+    return {rank: statistics.median(r) for rank, r in ratios.items()}
+
+
+def peer_groups(records: Iterable[dict]) -> dict[int, int]:
+    """rank -> the group it is compared within: its pipeline stage when every stage has at least
+    three ranks (stages do different work: the first embeds, the last computes the loss), else one
+    group of all ranks."""
+    stage = {int(r["rank"]): int(r.get("coords", {}).get("pp", 0)) for r in records}
+    sizes: dict[int, int] = {}
+    for pp in stage.values():
+        sizes[pp] = sizes.get(pp, 0) + 1
+    if len(sizes) > 1 and min(sizes.values()) >= 3:
+        return stage
+    return dict.fromkeys(stage, 0)
+
+
+def find_stragglers(records: list[dict], threshold: float) -> list[Straggler]:
+    """Ranks whose compute or step time, relative to their peers step by step (`relative_slowness`),
+    exceeds 1 + `threshold` (0.1 = 10% slower than the median rank); slowest first. `records` are
+    timers.jsonl records of every rank over a window of steps. Needs at least three ranks: with two,
+    the median cannot tell the slow one from the fast."""
+    identity = {int(r["rank"]): (str(r.get("host", "?")), dict(r.get("coords", {}))) for r in records}
+    if len(identity) < 3 or threshold <= 0:
+        return []
+    found: dict[int, Straggler] = {}
+    for metric in ("compute_ms", "step_ms"):
+        medians = per_rank_medians(records, metric)
+        typical = statistics.median(medians.values())
+        for rank, score in relative_slowness(records, metric).items():
+            if score > 1.0 + threshold:
+                host, coords = identity[rank]
+                candidate = Straggler(rank, host, coords, metric, medians[rank], typical, score - 1.0)
+                if rank not in found or candidate.slowdown > found[rank].slowdown:
+                    found[rank] = candidate
+    return sorted(found.values(), key=lambda s: -s.slowdown)
+
+
+def phase_spread(records: list[dict]) -> tuple[str, float, float]:
+    """(slowest phase, its mean ms per step over ranks, its max/min spread across ranks in ms) of an
+    interval: the phase with the largest mean time, and how unevenly the ranks spend it."""
+    totals: dict[str, dict[int, list[float]]] = {}
+    for record in records:
+        for name, ms in record["phases_ms"].items():
+            if name != "pipeline":  # the enclosing span of forward/backward, not a phase of its own
+                totals.setdefault(name, {}).setdefault(int(record["rank"]), []).append(float(ms))
+    if not totals:
+        return "", 0.0, 0.0
+    means = {name: {rank: statistics.fmean(v) for rank, v in by_rank.items()} for name, by_rank in totals.items()}
+    slowest = max(means, key=lambda name: statistics.fmean(means[name].values()))
+    values = means[slowest].values()
+    return slowest, statistics.fmean(values), max(values) - min(values)
+
+
+__all__ = ["Straggler", "find_stragglers", "peer_groups", "per_rank_medians", "phase_spread"]
