@@ -179,8 +179,9 @@ def explain(result: SearchResult) -> list[str]:
         deltas = sorted(((n, parts.get(n, 0.0) - base.get(n, 0.0)) for n in set(parts) | set(base)),
                         key=lambda kv: -kv[1])
         worse = ", ".join(f"{n} +{d:.2f} s" for n, d in deltas[:3] if d > 0.005) or "nothing notable"
+        better = ", ".join(f"{n} {d:.2f} s" for n, d in reversed(deltas[-2:]) if d < -0.005)
         lines.append(f"#{index + 1} loses to #1 by {candidate.prediction.step_time_s - best.step_time_s:+.2f} s: "
-                     f"{worse}")
+                     f"{worse}" + (f" (gains {better})" if better else ""))
     return lines
 
 
