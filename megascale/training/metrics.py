@@ -44,13 +44,18 @@ class MetricsSink:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb: Optional[Any] = None
-        if enabled and tensorboard:
+        self._tb_wanted = enabled and tensorboard  # opened at the first record: nothing written before
+
+    def _tensorboard(self) -> Optional[Any]:
+        if self._tb_wanted and self.tb is None:
+            self._tb_wanted = False
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self.tb = SummaryWriter(str(self.path.parent / "tensorboard"))
             except Exception:  # noqa: BLE001 - tensorboard not installed: the jsonl file is the record
                 self.tb = None
+        return self.tb
 
     def write(self, rec: dict) -> None:
         """Append one record (and its scalars to TensorBoard)."""
@@ -58,10 +63,11 @@ class MetricsSink:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
+        tb = self._tensorboard()
+        if tb is not None:
             for key, value in rec.items():
                 if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, rec["step"])
+                    tb.add_scalar(key, value, rec["step"])
 
     def print(self, line: str) -> None:
         """Print a log line on the logging rank."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from megascale.config import Config, ConfigError, save_config
+from megascale.config import Config, ConfigError
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext
@@ -23,6 +23,7 @@ from megascale.training.fault import numerics
 from megascale.training.fault.inject import FaultInjector
 from megascale.training.fault.progress import Progress
 from megascale.training.metrics import MetricsSink, format_line
+from megascale.training.run_dir import write_run_config
 from megascale.training.step import evaluate, forward_backward
 
 if TYPE_CHECKING:  # built lazily below: these pull in the heavy optimizer/checkpoint stacks
@@ -31,12 +32,17 @@ if TYPE_CHECKING:  # built lazily below: these pull in the heavy optimizer/check
     from megascale.training.fault.lifecycle import RunLifecycle
 
 
-def resolve_device(cfg: Config) -> torch.device:
-    """cuda when asked for or available (auto), else cpu; one clear error if cuda is asked for but absent."""
+def device_type(cfg: Config) -> str:
+    """'cuda' when asked for or available (auto), else 'cpu'; one clear error if cuda is asked for but absent."""
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    if want == "cpu" or not torch.cuda.is_available():
+    return "cpu" if want == "cpu" or not torch.cuda.is_available() else "cuda"
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    """This rank's device: see device_type; a CUDA rank takes the GPU of its LOCAL_RANK."""
+    if device_type(cfg) == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
     torch.cuda.set_device(local)
@@ -97,11 +103,6 @@ class Trainer:
         numerics.validate(cfg)
         self.run_dir = Path(cfg.train.output_dir)
         self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard)
-        if self.ctx.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
-        if self.ctx.is_logging_rank:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rng = seed_everything(cfg.train.seed, self.ctx.tp_rank, self.ctx.pp_rank, self.device, self.ctx.cp_rank)
         if self.ctx.pp_size > 1 and self.ctx.pp_group is not None:
             # NCCL: the first op on the pp group must include every member, not a batched p2p.
@@ -128,6 +129,10 @@ class Trainer:
         self.peak = device_peak(self.device, cfg.train.peak_tflops)
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.memory_estimate_gb = 0.0
+        if self.ctx.rank == 0:  # written once the model, the checkpoint and the data have all loaded
+            write_run_config(cfg, self.run_dir)
+        if self.ctx.is_logging_rank:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self._announce()
         self.lifecycle = self._build_fault_lifecycle()
 
