@@ -201,7 +201,7 @@ class Trainer:
             return
         params = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
         lines = [f"megascale: {self.ctx.describe()} | device {self.peak.device_name} | "
-                 f"peak {self.peak.tflops:.3g} TFLOP/s ({self.peak.source})",
+                 f"peak {self.peak.tflops:.3g} TFLOP/s ({self.peak.label})",
                  f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
                  f"{params / 1e6:.2f}M params on this rank | {self.plan.num_microbatches} micro-batches/step | "
                  f"{self.flops_per_token / 1e9:.3f} GFLOP/token"]
