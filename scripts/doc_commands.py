@@ -27,6 +27,9 @@ import yaml
 
 GPUS_PER_NODE = 8  # scripts/slurm/train.sbatch's default GPUS_PER_NODE
 _FENCE = re.compile(r"^```(\w*)\s*$")
+# In a block without a language tag, only lines starting with one of these count as commands.
+COMMAND_WORDS = ("megascale", "python", "torchrun", "sbatch", "srun", "pip", "kubectl", "docker", "ruff", "mypy",
+                 "scripts/")
 
 
 @dataclass
@@ -39,17 +42,30 @@ class Launch:
 
 
 def doc_commands(path: Path) -> list[str]:
-    """Commands of the ```bash blocks of a Markdown file, in order."""
-    commands, in_bash = [], False
+    """Commands of a Markdown file's code blocks, in order: every line of a ```bash block, and the lines of an
+    untagged block that start with a command (COMMAND_WORDS)."""
+    commands, block, pending = [], None, ""
     for line in Path(path).read_text().splitlines():
         fence = _FENCE.match(line.strip())
         if fence:
-            in_bash = not in_bash and fence.group(1) in ("bash", "sh", "shell")
+            block = fence.group(1) if block is None else None
             continue
         text = line.strip()
-        if in_bash and text and not text.startswith("#"):
-            commands.append(text)
+        if block is None or not text or (text.startswith("#") and not pending):
+            continue
+        if block not in ("bash", "sh", "shell") and not (pending or _is_command(text)):
+            continue
+        if text.endswith("\\"):  # a continued command: joined into one line
+            pending += text[:-1]
+            continue
+        commands.append(pending + text)
+        pending = ""
     return commands
+
+
+def _is_command(text: str) -> bool:
+    words = [w for w in text.split() if not re.match(r"^[A-Z_][A-Z0-9_]*=", w)]  # VAR=value prefixes
+    return bool(words) and (words[0] in COMMAND_WORDS or words[0].startswith("scripts/"))
 
 
 def sbatch_examples(path: Path) -> list[str]:
@@ -74,7 +90,7 @@ def launch_of(command: str) -> Optional[Launch]:
     """(world, config, overrides) of a torchrun / sbatch / `megascale train` command line (the first one
     of an `a && b` chain); None when it launches no training."""
     for part in command.split("&&"):
-        launch = _from_tokens(shlex.split(part))
+        launch = _from_tokens(shlex.split(part, comments=True))
         if launch is not None:
             return launch
     return None
