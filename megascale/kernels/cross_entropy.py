@@ -68,13 +68,20 @@ class _ReferenceCrossEntropy(torch.autograd.Function):
         # softmax of the whole vocab = local softmax * exp(local_lse - lse); 1 at tp=1
         ctx.save_for_backward(softmax, (local_lse - lse).exp(), index, owned, valid)
         ctx.logits_dtype = logits.dtype
+        ctx.used = False
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
+        if ctx.used:
+            raise RuntimeError("backward ran twice through vocab_parallel_cross_entropy_reference: its saved "
+                               "softmax becomes the gradient in place; recompute the loss for a second backward")
+        ctx.used = True
         softmax, rescale, index, owned, valid = ctx.saved_tensors
         coeff = grad.float() * valid
-        dlogits = softmax * (rescale * coeff).unsqueeze(-1)
+        # In place: the softmax is this function's own buffer, and a fresh n x V_local one would cost a
+        # full pass of page faults on CPU.
+        dlogits = softmax.mul_((rescale * coeff).unsqueeze(-1))
         dlogits.scatter_add_(-1, index.unsqueeze(-1), -(coeff * owned).unsqueeze(-1))
         return dlogits.to(ctx.logits_dtype), None, None, None
 
