@@ -1,4 +1,4 @@
-"""Command line: megascale train | preprocess | convert | generate | plan | doctor | bench | report.
+"""Command line: megascale train | preprocess | convert | generate | plan | config | doctor | bench | report.
 
 Each subcommand lives in its own module exposing ``main(argv) -> int``; this file
 only dispatches. User errors (ConfigError, UserError) are printed as one line
@@ -8,6 +8,7 @@ with no traceback and exit code 2.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from typing import Optional
@@ -20,8 +21,9 @@ COMMANDS = {
     "convert": ("megascale.checkpoint.convert", "convert checkpoints to/from HuggingFace format"),
     "generate": ("megascale.generate", "sample a continuation from a trained checkpoint"),
     "plan": ("megascale.perf.plan", "estimate memory and time of a layout"),
+    "config": ("megascale.show_config", "print the resolved config: every key with its value, help and default"),
     "doctor": ("megascale.doctor", "check the environment, every device and every communication group"),
-    "bench": ("megascale.bench", "benchmarks: tp, pipeline, dp, kernels, mfu, checkpoint"),
+    "bench": ("megascale.bench", "benchmarks: tp, pipeline, dp, kernels, mfu, checkpoint, hf, startup, calibrate"),
     "report": ("megascale.report.cli", "plots, rank x step heat map and merged timeline of a run directory"),
 }
 
@@ -60,6 +62,9 @@ def run_user_command(fn: Callable[[list[str]], Optional[int]], argv: list[str]) 
     except KeyboardInterrupt:
         print("megascale: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like: the reader took what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

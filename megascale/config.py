@@ -472,9 +472,9 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     return cfg
 
 
-def config_from_dict(data: dict) -> Config:
-    """Build and validate a Config from a nested dict (e.g. a checkpoint's saved config)."""
-    cfg = _build(Config, data, "")
+def config_from_dict(data: dict, overrides: Optional[list[str]] = None) -> Config:
+    """Build and validate a Config from a nested dict (e.g. a checkpoint's saved config) and dotted overrides."""
+    cfg = _build(Config, _merge(data, parse_overrides(overrides or [])), "")
     validate(cfg)
     return cfg
 

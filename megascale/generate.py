@@ -20,6 +20,28 @@ if TYPE_CHECKING:  # imported where used: `megascale generate --help` stays fast
     from megascale.model.gpt import GPTChunk
 
 
+def stored_config(run_dir: Path, checkpoint: Optional[Path], overrides: list[str],
+                  fallback: Optional[Path] = None) -> Config:
+    """The config saved with the checkpoint that will be loaded (`fallback`, by default the run's
+    config.yaml, only for a checkpoint that stores none): a later command that changed config.yaml
+    cannot make the checkpoint unreadable."""
+    from megascale.checkpoint.manager import resolve_checkpoint
+    from megascale.checkpoint.reader import load_metadata
+    from megascale.config import config_from_dict
+
+    if not run_dir.is_dir() and checkpoint is None:
+        raise UserError(f"run directory '{run_dir}' not found; pass --run with the train.output_dir of a finished run")
+    step_dir = resolve_checkpoint(checkpoint if checkpoint is not None else run_dir)
+    stored = load_metadata(step_dir).get("config")
+    if isinstance(stored, dict):
+        return config_from_dict(stored, overrides)
+    config_path = fallback or run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"{step_dir} stores no config and '{config_path}' is missing; pass --run with the "
+                        "train.output_dir of the run that wrote it")
+    return load_config(config_path, overrides)
+
+
 def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None,
                              device: str = "cpu") -> tuple[Config, GPTChunk, int]:
     """Build the run's model with tp=pp=1 and load the newest complete checkpoint into it (resharded)."""
@@ -28,16 +50,14 @@ def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None,
     from megascale.distributed.topology import ParallelContext, RankLayout
     from megascale.model import build_model
 
-    config_path, checkpoints = run_dir / "config.yaml", run_dir / "checkpoints"
-    if not config_path.is_file() and (run_dir / "model.yaml").is_file():
-        config_path, checkpoints = run_dir / "model.yaml", run_dir  # a `convert --from-hf` output
-    if not config_path.is_file():
-        raise UserError(f"'{config_path}' not found; pass --run with the train.output_dir of a finished run "
-                        "or the output directory of `megascale convert --from-hf`")
-    cfg = load_config(config_path, ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.cp=1",
-                                    "parallel.dp=1", "parallel.sequence_parallel=false", "parallel.tp_overlap=false",
-                                    "parallel.pipeline_layers=null", "train.dtype=fp32", "train.recompute=none",
-                                    f"train.device={device}"])
+    checkpoints, fallback = run_dir / "checkpoints", run_dir / "config.yaml"
+    if not fallback.is_file() and (run_dir / "model.yaml").is_file():
+        checkpoints, fallback = run_dir, run_dir / "model.yaml"  # a `convert --from-hf` output
+    cfg = stored_config(run_dir, checkpoint, ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.cp=1",
+                                              "parallel.dp=1", "parallel.sequence_parallel=false",
+                                              "parallel.tp_overlap=false", "parallel.pipeline_layers=null",
+                                              "train.dtype=fp32", "train.recompute=none", f"train.device={device}"],
+                        fallback)
     ctx = ParallelContext(RankLayout(), rank=0, device=torch.device(device), create_groups=False)
     chunk = build_model(cfg, ctx)[0]
     manager = CheckpointManager(checkpoints, ctx, cfg)

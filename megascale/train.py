@@ -60,12 +60,15 @@ def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
         start_watchdog,
     )
     from megascale.training.fault.worker import exit_after_hang, worker_process
+    from megascale.training.run_dir import preflight
     from megascale.training.run_lock import run_lock
-    from megascale.training.trainer import Trainer, check_data_paths
+    from megascale.training.trainer import Trainer
 
     if backend is None and cfg.train.device == "cpu":
         backend = "gloo"
-    check_data_paths(cfg)  # nothing is written to the run directory before this check
+    # Nothing is written to the run directory before these checks; an elastic restart (attempt > 0)
+    # may find the run finished by the attempt before it.
+    preflight(cfg, first_attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
     env = read_dist_env()
     lock = run_lock(cfg.train.output_dir, env.rank, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s)
     with lock, worker_process(env.rank, cfg.train.output_dir, env.world_size) as fault_state:
@@ -106,12 +109,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc} must be >= 1")
         from megascale.run_plan import resolve_plan
-        from megascale.training.trainer import check_data_paths
+        from megascale.training.run_dir import preflight
 
-        resolve_plan(cfg, args.nproc)  # a layout error fails here, once, before any worker starts
-        check_data_paths(cfg)
         if args.max_restarts < 0:
             raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+        resolve_plan(cfg, args.nproc)  # a layout error fails here, once, before any worker starts
+        preflight(cfg)  # so do the run directory's checks: the launcher writes there next
         from megascale.training.run_lock import launcher_lock
 
         with launcher_lock(cfg.train.output_dir, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s):

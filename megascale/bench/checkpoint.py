@@ -279,6 +279,11 @@ def main(argv: list[str]) -> int:
         from megascale.errors import UserError
 
         raise UserError("--rounds must be at least 1")
+    if args.dir is not None and not Path(args.dir).is_dir():
+        from megascale.errors import UserError
+
+        raise UserError(f"--dir '{args.dir}' is not an existing directory; create it first or leave --dir out "
+                        "(a temporary directory is used)")
     import torch.multiprocessing as mp
 
     workdir = Path(tempfile.mkdtemp(prefix="megascale-bench-ckpt-", dir=args.dir))

@@ -171,6 +171,7 @@ class GPTDataset:
         begin, end = doc_range
         documents = np.arange(begin, end, dtype=np.int64)
         tokens_per_epoch = int(indexed.sizes[begin:end].sum())
+        self.tokens_per_epoch = tokens_per_epoch
         if tokens_per_epoch == 0:
             raise UserError(f"the {name} split of {indexed.prefix} (documents {begin}..{end}) holds no tokens; "
                             f"adjust data.split or add data")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -293,6 +294,24 @@ def build_datasets(cfg: Config, num_samples: tuple[int, int, int]) -> list[Optio
                                 num_samples, cache_dir)
 
 
+def data_warnings(cfg: Config, datasets: list[Optional[SampleDataset]]) -> list[str]:
+    """Data a run accepts but probably did not mean, one line each with what to do."""
+    lines = []
+    train = datasets[0]
+    members = getattr(train, "datasets", [train]) if train is not None else []
+    tokens = sum(int(getattr(m, "tokens_per_epoch", 0)) for m in members)
+    seq = cfg.model.seq_length
+    if members and tokens <= seq:
+        lines.append(f"the training split holds {tokens} tokens, less than one sequence (model.seq_length {seq} "
+                     "+ 1): every sample repeats the same text; add data (megascale preprocess) or lower "
+                     "model.seq_length")
+    if cfg.train.eval_interval and datasets[1] is None:
+        lines.append(f"train.eval_interval={cfg.train.eval_interval} but the validation split is empty "
+                     f"(data.split={cfg.data.split!r}): no validation loss will be logged; give validation a part "
+                     "of data.split (e.g. 98,2,0) over enough documents, or set train.eval_interval=0")
+    return lines
+
+
 def _share_status(ok: bool, flags: list[int], src: int, group: Any, device: torch.device) -> list[int]:
     """Broadcast [ok, *flags] from src over group; returns the received flags."""
     status = torch.tensor([int(ok), *flags], dtype=torch.int64, device=device)
@@ -329,6 +348,8 @@ def build_data(cfg: Config, ctx: ParallelContext, consumed_samples: int = 0, *,
     if ctx.rank == 0:
         try:
             datasets = build_datasets(cfg, wanted)
+            for line in data_warnings(cfg, datasets):
+                print(f"megascale: warning: {line}", file=sys.stderr, flush=True)
         except Exception as err:  # noqa: BLE001 - shared below so no rank waits forever on a failed builder
             error = err
     if distributed:

@@ -37,33 +37,52 @@ def _flatten(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _ReferenceCrossEntropy(torch.autograd.Function):
-    """Plain PyTorch vocab-parallel cross entropy with torch.distributed all-reduces."""
+    """Plain PyTorch vocab-parallel cross entropy with torch.distributed all-reduces.
+
+    Few passes over the n x V_local logits, because on CPU each pass costs about as much as a
+    layer's matmul at demo shapes: one max, one fused softmax (torch's row-wise kernel, which keeps
+    a row in cache), one multiply in the backward. The shard's log-sum-exp comes from the softmax
+    at the row's argmax (a probability >= 1/V_local, so its log is exact to fp32 rounding), ranks
+    combine their log-sum-exps with two n-sized all-reduces, and the backward rescales the local
+    softmax by exp(local_lse - lse) instead of recomputing it.
+    """
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor, vocab_start: int, group: Optional[Any]) -> Tensor:
         vocab = logits.shape[-1]
         x = logits.float()
-        global_max = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
-        shifted = x - global_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+        row_max, argmax = x.max(dim=-1)
+        softmax = torch.softmax(x, dim=-1)
+        local_lse = row_max - softmax.gather(-1, argmax.unsqueeze(-1)).squeeze(-1).log()
+        if group is None:
+            lse = local_lse
+        else:
+            global_max = _all_reduce(local_lse.clone(), dist.ReduceOp.MAX, group)
+            lse = global_max + _all_reduce((local_lse - global_max).exp(), dist.ReduceOp.SUM, group).log()
         local = labels - vocab_start
         owned = (labels >= 0) & (local >= 0) & (local < vocab)
         index = torch.where(owned, local, torch.zeros_like(local))
-        target = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * owned
-        target = _all_reduce(target, dist.ReduceOp.SUM, group)
+        target = _all_reduce(x.gather(-1, index.unsqueeze(-1)).squeeze(-1) * owned, dist.ReduceOp.SUM, group)
         valid = labels >= 0
-        loss = torch.where(valid, sum_exp.log() - target, torch.zeros_like(target))
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, owned, valid)
+        loss = torch.where(valid, lse - target, torch.zeros_like(target))
+        # softmax of the whole vocab = local softmax * exp(local_lse - lse); 1 at tp=1
+        ctx.save_for_backward(softmax, (local_lse - lse).exp(), index, owned, valid)
         ctx.logits_dtype = logits.dtype
+        ctx.used = False
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        softmax, index, owned, valid = ctx.saved_tensors
-        dlogits = softmax.clone()
-        dlogits.scatter_add_(-1, index.unsqueeze(-1), -owned.to(dlogits.dtype).unsqueeze(-1))
-        dlogits *= (grad.float() * valid).unsqueeze(-1)
+        if ctx.used:
+            raise RuntimeError("backward ran twice through vocab_parallel_cross_entropy_reference: its saved "
+                               "softmax becomes the gradient in place; recompute the loss for a second backward")
+        ctx.used = True
+        softmax, rescale, index, owned, valid = ctx.saved_tensors
+        coeff = grad.float() * valid
+        # In place: the softmax is this function's own buffer, and a fresh n x V_local one would cost a
+        # full pass of page faults on CPU.
+        dlogits = softmax.mul_((rescale * coeff).unsqueeze(-1))
+        dlogits.scatter_add_(-1, index.unsqueeze(-1), -(coeff * owned).unsqueeze(-1))
         return dlogits.to(ctx.logits_dtype), None, None, None
 
 

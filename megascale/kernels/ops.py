@@ -167,6 +167,13 @@ class KernelOps:
             return swiglu.swiglu_cuda(ext, gate, up)
         return swiglu.swiglu_reference(gate, up)
 
+    def swiglu_packed(self, h: Tensor) -> Tensor:
+        """silu(h[..., 0, :]) * h[..., 1, :] for the fused gate/up output h [..., 2, f]."""
+        ext = self._extension(h)
+        if ext is not None:
+            return swiglu.swiglu_cuda(ext, h[..., 0, :], h[..., 1, :])
+        return swiglu.swiglu_packed_reference(h)
+
     def bias_gelu(self, x: Tensor, bias: Optional[Tensor]) -> Tensor:
         """gelu_tanh(x + bias); bias may be None."""
         ext = self._extension(x, bias)

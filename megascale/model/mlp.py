@@ -32,7 +32,7 @@ class MLP(nn.Module):
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
         h = self.fc1(x)
         if self.swiglu:
-            h = self.ops.swiglu(h[..., 0, :], h[..., 1, :])
+            h = self.ops.swiglu_packed(h)
         elif self.exact_gelu:
             h = F.gelu(h)
         else:

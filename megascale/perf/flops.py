@@ -149,6 +149,12 @@ class Peak:
     tflops: float
     source: str  # "table", "config" or "measured"
     device_name: str
+    note: str = ""  # for a measured peak: whether it was read from the cache or measured now
+
+    @property
+    def label(self) -> str:
+        """Where the number came from, as the log shows it."""
+        return f"{self.source}, {self.note}" if self.note else self.source
 
 
 def device_peak(device: torch.device, configured: Optional[float] = None, measure_size: int = 1024) -> Peak:
@@ -165,7 +171,10 @@ def device_peak(device: torch.device, configured: Optional[float] = None, measur
     tflops = table_peak(name)
     if tflops is not None:
         return Peak(tflops, "table", name)
-    return Peak(measure_matmul_tflops(device, measure_size), "measured", name)
+    from megascale.perf.peak_cache import cached_measurement
+
+    measured, note = cached_measurement(device, name, measure_size, measure_matmul_tflops)
+    return Peak(measured, "measured", name, note)
 
 
 def table_peak(device_name: str) -> Optional[float]:

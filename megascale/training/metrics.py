@@ -65,10 +65,17 @@ class MetricsSink:
         self.path = run_dir / "metrics.jsonl"
         self._write_failed = False
         self.scalar_sinks: list[ScalarSink] = []
-        if not enabled:
+        # Sinks open at the first record, so a command refused by its checks writes nothing.
+        self._sinks_wanted = enabled
+        self._tensorboard, self._cfg = tensorboard, cfg
+
+    def _open_sinks(self) -> None:
+        if not self._sinks_wanted:
             return
-        opened = [open_tensorboard(run_dir, self.print) if tensorboard else None,
-                  open_wandb(run_dir, cfg, self.print) if cfg is not None else None]
+        self._sinks_wanted = False
+        run_dir = self.path.parent
+        opened = [open_tensorboard(run_dir, self.print) if self._tensorboard else None,
+                  open_wandb(run_dir, self._cfg, self.print) if self._cfg is not None else None]
         self.scalar_sinks = [sink for sink in opened if sink is not None]
 
     def write(self, rec: dict) -> None:
@@ -87,6 +94,7 @@ class MetricsSink:
         if self._write_failed:
             print(f"megascale: {self.path} is writable again; metrics records resume", file=sys.stderr, flush=True)
             self._write_failed = False
+        self._open_sinks()
         scalars = numeric_scalars(rec)
         for sink in self.scalar_sinks:
             sink.log(scalars, int(rec["step"]))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from megascale.config import Config, ConfigError, save_config
+from megascale.config import Config, ConfigError
 from megascale.data.tokenizer import check_tokenizer
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sharding import TensorShard, param_shard
@@ -26,6 +26,7 @@ from megascale.training.fault.inject import FaultInjector
 from megascale.training.fault.progress import Progress
 from megascale.training.metrics import MetricsSink, elapsed_and_eta, format_line
 from megascale.training.profiling import StepProfiler
+from megascale.training.run_dir import write_run_config
 from megascale.training.step import evaluate, forward_backward
 from megascale.training.timer_log import TimerLog
 
@@ -35,12 +36,17 @@ if TYPE_CHECKING:  # built lazily below: these pull in the heavy optimizer/check
     from megascale.training.fault.lifecycle import RunLifecycle
 
 
-def resolve_device(cfg: Config) -> torch.device:
-    """cuda when asked for or available (auto), else cpu; one clear error if cuda is asked for but absent."""
+def device_type(cfg: Config) -> str:
+    """'cuda' when asked for or available (auto), else 'cpu'; one clear error if cuda is asked for but absent."""
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    if want == "cpu" or not torch.cuda.is_available():
+    return "cpu" if want == "cpu" or not torch.cuda.is_available() else "cuda"
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    """This rank's device: see device_type; a CUDA rank takes the GPU of its LOCAL_RANK."""
+    if device_type(cfg) == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
     torch.cuda.set_device(local)
@@ -103,11 +109,6 @@ class Trainer:
         self.run_dir = Path(cfg.train.output_dir)
         self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard, cfg)
         self.timers = PhaseTimers(cfg.log.timers, self.device)  # passed to everything that runs a phase
-        if self.ctx.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
-        if self.ctx.is_logging_rank:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rng = seed_everything(cfg.train.seed, self.ctx.tp_rank, self.ctx.pp_rank, self.device, self.ctx.cp_rank)
         if self.ctx.pp_size > 1 and self.ctx.pp_group is not None:
             # NCCL: the first op on the pp group must include every member, not a batched p2p.
@@ -138,6 +139,10 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.causal_halved_flops_per_token = causal_halved_train_flops_per_token(cfg.model)
         self.memory_estimate_gb = 0.0
+        if self.ctx.rank == 0:  # written once the model, the checkpoint and the data have all loaded
+            write_run_config(cfg, self.run_dir)
+        if self.ctx.is_logging_rank:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self._announce()
         self.lifecycle = self._build_fault_lifecycle()
 
@@ -217,7 +222,7 @@ class Trainer:
             return
         params = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
         lines = [f"megascale: {self.ctx.describe()} | device {self.peak.device_name} | "
-                 f"peak {self.peak.tflops:.3g} TFLOP/s ({self.peak.source})",
+                 f"peak {self.peak.tflops:.3g} TFLOP/s ({self.peak.label})",
                  f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
                  f"{params / 1e6:.2f}M params on this rank | {self.plan.num_microbatches} micro-batches/step | "
                  f"{self.flops_per_token / 1e9:.3f} GFLOP/token"]

@@ -1,0 +1,130 @@
+"""Checks a training command makes before it writes anything into the run directory.
+
+A command that fails, or has nothing to do, must leave ``train.output_dir`` byte
+for byte as it found it: the stored ``config.yaml`` and checkpoints describe the
+run that produced them, and ``generate``/``convert`` rely on that. So every
+check that can refuse a run without building the model happens here, once, in
+the process that starts the run (the launcher before it spawns workers, or the
+single process / each torchrun rank before the watchdog, the process group and
+the trainer touch the directory):
+
+- the output directory can be a directory and can be written;
+- the precision and fault settings are usable on this machine;
+- the training data exists;
+- a run the directory already holds is the same model, and is not finished.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from megascale.config import Config, ConfigError
+from megascale.errors import UserError
+
+
+def check_output_dir(output_dir: str) -> None:
+    """The run directory is (or can become) a writable directory; one line naming the fix otherwise."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"train.output_dir '{output_dir}' is a file, not a directory; "
+                          "set train.output_dir to a directory path")
+    existing = path
+    while not existing.exists():  # the nearest existing ancestor is where the directory would be created
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise ConfigError(f"train.output_dir '{output_dir}' cannot be created: '{existing}' is a file; "
+                          "set train.output_dir to a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.output_dir '{output_dir}' is not writable ('{existing}' denies this user); "
+                          "set train.output_dir to a writable directory")
+
+
+def stored_checkpoint(cfg: Config) -> Optional[Path]:
+    """The checkpoint this run would start from: checkpoint.load, else the newest complete one in output_dir
+    when checkpoint.resume (None when it would start fresh)."""
+    from megascale.checkpoint.format import complete_checkpoints
+    from megascale.checkpoint.manager import resolve_checkpoint
+
+    c = cfg.checkpoint
+    if c.load:
+        return resolve_checkpoint(Path(c.load))
+    if not c.resume:
+        return None
+    found = complete_checkpoints(Path(cfg.train.output_dir) / "checkpoints")
+    return found[0] if found else None
+
+
+def shape_differences(stored_tensors: dict, cfg: Config) -> list[str]:
+    """Parameters of cfg's model that the checkpoint lacks or holds with another global shape."""
+    from megascale.model.params import param_table
+
+    out = []
+    for name, shape in param_table(cfg.model).shapes().items():
+        record = stored_tensors.get(name)
+        if record is None:
+            out.append(f"{name} missing there")
+        elif tuple(record.get("global_shape", ())) != tuple(shape):
+            out.append(f"{name} {tuple(record['global_shape'])} there, {tuple(shape)} here")
+    return out
+
+
+def model_differences(stored: dict, model: dict) -> list[str]:
+    """`model.key stored there, asked here` for every model key whose value differs."""
+    return [f"model.{key} {stored[key]!r} there, {value!r} here" for key, value in model.items()
+            if key in stored and stored[key] != value]
+
+
+def check_resume(cfg: Config, first_attempt: bool = True) -> None:
+    """The checkpoint the run would load fits the model, and (on a first attempt) has steps left to run.
+
+    `first_attempt` False (an elastic restart) skips the "already complete" check: a group restarted
+    after its final checkpoint then ends as it would have, instead of failing.
+    """
+    from megascale.checkpoint.format import parse_step
+    from megascale.checkpoint.reader import load_metadata
+
+    step_dir = stored_checkpoint(cfg)
+    if step_dir is None:
+        return
+    meta = load_metadata(step_dir)
+    shapes = shape_differences(meta.get("tensors", {}), cfg)
+    if shapes:
+        stored_model = meta.get("config", {}).get("model")
+        keys = model_differences(stored_model, cfg.to_dict()["model"]) if isinstance(stored_model, dict) else []
+        where = f"checkpoint '{step_dir}'" if cfg.checkpoint.load else f"train.output_dir '{cfg.train.output_dir}'"
+        raise UserError(f"{where} holds a different model ({'; '.join((keys or shapes)[:3])}); use a new "
+                        "train.output_dir, or that run's model settings to continue it")
+    step = parse_step(step_dir)
+    if first_attempt and not cfg.checkpoint.load and step is not None and step >= cfg.train.steps:
+        raise UserError(f"run already complete at step {step}; raise train.steps or use a new train.output_dir "
+                        f"(now '{cfg.train.output_dir}')")
+
+
+def check_runtime(cfg: Config) -> None:
+    """Settings this machine cannot run (device, precision, fault policy) and missing data, without building."""
+    import torch
+
+    from megascale.training.fault import numerics
+    from megascale.training.trainer import device_type, validate_runtime
+
+    validate_runtime(cfg, torch.device(device_type(cfg)))
+    numerics.validate(cfg)
+
+
+def preflight(cfg: Config, first_attempt: bool = True) -> None:
+    """Every check above; raises ConfigError/UserError (one line, exit code 2) before anything is written."""
+    check_output_dir(cfg.train.output_dir)
+    check_runtime(cfg)
+    check_resume(cfg, first_attempt)
+
+
+def write_run_config(cfg: Config, run_dir: Path) -> None:
+    """Record the resolved config once the run has passed every check (rank 0 only)."""
+    from megascale.config import save_config
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
