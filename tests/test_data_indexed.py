@@ -98,7 +98,8 @@ def _patch_index(prefix, sizes, offsets) -> None:
     ([5, 3, 2], [0, 5, 2**62], "document 2 (size 2, offset 4611686018427387904) ends past the 10 tokens"),
 ])
 def test_index_sizes_and_offsets_are_validated(tmp_path, sizes, offsets, problem):
-    builder = IndexedDatasetBuilder(tmp_path / "d", vocab_size=100)
+    # megascale's own index stores token sizes and offsets directly, so they can be patched in place
+    builder = IndexedDatasetBuilder(tmp_path / "d", vocab_size=100, fmt="megascale")
     for n in (5, 3, 2):
         builder.add_document(np.arange(n))
     builder.finalize()
