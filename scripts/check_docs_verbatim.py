@@ -54,10 +54,13 @@ def skip_reason(command: str) -> Optional[str]:
         return "synopsis with placeholders"  # first: a synopsis may name GPU options too
     if any(word in text for word in GPU_OR_CLUSTER):
         return "needs GPUs, a cluster or a container tool"
-    if "-m gpu" in text or "--dtype bf16" in text or "bench mfu" in text or re.search(r"bench tp .*--hidden", text):
+    if ("-m gpu" in text or "--dtype bf16" in text or "bench mfu" in text or "bench calibrate" in text
+            or re.search(r"bench tp .*--hidden", text)):
         return "GPU benchmark or GPU tests"
     if "fault.inject" in text or "MEGASCALE_FAULT" in text or "fault_drill" in text:
         return "fault drill (tests/test_fault_*.py and scripts/fault_drill.py run these)"
+    if words[:2] == ["megascale", "report"] and "runs/drill" in words:
+        return "reports the fault drill's run (tests/test_observability.py runs the drill and the report)"
     if words and words[0] == "megascale" and "preprocess" in words:
         inputs = words[words.index("--input") + 1] if "--input" in words else ""
         if not inputs or not list(ROOT.glob(inputs)):
