@@ -29,6 +29,25 @@ def _scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
 
 
+def _rows(section: Any, indent: str) -> list[tuple[str, str]]:
+    """(left, comment) rows of one section; a nested section (e.g. log.wandb) gets its own indented rows."""
+    rows: list[tuple[str, str]] = []
+    for f in dataclasses.fields(section):
+        name = f.metadata.get("alias", f.name)
+        value, default = getattr(section, f.name), _default(f)
+        note = f.metadata.get("help", "")
+        if dataclasses.is_dataclass(value):
+            rows.append((f"{indent}{name}:", f"# {note}"))
+            rows += _rows(value, indent + "  ")
+            continue
+        extra = f"default: {_scalar(default)}"
+        if "choices" in f.metadata:
+            extra += "; one of: " + ", ".join(str(c) for c in f.metadata["choices"])
+        mark = "* " if value != default else ""
+        rows.append((f"{indent}{name}: {_scalar(value)}", f"# {mark}{note} ({extra})"))
+    return rows
+
+
 def render(cfg: Config) -> list[str]:
     """Lines of YAML: each section, then `key: value  # [*] help (default: d; one of: ...)`."""
     lines: list[str] = []
@@ -36,16 +55,7 @@ def render(cfg: Config) -> list[str]:
         section = getattr(cfg, section_field.name)
         doc = (type(section).__doc__ or "").strip().splitlines()[0]
         lines.append(f"{section_field.name}:  # {doc}")
-        rows = []
-        for f in dataclasses.fields(section):
-            name = f.metadata.get("alias", f.name)
-            value, default = getattr(section, f.name), _default(f)
-            note = f.metadata.get("help", "")
-            extra = f"default: {_scalar(default)}"
-            if "choices" in f.metadata:
-                extra += "; one of: " + ", ".join(str(c) for c in f.metadata["choices"])
-            mark = "* " if value != default else ""
-            rows.append((f"  {name}: {_scalar(value)}", f"# {mark}{note} ({extra})"))
+        rows = _rows(section, "  ")
         width = max(len(left) for left, _ in rows) + 2
         lines += [f"{left:<{width}}{right}" for left, right in rows]
     return lines

@@ -65,10 +65,14 @@ def test_documented_launch_fits_its_world(doc: str, command: str, capsys: pytest
 
 
 def test_documented_plan_commands_run_verbatim(capsys: pytest.CaptureFixture) -> None:
-    plans = [cmd for path in DOCS for cmd in doc_commands.doc_commands(path) if cmd.startswith("megascale plan ")]
-    assert plans
-    for cmd in plans:
-        assert cli_main(shlex.split(cmd)[1:]) == 0, cmd
+    # --search and --reproduce are minutes of CPU and have their own tests (tests/test_planner.py);
+    # a synopsis with placeholders (F, N, FILE) is not a command
+    plans = [shlex.split(cmd, comments=True)[1:] for path in DOCS for cmd in doc_commands.doc_commands(path)
+             if cmd.startswith("megascale plan ")]
+    runnable = [argv for argv in plans if not {"--search", "--reproduce", "F", "N", "--gpu-spec"} & set(argv)]
+    assert runnable
+    for argv in runnable:
+        assert cli_main(argv) == 0, argv
     capsys.readouterr()
 
 

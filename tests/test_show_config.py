@@ -18,18 +18,26 @@ def test_printed_config_is_the_resolved_config(tmp_path: Path, capsys: pytest.Ca
     (tmp_path / "printed.yaml").write_text(text)
     assert load_config(tmp_path / "printed.yaml") == load_config("configs/tiny.yaml", overrides)
     lines: dict[str, str] = {}
-    section = ""
+    path: list[str] = []
     for line in text.splitlines():
-        if line.startswith("  "):
-            lines[f"{section}.{line.split(':', 1)[0].strip()}"] = line
-        else:
-            section = line.split(":", 1)[0]
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        key = line.split(":", 1)[0].strip()
+        path = [*path[:depth], key]
+        lines[".".join(path)] = line
+
+    def leaves(section: object, prefix: str) -> list[tuple[str, dataclasses.Field]]:
+        out = []
+        for f in dataclasses.fields(section):  # type: ignore[arg-type]
+            key = f"{prefix}.{f.metadata.get('alias', f.name)}"
+            value = getattr(section, f.name)
+            out += leaves(value, key) if dataclasses.is_dataclass(value) else [(key, f)]
+        return out
+
     defaults = Config()
-    for part in dataclasses.fields(Config):
-        for f in dataclasses.fields(getattr(defaults, part.name)):
-            key = f"{part.name}.{f.metadata.get('alias', f.name)}"
-            assert f.metadata["help"] in lines[key] and "(default: " in lines[key], key
-    assert len(lines) == sum(len(dataclasses.fields(getattr(defaults, p.name))) for p in dataclasses.fields(Config))
+    expected = [leaf for part in dataclasses.fields(Config) for leaf in leaves(getattr(defaults, part.name), part.name)]
+    for key, f in expected:
+        assert f.metadata["help"] in lines[key] and "(default: " in lines[key], key
+    assert len([line for line in lines.values() if "(default: " in line]) == len(expected)
     assert "# * tensor-parallel size (default: 1)" in lines["parallel.tp"]  # changed by an override
     assert "# * optimizer steps to run (default: 100)" in lines["train.steps"]
     assert "# * " not in lines["parallel.pp"]  # left at its default

@@ -19,9 +19,10 @@ RECORD = {"step": 3, "loss": 2.5, "lr": 1e-3, "mfu": 0.4, "skipped_steps": 0, "n
 def test_tensorboard_missing_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     sink = MetricsSink(tmp_path, enabled=True, tensorboard=True)
+    assert capsys.readouterr().out == ""  # sinks open with the first record: a refused run writes nothing
+    sink.write(RECORD)
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "tensorboard is not installed" in out and "megascale[tensorboard]" in out
-    sink.write(RECORD)
     sink.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == RECORD
     assert not (tmp_path / "tensorboard").exists()

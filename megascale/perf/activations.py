@@ -261,7 +261,7 @@ def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
 
 def head_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     """Last stage: final norm, the logits GEMM input and the cross entropy's saved buffers."""
-    ce = (sh.per_token(sh.vocab, FP32) + sh.tokens * (INDEX + 2) if kernels == "reference"
+    ce = (sh.per_token(sh.vocab, FP32) + sh.tokens * (INDEX + 2 + FP32) if kernels == "reference"
           else sh.per_token(sh.vocab, sh.act) + sh.tokens * (INDEX + FP32))
     return norm_bytes(cfg, sh, kernels) + _linear_input_bytes(sh) + ce
 
@@ -271,16 +271,16 @@ def head_working_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> tuple
 
     Forward: the logits GEMM output, its clone when this rank's slice holds padded
     vocabulary entries (masked before the loss), and on the reference path the fp32
-    copy, the shifted logits and their exp next to the kept softmax. Backward: the
-    logits gradient (fp32 and its cast on the reference path).
+    copy of 16-bit logits next to the kept softmax. Backward: the logits gradient (the
+    reference path writes it into the kept softmax in place and casts 16-bit runs back).
     """
     logits = sh.per_token(sh.vocab, sh.act)
     fp32 = sh.per_token(sh.vocab, FP32)
     padded = cfg.model.padded_vocab_size > cfg.model.vocab_size
     if kernels == "fused":  # the kernel keeps the (masked) logits and recomputes the softmax in backward
         return (logits if padded else 0.0), logits
-    forward = logits * (2 if padded else 1) + (fp32 if sh.act != FP32 else 0.0) + 2 * fp32
-    return forward, fp32 + (logits if sh.act != FP32 else 0.0)
+    forward = logits * (2 if padded else 1) + (fp32 if sh.act != FP32 else 0.0)
+    return forward, (logits if sh.act != FP32 else 0.0)
 
 
 def backward_gradient_bytes(cfg: Config, sh: Shapes) -> float:
