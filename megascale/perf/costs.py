@@ -25,7 +25,7 @@ own defaults describe what its trainer does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from megascale.config import Config
 from megascale.perf.gpus import GpuSpec, dtype_bytes
@@ -387,11 +387,5 @@ def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], 
     return ChunkCost(forward, backward, n)
 
 
-def with_traits(traits: SystemTraits, **changes: bool) -> SystemTraits:
-    """A copy of traits with some fields changed."""
-    return replace(traits, **changes)
-
-
 __all__ = ["MEGASCALE", "ChunkCost", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "chunk_cost",
-           "collective_seconds", "embedding_costs", "group_spans_nodes", "head_costs", "layer_costs",
-           "with_traits"]
+           "collective_seconds", "embedding_costs", "group_spans_nodes", "head_costs", "layer_costs"]

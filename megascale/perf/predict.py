@@ -97,9 +97,8 @@ _MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "comm_
 
 
 def memory_parts(estimate: MemoryEstimate) -> dict[str, float]:
-    """Bytes of each part of a stage's memory estimate that the estimate carries."""
-    return {name: float(getattr(estimate, f"{name}_bytes")) for name in _MEMORY_PARTS
-            if hasattr(estimate, f"{name}_bytes")}
+    """Bytes of each part of a stage's memory estimate, in report order."""
+    return {name: float(getattr(estimate, f"{name}_bytes")) for name in _MEMORY_PARTS}
 
 
 def model_flops_per_step(cfg: Config, plan: RunPlan) -> float:

@@ -21,9 +21,9 @@ which reproduces the published Megatron-LM column exactly from its times.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
@@ -105,17 +105,11 @@ TABLES: Mapping[str, Table] = MappingProxyType({
 
 
 def preset_path(name: str) -> str:
-    """Path of a config preset shipped in configs/ (next to the package in a source checkout)."""
-    import os
-
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(here, "configs", name)
-    if os.path.isfile(path):
-        return path
-    packaged = resources.files("megascale").joinpath("configs", name)
-    if packaged.is_file():
-        return str(packaged)
-    raise UserError(f"config preset {name} not found in {os.path.join(here, 'configs')}")
+    """Path of a config preset in configs/ (beside the package in a source checkout)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", name)
+    if not os.path.isfile(path):
+        raise UserError(f"config preset {path} not found; --reproduce runs from a source checkout of megascale")
+    return path
 
 
 @dataclass

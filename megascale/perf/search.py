@@ -16,14 +16,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
 
-from megascale.config import Config, ConfigError
+from megascale.config import Config, ConfigError, Recompute
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.predict import Prediction, predict
+from megascale.perf.memory import stage_estimates
+from megascale.perf.predict import Prediction, model_flops_per_step, predict
+from megascale.perf.timing import step_time
 from megascale.run_plan import RunPlan, resolve_plan
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VPP = 6
 
@@ -60,7 +62,7 @@ class Choice:
     micro_batch: int
     sequence_parallel: bool
     zero: int
-    recompute: str
+    recompute: Recompute
 
 
 def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
@@ -92,7 +94,7 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     p.pipeline_layers, p.pipeline_schedule = None, "auto"
     p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
     t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
-    t.recompute = "full" if choice.recompute == "full" else "selective" if choice.recompute == "selective" else "none"
+    t.recompute = choice.recompute
     return new
 
 
@@ -149,10 +151,6 @@ def _reason(message: str) -> str:
 
 def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, table: ParamTable) -> Optional[Prediction]:
     """Prediction with the analytic bubble (fast), or None when the layout does not fit."""
-    from megascale.perf.memory import stage_estimates
-    from megascale.perf.predict import model_flops_per_step
-    from megascale.perf.timing import step_time
-
     memory = stage_estimates(cfg, plan, "fused", table)
     if max(e.total_bytes for e in memory) > spec.usable_memory_bytes:
         return None
