@@ -40,6 +40,7 @@ OptimizerName = Literal["adamw", "lamb"]
 LrScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 LogLevel = Literal["debug", "info", "warning"]
 KernelBackend = Literal["auto", "cuda", "torch"]
+AttentionBackend = Literal["auto", "sdpa", "flex", "flash_attn", "torch"]
 NanPolicy = Literal["skip", "rollback", "stop"]
 SaveFailurePolicy = Literal["continue", "stop"]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2"]
@@ -85,6 +86,9 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "RoPE base frequency")
     attention: AttentionVariant = _f("causal", "attention variant", AttentionVariant)
     window_size: int = _f(0, "sliding-window width in tokens (attention=sliding_window)")
+    lfa: bool = _f(False, "Yuan 2.0 Localized Filtering-based Attention: q and k come from the attention input "
+                          "after two causal kernel-2 convolutions along the sequence (h -> h/2 -> h) and "
+                          "RMSNorm(conv_out + x); v from the unfiltered input")
     parallel_block: bool = _f(False, "PaLM parallel block: y = x + attn(ln(x)) + mlp(ln(x))")
     bias: bool = _f(True, "biases in linear layers and norms")
     tie_embeddings: bool = _f(True, "share input embedding and output projection")
@@ -252,6 +256,10 @@ class KernelsConfig:
     """Which implementation serves the fused ops."""
 
     backend: KernelBackend = _f("auto", "auto prefers csrc CUDA, then TE/apex/flash-attn, then torch", KernelBackend)
+    attention: AttentionBackend = _f("auto", "attention kernel: auto (flash-attn if installed, else SDPA for plain "
+                                             "causal and FlexAttention for masks on GPU; SDPA and the exact blockwise "
+                                             "torch kernel on CPU), sdpa, flex, flash_attn, torch (blockwise "
+                                             "reference)", AttentionBackend)
     build_dir: Optional[str] = _f(None, "where the csrc CUDA extension is JIT-built and cached; null = torch's default "
                                          "extensions dir (~/.cache/torch_extensions)")
 
