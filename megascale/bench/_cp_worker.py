@@ -90,6 +90,8 @@ def _slowest(times: list[float]) -> list[float]:
 
 def _run_cases(args: argparse.Namespace, cases: list[Case], rank: int, device: torch.device) -> list[dict]:
     runs = [CaseRun(args, case, rank, device) for case in cases]
+    # The measured step (memory, bytes) comes first and doubles as the warm-up: it is never timed.
+    measured = [case_run.measure() for case_run in runs]
     for _ in range(args.warmup):
         for case_run in runs:
             case_run.timed_step()
@@ -98,10 +100,8 @@ def _run_cases(args: argparse.Namespace, cases: list[Case], rank: int, device: t
         for case_run, times in zip(runs, samples):
             times.append(case_run.timed_step())
     rows = []
-    world = cases[0].cp
-    for case_run, times in zip(runs, samples):
-        peak, counter = case_run.measure()
-        per_rank = _gather_ints([peak, counter.total("forward"), counter.total("backward")], world)
+    for case_run, times, (peak, counter) in zip(runs, samples, measured):
+        per_rank = _gather_ints([peak, counter.total("forward"), counter.total("backward")], case_run.case.cp)
         rows.append(asdict(Result(
             case=case_run.case, step_s=statistics.median(_slowest(times)), step_samples=len(times),
             peak_bytes=[r[0] for r in per_rank], forward_sent=[r[1] for r in per_rank],

@@ -11,10 +11,11 @@ requested cp mode from one seed, and runs training steps (forward and backward o
 the whole model on one sequence of --seq tokens, micro-batch 1) on the same
 tokens. The modes alternate step by step, so drifting load on a shared machine
 hits them alike; the step time is the median of --steps steps of the slowest
-rank, after --warmup untimed ones.
+rank. Before them, each mode runs one measured step (which also warms up) and
+--warmup more untimed ones.
 
-Peak memory: one more step per mode, measured on every rank above what the rank
-held before it (parameters and their gradients): the CUDA allocator's peak, or
+Peak memory: the measured step, on every rank, above what the rank held
+before it (parameters and their gradients): the CUDA allocator's peak, or
 on CPU the peak of the CPU allocator's running total from the profiler's
 allocation records.
 
@@ -95,7 +96,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cps", default="1,2,4", help="cp sizes, comma-separated (1 = no context parallelism)")
     parser.add_argument("--ulysses-size", type=int, default=2, help="Ulysses size of hybrid (1 < U < cp)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (median reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="untimed steps per mode beyond the measured one, which already warms up")
     parser.add_argument("--attention", default="auto", help="kernels.attention (auto|sdpa|flex|flash_attn|torch)")
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), default=None, help="default bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--threads", type=int, default=None,
@@ -218,7 +220,7 @@ def format_table(args: argparse.Namespace, results: list[Result], device: str) -
     lines = [f"cp bench: {device}, {args.dtype}, one sequence of {args.seq:,} tokens, {args.layers} layers, "
              f"h={args.hidden}, heads={args.heads}, kv_heads={args.kv_heads}, window={args.window or 'none'}, "
              f"vocab={args.vocab}; step = forward+backward, median of {args.steps} steps (slowest rank) after "
-             f"{args.warmup} warm-up, modes alternating",
+             f"{1 + args.warmup} untimed, modes alternating",
              "peak = per-rank allocation peak of one step above parameters+gradients (max over ranks, and "
              "max-min spread); bytes = sent per rank per layer (max over ranks), measured / formula",
              "",
@@ -236,6 +238,15 @@ def format_table(args: argparse.Namespace, results: list[Result], device: str) -
     return "\n".join(lines)
 
 
+def attention_note(args: argparse.Namespace) -> str:
+    """Which attention kernels the cases run (the run's start-up note, resolved from the same inputs)."""
+    from megascale.kernels.attention import resolve_attention
+    from megascale.run_plan import precision_of
+
+    device = torch.device(args.device)
+    return resolve_attention(args.attention, device, precision_of(args.dtype).param_dtype).describe()
+
+
 def _device_name(args: argparse.Namespace) -> str:
     if args.device == "cuda":
         return torch.cuda.get_device_name(0)
@@ -248,6 +259,7 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     results = run(args)
     print(format_table(args, results, _device_name(args)))
+    print(attention_note(args))
     print(f"(bench wall time {time.perf_counter() - started:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
