@@ -7,9 +7,12 @@ activations, buffers and temporaries.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ def peak_bytes_during(run: Callable[[], Any], device: torch.device) -> int:
 def _cpu_peak_bytes(run: Callable[[], Any]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_chatter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
@@ -49,3 +52,28 @@ def _cpu_peak_bytes(run: Callable[[], Any]) -> int:
     # the total just before the first recorded allocation.
     before = records[0]["Total Allocated"] - records[0]["Bytes"]
     return max(r["Total Allocated"] for r in records) - before
+
+
+# Lines the profiler's C++ side prints to stderr on every start/stop, and its note that blocks
+# allocated before profiling have no recorded free (expected here: we only read the running total).
+_CHATTER = ("USDT:", "STAGE:")
+_EXPECTED_WARNING = "was allocated before the profiling started"
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Iterator[None]:
+    """Hold back the profiler's start/stop lines from stderr (fd 2); every other line is passed on after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(_CHATTER) and _EXPECTED_WARNING not in line:
+                    sys.stderr.write(line)
