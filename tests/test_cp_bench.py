@@ -40,17 +40,41 @@ def bench() -> tuple[argparse.Namespace, list[cp_bench.Result]]:
     return args, cp_bench.run(args)
 
 
-def test_counted_bytes_equal_the_formula(bench: tuple[argparse.Namespace, list[cp_bench.Result]]) -> None:
-    args, results = bench
-    assert [r.case.label for r in results] == ["ulysses", "ring"]
+def _check_bytes(args: argparse.Namespace, results: list[cp_bench.Result], expected: dict[str, tuple[int, int]],
+                 calls: dict[str, dict[str, int]]) -> None:
+    """Every rank's counted bytes (all layers) and calls equal the hand-worked per-layer values, and so does the formula."""
+    assert [r.case.label for r in results] == list(expected)
     for result in results:
-        forward, backward = EXPECTED[result.case.label]
-        # every rank, all layers
-        assert result.forward_sent == [args.layers * forward] * 2, result
-        assert result.backward_sent == [args.layers * backward] * 2, result
-        assert result.calls == {k: v * args.layers for k, v in CALLS[result.case.label].items()}
+        forward, backward = expected[result.case.label]
+        ranks = result.case.cp
+        assert result.forward_sent == [args.layers * forward] * ranks, result
+        assert result.backward_sent == [args.layers * backward] * ranks, result
+        assert result.calls == {k: v * args.layers for k, v in calls[result.case.label].items()}
         traffic = cp_bench.traffic_of(args, result.case)
         assert (traffic.forward_sent, traffic.backward_sent) == (forward, backward)
+
+
+def test_counted_bytes_equal_the_formula(bench: tuple[argparse.Namespace, list[cp_bench.Result]]) -> None:
+    _check_bytes(*bench, EXPECTED, CALLS)
+
+
+# cp=4, GQA with 2 kv heads, t = 128 tokens per rank, head_dim 16, fp32, per layer and rank:
+# - ulysses U=4: 2 kv heads are repeated to 4; 128 * (8 + 4 + 4) * 16 * 4 B = 131,072 B, 3/4 leaves: 98,304 B.
+# - hybrid U=2 x R=2: 2 kv heads split as they are; all-to-alls 128 * (8 + 2 + 2) * 16 * 4 / 2 = 49,152 B;
+#   the ring's k/v block 2 * 128 * 2 * 16 * 4 B = 32,768 B: forward 49,152 + 32,768; backward
+#   49,152 + 32,768 + 2 hops of fp32 sums (65,536).
+# - ring R=4: k/v block 32,768 B; forward 3 hops, backward 3 + 4 hops.
+EXPECTED_CP4 = {"ulysses": (98_304, 98_304), "ring": (98_304, 229_376), "hybrid": (81_920, 147_456)}
+CALLS_CP4 = {"ulysses": {"forward all_to_all": 4, "backward all_to_all": 4},
+             "ring": {"forward p2p": 3, "backward p2p": 7},
+             "hybrid": {"forward all_to_all": 4, "forward p2p": 1, "backward all_to_all": 4, "backward p2p": 3}}
+
+
+@pytest.mark.slow
+def test_counted_bytes_cp4_all_modes_gqa() -> None:
+    argv = [*ARGS, "--kv-heads", "2", "--cps", "4", "--modes", "ulysses,ring,hybrid", "--ulysses-size", "2"]
+    args = cp_bench._parse(argv)
+    _check_bytes(args, cp_bench.run(args), EXPECTED_CP4, CALLS_CP4)
 
 
 def test_table_prints_every_case(bench: tuple[argparse.Namespace, list[cp_bench.Result]]) -> None:
