@@ -110,6 +110,8 @@ def test_counter_restores_torch_distributed() -> None:
     (["--seq", "1020", "--cps", "1,2,4"], "--seq 1020 is not divisible by 2*cp = 8"),
     (["--heads", "6", "--hidden", "96", "--cps", "4"], "--heads 6 is not divisible by cp 4"),
     (["--modes", "ulysses,zigzag"], "--modes zigzag: unknown cp mode"),
+    (["--json", "/nonexistent-dir/cp.json"], "its directory does not exist"),
+    (["--attention", "flash_attn", "--device", "cpu"], "kernels.attention"),
 ])
 def test_bad_flags_are_one_line_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     # Checked in the parent before any process starts; the CLI's handler turns them into one line, exit 2.

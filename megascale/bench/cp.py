@@ -133,6 +133,8 @@ def _check(args: argparse.Namespace) -> None:
         if cp > 1 and "ulysses" in args.modes and args.heads % cp:
             raise UserError(f"--heads {args.heads} is not divisible by cp {cp} (Ulysses splits heads); "
                             f"pick a multiple of {cp} or leave ulysses out of --modes")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise UserError(f"--json {args.json}: its directory does not exist; create it or pick another path")
     if args.window < 0:
         raise UserError(f"--window {args.window} must be >= 0 (0 = full causal)")
     if args.device == "cuda" and torch.cuda.device_count() < max(args.cps):
@@ -256,10 +258,11 @@ def _device_name(args: argparse.Namespace) -> str:
 def main(argv: list[str]) -> int:
     """Run the benchmark and print the table."""
     args = _parse(argv)
+    note = attention_note(args)  # an explicit --attention the device cannot serve fails here, before any run
     started = time.perf_counter()
     results = run(args)
     print(format_table(args, results, _device_name(args)))
-    print(attention_note(args))
+    print(note)
     print(f"(bench wall time {time.perf_counter() - started:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
