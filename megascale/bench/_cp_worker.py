@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict
@@ -114,7 +113,7 @@ def _run_cases(args: argparse.Namespace, cases: list[Case], rank: int, device: t
 def worker(rank: int, args: argparse.Namespace, cases: list[Case], init_file: str, out_file: str) -> None:
     """Entry of one spawned rank: all of `cases` share its cp size; rank 0 writes the rows as JSON."""
     world = cases[0].cp
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(args.threads)
     backend = "nccl" if args.device == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)

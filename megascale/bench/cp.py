@@ -100,8 +100,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="untimed steps per mode beyond the measured one, which already warms up")
     parser.add_argument("--attention", default="auto", help="kernels.attention (auto|sdpa|flex|flash_attn|torch)")
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), default=None, help="default bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads per rank; default cores / cp (at least 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads per rank (one: intra-op threads of ranks sharing few, busy cores "
+                             "wait on each other far more than they gain)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
@@ -120,8 +121,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--modes {','.join(unknown)}: unknown cp mode; choose from {', '.join(MODES)}")
     if not args.cps or min(args.cps) < 1:
         raise UserError(f"--cps {args.cps}: cp sizes must be positive integers, e.g. --cps 1,2,4")
-    if args.steps < 1 or args.warmup < 0 or args.layers < 1:
-        raise UserError("--steps and --layers must be at least 1 and --warmup at least 0")
+    if args.steps < 1 or args.warmup < 0 or args.layers < 1 or args.threads < 1:
+        raise UserError("--steps, --layers and --threads must be at least 1 and --warmup at least 0")
     if args.hidden % args.heads:
         raise UserError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}; pick heads dividing hidden")
     if args.heads % args.kv_heads:
@@ -252,7 +253,7 @@ def attention_note(args: argparse.Namespace) -> str:
 def _device_name(args: argparse.Namespace) -> str:
     if args.device == "cuda":
         return torch.cuda.get_device_name(0)
-    return f"CPU ({os.cpu_count()} cores visible, {args.threads or 'cores/cp'} threads per rank)"
+    return f"CPU ({os.cpu_count()} cores visible, {args.threads} thread(s) per rank)"
 
 
 def main(argv: list[str]) -> int:
