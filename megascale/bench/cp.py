@@ -224,7 +224,8 @@ def format_table(args: argparse.Namespace, results: list[Result], device: str) -
              f"h={args.hidden}, heads={args.heads}, kv_heads={args.kv_heads}, window={args.window or 'none'}, "
              f"vocab={args.vocab}; step = forward+backward, median of {args.steps} steps (slowest rank) after "
              f"{1 + args.warmup} untimed, modes alternating",
-             "peak = per-rank allocation peak of one step above parameters+gradients (max over ranks, and "
+             f"peak = per-rank allocation peak of one step above parameters+gradients "
+             f"({_mib(max((r.baseline_bytes for r in results), default=0))} MiB) (max over ranks, and "
              "max-min spread); bytes = sent per rank per layer (max over ranks), measured / formula",
              "",
              "| mode | cp | U x R | peak MiB (max) | spread MiB | step s | fwd MiB/layer measured / formula "
