@@ -146,7 +146,8 @@ def _run_dropout(ctx: Any) -> dict:
         got = [_gather_global(t, pos, settings.group, DROP_SEQ) for t in (out.detach(), *(t.grad for t in local))]
         torch.manual_seed(index)
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        ref = _grads(lambda a, b_, c, w=window, d=Dropout(P, seed): dense_reference(a, b_, c, w, d)[0], q, k, v, dout)
+        drop = Dropout(P, seed)
+        ref = _grads(lambda a, b_, c, w=window, d=drop: dense_reference(a, b_, c, w, d)[0], q, k, v, dout)
         plain = dense_reference(q, k, v, window)[0]
         results[index] = ([float((a.double() - r).abs().max()) for a, r in zip(got, ref)],
                           float((got[0].double() - plain).abs().max()))
