@@ -111,7 +111,7 @@ def test_local_backends_match_dense(backend: str, s: int, nq: int, nkv: int, win
 def test_queries_after_cached_keys(window: int) -> None:
     """k/v longer than q (a KV cache): the queries are the last positions; rows of the full reference."""
     kernels = build_attention_kernels("auto", CPU, torch.float32)
-    q, k, v, dout = _qkv(21, 2, 4, 2, 8, 9)
+    q, k, v, _ = _qkv(21, 2, 4, 2, 8, 9)
     full = dense_reference(q, k, v, window)[0]
     for new in (1, 5):
         got = kernels.local(q[-new:], k, v, window)
