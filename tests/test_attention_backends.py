@@ -151,6 +151,7 @@ def test_tiles_merged_then_backward_with_final_lse(window: int) -> None:
            dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)]
     for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert (a.double() - r).abs().max() < 2e-5, name
+    assert (lse.reshape(2, nq, s).double() - dense_reference(q, k, v, window)[1]).abs().max() < 2e-5
 
 
 class _Allocations(TorchDispatchMode):
