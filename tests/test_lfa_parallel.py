@@ -172,8 +172,12 @@ def _references(rank: int, world: int) -> dict:
 
 
 def _parity_case(layout: list[str], variant: str, rank: int, world: int, shared: dict) -> list[str]:
-    ref_losses, ref_grads = shared[variant]
-    losses, grads = _loss_and_grads(BASE + VARIANTS[variant] + layout, rank, world)
+    overrides = BASE + VARIANTS[variant] + layout
+    if all(o.startswith(("parallel.", "train.recompute")) for o in layout):
+        ref_losses, ref_grads = shared[variant]
+    else:  # the layout also changes the model (parallel block): its own single-process reference
+        ref_losses, ref_grads = _loss_and_grads(parity.reference_overrides(overrides), rank, world)
+    losses, grads = _loss_and_grads(overrides, rank, world)
     problems = parity.loss_mismatch(losses, ref_losses, rtol=1e-5, atol=1e-6)
     problems += parity.mismatches(grads, ref_grads, rtol=1e-4, atol=1e-5)
     if not any(".lfa." in name for name in grads):
