@@ -2,7 +2,7 @@
 """Time LFA: a training step with model.lfa on and off, and generation with and without the inference cache.
 
 On the CPU the numbers move with the machine's load, so the variants run in
-alternating rounds and the medians are printed. Example (the tiny preset's shape):
+alternating rounds (ABBA order) and the medians are printed. Example (the tiny preset's shape):
 
     python scripts/bench_lfa.py --rounds 5
 """
@@ -50,8 +50,9 @@ def _medians(variants: dict[str, Callable[[], None]], rounds: int) -> dict[str, 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for fn in variants.values():  # warm-up
         fn()
-    for _ in range(rounds):
-        for name, fn in variants.items():
+    for round_index in range(rounds):
+        order = list(variants.items())
+        for name, fn in order if round_index % 2 == 0 else order[::-1]:  # ABBA: no variant always runs first
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
