@@ -75,33 +75,14 @@ class Attention(nn.Module):
         return q, qkv[:, :, :, self.group], qkv[:, :, :, self.group + 1]
 
     def _lfa_qkv(self, x: torch.Tensor, cache: Optional[LayerCache]) -> QKV:
-        """q and k from the LFA-filtered input, v from x: the fused weight's q/k rows and v rows.
-
-        Under tensor parallelism the filtered and unfiltered inputs enter the
-        column-parallel region together (one all-gather under sequence
-        parallelism, one all-reduce of their gradients otherwise); with
-        tp_overlap each of the two GEMMs overlaps its own gather.
-        """
+        """q and k from the LFA-filtered input, v from x: the fused weight's q/k rows and v rows."""
         assert self.lfa is not None
-        tp = self.bc.tp
-        if cache is not None:
+        if cache is not None:  # generation: the two inputs before x are cached
             halo = cache.halo(x, LFA_CONTEXT)
             cache.remember_inputs(x, LFA_CONTEXT)
         else:
-            halo = self.bc.sequence.preceding(x, LFA_CONTEXT, tp)
-        filtered = self.lfa(x, halo)
-        rows = self.qkv.weight.view(self.local_kv, self.group + 2, self.head_dim, -1)
-        w_qk, w_v = rows[:, : self.group + 1].reshape(-1, rows.shape[-1]), rows[:, self.group + 1].reshape(
-            -1, rows.shape[-1])
-        if tp.overlap and tp.size > 1:
-            qk, v = tp_overlap.column_linear(filtered, w_qk, tp), tp_overlap.column_linear(x, w_v, tp)
-        else:
-            if tp.size > 1:
-                both = torch.cat([filtered, x], dim=-1)
-                both = (comm.gather_sequence(both, tp.group, tp.timers) if tp.sp
-                        else comm.copy_to_group(both, tp.group, tp.timers))
-                filtered, x = both.chunk(2, dim=-1)
-            qk, v = F.linear(filtered, w_qk), F.linear(x, w_v)
+            halo = self.bc.sequence.preceding(x, LFA_CONTEXT, self.bc.tp)
+        qk, v = self._lfa_gemms(self.lfa(x, halo), x)
         s, b = qk.shape[:2]
         qk = qk.view(s, b, self.local_kv, self.group + 1, self.head_dim)
         v = v.view(s, b, self.local_kv, self.head_dim)
@@ -110,6 +91,26 @@ class Attention(nn.Module):
             qk, v = qk + bias[:, : self.group + 1], v + bias[:, self.group + 1]
         q = qk[:, :, :, : self.group].reshape(s, b, self.local_kv * self.group, self.head_dim)
         return q, qk[:, :, :, self.group], v
+
+    def _lfa_gemms(self, filtered: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Column-parallel (filtered @ W_qk^T, x @ W_v^T) with W_qk / W_v the rows of the fused weight.
+
+        Under tensor parallelism the two inputs enter the column-parallel region
+        together: one all-gather under sequence parallelism, one all-reduce of
+        their gradients otherwise. With tp_overlap each GEMM overlaps its own gather.
+        """
+        tp = self.bc.tp
+        rows = self.qkv.weight.view(self.local_kv, self.group + 2, self.head_dim, -1)
+        w_qk = rows[:, : self.group + 1].reshape(-1, rows.shape[-1])
+        w_v = rows[:, self.group + 1].reshape(-1, rows.shape[-1])
+        if tp.overlap and tp.size > 1:
+            return tp_overlap.column_linear(filtered, w_qk, tp), tp_overlap.column_linear(x, w_v, tp)
+        if tp.size > 1:
+            both = torch.cat([filtered, x], dim=-1)
+            both = (comm.gather_sequence(both, tp.group, tp.timers) if tp.sp
+                    else comm.copy_to_group(both, tp.group, tp.timers))
+            filtered, x = both.chunk(2, dim=-1)
+        return F.linear(filtered, w_qk), F.linear(x, w_v)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[s, b, heads, d] -> [s, b, heads, d] over the whole causal sequence, through the sequence layout."""
