@@ -96,6 +96,8 @@ def member_runs(layout_positions: list[torch.Tensor], tp: Optional[TPSettings]) 
     return members
 
 
+# Eager under torch.compile: the run bookkeeping is host-side Python over the layout's positions.
+@torch.compiler.disable
 def exchange_preceding(x: torch.Tensor, n: int, layout_positions: list[torch.Tensor], layout_rank: int,
                        layout_group: Optional[Any], tp: Optional[TPSettings]) -> Halo:
     """The n tokens before each of this rank's runs, gathered from whichever ranks hold them.
