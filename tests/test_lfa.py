@@ -214,3 +214,35 @@ def test_train_under_tp_sp_resume_under_ring_cp_then_generate(tmp_path: Path) ->
     proc = subprocess.run(gen, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("[step 5] def ")
+
+
+def _cp_positions(seq: int, cp: int, ulysses: int) -> list[torch.Tensor]:
+    """Every cp rank's positions under the hybrid rule (ulysses = cp: Ulysses, 1: ring)."""
+    from megascale.distributed.context_parallel.attention import CPSettings, local_positions
+
+    ring = cp // ulysses
+    return [local_positions(seq, CPSettings(size=cp, rank=c, group=None, mode="hybrid", ulysses_size=ulysses,
+                                            ulysses_rank=c % ulysses, ulysses_group=None, ring_size=ring,
+                                            ring_rank=c // ulysses, ring_group=None, ring_ranks=tuple(range(ring))))
+            for c in range(cp)]
+
+
+@pytest.mark.parametrize("seq,cp,ulysses,tp", [(12, 6, 3, 1), (24, 6, 3, 1), (24, 6, 3, 2), (12, 6, 1, 1),
+                                               (16, 4, 2, 2), (10, 5, 5, 1)])
+def test_halo_plan_on_layouts_too_wide_for_the_test_ranks(seq: int, cp: int, ulysses: int, tp: int) -> None:
+    """The exchange simulated in one process: hybrid parts cutting a zigzag chunk (odd Ulysses size),
+    runs of one token, sequence parallelism inside; every rank must pick exactly its predecessors."""
+    from megascale.distributed.halo import member_runs, plan_halo
+    from megascale.distributed.tensor_parallel.layers import TPSettings
+
+    settings = TPSettings(size=tp, sequence_parallel=tp > 1)
+    members = member_runs(_cp_positions(seq, cp, ulysses), settings)
+    values = torch.arange(1.0, seq + 1)
+    held = [torch.tensor([r.position + k for r in runs for k in range(r.length)]) for runs in members]
+    plans = [plan_halo(members, me, 2) for me in range(len(members))]
+    gathered = torch.cat([values[held[me]][plan.tail_rows] for me, plan in enumerate(plans)] + [torch.zeros(1)])
+    for plan in plans:
+        want = [float(values[p]) if p >= 0 else 0.0 for run in plan.runs for p in (run.position - 2, run.position - 1)]
+        assert gathered[plan.picks].tolist() == want
+    if ulysses == 3 and tp == 1:  # ring index 0's middle part spans chunk 0's end and chunk 3's start
+        assert [len(runs) for runs in members] == [1, 2, 1, 1, 1, 1]  # ring index 1 holds chunks 1, 2: one run

@@ -96,6 +96,37 @@ def member_runs(layout_positions: list[torch.Tensor], tp: Optional[TPSettings]) 
     return members
 
 
+@dataclass(frozen=True)
+class HaloPlan:
+    """The exchange's bookkeeping for one rank: what it contributes and which gathered rows it picks.
+
+    tail_rows: local indices of the tokens this rank contributes (the same count
+    on every rank). picks: for each run and each of its n slots, the row of the
+    gathered tails holding that position, or `zero_row` (one past the gathered
+    rows) for positions before 0.
+    """
+
+    runs: list[Run]
+    tail_rows: list[int]
+    picks: list[int]
+    zero_row: int
+
+
+def plan_halo(members: list[list[Run]], me: int, n: int) -> HaloPlan:
+    """The plan of member `me` when every member's tails are gathered in `members` order."""
+    runs = members[me]
+    slots = n * max(len(m) for m in members)
+    gathered_positions = [p for m in members for p in _tail_positions(m, n, slots)]
+    row_of = {p: i for i, p in enumerate(gathered_positions) if p >= 0}
+    zero_row = len(gathered_positions)
+    try:
+        picks = [row_of[p] if p >= 0 else zero_row for run in runs for p in range(run.position - n, run.position)]
+    except KeyError as missing:
+        raise ValueError(f"no rank holds position {missing} before a run of this rank: "
+                         "the layout's positions do not cover the sequence") from None
+    return HaloPlan(runs, _tail_rows(runs, n, slots), picks, zero_row)
+
+
 # Eager under torch.compile: the run bookkeeping is host-side Python over the layout's positions.
 @torch.compiler.disable
 def exchange_preceding(x: torch.Tensor, n: int, layout_positions: list[torch.Tensor], layout_rank: int,
@@ -107,27 +138,16 @@ def exchange_preceding(x: torch.Tensor, n: int, layout_positions: list[torch.Ten
     group (see `member_runs`); layout_rank: this rank's index in it. Differentiable:
     gradients of borrowed tokens flow back to their owners.
     """
-    members = member_runs(layout_positions, tp)
     sp_tp = tp if tp is not None and tp.sp else None
     me = layout_rank * (sp_tp.size if sp_tp else 1) + (sp_tp.rank if sp_tp else 0)
-    runs = members[me]
-    slots = n * max(len(m) for m in members)
-    tails = x.index_select(0, torch.tensor(_tail_rows(runs, n, slots), device=x.device))
+    plan = plan_halo(member_runs(layout_positions, tp), me, n)
+    tails = x.index_select(0, torch.tensor(plan.tail_rows, device=x.device))
     if sp_tp is not None:
         tails = comm.gather_sequence(tails, sp_tp.group)
     tails = comm.gather_sequence(tails, layout_group)
-    gathered_positions = [p for m in members for p in _tail_positions(m, n, slots)]
-    row_of = {p: i for i, p in enumerate(gathered_positions) if p >= 0}
-    zero_row = tails.shape[0]
-    try:
-        picks = [row_of[p] if p >= 0 else zero_row
-                 for run in runs for p in range(run.position - n, run.position)]
-    except KeyError as missing:
-        raise ValueError(f"no rank holds position {missing} before a run of this rank: "
-                         "the layout's positions do not cover the sequence") from None
     padded = torch.cat([tails, tails.new_zeros((1, *tails.shape[1:]))])
-    tokens = padded.index_select(0, torch.tensor(picks, device=x.device, dtype=torch.long))
-    return Halo(runs, tokens.view(len(runs), n, *x.shape[1:]))
+    tokens = padded.index_select(0, torch.tensor(plan.picks, device=x.device, dtype=torch.long))
+    return Halo(plan.runs, tokens.view(len(plan.runs), n, *x.shape[1:]))
 
 
 def local_halo(x: torch.Tensor, n: int, position: int, previous: Optional[torch.Tensor]) -> Halo:
