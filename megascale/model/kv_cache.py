@@ -48,8 +48,8 @@ class LayerCache:
         Queries sit at positions length..length+n-1 and see every cached key
         causally (within `window` when > 0). The prefill (an empty cache) runs
         `whole(q, k, v, window=...)`, the sequence layout's attention over whole
-        sequences, so a long prompt never builds a dense mask; later calls add a
-        few queries, whose [n, length + n] mask is small.
+        sequences (the training kernel), so the cache builds no [s, s] mask of its
+        own; later calls add a few queries, whose [n, length + n] mask is small.
         """
         start = self.length
         self.keys = k if self.keys is None else torch.cat([self.keys, k])
