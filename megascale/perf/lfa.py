@@ -1,0 +1,55 @@
+"""The time model's terms for Yuan 2.0's Localized Filtering-based Attention (`model.lfa`).
+
+Before the q/k projection each layer filters its attention input x along the
+sequence: c1 = conv1(x) (kernel 2, h -> h/2), c2 = conv2(c1) (kernel 2, h/2 -> h),
+then RMSNorm(c2 + x). The filter's weights are replicated over tensor parallelism,
+so every tp rank filters the rows it holds of the residual stream: its s/tp
+tokens under sequence parallelism, all s without. What it costs one rank for
+one micro-batch:
+
+- GEMMs: a kernel-2 convolution over a token and its predecessor is one matmul
+  of the two stacked inputs, [rows, 2 c_in] x [2 c_in, c_out]; forward, input
+  gradient and weight gradient run at the GPU's GEMM efficiency for that shape;
+- memory-bound work: the shifted inputs each convolution reads, the residual
+  add and the extra RMSNorm (the backward streams twice the forward);
+- the halo: each run of consecutive positions a rank holds needs the two tokens
+  before it, gathered from the rank that holds them (over tp under sequence
+  parallelism, then over cp; ring attention's zigzag order gives a rank two
+  runs). A few tokens per rank, so the time is the collective's latency. The
+  backward returns their gradients with a reduce-scatter of the same size.
+
+The q/k projection reads the filtered input and the v projection the unfiltered
+one: their FLOPs are the fused qkv GEMM's, split in two GEMMs, and under tensor
+parallelism the filtered input is one more column-parallel input to gather
+(sequence parallelism) or whose gradient to reduce (`costs._tp_collectives`).
+"""
+
+from __future__ import annotations
+
+# Tokens before each run that the two kernel-2 convolutions read.
+HALO_TOKENS = 2
+
+
+def conv_gemms(rows: int, hidden: int) -> list[tuple[int, int, int]]:
+    """(M, N, K) of the two convolutions as forward GEMMs over `rows` tokens."""
+    half = hidden // 2
+    return [(rows, half, 2 * hidden), (rows, hidden, 2 * half)]
+
+
+def memory_bytes(rows: int, hidden: int, element_bytes: int) -> float:
+    """Bytes the filter's memory-bound forward streams on `rows` tokens.
+
+    Each convolution reads its input shifted by one token beside the unshifted one
+    (conv1: h read, 2h written; conv2: h/2 read, h written); the residual add reads
+    c2 and x and writes the sum; the RMSNorm reads it and writes the filtered input.
+    """
+    shifted = 3 * hidden + 3 * hidden // 2
+    return float(element_bytes * rows * (shifted + 3 * hidden + 2 * hidden))
+
+
+def halo_bytes(batch: int, hidden: int, element_bytes: int, runs: int) -> float:
+    """Bytes one rank contributes to the halo all-gather: the last tokens of each of its runs."""
+    return float(runs * HALO_TOKENS * batch * hidden * element_bytes)
+
+
+__all__ = ["HALO_TOKENS", "conv_gemms", "halo_bytes", "memory_bytes"]
