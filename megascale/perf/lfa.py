@@ -7,11 +7,13 @@ so every tp rank filters the rows it holds of the residual stream: its s/tp
 tokens under sequence parallelism, all s without. What it costs one rank for
 one micro-batch:
 
-- GEMMs: a kernel-2 convolution over a token and its predecessor is one matmul
-  of the two stacked inputs, [rows, 2 c_in] x [2 c_in, c_out]; forward, input
-  gradient and weight gradient run at the GPU's GEMM efficiency for that shape;
-- memory-bound work: the shifted inputs each convolution reads, the residual
-  add and the extra RMSNorm (the backward streams twice the forward);
+- GEMMs: the model runs a kernel-2 convolution as one GEMM per tap on the
+  sequence-first layout, [rows, c_in] x [c_in, c_out] for the token and for its
+  predecessor; forward, input gradient and weight gradient run at the GPU's
+  GEMM efficiency for that shape;
+- memory-bound work: the halo prepended to each run, the sum of the two taps of
+  each convolution, the residual add and the extra RMSNorm (the backward streams
+  twice the forward);
 - the halo: each run of consecutive positions a rank holds needs the two tokens
   before it, gathered from the rank that holds them (over tp under sequence
   parallelism, then over cp; ring attention's zigzag order gives a rank two
@@ -20,8 +22,10 @@ one micro-batch:
 
 The q/k projection reads the filtered input and the v projection the unfiltered
 one: their FLOPs are the fused qkv GEMM's, split in two GEMMs, and under tensor
-parallelism the filtered input is one more column-parallel input to gather
-(sequence parallelism) or whose gradient to reduce (`costs._tp_collectives`).
+parallelism the filtered input is gathered (sequence parallelism) or has its
+gradient reduced beside x: one collective of twice the width, or one per GEMM
+with tp overlap; `costs._tp_collectives` counts it as one more collective of
+x's size (the same bytes).
 """
 
 from __future__ import annotations
@@ -31,20 +35,21 @@ HALO_TOKENS = 2
 
 
 def conv_gemms(rows: int, hidden: int) -> list[tuple[int, int, int]]:
-    """(M, N, K) of the two convolutions as forward GEMMs over `rows` tokens."""
+    """(M, N, K) of the two convolutions' forward GEMMs over `rows` tokens: one per kernel tap."""
     half = hidden // 2
-    return [(rows, half, 2 * hidden), (rows, hidden, 2 * half)]
+    return [(rows, half, hidden)] * 2 + [(rows, hidden, half)] * 2
 
 
 def memory_bytes(rows: int, hidden: int, element_bytes: int) -> float:
     """Bytes the filter's memory-bound forward streams on `rows` tokens.
 
-    Each convolution reads its input shifted by one token beside the unshifted one
-    (conv1: h read, 2h written; conv2: h/2 read, h written); the residual add reads
-    c2 and x and writes the sum; the RMSNorm reads it and writes the filtered input.
+    Prepending the halo copies x (h read, h written); each convolution adds its two
+    taps (conv1: 2 x h/2 read, h/2 written; conv2: 2h read, h written); the residual
+    add reads c2 and x and writes the sum; the RMSNorm reads it and writes the
+    filtered input: 2h + 3h/2 + 3h + 3h + 2h = 11.5 h per token.
     """
-    shifted = 3 * hidden + 3 * hidden // 2
-    return float(element_bytes * rows * (shifted + 3 * hidden + 2 * hidden))
+    per_token = 2 * hidden + 3 * hidden // 2 + 3 * hidden + 3 * hidden + 2 * hidden
+    return float(element_bytes * rows * per_token)
 
 
 def halo_bytes(batch: int, hidden: int, element_bytes: int, runs: int) -> float:
