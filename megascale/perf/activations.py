@@ -25,9 +25,10 @@ tensors on the real model for a grid of layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from megascale.config import Config, Recompute
+from megascale.perf import lfa
 from megascale.run_plan import RunPlan
 
 KernelProfile = Literal["reference", "fused"]
@@ -93,12 +94,16 @@ class Shapes:
         return self.tokens * width * nbytes
 
 
-def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
-    """What one norm keeps, its input included (x is kept by the norm, not by the residual add)."""
+def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Optional[str] = None) -> float:
+    """What one norm keeps, its input included (x is kept by the norm, not by the residual add).
+
+    norm: the kind of norm (default model.norm; LFA's filter always ends in an RMSNorm).
+    """
     n, h = sh.residual_tokens, sh.hidden
+    kind = norm or cfg.model.norm
     if kernels == "fused":  # input rows + fp32 rstd (+ fp32 mean for LayerNorm); weight is the parameter
-        return n * h * sh.act + n * FP32 * (1 if cfg.model.norm == "rmsnorm" else 2)
-    if cfg.model.norm == "layernorm":  # aten layer norm: input, mean and rstd in the input dtype on CPU
+        return n * h * sh.act + n * FP32 * (1 if kind == "rmsnorm" else 2)
+    if kind == "layernorm":  # aten layer norm: input, mean and rstd in the input dtype on CPU
         return n * h * sh.act + 2 * n * sh.act
     # x.float() (x itself in fp32), rsqrt(mean(x^2)), x * rstd, and an fp32 copy of a 16-bit weight.
     half = sh.act != FP32
@@ -112,6 +117,18 @@ def _linear_input_bytes(sh: Shapes) -> float:
 
 def _qkv_bytes(sh: Shapes) -> float:
     return sh.per_token((sh.q_heads + 2 * sh.kv_heads) * sh.head_dim, sh.act)
+
+
+def _qkv_storage_bytes(cfg: Config, sh: Shapes, qk_kept: bool, v_kept: bool) -> float:
+    """Bytes the q/k/v projection outputs keep alive when a view of q or k (qk_kept) or of v is kept.
+
+    Without LFA they are slices of one fused output, so any kept view keeps all of it;
+    with LFA q/k and v are two GEMM outputs (filtered and unfiltered inputs).
+    """
+    if not cfg.model.lfa:
+        return _qkv_bytes(sh) if qk_kept or v_kept else 0.0
+    v = _heads_bytes(sh, sh.kv_heads)
+    return (_qkv_bytes(sh) - v if qk_kept else 0.0) + (v if v_kept else 0.0)
 
 
 def _heads_bytes(sh: Shapes, heads: int) -> float:
@@ -173,9 +190,10 @@ def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, select
     """Everything between the qkv GEMM output and the output projection's input, both included."""
     rope_tables = 4 * sh.seq * sh.head_dim * FP32 if cfg.model.position == "rope" and kernels == "reference" else 0.0
     proj_input = _heads_bytes(sh, sh.q_heads)
+    rope = cfg.model.position == "rope"
     if selective:
         # The checkpoint keeps q, k, v as they enter the core (v a view of qkv) and the core's output.
-        return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
+        return _qkv_storage_bytes(cfg, sh, not rope, True) + _q_k_copies(cfg, sh) + rope_tables + proj_input
     if sh.ring > 1:
         return _ring_bytes(cfg, sh) + rope_tables
     if sh.ulysses > 1:
@@ -191,7 +209,7 @@ def _local_attention_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> f
     mha = sh.group == 1
     q_copy = rope or (sh.group > 1 and sh.kv_heads > 1)
     v_view_kept = mha and (not math or sh.act == FP32)
-    total = _qkv_bytes(sh) if v_view_kept or (not math and not q_copy) else 0.0
+    total = _qkv_storage_bytes(cfg, sh, not math and not q_copy, v_view_kept)
     if not math:
         total += _heads_bytes(sh, sh.q_heads) if q_copy else 0.0
         total += _heads_bytes(sh, sh.kv_heads) if rope and mha else 0.0  # the rotated k
@@ -213,7 +231,8 @@ def _ring_bytes(cfg: Config, sh: Shapes) -> float:
         q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, spread_kv_heads(sh))
         return q_kv + fp32_out + _heads_bytes(sh, sh.q_heads)
     proj_input = 0.0 if sh.act == FP32 else _heads_bytes(sh, sh.q_heads)
-    return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
+    kept = _qkv_storage_bytes(cfg, sh, cfg.model.position != "rope", True)  # v a view; q, k views without RoPE
+    return kept + _q_k_copies(cfg, sh) + fp32_out + proj_input
 
 
 def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -240,14 +259,25 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
     if recompute == "full":
         return sh.residual_tokens * sh.hidden * sh.act  # the checkpoint keeps the block input only
     norm = norm_bytes(cfg, sh, kernels)
+    lfa_filter = _lfa_bytes(cfg, sh, kernels) if m.lfa else 0.0
     core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
     mask = dropout_mask_bytes(cfg, sh, kernels)
     linear_in = _linear_input_bytes(sh)
     if m.parallel_block:
         # One norm feeds both GEMMs; under SP each column-parallel GEMM gathers its own copy.
         inputs = linear_in * (2 if sh.sp else 1)
-        return norm + inputs + core + mlp_bytes(cfg, sh, kernels) + mask
-    return 2 * norm + 2 * linear_in + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+        return norm + inputs + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + mask
+    return 2 * norm + 2 * linear_in + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+
+
+def _lfa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """What LFA's filter keeps beyond the plain layer (megascale/perf/lfa.py): its inputs, its RMSNorm,
+    the filtered input the q/k GEMM reads, and the q/k and v weight slices that are copies."""
+    split = sh.ulysses * (sh.tp if sh.sp else 1)  # parts each ring rank's zigzag pair is cut into
+    runs = lfa.halo_runs(sh.ring, split)
+    filters = lfa.filter_saved_bytes(sh.residual_tokens, sh.batch, sh.hidden, sh.act, runs)
+    weights = lfa.weight_copy_elements(sh.kv_heads, sh.group, sh.head_dim, sh.hidden) * sh.act
+    return filters + norm_bytes(cfg, sh, kernels, norm="rmsnorm") + _linear_input_bytes(sh) + weights
 
 
 def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:

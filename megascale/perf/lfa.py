@@ -1,4 +1,4 @@
-"""The time model's terms for Yuan 2.0's Localized Filtering-based Attention (`model.lfa`).
+"""The planner's terms for Yuan 2.0's Localized Filtering-based Attention (`model.lfa`): time and memory.
 
 Before the q/k projection each layer filters its attention input x along the
 sequence: c1 = conv1(x) (kernel 2, h -> h/2), c2 = conv2(c1) (kernel 2, h/2 -> h),
@@ -26,12 +26,56 @@ parallelism the filtered input is gathered (sequence parallelism) or has its
 gradient reduced beside x: one collective of twice the width, or one per GEMM
 with tp overlap; `costs._tp_collectives` counts it as one more collective of
 x's size (the same bytes).
+
+What the filter keeps for backward (`activations.layer_bytes` adds it unless the
+whole layer is recomputed; selective recomputation does not cover it): each
+run's input with its halo prepended, conv1's output with the token before the
+run, the RMSNorm's own saved tensors, the filtered input the q/k GEMM reads (the
+all-gathered one under sequence parallelism), the halo's row indices, and the
+q/k and v weight slices when they are copies. The q/k and v projection outputs
+are then two tensors instead of one fused one, which changes what a kept view
+keeps alive (`activations._qkv_storage_bytes`).
 """
 
 from __future__ import annotations
 
 # Tokens before each run that the two kernel-2 convolutions read.
 HALO_TOKENS = 2
+INDEX = 8  # int64 row indices
+
+
+def halo_runs(ring: int, split: int) -> int:
+    """Runs of consecutive positions a rank holds (the most any rank holds).
+
+    A ring rank holds zigzag chunks j and 2R-1-j; cut into `split` equal parts
+    (Ulysses ranks of a hybrid ring, then tp ranks under sequence parallelism)
+    the cut between the chunks is a part boundary when split is even, so every
+    part holds one run; otherwise one part holds the end of one chunk and the
+    start of the other.
+    """
+    return 2 if ring > 1 and split % 2 == 1 else 1
+
+
+def filter_saved_bytes(rows: int, batch: int, hidden: int, element_bytes: int, runs: int) -> float:
+    """Bytes the two convolutions keep for backward on `rows` tokens (batch sequences, `runs` runs each).
+
+    Each run's input with its two halo tokens prepended (conv1's GEMMs keep it),
+    conv1's output including the token before the run (conv2's GEMMs keep it),
+    and the int64 row indices the halo's gather and pick keep.
+    """
+    conv1_in = (rows + HALO_TOKENS * runs * batch) * hidden
+    conv2_in = (rows + runs * batch) * (hidden // 2)
+    return float((conv1_in + conv2_in) * element_bytes + 2 * HALO_TOKENS * runs * INDEX)
+
+
+def weight_copy_elements(local_kv_heads: int, group: int, head_dim: int, hidden: int) -> int:
+    """Elements of the q/k and v weight slices the projection GEMMs keep as new tensors.
+
+    The fused qkv weight's rows are grouped per kv head (q of the group, k, v), so
+    the q/k rows and the v rows are strided slices: contiguous views with one kv
+    head on the rank, copies (all of the rank's qkv weight) otherwise.
+    """
+    return 0 if local_kv_heads == 1 else local_kv_heads * (group + 2) * head_dim * hidden
 
 
 def conv_gemms(rows: int, hidden: int) -> list[tuple[int, int, int]]:
@@ -57,4 +101,5 @@ def halo_bytes(batch: int, hidden: int, element_bytes: int, runs: int) -> float:
     return float(runs * HALO_TOKENS * batch * hidden * element_bytes)
 
 
-__all__ = ["HALO_TOKENS", "conv_gemms", "halo_bytes", "memory_bytes"]
+__all__ = ["HALO_TOKENS", "conv_gemms", "filter_saved_bytes", "halo_bytes", "halo_runs", "memory_bytes",
+           "weight_copy_elements"]
