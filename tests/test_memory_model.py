@@ -259,8 +259,9 @@ PEAK_BASE = [*BASE, "model.hidden_size=128", "model.seq_length=256", "train.micr
 
 
 @pytest.mark.parametrize("extra", [["train.dtype=fp32", "model.vocab_size=2000"],
-                                   ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "train.recompute=full"]],
-                         ids=["gpt_fp32_padded_vocab", "llama_bf16_full_recompute"])
+                                   ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "train.recompute=full"],
+                                   ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "model.lfa=true"]],
+                         ids=["gpt_fp32_padded_vocab", "llama_bf16_full_recompute", "lfa_bf16"])
 def test_estimate_matches_measured_peak_of_a_micro_batch(extra: list[str]) -> None:
     # One process, the whole model in one chunk: the peak of a micro-batch's forward and backward
     # comes while the loss runs, with every layer's saved tensors alive.
