@@ -8,15 +8,16 @@ counted once per storage, parameters excluded. Two saved-tensor profiles:
   megascale/kernels, SDPA's CPU kernels). Norm statistics are in the activation
   dtype, RMSNorm keeps its fp32 input and normalised input, SwiGLU keeps silu(gate),
   the cross entropy keeps an fp32 softmax, dropout keeps a mask in the activation
-  dtype, and attention dropout takes SDPA's math path (probabilities kept).
+  dtype; attention (SDPA's CPU flash kernel, or the blockwise kernel for windows
+  and attention dropout) keeps q, k, v, its output and an fp32 lse.
 - "fused": the csrc kernels' autograd Functions plus flash attention on GPU:
   norms keep their input and fp32 mean/rstd, rotary keeps only the shared cos/sin
   tables, SwiGLU keeps gate and up, the cross entropy keeps the logits and one fp32
-  lse per token, dropout masks are bool, attention dropout is regenerated.
+  lse per token, dropout masks are bool; attention keeps what it keeps on CPU.
 
 Storage aliasing matters and is followed exactly: q/k/v slices of the fused qkv
-output are views, so saving one of them keeps the whole qkv output alive;
-grouped-query attention repeats k/v into new tensors; a sequence-parallel
+output are views, so saving one of them keeps the whole qkv output alive
+(grouped-query attention never copies k/v); a sequence-parallel
 column-parallel GEMM keeps the all-gathered (full local sequence) input.
 `tests/test_memory_model.py` checks these numbers against autograd's saved
 tensors on the real model for a grid of layouts.
@@ -119,16 +120,17 @@ def _qkv_bytes(sh: Shapes) -> float:
     return sh.per_token((sh.q_heads + 2 * sh.kv_heads) * sh.head_dim, sh.act)
 
 
-def _qkv_storage_bytes(cfg: Config, sh: Shapes, qk_kept: bool, v_kept: bool) -> float:
-    """Bytes the q/k/v projection outputs keep alive when a view of q or k (qk_kept) or of v is kept.
+def _qkv_kept_bytes(cfg: Config, sh: Shapes) -> float:
+    """Bytes of q/k/v projection outputs that attention keeps alive through views.
 
-    Without LFA they are slices of one fused output, so any kept view keeps all of it;
-    with LFA q/k and v are two GEMM outputs (filtered and unfiltered inputs).
+    Attention keeps v as a view, and k too without RoPE. Without LFA q, k and v are
+    slices of one fused output, so all of it stays; with LFA q/k and v are two GEMM
+    outputs (filtered and unfiltered inputs), and the q/k one stays only without RoPE.
     """
     if not cfg.model.lfa:
-        return _qkv_bytes(sh) if qk_kept or v_kept else 0.0
+        return _qkv_bytes(sh)
     v = _heads_bytes(sh, sh.kv_heads)
-    return (_qkv_bytes(sh) - v if qk_kept else 0.0) + (v if v_kept else 0.0)
+    return v + (_qkv_bytes(sh) - v if cfg.model.position != "rope" else 0.0)
 
 
 def _heads_bytes(sh: Shapes, heads: int) -> float:
@@ -154,68 +156,45 @@ def spread_kv_heads(sh: Shapes) -> int:
                 if sh.group % f == 0 and (sh.kv_heads * f) % sh.ulysses == 0) * sh.kv_heads
 
 
-def _math_path(cfg: Config, kernels: KernelProfile) -> bool:
-    """CPU SDPA runs attention dropout through its math kernel (probabilities kept); GPU flash regenerates it."""
-    return kernels == "reference" and cfg.model.attention_dropout > 0
+def _kernel_bytes(sh: Shapes, local_inputs: bool) -> float:
+    """What the attention kernel keeps over heads/ulysses heads and seq*ulysses positions, its output included.
 
-
-def _sdpa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, local_inputs: bool) -> float:
-    """What SDPA keeps over heads/ulysses and seq*ulysses positions (its output, if kept, included).
-
-    local_inputs (cp = 1): q and unrepeated k/v may be views of qkv, accounted for by the caller;
-    otherwise they are the all-to-all outputs, new tensors.
+    Every local kernel (SDPA's flash / cuDNN / CPU flash kernels, FlexAttention,
+    flash-attn, the blockwise torch kernel) keeps q, k, v as it receives them, its
+    output and an fp32 log-sum-exp per query head and token: grouped-query k/v are
+    never repeated, attention dropout is regenerated from a seed, no mask is kept.
+    local_inputs (cp = 1): q/k/v are views or copies of the qkv output, accounted for
+    by the caller; otherwise they are the all-to-all outputs, new tensors (k/v with
+    the Ulysses spread's kv heads).
     """
-    m = cfg.model
-    heads = sh.q_heads // sh.ulysses
-    kv = spread_kv_heads(sh) if sh.ulysses > 1 else sh.kv_heads
-    positions = sh.seq * sh.ulysses
-    mask = positions * positions * sh.act if m.attention == "sliding_window" else 0.0
-    repeated = sh.q_heads > kv  # grouped-query: k and v are repeated into new [.., q_heads, d] tensors
     q_bytes = _heads_bytes(sh, sh.q_heads)
-    if _math_path(cfg, kernels):
-        # Scaled q and k, softmax, dropout mask and dropped probabilities, v; the output is not kept.
-        # The CPU math kernel computes 16-bit inputs in fp32, so v is then an fp32 copy too.
-        probs = sh.batch * heads * positions * positions * FP32
-        if sh.act == FP32:
-            v = q_bytes if repeated else (0.0 if local_inputs else _heads_bytes(sh, kv))
-        else:
-            v = sh.per_token((sh.q_heads if repeated else kv) * sh.head_dim, FP32)
-        return 2 * sh.per_token(sh.q_heads * sh.head_dim, FP32) + 3 * probs + v + mask
-    kv_bytes = 2 * q_bytes if repeated else (0.0 if local_inputs else 2 * _heads_bytes(sh, kv))
-    lse = sh.tokens * sh.q_heads * FP32
-    return (0.0 if local_inputs else q_bytes) + kv_bytes + q_bytes + lse + mask
+    inputs = 0.0 if local_inputs else q_bytes + 2 * _heads_bytes(sh, spread_kv_heads(sh))
+    return inputs + q_bytes + sh.tokens * sh.q_heads * FP32
 
 
 def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, selective: bool) -> float:
     """Everything between the qkv GEMM output and the output projection's input, both included."""
     rope_tables = 4 * sh.seq * sh.head_dim * FP32 if cfg.model.position == "rope" and kernels == "reference" else 0.0
     proj_input = _heads_bytes(sh, sh.q_heads)
-    rope = cfg.model.position == "rope"
     if selective:
         # The checkpoint keeps q, k, v as they enter the core (v a view of qkv) and the core's output.
-        return _qkv_storage_bytes(cfg, sh, not rope, True) + _q_k_copies(cfg, sh) + rope_tables + proj_input
+        return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
     if sh.ring > 1:
         return _ring_bytes(cfg, sh) + rope_tables
     if sh.ulysses > 1:
         # All-to-all outputs are new tensors; the qkv output and the rotated copies are not kept.
-        return _sdpa_bytes(cfg, sh, kernels, local_inputs=False) + proj_input + rope_tables
-    return _local_attention_bytes(cfg, sh, kernels) + rope_tables
+        return _kernel_bytes(sh, local_inputs=False) + proj_input + rope_tables
+    return _local_attention_bytes(cfg, sh) + rope_tables
 
 
-def _local_attention_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
-    """cp = 1: SDPA over the local heads; which of q/k/v alias the qkv output decides what stays alive."""
-    rope = cfg.model.position == "rope"
-    math = _math_path(cfg, kernels)
-    mha = sh.group == 1
-    q_copy = rope or (sh.group > 1 and sh.kv_heads > 1)
-    v_view_kept = mha and (not math or sh.act == FP32)
-    total = _qkv_storage_bytes(cfg, sh, not math and not q_copy, v_view_kept)
-    if not math:
-        total += _heads_bytes(sh, sh.q_heads) if q_copy else 0.0
-        total += _heads_bytes(sh, sh.kv_heads) if rope and mha else 0.0  # the rotated k
-    # Flash keeps its output and the projection reads a view of it; the math path's output is copied.
-    proj_input = _heads_bytes(sh, sh.q_heads) if math else 0.0
-    return total + _sdpa_bytes(cfg, sh, kernels, local_inputs=True) + proj_input
+def _local_attention_bytes(cfg: Config, sh: Shapes) -> float:
+    """cp = 1: the kernel keeps v (and k without RoPE) as views of the qkv output, which so stays alive.
+
+    RoPE's rotated q and k are new tensors, as is a q gathered from several kv
+    groups; the kernel's output is laid out [s, b, heads, d], so the projection
+    reads a view of it.
+    """
+    return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + _kernel_bytes(sh, local_inputs=True)
 
 
 def _ring_bytes(cfg: Config, sh: Shapes) -> float:
@@ -231,8 +210,7 @@ def _ring_bytes(cfg: Config, sh: Shapes) -> float:
         q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, spread_kv_heads(sh))
         return q_kv + fp32_out + _heads_bytes(sh, sh.q_heads)
     proj_input = 0.0 if sh.act == FP32 else _heads_bytes(sh, sh.q_heads)
-    kept = _qkv_storage_bytes(cfg, sh, cfg.model.position != "rope", True)  # v a view; q, k views without RoPE
-    return kept + _q_k_copies(cfg, sh) + fp32_out + proj_input
+    return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
 
 
 def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:

@@ -34,7 +34,7 @@ run, the RMSNorm's own saved tensors, the filtered input the q/k GEMM reads (the
 all-gathered one under sequence parallelism), the halo's row indices, and the
 q/k and v weight slices when they are copies. The q/k and v projection outputs
 are then two tensors instead of one fused one, which changes what a kept view
-keeps alive (`activations._qkv_storage_bytes`).
+keeps alive (`activations._qkv_kept_bytes`).
 """
 
 from __future__ import annotations
