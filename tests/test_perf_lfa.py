@@ -79,3 +79,39 @@ def test_ring_ranks_gather_two_runs_of_halo() -> None:
     back = collective_seconds("reduce_scatter", 4 * 2 * 2 * 2048 * 2, 4, spec, inter_node=False)
     assert with_lfa.forward.cp_comm - plain.forward.cp_comm == pytest.approx(halo, rel=1e-9)
     assert with_lfa.backward.cp_comm - plain.backward.cp_comm == pytest.approx(back, rel=1e-9)
+
+
+def test_yuan_2b_preset_counts_lfa_parameters() -> None:
+    """The planner's parameters come from the meta model, LFA's filter included, against a hand count."""
+    import os
+
+    from megascale.model.params import param_table
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "yuan-2b.yaml")
+    with_lfa = param_table(load_config(path, []).model).numel()
+    plain = param_table(load_config(path, ["model.lfa=false"]).model).numel()
+    h = 2048
+    # per layer: conv1 [h/2, h, 2] + [h/2], conv2 [h, h/2, 2] + [h], norm [h]
+    lfa = 2 * h * h + h // 2 + 2 * h
+    assert with_lfa - plain == 24 * lfa
+    # padded vocabulary 135,040 (multiple of 128), untied embedding and output; per layer two RMSNorm
+    # weights, qkv 3h x h, projection h x h, SwiGLU fc1 2 x 8192 x h and fc2 h x 8192; the final norm
+    layer = 2 * h + 3 * h * h + h * h + 3 * 8192 * h + lfa
+    assert with_lfa == 2 * 135_040 * h + 24 * layer + h
+
+
+def test_yuan_non_uniform_split_lowers_the_first_stage_peak() -> None:
+    """Yuan's point for [2,2,3,3,4,4,4,2]: under 1F1B the first stages hold the most micro-batches in flight,
+    so fewer layers there lower the most loaded stage against the uniform 3 per stage."""
+    import os
+
+    from megascale.perf.memory import stage_estimates
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "yuan-2b.yaml")
+    peaks = {}
+    for name, split in (("yuan", []), ("uniform", ["parallel.pipeline_layers=null"])):
+        cfg = load_config(path, split)
+        stages = stage_estimates(cfg, resolve_plan(cfg, 64), "fused")
+        peaks[name] = [s.total_bytes for s in stages]
+    assert peaks["yuan"][0] < 0.8 * peaks["uniform"][0]
+    assert max(peaks["yuan"]) < max(peaks["uniform"])
