@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megascale.config import load_config
@@ -9,6 +11,7 @@ from megascale.perf.costs import LayerShape, collective_seconds, layer_costs
 from megascale.perf.gpus import builtin_gpu
 from megascale.run_plan import resolve_plan
 
+YUAN_2B = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "yuan-2b.yaml")
 # A 2B-class layer: h 2048, 32 heads (MHA), SwiGLU 8192, 8k tokens.
 YUAN = ["model.num_layers=8", "model.hidden_size=2048", "model.num_heads=32", "model.ffn_hidden_size=8192",
         "model.vocab_size=134953", "model.seq_length=8192", "model.activation=swiglu", "model.norm=rmsnorm",
@@ -83,13 +86,10 @@ def test_ring_ranks_gather_two_runs_of_halo() -> None:
 
 def test_yuan_2b_preset_counts_lfa_parameters() -> None:
     """The planner's parameters come from the meta model, LFA's filter included, against a hand count."""
-    import os
-
     from megascale.model.params import param_table
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "yuan-2b.yaml")
-    with_lfa = param_table(load_config(path, []).model).numel()
-    plain = param_table(load_config(path, ["model.lfa=false"]).model).numel()
+    with_lfa = param_table(load_config(YUAN_2B, []).model).numel()
+    plain = param_table(load_config(YUAN_2B, ["model.lfa=false"]).model).numel()
     h = 2048
     # per layer: conv1 [h/2, h, 2] + [h/2], conv2 [h, h/2, 2] + [h], norm [h]
     lfa = 2 * h * h + h // 2 + 2 * h
@@ -103,14 +103,11 @@ def test_yuan_2b_preset_counts_lfa_parameters() -> None:
 def test_yuan_non_uniform_split_lowers_the_first_stage_peak() -> None:
     """Yuan's point for [2,2,3,3,4,4,4,2]: under 1F1B the first stages hold the most micro-batches in flight,
     so fewer layers there lower the most loaded stage against the uniform 3 per stage."""
-    import os
-
     from megascale.perf.memory import stage_estimates
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "yuan-2b.yaml")
     peaks = {}
     for name, split in (("yuan", []), ("uniform", ["parallel.pipeline_layers=null"])):
-        cfg = load_config(path, split)
+        cfg = load_config(YUAN_2B, split)
         stages = stage_estimates(cfg, resolve_plan(cfg, 64), "fused")
         peaks[name] = [s.total_bytes for s in stages]
     assert peaks["yuan"][0] < 0.8 * peaks["uniform"][0]
