@@ -115,6 +115,13 @@ def test_model_has_no_future_leak(variant: str) -> None:
     assert diff[9] > 1e-4
 
 
+def test_odd_hidden_size_is_refused() -> None:
+    from megascale.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model\.lfa .* model\.hidden_size=33 must be even"):
+        load_config(None, ["model.hidden_size=33", "model.num_heads=3", "model.lfa=true"])
+
+
 def test_runs_of_splits_consecutive_positions() -> None:
     runs = runs_of(torch.tensor([2, 3, 12, 13, 4, 5, 6, 0]))
     assert [(r.start, r.length, r.position) for r in runs] == [(0, 2, 2), (2, 2, 12), (4, 3, 4), (7, 1, 0)]

@@ -7,7 +7,7 @@
   other runs borrowed it, computed from the layout's positions alone.
 - Whole-model parity: loss and every gradient (summed as the optimizer would, and
   gathered to global shape) of tp=2+SP, cp=2 ulysses, cp=2 ring and pp=2, each with
-  and without a sliding window, against the single-process model on the same
+  and without a sliding window (with the parallel block), against the single-process model on the same
   weights and micro-batches. Heavier layouts run under `-m slow`.
 - A checkpoint saved under tp=2+SP (weights moved away from their init) loads
   under cp=2 ring, and under tp=1 in the test process (generation's loader), with
@@ -35,8 +35,9 @@ BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "mode
         "model.init_std=0.1"]  # large enough weights that the filter's gradients are O(1e-3), not O(1e-6)
 VARIANTS = {
     "plain": [],
+    # MegaScale's parallel block too: attention and MLP read the same normed input.
     "window": ["model.attention=sliding_window", "model.window_size=5", "model.norm=rmsnorm",
-               "model.activation=swiglu", "model.bias=false"],
+               "model.activation=swiglu", "model.bias=false", "model.parallel_block=true"],
 }
 LAYOUTS = {
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -53,7 +54,7 @@ SLOW_LAYOUTS = {
     "ring_cp2_recompute_full": ["parallel.cp=2", "parallel.cp_mode=ring", "train.recompute=full"],
     "tp2_sp_pp2_recompute_selective": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2",
                                        "train.recompute=selective"],
-    "ulysses_cp2_parallel_block": ["parallel.cp=2", "parallel.cp_mode=ulysses", "model.parallel_block=true"],
+    "ulysses_cp2_learned_positions": ["parallel.cp=2", "parallel.cp_mode=ulysses", "model.position=learned"],
 }
 HALO_LAYOUTS = {  # name -> (layout, sequence length)
     "ring_cp4_runs_of_1": (["parallel.cp=4", "parallel.cp_mode=ring"], 8),
@@ -175,7 +176,7 @@ def _parity_case(layout: list[str], variant: str, rank: int, world: int, shared:
     overrides = BASE + VARIANTS[variant] + layout
     if all(o.startswith(("parallel.", "train.recompute")) for o in layout):
         ref_losses, ref_grads = shared[variant]
-    else:  # the layout also changes the model (parallel block): its own single-process reference
+    else:  # the layout also changes the model: its own single-process reference
         ref_losses, ref_grads = _loss_and_grads(parity.reference_overrides(overrides), rank, world)
     losses, grads = _loss_and_grads(overrides, rank, world)
     problems = parity.loss_mismatch(losses, ref_losses, rtol=1e-5, atol=1e-6)

@@ -85,8 +85,8 @@ def member_runs(layout_positions: list[torch.Tensor], tp: Optional[TPSettings]) 
     """The runs of every rank sharing a sequence, in all-gather order (tp inner, layout outer).
 
     layout_positions[c]: global positions of layout member c's tokens (its whole
-    share of the sequence); under sequence parallelism each of its tp ranks holds
-    a contiguous 1/tp of that.
+    share of the sequence), best on the host (the scan reads them back); under
+    sequence parallelism each of its tp ranks holds a contiguous 1/tp of that.
     """
     parts = tp.size if tp is not None and tp.sp else 1
     members: list[list[Run]] = []

@@ -124,7 +124,7 @@ class LocalSequence(SequenceLayout):
     def preceding(self, x: torch.Tensor, n: int, tp: Optional[TPSettings] = None) -> Halo:
         """Zeros for the one run from position 0, or the previous tp rank's last tokens under SP."""
         tokens = x.shape[0] * (tp.size if tp is not None and tp.sp else 1)
-        return exchange_preceding(x, n, [torch.arange(tokens, device=x.device)], 0, None, tp)
+        return exchange_preceding(x, n, [torch.arange(tokens)], 0, None, tp)
 
     def __repr__(self) -> str:
         return f"LocalSequence({self.kernels!r})"

@@ -59,7 +59,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = self.bc.ops.apply_rotary(q.contiguous(), k.contiguous(), rope[0], rope[1])
         if cache is not None:
-            out = cache.attend(q, k, v, self.window)
+            out = cache.attend(q, k, v, self.window, self.bc.sequence.attention)
         elif self.recompute_core:
             out = recompute(self._core, self.bc.rng, q, k, v)
         else:

@@ -8,6 +8,7 @@ inputs before it, which the cache keeps per layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -40,15 +41,21 @@ class LayerCache:
         previous = self.inputs if self.inputs is not None else x.new_zeros((n, *x.shape[1:]))
         self.inputs = torch.cat([previous, x])[-n:]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+               whole: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Append k/v of the new tokens and attend from their queries: [n, b, nq, d] -> [n, b, nq, d].
 
         Queries sit at positions length..length+n-1 and see every cached key
-        causally (within `window` when > 0).
+        causally (within `window` when > 0). The prefill (an empty cache) runs
+        `whole(q, k, v, window=...)`, the sequence layout's attention over whole
+        sequences, so a long prompt never builds a dense mask; later calls add a
+        few queries, whose [n, length + n] mask is small.
         """
         start = self.length
         self.keys = k if self.keys is None else torch.cat([self.keys, k])
         self.values = v if self.values is None else torch.cat([self.values, v])
+        if start == 0:
+            return whole(q, k, v, window=window)
         pos_q = torch.arange(start, start + q.shape[0], device=q.device)
         pos_k = torch.arange(self.keys.shape[0], device=q.device)
         mask = attention_mask(pos_q, pos_k, window)  # [n, t]: one row per new token while decoding

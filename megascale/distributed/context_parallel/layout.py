@@ -62,7 +62,7 @@ class ContextParallelSequence(SequenceLayout):
         (and, under sequence parallelism, the tp ranks) holding them."""
         s = self.settings
         seq = x.shape[0] * (tp.size if tp is not None and tp.sp else 1) * s.size
-        members = [local_positions(seq, self._settings_of(c)).to(x.device) for c in range(s.size)]
+        members = [local_positions(seq, self._settings_of(c)) for c in range(s.size)]  # on the host: no device sync
         return exchange_preceding(x, n, members, s.rank, s.group, tp)
 
     def _settings_of(self, cp_rank: int) -> CPSettings:
