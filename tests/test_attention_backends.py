@@ -107,6 +107,17 @@ def test_local_backends_match_dense(backend: str, s: int, nq: int, nkv: int, win
         assert (a - r).abs().max() < 2e-5, name
 
 
+@pytest.mark.parametrize("window", [0, 4])
+def test_queries_after_cached_keys(window: int) -> None:
+    """k/v longer than q (a KV cache): the queries are the last positions; rows of the full reference."""
+    kernels = build_attention_kernels("auto", CPU, torch.float32)
+    q, k, v, _ = _qkv(21, 2, 4, 2, 8, 9)
+    full = dense_reference(q, k, v, window)[0]
+    for new in (1, 5):
+        got = kernels.local(q[-new:], k, v, window)
+        assert (got.double() - full[-new:]).abs().max() < 2e-5
+
+
 @pytest.mark.parametrize("window", [0, 3, 24])
 def test_tiles_merged_then_backward_with_final_lse(window: int) -> None:
     """Cut the causal square into the ring's tiles (diagonal ones causal, the lower one full; aten CPU flash or

@@ -152,9 +152,14 @@ class AttentionKernels:
         """Causal (window > 0: sliding-window) attention over whole sequences in order.
 
         q [s, b, nq, d], k/v [s, b, nkv, d] (nq a multiple of nkv, never repeated) -> [s, b, nq, d].
+        k/v may be longer than q (cached keys before the queries): the queries are then the
+        last positions of the sequence, and the exact blockwise kernel serves the call.
         head_offset/heads place these heads in a wider head numbering for the dropout masks.
         """
-        window = 0 if window >= q.shape[0] else window  # a window covering the sequence is plain causal
+        window = 0 if window >= k.shape[0] else window  # a window covering the sequence is plain causal
+        offset = k.shape[0] - q.shape[0]
+        if offset:
+            return _blockwise_local(q, k, v, window, draw_dropout(dropout_p, q.device, head_offset, heads), offset)
         choice = self.choice if dropout_p > 0 else self.plain
         backend = choice.window if window > 0 else choice.causal
         if backend == "torch":
@@ -230,12 +235,13 @@ class AttentionKernels:
         return True if plain_causal else None
 
 
-def _blockwise_local(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: Optional[Dropout]) -> Tensor:
+def _blockwise_local(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: Optional[Dropout],
+                     q_start: int = 0) -> Tensor:
     s, b, nq, d = q.shape
     nkv = k.shape[2]
     qg = q.reshape(s, b, nkv, nq // nkv, d).permute(1, 2, 3, 0, 4)  # a view: heads of one kv head together
     kg, vg = (t.permute(1, 2, 0, 3) for t in (k, v))
-    out = blockwise_attention(qg, kg, vg, Tile(window=window), dropout, 1.0 / math.sqrt(d))
+    out = blockwise_attention(qg, kg, vg, Tile(q_start, 0, window), dropout, 1.0 / math.sqrt(d))
     return out.permute(3, 0, 1, 2, 4).reshape(s, b, nq, -1)  # laid out [s, b, hk, g, d]: a view
 
 

@@ -65,9 +65,10 @@ def make_context(plan: RunPlan, rank: int, device: torch.device) -> ParallelCont
 
 
 def validate_runtime(cfg: Config, device: torch.device) -> None:
-    """Checks the layout cannot make: precision support of the device and the data on disk."""
+    """Checks the layout cannot make: precision and attention-kernel support of the device, the data on disk."""
     if device.type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 is not supported on CPU; use fp32 or bf16")
+    attention_kernels_for(cfg, device)  # an explicit kernels.attention this device cannot serve
     check_data_paths(cfg)
 
 
@@ -106,8 +107,7 @@ class Trainer:
         self.ctx = make_context(self.plan, rank, self.device)
         self.faults = FaultInjector.from_config(cfg, self.ctx.rank)
         validate_runtime(cfg, self.device)
-        # Resolved once, before anything is written: an explicit kernel that cannot serve is a ConfigError.
-        self.attention = attention_kernels_for(cfg, self.device)
+        self.attention = attention_kernels_for(cfg, self.device)  # the run's kernels, passed to the layout
         numerics.validate(cfg)
         self.run_dir = Path(cfg.train.output_dir)
         self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard, cfg)
