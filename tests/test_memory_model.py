@@ -222,23 +222,9 @@ def test_saved_bytes_four_ranks_full_grid() -> None:
 def measure_peak_bytes(run: Callable[[], Any]) -> int:
     """Peak of the bytes the CPU allocator holds beyond what existed before (parameters, their
     gradients), while run() executes, from the profiler's allocation records."""
-    import json
-    import tempfile
-    from pathlib import Path
+    from megascale.perf.peak_memory import peak_bytes_during
 
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    records = [e["args"] for e in sorted(events, key=lambda e: e["ts"]) if e.get("name") == "[memory]"]
-    # The allocator's running total carries over from earlier profiling in this process: start from
-    # the total just before the first recorded allocation.
-    before = records[0]["Total Allocated"] - records[0]["Bytes"]
-    return max(r["Total Allocated"] for r in records) - before
+    return peak_bytes_during(run, torch.device("cpu"))
 
 
 def _working_bytes(cfg: Any, plan: Any, pp_rank: int) -> float:

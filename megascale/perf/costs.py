@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from megascale.config import Config
 from megascale.perf import lfa
+from megascale.perf.cp_traffic import cp_layer_traffic
 from megascale.perf.gpus import GpuSpec, dtype_bytes
 from megascale.run_plan import RunPlan
 
@@ -295,21 +296,24 @@ def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dic
     return exposed, total - exposed
 
 
-def _cp_pass(shape: LayerShape, spec: GpuSpec, attention: float, inter_node: bool) -> tuple[float, float]:
-    """(exposed, hidden) seconds of one pass's context-parallel traffic."""
+def _cp_pass(shape: LayerShape, spec: GpuSpec, attention: float, inter_node: bool,
+             backward: bool) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one pass's context-parallel traffic (bytes from `cp_traffic`)."""
     if shape.cp == 1:
         return 0.0, 0.0
-    e = shape.bytes
+    traffic = cp_layer_traffic(shape.tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.ulysses,
+                               shape.ring, shape.bytes)
     exposed = hidden = 0.0
     if shape.ulysses > 1:
-        # q, k, v in and the output back: all-to-alls over the Ulysses group, not overlapped.
-        elems = shape.tokens * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim
-        exposed += collective_seconds("all_to_all", elems * e, shape.ulysses, spec, inter_node)
+        # q, k, v in and the output back (their gradients backward): all-to-alls, not overlapped.
+        exposed += collective_seconds("all_to_all", traffic.alltoall_tensor_bytes, shape.ulysses, spec, inter_node)
     if shape.ring > 1:
-        kv = 2 * shape.tokens * shape.kv_heads * shape.head_dim * e * max(shape.ulysses, 1)
-        step = collective_seconds("p2p", kv, 2, spec, inter_node)
-        per_block = attention / shape.ring
-        exposed += (shape.ring - 1) * max(0.0, step - per_block)
+        # Each hop's transfer hides behind the attention of the block before it; backward sends the
+        # dk/dv sums beside k/v, and their last hop lands after the last block.
+        kv = collective_seconds("p2p", traffic.ring_kv_message, 2, spec, inter_node)
+        grads = collective_seconds("p2p", traffic.ring_grad_message, 2, spec, inter_node) if backward else 0.0
+        step, per_block = kv + grads, attention / shape.ring
+        exposed += (shape.ring - 1) * max(0.0, step - per_block) + grads
         hidden += (shape.ring - 1) * min(step, per_block)
     return exposed, hidden
 
@@ -354,9 +358,8 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     gemm_f, gemm_b = sum(fwd_gemm.values()), sum(bwd_gemm.values())
     tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter)
     tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter)
-    cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter)
-    cp_b, cp_b_hidden = _cp_pass(shape, spec, attn_bwd, cp_inter)
-    cp_b, cp_b_hidden = 2 * cp_b, 2 * cp_b_hidden  # backward sends k/v and their gradients
+    cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter, backward=False)
+    cp_b, cp_b_hidden = _cp_pass(shape, spec, attn_bwd, cp_inter, backward=True)
     forward = Cost(gemm=gemm_f, attention=attn_fwd, memory=mem_fwd, tp_comm=tp_f, cp_comm=cp_f,
                    hidden={"tp": tp_f_hidden, "cp": cp_f_hidden})
     backward = Cost(gemm=gemm_b, attention=attn_bwd, memory=2 * mem_fwd, tp_comm=tp_b, cp_comm=cp_b,
