@@ -256,10 +256,11 @@ class KernelsConfig:
     """Which implementation serves the fused ops."""
 
     backend: KernelBackend = _f("auto", "auto prefers csrc CUDA, then TE/apex/flash-attn, then torch", KernelBackend)
-    attention: AttentionBackend = _f("auto", "attention kernel: auto (flash-attn if installed, else SDPA for plain "
-                                             "causal and FlexAttention for masks on GPU; SDPA and the exact blockwise "
-                                             "torch kernel on CPU), sdpa, flex, flash_attn, torch (blockwise "
-                                             "reference)", AttentionBackend)
+    attention: AttentionBackend = _f("auto", "attention kernel: auto (GPU: flash-attn if installed and fp16/bf16, "
+                                             "else SDPA for plain causal and FlexAttention for windows; CPU: SDPA for "
+                                             "plain causal, the exact blockwise torch kernel for windows and attention "
+                                             "dropout), sdpa, flex (GPU only), flash_attn, torch (the exact blockwise "
+                                             "kernel, any device); see docs/attention.md", AttentionBackend)
     build_dir: Optional[str] = _f(None, "where the csrc CUDA extension is JIT-built and cached; null = torch's default "
                                          "extensions dir (~/.cache/torch_extensions)")
 

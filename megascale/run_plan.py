@@ -229,10 +229,6 @@ def check_context_parallel(cfg: Config, cp: int, tp: int) -> int:
                           f"dividing {heads}")
     if m.seq_length % (2 * cp):
         raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * cp} (zigzag split)")
-    if ulysses < cp and m.attention_dropout > 0:
-        raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with "
-                          f"parallel.cp_mode={p.cp_mode} (ring attention has no dropout); set it to 0 or use "
-                          "cp_mode=ulysses")
     return ulysses
 
 

@@ -1,4 +1,4 @@
-"""Context-parallel attention (Ulysses, ring, hybrid) against single-process SDPA on the full sequence.
+"""Context-parallel attention (Ulysses, ring, hybrid) against single-process attention on the full sequence.
 
 Four gloo ranks, spawned once: cp=2 cases run in the two cp groups of a cp=2 x dp=2
 layout, cp=4 cases (and hybrid 2 x 2) over all four ranks. Every rank draws the
@@ -11,9 +11,18 @@ Tolerance: fp32 throughout. Ring attention computes softmax blockwise and merges
 with the log-sum-exp rule, Ulysses only reorders data; both change the order of
 float32 sums over at most 16 keys, ~1e-7 relative on O(1) values. 2e-5 absolute
 catches any mistake in masks, zigzag order or gradient routing (those are O(0.1)).
+
+Attention dropout (ring, hybrid, Ulysses; same spawn): every rank seeds the same
+generator before the call, so all ranks draw the same dropout seed. The masks are
+a function of (seed, batch row, global head, query position, key position), so
+the distributed result must equal the dense fp64 reference with the same keep
+masks (`test_attention_backends.dense_reference`) up to fp32 reduction order,
+output and gradients; and it must differ from attention without dropout.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -46,8 +55,8 @@ def _reference(q, k, v, grad_out, window):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _gather_global(local: torch.Tensor, positions: torch.Tensor, group) -> torch.Tensor:
-    """Put every cp rank's [s_local, ...] piece back at its global positions."""
+def _gather_global(local: torch.Tensor, positions: torch.Tensor, group, seq: int = SEQ) -> torch.Tensor:
+    """Put every cp rank's [s_local, ...] piece back at its global positions (seq of them)."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -56,8 +65,8 @@ def _gather_global(local: torch.Tensor, positions: torch.Tensor, group) -> torch
     all_pos = [torch.empty_like(positions) for _ in range(world)]
     dist.all_gather(all_pos, positions, group=group)
     flat_pos = torch.cat(all_pos)
-    assert sorted(flat_pos.tolist()) == list(range(SEQ)), "cp ranks must cover every position exactly once"
-    out = torch.empty((SEQ, *tuple(local.shape[1:])), dtype=local.dtype)
+    assert sorted(flat_pos.tolist()) == list(range(seq)), "cp ranks must cover every position exactly once"
+    out = torch.empty((seq, *tuple(local.shape[1:])), dtype=local.dtype)
     out[flat_pos] = torch.cat(pieces)
     return out
 
@@ -90,7 +99,7 @@ def _run(rank: int, world: int) -> dict:
         got = [_gather_global(t, pos, settings.group) for t in (out.detach(), local[0].grad, local[1].grad,
                                                                   local[2].grad)]
         results[(mode, cp, ulysses, heads, window)] = [float((a - b).abs().max()) for a, b in zip(got, ref)]
-    return results
+    return {"plain": results, "dropout": _run_dropout(contexts[4])}
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +109,55 @@ def errors() -> dict:
 
 @pytest.mark.parametrize("mode,cp,ulysses,heads,window", CASES)
 def test_matches_full_sequence_sdpa(errors: dict, mode: str, cp: int, ulysses, heads: str, window: int) -> None:
-    out_err, dq_err, dk_err, dv_err = errors[(mode, cp, ulysses, heads, window)]
+    out_err, dq_err, dk_err, dv_err = errors["plain"][(mode, cp, ulysses, heads, window)]
     assert out_err < TOL, f"output differs by {out_err}"
     assert dq_err < TOL, f"dq differs by {dq_err}"
     assert dk_err < TOL, f"dk differs by {dk_err}"
     assert dv_err < TOL, f"dv differs by {dv_err}"
+
+
+DROP_SEQ, P = 32, 0.3
+CP_CASES = [("ring", 4, None, (4, 2), 0), ("ring", 4, None, (4, 4), 5), ("hybrid", 4, 2, (4, 2), 0),
+            ("hybrid", 4, 2, (4, 2), 7), ("ulysses", 4, None, (4, 4), 5)]
+
+
+def _run_dropout(ctx: Any) -> dict:
+    """Each CP_CASES attention with dropout P against the dense reference with the same keep masks."""
+    from test_attention_backends import _grads, _qkv, dense_reference
+
+    from megascale.config import load_config
+    from megascale.distributed.context_parallel import attention as cpmod
+    from megascale.kernels.attention_blockwise import Dropout
+
+    results = {}
+    for index, (mode, cp, ulysses, (nq, nkv), window) in enumerate(CP_CASES):
+        overrides = [f"parallel.cp={cp}", f"parallel.cp_mode={mode}", f"model.num_heads={nq}",
+                     f"model.num_kv_heads={nkv}", f"model.hidden_size={nq * HEAD_DIM}", f"model.seq_length={DROP_SEQ}",
+                     f"model.attention_dropout={P}"]
+        if ulysses:
+            overrides.append(f"parallel.ulysses_size={ulysses}")
+        settings = cpmod.build_cp_settings(ctx, load_config(None, overrides))
+        q, k, v, dout = _qkv(DROP_SEQ, BATCH, nq, nkv, HEAD_DIM, 100 + index)
+        pos = cpmod.local_positions(DROP_SEQ, settings)
+        local = [t[pos].clone().requires_grad_(True) for t in (q, k, v)]
+        torch.manual_seed(index)  # the same dropout seed on every rank
+        out = cpmod.attention(*local, settings, window=window, dropout_p=P)
+        out.backward(dout[pos])
+        got = [_gather_global(t, pos, settings.group, DROP_SEQ) for t in (out.detach(), *(t.grad for t in local))]
+        torch.manual_seed(index)
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        drop = Dropout(P, seed)
+        ref = _grads(lambda a, b_, c, w=window, d=drop: dense_reference(a, b_, c, w, d)[0], q, k, v, dout)
+        plain = dense_reference(q, k, v, window)[0]
+        results[index] = ([float((a.double() - r).abs().max()) for a, r in zip(got, ref)],
+                          float((got[0].double() - plain).abs().max()))
+    return results
+
+
+@pytest.mark.parametrize("index", range(len(CP_CASES)), ids=[f"{c[0]}-w{c[4]}-{c[3][0]}q{c[3][1]}kv"
+                                                              for c in CP_CASES])
+def test_dropout_matches_dense_with_the_same_masks(errors: dict, index: int) -> None:
+    errors_, vs_plain = errors["dropout"][index]
+    for name, err in zip(("out", "dq", "dk", "dv"), errors_):
+        assert err < 2e-5, f"{name} differs by {err}"
+    assert vs_plain > 0.1  # the masks were applied

@@ -32,3 +32,12 @@ def test_cp2_reproduces_single_process_curve(tmp_path: Path, reference: list[dic
     for a, b in zip(reference, got):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * abs(a["loss"]), (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
+
+
+@pytest.mark.slow
+def test_ring_with_attention_dropout_trains_deterministically(tmp_path: Path, reference: list[dict]) -> None:
+    """Ring attention with attention dropout: runs, the same seed gives the same curve, and dropout acts."""
+    runs = [_train(tmp_path / f"drop{i}", "parallel.cp=2", "parallel.cp_mode=ring", "model.attention_dropout=0.2",
+                   nproc=2) for i in range(2)]
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]]
+    assert runs[0][0]["loss"] != reference[0]["loss"]

@@ -35,12 +35,13 @@ def test_gqa_and_swiglu_change_matmul_sizes() -> None:
 def test_kernels_bench_cpu_table_and_json(tmp_path, capsys) -> None:
     out = tmp_path / "k.json"
     assert kernels_bench.main(["--device", "cpu", "--small", "--iters", "1", "--warmup", "0",
-                               "--ops", "layer_norm,add_rms_norm,vocab_parallel_cross_entropy",
+                               "--ops", "layer_norm,add_rms_norm,vocab_parallel_cross_entropy,attention_window",
                                "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["copy_bandwidth_gbs"] > 0
     ops = {(r["op"], r["backend"]) for r in data["results"]}
-    assert ops == {("layer_norm", "torch"), ("add_rms_norm", "torch"), ("vocab_parallel_cross_entropy", "torch")}
+    assert ops == {("layer_norm", "torch"), ("add_rms_norm", "torch"), ("vocab_parallel_cross_entropy", "torch"),
+                   ("attention_window", "torch")}
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in data["results"])
     assert "fwd+bwd ms" in capsys.readouterr().out
 

@@ -54,6 +54,7 @@ def one_error_line(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     (["model.hidden_size=32"], "holds a different model (model.hidden_size 64 there, 32 here)"),
     ([], "run already complete at step 2; raise train.steps or use a new train.output_dir"),
     (["train.dtype=fp16"], "train.dtype=fp16 is not supported on CPU"),
+    (["kernels.attention=flex"], "kernels.attention=flex has no backward on CPU"),
     (["data.demo=false", "data.paths=[missing/prefix]"], "'missing/prefix.bin' not found"),
 ])
 def test_bad_train_command_leaves_run_unchanged(run: Path, capsys: pytest.CaptureFixture, extra: list[str],

@@ -1,7 +1,9 @@
 """`megascale bench kernels`: time each fused op per backend, fwd and fwd+bwd.
 
 Backends: csrc (the CUDA extension, CUDA only), torch (eager reference) and
-compile (torch.compile of the reference). Achieved bandwidth counts the bytes
+compile (torch.compile of the reference). Attention (causal and sliding window,
+grouped-query) is timed on each attention kernel the device has: sdpa, flex and
+flash_attn (CUDA, when available) and the blockwise torch kernel. Achieved bandwidth counts the bytes
 an ideal fused kernel must move (listed per op below) and is compared with the
 device's measured copy bandwidth (a large device-to-device copy, read + write).
 
@@ -199,6 +201,62 @@ def run(device: str, dtype: torch.dtype, shapes: Shapes, only: Optional[list[str
     return copy_gbs, results
 
 
+def attention_backends(device: str) -> list[str]:
+    """The attention kernels that can run on `device` (see megascale/kernels/attention.py)."""
+    from megascale.kernels.attention import flash_attn_func, flex_available
+
+    names = ["sdpa"]
+    if device.startswith("cuda"):
+        names += ["flex"] if flex_available() else []
+        names += ["flash_attn"] if flash_attn_func() is not None else []
+    return [*names, "torch"]
+
+
+def _attention_cases(shapes: Shapes, dtype: torch.dtype, device: str) -> list[tuple[str, int, Case]]:
+    """(name, window, case): causal and sliding-window (seq/4) attention over [seq, batch, heads, d] GQA inputs.
+
+    Ideal bytes: read q, k, v and write the output (fwd); fwd+bwd adds reading q, k, v,
+    out and dout and writing dq, dk, dv.
+    """
+    es = torch.finfo(dtype).bits // 8
+    t, d, nq, nk = shapes.tokens, shapes.head_dim, shapes.heads, shapes.kv_heads
+    seq = 2048 if t % 2048 == 0 and t >= 2048 else t
+    io = t * d * es
+    fwd, both = io * (2 * nq + 2 * nk), io * (2 * nq + 2 * nk) + io * (4 * nq + 4 * nk)
+
+    def make() -> list:
+        return [torch.randn(seq, t // seq, n, d, device=device, dtype=dtype) for n in (nq, nk, nk)]
+
+    cases = []
+    for name, window in (("attention_causal", 0), ("attention_window", seq // 4)):
+        cases.append((name, window, Case(name, make, lambda kern, q, k, v, w=window: kern.local(q, k, v, w),
+                                         fwd, both)))
+    return cases
+
+
+def run_attention(device: str, dtype: torch.dtype, shapes: Shapes, only: Optional[list[str]], warmup: int,
+                  iters: int) -> list[Result]:
+    """Time causal and sliding-window attention on every attention kernel this device has."""
+    from megascale.kernels.attention import AttentionChoice, AttentionKernels
+
+    results = []
+    for name, window, case in _attention_cases(shapes, dtype, device):
+        if only and name not in only:
+            continue
+        for backend in attention_backends(device):
+            if window and backend == "sdpa":
+                continue  # SDPA takes a window only as a dense [s, s] mask: not an attention kernel choice
+            kernels = AttentionKernels(AttentionChoice(backend, backend, "torch"))
+            try:
+                fwd, both = _measure(case, kernels, device, warmup, iters)
+            except Exception as err:  # noqa: BLE001 - one failing backend must not hide the others
+                results.append(Result(name, backend, None, None, None, None, f"{type(err).__name__}: {err}"[:120]))
+                continue
+            results.append(Result(name, backend, fwd, case.fwd_bytes / fwd / 1e6, both,
+                                  case.fwd_bwd_bytes / both / 1e6))
+    return results
+
+
 def format_table(copy_gbs: float, results: list[Result]) -> str:
     """Fixed-width table with GB/s and % of copy bandwidth."""
     lines = [f"copy bandwidth (measured): {copy_gbs:.0f} GB/s",
@@ -238,6 +296,7 @@ def main(argv: list[str]) -> int:
     dtype = DTYPES[args.dtype]
     only = args.ops.split(",") if args.ops else None
     copy_gbs, results = run(args.device, dtype, shapes, only, compile_, warmup, iters)
+    results += run_attention(args.device, dtype, shapes, only, warmup, iters)
     device_name = torch.cuda.get_device_name() if on_cuda else "cpu"
     print(f"device: {device_name}  dtype: {args.dtype}  shapes: {asdict(shapes)}")
     print(format_table(copy_gbs, results))

@@ -12,8 +12,11 @@ context-parallel layouts (Ulysses, ring, hybrid) live in
 `megascale.distributed.context_parallel.layout`; `build_sequence_layout` picks one
 from the config, once per run.
 
-The causal / sliding-window rule is `attention_mask`, used by every attention
-path (local SDPA, Ulysses, the tiles of ring attention, generation).
+Which kernel computes attention (SDPA, FlexAttention, flash-attn or the exact
+blockwise torch kernel) is resolved once per run from `kernels.attention` and the
+device (`megascale.kernels.attention`) and held by the layout as `kernels`.
+`attention_mask` is the causal / sliding-window rule written out densely: the
+reference the tests hold every path to, never used on the hot path.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from megascale.distributed.halo import Halo, exchange_preceding
+from megascale.kernels.attention import AttentionKernels, build_attention_kernels, default_attention_kernels
 
 if TYPE_CHECKING:
     from megascale.config import Config
@@ -46,27 +49,6 @@ def attention_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int = 0) ->
     return mask
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
-                   dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal attention over one whole sequence in order: [s, b, nq, d], [s, b, nkv, d] -> [s, b, nq, d].
-
-    Grouped-query attention repeats each kv head for its nq/nkv query heads.
-    Full causal attention uses SDPA's built-in causal mask, which keeps the
-    flash / cuDNN kernels eligible on GPU; a sliding window passes the mask.
-    """
-    group = q.shape[2] // k.shape[2]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if window > 0:
-        positions = torch.arange(q.shape[2], device=q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(positions, positions, window),
-                                             dropout_p=dropout_p)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-    return out.permute(2, 0, 1, 3)
-
-
 class SequenceLayout(ABC):
     """How this rank's tokens relate to the global sequence of every sample.
 
@@ -76,6 +58,8 @@ class SequenceLayout(ABC):
 
     #: Ranks sharing one sequence (1 when every rank holds whole sequences).
     size: int
+    #: The run's attention kernels (resolved once from kernels.attention and the device).
+    kernels: AttentionKernels
 
     @abstractmethod
     def shard_batch(self, batch: dict) -> dict:
@@ -113,9 +97,16 @@ class SequenceLayout(ABC):
 
 
 class LocalSequence(SequenceLayout):
-    """Whole sequences on every rank: the batch is kept, positions count from 0, attention is plain SDPA."""
+    """Whole sequences on every rank: the batch is kept, positions count from 0, attention is the local kernel.
+
+    kernels: the run's attention kernels; by default those `kernels.attention=auto`
+    picks for fp32 CPU tensors without dropout.
+    """
 
     size = 1
+
+    def __init__(self, kernels: Optional[AttentionKernels] = None) -> None:
+        self.kernels = kernels or default_attention_kernels()
 
     def shard_batch(self, batch: dict) -> dict:
         """The batch itself: this rank holds every token."""
@@ -127,8 +118,8 @@ class LocalSequence(SequenceLayout):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
                   dropout_p: float = 0.0) -> torch.Tensor:
-        """SDPA over the sequence (flash / cuDNN on GPU)."""
-        return sdpa_attention(q, k, v, window, dropout_p)
+        """The run's local attention kernel over the sequence (SDPA, FlexAttention, flash-attn or blockwise)."""
+        return self.kernels.local(q, k, v, window, dropout_p)
 
     def preceding(self, x: torch.Tensor, n: int, tp: Optional[TPSettings] = None) -> Halo:
         """Zeros for the one run from position 0, or the previous tp rank's last tokens under SP."""
@@ -136,19 +127,30 @@ class LocalSequence(SequenceLayout):
         return exchange_preceding(x, n, [torch.arange(tokens)], 0, None, tp)
 
     def __repr__(self) -> str:
-        return "LocalSequence()"
+        return f"LocalSequence({self.kernels!r})"
 
 
-def build_sequence_layout(ctx: ParallelContext, cfg: Config, timers: Optional[Any] = None) -> SequenceLayout:
+def build_sequence_layout(ctx: ParallelContext, cfg: Config, timers: Optional[Any] = None,
+                          kernels: Optional[AttentionKernels] = None) -> SequenceLayout:
     """The run's sequence layout: `LocalSequence` for cp = 1, else the context-parallel one of parallel.cp_mode.
 
     Validates the context-parallel settings and creates their sub-groups, so call
     it once per run and hand the result to the model. `timers` (the rank's phase timers) times the
-    context-parallel collectives.
+    context-parallel collectives. kernels: the run's attention kernels, resolved here
+    (`attention_kernels_for`) when not given.
     """
+    kernels = kernels or attention_kernels_for(cfg, ctx.device)
     if ctx.cp_size == 1:
-        return LocalSequence()
+        return LocalSequence(kernels)
     # Imported here: the context-parallel package builds on this module.
     from megascale.distributed.context_parallel.layout import ContextParallelSequence
 
-    return ContextParallelSequence.build(ctx, cfg, timers)
+    return ContextParallelSequence.build(ctx, cfg, kernels, timers)
+
+
+def attention_kernels_for(cfg: Config, device: torch.device) -> AttentionKernels:
+    """The run's AttentionKernels; ConfigError when an explicit kernels.attention cannot serve on `device`."""
+    from megascale.run_plan import precision_of
+
+    return build_attention_kernels(cfg.kernels.attention, device, precision_of(cfg.train.dtype).param_dtype,
+                                   cfg.model.attention_dropout)

@@ -8,15 +8,16 @@ counted once per storage, parameters excluded. Two saved-tensor profiles:
   megascale/kernels, SDPA's CPU kernels). Norm statistics are in the activation
   dtype, RMSNorm keeps its fp32 input and normalised input, SwiGLU keeps silu(gate),
   the cross entropy keeps an fp32 softmax, dropout keeps a mask in the activation
-  dtype, and attention dropout takes SDPA's math path (probabilities kept).
+  dtype; attention (SDPA's CPU flash kernel, or the blockwise kernel for windows
+  and attention dropout) keeps q, k, v, its output and an fp32 lse.
 - "fused": the csrc kernels' autograd Functions plus flash attention on GPU:
   norms keep their input and fp32 mean/rstd, rotary keeps only the shared cos/sin
   tables, SwiGLU keeps gate and up, the cross entropy keeps the logits and one fp32
-  lse per token, dropout masks are bool, attention dropout is regenerated.
+  lse per token, dropout masks are bool; attention keeps what it keeps on CPU.
 
 Storage aliasing matters and is followed exactly: q/k/v slices of the fused qkv
-output are views, so saving one of them keeps the whole qkv output alive;
-grouped-query attention repeats k/v into new tensors; a sequence-parallel
+output are views, so saving one of them keeps the whole qkv output alive
+(grouped-query attention never copies k/v); a sequence-parallel
 column-parallel GEMM keeps the all-gathered (full local sequence) input.
 `tests/test_memory_model.py` checks these numbers against autograd's saved
 tensors on the real model for a grid of layouts.
@@ -25,9 +26,10 @@ tensors on the real model for a grid of layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from megascale.config import Config, Recompute
+from megascale.perf import lfa
 from megascale.run_plan import RunPlan
 
 KernelProfile = Literal["reference", "fused"]
@@ -93,12 +95,16 @@ class Shapes:
         return self.tokens * width * nbytes
 
 
-def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
-    """What one norm keeps, its input included (x is kept by the norm, not by the residual add)."""
+def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Optional[str] = None) -> float:
+    """What one norm keeps, its input included (x is kept by the norm, not by the residual add).
+
+    norm: the kind of norm (default model.norm; LFA's filter always ends in an RMSNorm).
+    """
     n, h = sh.residual_tokens, sh.hidden
+    kind = norm or cfg.model.norm
     if kernels == "fused":  # input rows + fp32 rstd (+ fp32 mean for LayerNorm); weight is the parameter
-        return n * h * sh.act + n * FP32 * (1 if cfg.model.norm == "rmsnorm" else 2)
-    if cfg.model.norm == "layernorm":  # aten layer norm: input, mean and rstd in the input dtype on CPU
+        return n * h * sh.act + n * FP32 * (1 if kind == "rmsnorm" else 2)
+    if kind == "layernorm":  # aten layer norm: input, mean and rstd in the input dtype on CPU
         return n * h * sh.act + 2 * n * sh.act
     # x.float() (x itself in fp32), rsqrt(mean(x^2)), x * rstd, and an fp32 copy of a 16-bit weight.
     half = sh.act != FP32
@@ -112,6 +118,19 @@ def _linear_input_bytes(sh: Shapes) -> float:
 
 def _qkv_bytes(sh: Shapes) -> float:
     return sh.per_token((sh.q_heads + 2 * sh.kv_heads) * sh.head_dim, sh.act)
+
+
+def _qkv_kept_bytes(cfg: Config, sh: Shapes) -> float:
+    """Bytes of q/k/v projection outputs that attention keeps alive through views.
+
+    Attention keeps v as a view, and k too without RoPE. Without LFA q, k and v are
+    slices of one fused output, so all of it stays; with LFA q/k and v are two GEMM
+    outputs (filtered and unfiltered inputs), and the q/k one stays only without RoPE.
+    """
+    if not cfg.model.lfa:
+        return _qkv_bytes(sh)
+    v = _heads_bytes(sh, sh.kv_heads)
+    return v + (_qkv_bytes(sh) - v if cfg.model.position != "rope" else 0.0)
 
 
 def _heads_bytes(sh: Shapes, heads: int) -> float:
@@ -137,36 +156,20 @@ def spread_kv_heads(sh: Shapes) -> int:
                 if sh.group % f == 0 and (sh.kv_heads * f) % sh.ulysses == 0) * sh.kv_heads
 
 
-def _math_path(cfg: Config, kernels: KernelProfile) -> bool:
-    """CPU SDPA runs attention dropout through its math kernel (probabilities kept); GPU flash regenerates it."""
-    return kernels == "reference" and cfg.model.attention_dropout > 0
+def _kernel_bytes(sh: Shapes, local_inputs: bool) -> float:
+    """What the attention kernel keeps over heads/ulysses heads and seq*ulysses positions, its output included.
 
-
-def _sdpa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, local_inputs: bool) -> float:
-    """What SDPA keeps over heads/ulysses and seq*ulysses positions (its output, if kept, included).
-
-    local_inputs (cp = 1): q and unrepeated k/v may be views of qkv, accounted for by the caller;
-    otherwise they are the all-to-all outputs, new tensors.
+    Every local kernel (SDPA's flash / cuDNN / CPU flash kernels, FlexAttention,
+    flash-attn, the blockwise torch kernel) keeps q, k, v as it receives them, its
+    output and an fp32 log-sum-exp per query head and token: grouped-query k/v are
+    never repeated, attention dropout is regenerated from a seed, no mask is kept.
+    local_inputs (cp = 1): q/k/v are views or copies of the qkv output, accounted for
+    by the caller; otherwise they are the all-to-all outputs, new tensors (k/v with
+    the Ulysses spread's kv heads).
     """
-    m = cfg.model
-    heads = sh.q_heads // sh.ulysses
-    kv = spread_kv_heads(sh) if sh.ulysses > 1 else sh.kv_heads
-    positions = sh.seq * sh.ulysses
-    mask = positions * positions * sh.act if m.attention == "sliding_window" else 0.0
-    repeated = sh.q_heads > kv  # grouped-query: k and v are repeated into new [.., q_heads, d] tensors
     q_bytes = _heads_bytes(sh, sh.q_heads)
-    if _math_path(cfg, kernels):
-        # Scaled q and k, softmax, dropout mask and dropped probabilities, v; the output is not kept.
-        # The CPU math kernel computes 16-bit inputs in fp32, so v is then an fp32 copy too.
-        probs = sh.batch * heads * positions * positions * FP32
-        if sh.act == FP32:
-            v = q_bytes if repeated else (0.0 if local_inputs else _heads_bytes(sh, kv))
-        else:
-            v = sh.per_token((sh.q_heads if repeated else kv) * sh.head_dim, FP32)
-        return 2 * sh.per_token(sh.q_heads * sh.head_dim, FP32) + 3 * probs + v + mask
-    kv_bytes = 2 * q_bytes if repeated else (0.0 if local_inputs else 2 * _heads_bytes(sh, kv))
-    lse = sh.tokens * sh.q_heads * FP32
-    return (0.0 if local_inputs else q_bytes) + kv_bytes + q_bytes + lse + mask
+    inputs = 0.0 if local_inputs else q_bytes + 2 * _heads_bytes(sh, spread_kv_heads(sh))
+    return inputs + q_bytes + sh.tokens * sh.q_heads * FP32
 
 
 def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, selective: bool) -> float:
@@ -175,29 +178,23 @@ def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, select
     proj_input = _heads_bytes(sh, sh.q_heads)
     if selective:
         # The checkpoint keeps q, k, v as they enter the core (v a view of qkv) and the core's output.
-        return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
+        return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
     if sh.ring > 1:
         return _ring_bytes(cfg, sh) + rope_tables
     if sh.ulysses > 1:
         # All-to-all outputs are new tensors; the qkv output and the rotated copies are not kept.
-        return _sdpa_bytes(cfg, sh, kernels, local_inputs=False) + proj_input + rope_tables
-    return _local_attention_bytes(cfg, sh, kernels) + rope_tables
+        return _kernel_bytes(sh, local_inputs=False) + proj_input + rope_tables
+    return _local_attention_bytes(cfg, sh) + rope_tables
 
 
-def _local_attention_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
-    """cp = 1: SDPA over the local heads; which of q/k/v alias the qkv output decides what stays alive."""
-    rope = cfg.model.position == "rope"
-    math = _math_path(cfg, kernels)
-    mha = sh.group == 1
-    q_copy = rope or (sh.group > 1 and sh.kv_heads > 1)
-    v_view_kept = mha and (not math or sh.act == FP32)
-    total = _qkv_bytes(sh) if v_view_kept or (not math and not q_copy) else 0.0
-    if not math:
-        total += _heads_bytes(sh, sh.q_heads) if q_copy else 0.0
-        total += _heads_bytes(sh, sh.kv_heads) if rope and mha else 0.0  # the rotated k
-    # Flash keeps its output and the projection reads a view of it; the math path's output is copied.
-    proj_input = _heads_bytes(sh, sh.q_heads) if math else 0.0
-    return total + _sdpa_bytes(cfg, sh, kernels, local_inputs=True) + proj_input
+def _local_attention_bytes(cfg: Config, sh: Shapes) -> float:
+    """cp = 1: the kernel keeps v (and k without RoPE) as views of the qkv output, which so stays alive.
+
+    RoPE's rotated q and k are new tensors, as is a q gathered from several kv
+    groups; the kernel's output is laid out [s, b, heads, d], so the projection
+    reads a view of it.
+    """
+    return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + _kernel_bytes(sh, local_inputs=True)
 
 
 def _ring_bytes(cfg: Config, sh: Shapes) -> float:
@@ -213,7 +210,7 @@ def _ring_bytes(cfg: Config, sh: Shapes) -> float:
         q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, spread_kv_heads(sh))
         return q_kv + fp32_out + _heads_bytes(sh, sh.q_heads)
     proj_input = 0.0 if sh.act == FP32 else _heads_bytes(sh, sh.q_heads)
-    return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
+    return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
 
 
 def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -240,14 +237,25 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
     if recompute == "full":
         return sh.residual_tokens * sh.hidden * sh.act  # the checkpoint keeps the block input only
     norm = norm_bytes(cfg, sh, kernels)
+    lfa_filter = _lfa_bytes(cfg, sh, kernels) if m.lfa else 0.0
     core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
     mask = dropout_mask_bytes(cfg, sh, kernels)
     linear_in = _linear_input_bytes(sh)
     if m.parallel_block:
         # One norm feeds both GEMMs; under SP each column-parallel GEMM gathers its own copy.
         inputs = linear_in * (2 if sh.sp else 1)
-        return norm + inputs + core + mlp_bytes(cfg, sh, kernels) + mask
-    return 2 * norm + 2 * linear_in + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+        return norm + inputs + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + mask
+    return 2 * norm + 2 * linear_in + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+
+
+def _lfa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """What LFA's filter keeps beyond the plain layer (megascale/perf/lfa.py): its inputs, its RMSNorm,
+    the filtered input the q/k GEMM reads, and the q/k and v weight slices that are copies."""
+    split = sh.ulysses * (sh.tp if sh.sp else 1)  # parts each ring rank's zigzag pair is cut into
+    runs = lfa.halo_runs(sh.ring, split)
+    filters = lfa.filter_saved_bytes(sh.residual_tokens, sh.batch, sh.hidden, sh.act, runs)
+    weights = lfa.weight_copy_elements(sh.kv_heads, sh.group, sh.head_dim, sh.hidden) * sh.act
+    return filters + norm_bytes(cfg, sh, kernels, norm="rmsnorm") + _linear_input_bytes(sh) + weights
 
 
 def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megascale.config import Config, ConfigError
 from megascale.data.tokenizer import check_tokenizer
 from megascale.distributed.random import seed_everything
+from megascale.distributed.sequence import attention_kernels_for, build_sequence_layout
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext
 from megascale.model.gpt import build_model
@@ -64,9 +65,10 @@ def make_context(plan: RunPlan, rank: int, device: torch.device) -> ParallelCont
 
 
 def validate_runtime(cfg: Config, device: torch.device) -> None:
-    """Checks the layout cannot make: precision support of the device and the data on disk."""
+    """Checks the layout cannot make: precision and attention-kernel support of the device, the data on disk."""
     if device.type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 is not supported on CPU; use fp32 or bf16")
+    attention_kernels_for(cfg, device)  # an explicit kernels.attention this device cannot serve
     check_data_paths(cfg)
 
 
@@ -105,6 +107,7 @@ class Trainer:
         self.ctx = make_context(self.plan, rank, self.device)
         self.faults = FaultInjector.from_config(cfg, self.ctx.rank)
         validate_runtime(cfg, self.device)
+        self.attention = attention_kernels_for(cfg, self.device)  # the run's kernels, passed to the layout
         numerics.validate(cfg)
         self.run_dir = Path(cfg.train.output_dir)
         self.sink = MetricsSink(self.run_dir, self.ctx.is_logging_rank, cfg.log.tensorboard, cfg)
@@ -113,7 +116,8 @@ class Trainer:
         if self.ctx.pp_size > 1 and self.ctx.pp_group is not None:
             # NCCL: the first op on the pp group must include every member, not a batched p2p.
             dist.barrier(group=self.ctx.pp_group)
-        self.chunks = build_model(cfg, self.ctx, self.rng, plan=self.plan, timers=self.timers)
+        sequence = build_sequence_layout(self.ctx, cfg, timers=self.timers, kernels=self.attention)
+        self.chunks = build_model(cfg, self.ctx, self.rng, plan=self.plan, timers=self.timers, sequence=sequence)
         self.optimizer = self._build_optimizer()
         self.timer_log = TimerLog(self.ctx, self.run_dir, cfg.log.timers, cfg.log.straggler_threshold,
                                   cfg.log.straggler_window, self.sink.print)
@@ -225,7 +229,8 @@ class Trainer:
                  f"peak {self.peak.tflops:.3g} TFLOP/s ({self.peak.label})",
                  f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
                  f"{params / 1e6:.2f}M params on this rank | {self.plan.num_microbatches} micro-batches/step | "
-                 f"{self.flops_per_token / 1e9:.3f} GFLOP/token"]
+                 f"{self.flops_per_token / 1e9:.3f} GFLOP/token",
+                 self.attention.choice.describe(ring=self.ctx.cp_size > 1 and self.cfg.parallel.cp_mode != "ulysses")]
         from megascale.perf.memory import estimate_memory, format_memory, kernel_profile
 
         estimate = estimate_memory(self.cfg, self.plan, kernel_profile(self.device.type, self.cfg.kernels.backend))

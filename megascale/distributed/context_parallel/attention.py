@@ -3,8 +3,8 @@
 Three modes (``parallel.cp_mode``), all exact (no approximation of attention):
 
 - ``ulysses``: each rank holds a contiguous 1/cp of the sequence. Attention
-  all-to-alls q/k/v to the full sequence for heads/cp heads, runs ordinary
-  causal SDPA, and all-to-alls the output back (DeepSpeed-Ulysses).
+  all-to-alls q/k/v to the full sequence for heads/cp heads, runs the run's
+  local attention kernel, and all-to-alls the output back (DeepSpeed-Ulysses).
 - ``ring``: each rank holds two zigzag chunks (r and 2cp-1-r of 2cp) so the
   causal work is balanced; k/v blocks travel around the ring (`ring`).
 - ``hybrid`` (USP): Ulysses inside contiguous sub-groups of
@@ -28,7 +28,7 @@ gradients over the dp x cp group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -37,8 +37,10 @@ import torch.distributed as dist
 from megascale.config import Config, ConfigError
 from megascale.distributed import comm
 from megascale.distributed.context_parallel.ring import RingSpec, ring_attention, zigzag_positions
-from megascale.distributed.sequence import sdpa_attention
+from megascale.distributed.sequence import attention_kernels_for
 from megascale.distributed.topology import ParallelContext
+from megascale.kernels.attention import AttentionKernels, default_attention_kernels
+from megascale.kernels.attention_blockwise import Dropout, draw_dropout
 from megascale.run_plan import check_context_parallel
 
 # Batch entries laid out [b, s] that follow the tokens; every other key passes through.
@@ -67,10 +69,15 @@ class CPSettings:
     ring_group: Any
     ring_ranks: tuple[int, ...]
     timers: Any = None  # the rank's phase timers: all-to-alls timed as cp_all_to_all, ring waits as cp_ring
+    # The run's attention kernels (local attention and ring tiles); by default auto's CPU fp32 choice.
+    kernels: AttentionKernels = field(default_factory=default_attention_kernels)
 
 
-def build_cp_settings(ctx: ParallelContext, cfg: Config, timers: Any = None) -> CPSettings:
+def build_cp_settings(ctx: ParallelContext, cfg: Config, timers: Any = None,
+                      kernels: Optional[AttentionKernels] = None) -> CPSettings:
     """Validate the config for context parallelism and build this rank's groups.
+
+    kernels: the run's attention kernels (resolved from cfg and ctx.device when not given).
 
     Hybrid sub-groups are created with local synchronisation: each rank creates
     only the two groups it belongs to.
@@ -90,7 +97,8 @@ def build_cp_settings(ctx: ParallelContext, cfg: Config, timers: Any = None) -> 
                       ulysses_size=ulysses, ulysses_rank=ulysses_rank,
                       ulysses_group=_sub_group(ulysses_ranks, cp_ranks, group),
                       ring_size=ring, ring_rank=ring_rank, ring_group=_sub_group(ring_ranks, cp_ranks, group),
-                      ring_ranks=tuple(ring_ranks), timers=timers)
+                      ring_ranks=tuple(ring_ranks), kernels=kernels or attention_kernels_for(cfg, ctx.device),
+                      timers=timers)
 
 
 def _sub_group(ranks: list[int], cp_ranks: list[int], cp_group: Any) -> Optional[Any]:
@@ -129,15 +137,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings,
     """
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
-    if dropout_p > 0 and cp.ring_size > 1:
-        raise ValueError(f"attention dropout {dropout_p} is not supported by ring attention (cp_mode={cp.mode})")
     k, v = _spread_kv_heads(q.shape[2], k, v, cp.ulysses_size)
     if cp.ulysses_size > 1:  # sequence-sharded -> head-sharded
         q, k, v = (comm.all_to_all(t, 2, 0, cp.ulysses_group, cp.timers) for t in (q, k, v))
+    # After the all-to-all this rank holds the u-th contiguous 1/U of the heads: dropout masks
+    # are drawn in that global head numbering.
+    heads, head_offset = q.shape[2] * cp.ulysses_size, q.shape[2] * cp.ulysses_rank
     if cp.ring_size > 1:
-        out = _ring(q, k, v, cp, window)
+        out = _ring(q, k, v, cp, window, draw_dropout(dropout_p, q.device, head_offset, heads))
     else:
-        out = sdpa_attention(q, k, v, window, dropout_p)
+        out = cp.kernels.local(q, k, v, window, dropout_p, head_offset, heads)
     if cp.ulysses_size > 1:  # head-sharded -> sequence-sharded
         out = comm.all_to_all(out, 0, 2, cp.ulysses_group, cp.timers)
     return out
@@ -157,7 +166,8 @@ def _spread_kv_heads(nq: int, k: torch.Tensor, v: torch.Tensor, ulysses: int) ->
     return k.repeat_interleave(factor, dim=2), v.repeat_interleave(factor, dim=2)
 
 
-def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings, window: int) -> torch.Tensor:
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings, window: int,
+          dropout: Optional[Dropout]) -> torch.Tensor:
     """Ring attention over the ring sub-group: [s, b, nq, d], [s, b, nkv, d] -> [s, b, nq, d]."""
     s, b, nq, d = q.shape
     nkv = k.shape[2]
@@ -165,5 +175,5 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPSettings, win
     qg = q.reshape(s, b, nkv, nq // nkv, d).permute(1, 2, 3, 0, 4)
     kg, vg = (t.permute(1, 2, 0, 3) for t in (k, v))
     spec = RingSpec(group=cp.ring_group, ranks=cp.ring_ranks, index=cp.ring_rank, window=window, timers=cp.timers)
-    out = ring_attention(qg, kg, vg, spec)
+    out = ring_attention(qg, kg, vg, spec, cp.kernels, dropout)
     return out.permute(3, 0, 1, 2, 4).reshape(s, b, nq, d)

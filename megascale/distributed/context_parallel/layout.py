@@ -23,6 +23,7 @@ from megascale.distributed.context_parallel.attention import (
 from megascale.distributed.halo import Halo, exchange_preceding
 from megascale.distributed.sequence import SequenceLayout
 from megascale.distributed.topology import ParallelContext
+from megascale.kernels.attention import AttentionKernels
 
 if TYPE_CHECKING:
     from megascale.distributed.tensor_parallel.layers import TPSettings
@@ -34,11 +35,14 @@ class ContextParallelSequence(SequenceLayout):
     def __init__(self, settings: CPSettings) -> None:
         self.settings = settings
         self.size = settings.size
+        self.kernels = settings.kernels
 
     @classmethod
-    def build(cls, ctx: ParallelContext, cfg: Config, timers: Optional[Any] = None) -> ContextParallelSequence:
+    def build(cls, ctx: ParallelContext, cfg: Config, kernels: AttentionKernels,
+              timers: Optional[Any] = None) -> ContextParallelSequence:
         """Validate the config for context parallelism and create this rank's sub-groups."""
-        return cls(build_cp_settings(ctx, cfg, timers))
+        return cls(build_cp_settings(ctx, cfg, timers, kernels))
+
 
     def shard_batch(self, batch: dict) -> dict:
         """Keep this rank's tokens (zigzag pairs for ring, contiguous for Ulysses) of every sequence entry."""

@@ -18,12 +18,20 @@ seen in full by every local query against its first half; a block from a later
 rank is seen in full by the second half of the local queries only. Each step then
 does the same work (except the local causal step). The rule is derived here from
 the tokens' global positions, which also handles sliding windows: blocks that the
-mask empties are skipped, blocks it cuts are masked.
+mask empties are skipped, blocks it cuts are handed to a kernel that applies the
+rule block by block (never a dense mask).
+
+Each tile's output and log-sum-exp come from the run's attention kernels
+(`megascale.kernels.attention`): on CPU aten's flash kernel for unmasked and
+plain-causal tiles, the exact blockwise kernel for tiles a window cuts. Backward
+gives every tile the final merged out and lse, from which the flash backward
+recomputes exactly that tile's share of the gradients. Attention dropout draws
+its masks from (seed, head, query position, key position), so each tile's
+backward regenerates the forward's masks.
 
 Tensors inside are laid out [b, kv_heads, group, s, d] for queries and
 [b, kv_heads, s, d] for keys/values, so grouped-query attention never repeats k/v
-on the wire. Per-block attention is an explicit fp32 softmax that returns the
-log-sum-exp (SDPA does not); attention dropout is not supported here.
+on the wire.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megascale.distributed.sequence import attention_mask
+from megascale.kernels.attention import AttentionKernels
+from megascale.kernels.attention_blockwise import Dropout, Tile, compute_dtype, row_delta
 from megascale.timers import timed
 
 
@@ -51,82 +60,55 @@ def zigzag_positions(seq: int, world: int, rank: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Block:
-    """One (query rows, key rows) tile of a ring step, with its mask (None = fully visible)."""
+    """One (query rows, key rows) tile of a ring step and the rule that masks it (see `Tile`)."""
 
     q: slice
     k: slice
-    mask: Optional[torch.Tensor]
+    tile: Tile
+
+    @property
+    def masked(self) -> bool:
+        """True when the causal/window rule cuts the tile (some pairs hidden)."""
+        rows, cols = self.q.stop - self.q.start, self.k.stop - self.k.start
+        t = self.tile
+        return not t.full(t.q_start, t.q_start + rows - 1, t.k_start, t.k_start + cols - 1)
 
 
-def tile_mask(q_start: int, k_start: int, rows: int, cols: int, window: int,
-              device: torch.device) -> Optional[torch.Tensor]:
-    """Mask of a tile whose queries and keys are contiguous global ranges; None if every pair is visible.
-
-    Decided from the range ends (no O(n^2) work) unless the tile is cut by the diagonal or the window.
-    """
-    q_last, k_last = q_start + rows - 1, k_start + cols - 1
-    all_causal = q_start >= k_last
-    all_in_window = window <= 0 or q_last - k_start < window
-    if all_causal and all_in_window:
-        return None
-    pos_q = torch.arange(q_start, q_start + rows, device=device)
-    pos_k = torch.arange(k_start, k_start + cols, device=device)
-    return attention_mask(pos_q, pos_k, window)
-
-
-def tile_empty(q_start: int, k_start: int, rows: int, cols: int, window: int) -> bool:
-    """True when no query of the tile may see any key of it (entirely in the future, or beyond the window)."""
-    q_last = q_start + rows - 1
-    return q_last < k_start or (window > 0 and q_start - (k_start + cols - 1) >= window)
-
-
-def plan_step(chunk: int, world: int, q_rank: int, k_rank: int, window: int, device: torch.device) -> list[Block]:
+def plan_step(chunk: int, world: int, q_rank: int, k_rank: int, window: int, merge: bool = True) -> list[Block]:
     """Tiles of one ring step between the zigzag pairs of q_rank and k_rank (chunk tokens per zigzag chunk).
 
-    Empty tiles are dropped and fully visible ones unmasked, which gives the zigzag
-    pattern: the local causal pair; all queries x the first kv half for an earlier
-    kv rank; the second query half x all kv for a later one.
+    Empty tiles are dropped, which gives the zigzag pattern: the local causal pair;
+    all queries x the first kv half for an earlier kv rank; the second query half x
+    all kv for a later one. merge joins fully visible neighbours into one bigger
+    GEMM (their positions are then not contiguous, so not with dropout, whose masks
+    are drawn from positions).
     """
     starts_q = (q_rank * chunk, (2 * world - 1 - q_rank) * chunk)
     starts_k = (k_rank * chunk, (2 * world - 1 - k_rank) * chunk)
     blocks = []
     for iq, q_start in enumerate(starts_q):
         for ik, k_start in enumerate(starts_k):
-            if tile_empty(q_start, k_start, chunk, chunk, window):
+            tile = Tile(q_start, k_start, window)
+            if tile.empty(q_start, q_start + chunk - 1, k_start, k_start + chunk - 1):
                 continue
-            blocks.append(Block(slice(iq * chunk, (iq + 1) * chunk), slice(ik * chunk, (ik + 1) * chunk),
-                                tile_mask(q_start, k_start, chunk, chunk, window, device)))
-    return _merge_full_rows(blocks)
+            blocks.append(Block(slice(iq * chunk, (iq + 1) * chunk), slice(ik * chunk, (ik + 1) * chunk), tile))
+    return _merge_full_rows(blocks) if merge else blocks
 
 
 def _merge_full_rows(blocks: list[Block]) -> list[Block]:
     """Join unmasked neighbouring tiles into one bigger GEMM (a zigzag step becomes a single tile)."""
+    visible = Tile(causal=False)
     out: list[Block] = []
     for b in blocks:
         prev = out[-1] if out else None
-        if prev is not None and prev.q == b.q and prev.mask is None and b.mask is None and prev.k.stop == b.k.start:
-            out[-1] = Block(b.q, slice(prev.k.start, b.k.stop), None)
+        if prev is not None and prev.q == b.q and not prev.masked and not b.masked and prev.k.stop == b.k.start:
+            out[-1] = Block(b.q, slice(prev.k.start, b.k.stop), visible)
         else:
             out.append(b)
-    if (len(out) == 2 and all(b.mask is None for b in out) and out[0].k == out[1].k
+    if (len(out) == 2 and not any(b.masked for b in out) and out[0].k == out[1].k
             and out[0].q.stop == out[1].q.start):
-        out = [Block(slice(out[0].q.start, out[1].q.stop), out[0].k, None)]
+        out = [Block(slice(out[0].q.start, out[1].q.stop), out[0].k, visible)]
     return out
-
-
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 attention of one tile: q [b,hk,g,sq,d], k/v [b,hk,sk,d] -> (out [b,hk,g,sq,d], lse [b,hk,g,sq])."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # fully masked rows
-    probs = torch.exp(scores - row_max)
-    total = probs.sum(dim=-1, keepdim=True)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v) / torch.where(total > 0, total, torch.ones_like(total))
-    lse = (row_max + torch.log(total)).squeeze(-1)
-    return out, lse
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, rows: slice) -> None:
@@ -137,22 +119,6 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
     safe = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
     acc_out.mul_(torch.exp(acc_lse - safe).unsqueeze(-1)).add_(out_b * torch.exp(lse_b - safe).unsqueeze(-1))
     acc_lse.copy_(new_lse)
-
-
-def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                   lse: torch.Tensor, grad_out: torch.Tensor, delta: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of one tile given the final lse and delta = rowsum(dO * O) (flash-attention rule)."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    if mask is not None:
-        probs = probs.masked_fill(~mask, 0.0)
-    grad_v = torch.einsum("bhgqk,bhgqd->bhkd", probs, grad_out)
-    grad_probs = torch.einsum("bhgqd,bhkd->bhgqk", grad_out, v)
-    grad_scores = probs * (grad_probs - delta.unsqueeze(-1)) * scale
-    grad_q = torch.einsum("bhgqk,bhkd->bhgqd", grad_scores, k)
-    grad_k = torch.einsum("bhgqk,bhgqd->bhkd", grad_scores, q)
-    return grad_q, grad_k, grad_v
 
 
 class RingComm:
@@ -194,54 +160,57 @@ class RingSpec:
 
 
 class RingAttention(torch.autograd.Function):
-    """q [b,hk,g,s,d], k/v [b,hk,s,d] holding this ring rank's zigzag tokens -> out like q."""
+    """q [b,hk,g,s,d], k/v [b,hk,s,d] holding this ring rank's zigzag tokens -> out like q.
+
+    Each tile's output and log-sum-exp come from the run's attention kernels;
+    backward hands every tile the final merged out and lse (the flash rule).
+    """
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec,
+                kernels: AttentionKernels, dropout: Optional[Dropout]) -> torch.Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
         comm = RingComm(ring.group, ring.ranks, ring.index, ring.timers)
         chunk = q.shape[3] // 2
-        qf = q.float()
-        out = torch.zeros_like(qf)
-        lse = torch.full(q.shape[:4], float("-inf"), dtype=torch.float32, device=q.device)
+        out = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
+        lse = torch.full(q.shape[:4], float("-inf"), dtype=out.dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per hop
         for step in range(ring.size):
             pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
             src = (ring.index - step) % ring.size
-            kvf = kv.float()
-            for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, q.device):
-                out_b, lse_b = block_forward(qf[..., blk.q, :], kvf[0][..., blk.k, :], kvf[1][..., blk.k, :],
-                                             blk.mask, scale)
+            for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, merge=dropout is None):
+                out_b, lse_b = kernels.tile_forward(q[..., blk.q, :], kv[0][..., blk.k, :], kv[1][..., blk.k, :],
+                                                    blk.tile, scale, dropout)
                 merge_into(out, lse, out_b, lse_b, blk.q)
             if pending is not None:
                 comm.wait(pending[1])
                 kv = pending[0]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.kernels, ctx.dropout = ring, kernels, dropout
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         ring: RingSpec = ctx.ring
+        kernels: AttentionKernels = ctx.kernels
         scale = 1.0 / math.sqrt(q.shape[-1])
         comm = RingComm(ring.group, ring.ranks, ring.index, ring.timers)
         chunk = q.shape[3] // 2
-        qf, dout = q.float(), grad_out.float()
-        delta = (dout * out).sum(dim=-1)
-        grad_q = torch.zeros_like(qf)
+        delta = row_delta(grad_out, out)
+        grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         grad_in_flight: Optional[tuple[torch.Tensor, list]] = None
         for step in range(ring.size):
             pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
             src = (ring.index - step) % ring.size
-            kvf = kv.float()
-            grad_kv = torch.zeros_like(kvf)
-            for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, q.device):
-                dq, dk, dv = block_backward(qf[..., blk.q, :], kvf[0][..., blk.k, :], kvf[1][..., blk.k, :],
-                                            blk.mask, scale, lse[..., blk.q], dout[..., blk.q, :],
-                                            delta[..., blk.q])
-                grad_q[..., blk.q, :] += dq
+            grad_kv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)
+            for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, merge=ctx.dropout is None):
+                rows = blk.q
+                dq, dk, dv = kernels.tile_backward(q[..., rows, :], kv[0][..., blk.k, :], kv[1][..., blk.k, :],
+                                                   grad_out[..., rows, :], out[..., rows, :], lse[..., rows],
+                                                   delta[..., rows], blk.tile, scale, ctx.dropout)
+                grad_q[..., rows, :] += dq
                 grad_kv[0][..., blk.k, :] += dk
                 grad_kv[1][..., blk.k, :] += dv
             if grad_in_flight is not None:  # the partial sum for this same kv block from the ranks before us
@@ -255,9 +224,11 @@ class RingAttention(torch.autograd.Function):
         assert grad_in_flight is not None  # the loop above ran at least once (ring.size >= 1)
         comm.wait(grad_in_flight[1])
         grad_kv = grad_in_flight[0]  # after a full turn: the gradient of our own k/v
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec) -> torch.Tensor:
-    """Causal (optionally windowed) attention over the ring; shapes as `RingAttention`."""
-    return RingAttention.apply(q, k, v, ring)
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec, kernels: AttentionKernels,
+                   dropout: Optional[Dropout] = None) -> torch.Tensor:
+    """Causal (optionally windowed, optionally with attention dropout) attention over the ring; shapes as
+    `RingAttention`."""
+    return RingAttention.apply(q, k, v, ring, kernels, dropout)
