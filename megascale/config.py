@@ -520,6 +520,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rotary positions need an even head dim; hidden_size/num_heads = {m.head_dim}")
     if m.attention == "sliding_window" and m.window_size < 1:
         raise ConfigError("model.attention=sliding_window needs model.window_size >= 1")
+    if m.lfa and m.hidden_size % 2:
+        raise ConfigError(f"model.lfa halves the hidden size in its first convolution; "
+                          f"model.hidden_size={m.hidden_size} must be even")
     if not 0.0 <= m.dropout < 1.0 or not 0.0 <= m.attention_dropout < 1.0:
         raise ConfigError("model.dropout and model.attention_dropout must be in [0, 1)")
     # The layout checks (tp, sequence and context parallelism) live with the run plan, which repeats

@@ -92,20 +92,39 @@ def resolve_tokenizer(cfg: Config, run_dir: Optional[Path] = None) -> Tokenizer:
 @torch.no_grad()
 def sample(chunk: GPTChunk, prompt_ids: list[int], max_new_tokens: int, top_k: int, temperature: float,
            seq_length: int, seed: int) -> list[int]:
-    """Greedy (top_k=0) or top-k sampling; the context is cut to the model's sequence length."""
+    """Greedy (top_k=0) or top-k sampling with incremental decoding; the context is cut to seq_length.
+
+    The first token runs the whole prompt (its last seq_length tokens) and fills an
+    inference cache (keys/values per layer, and LFA's last two attention inputs);
+    each later token runs alone against the cache. Once the context outgrows
+    seq_length, every step recomputes the last seq_length tokens from an empty
+    cache, so the model always sees the same window the plain recomputation
+    would (positions restart at 0 at the window's first token).
+    """
+    from megascale.model.kv_cache import InferenceCache
+
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
     device = chunk.head_weight().device
+    cache = InferenceCache()
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-seq_length:]], device=device)
-        logits = chunk.logits(context)[0, -1].cpu()
-        if top_k <= 0:
-            ids.append(int(logits.argmax()))
-            continue
-        values, indices = logits.topk(min(top_k, logits.numel()))
-        probs = torch.softmax(values / max(temperature, 1e-5), dim=-1)
-        ids.append(int(indices[torch.multinomial(probs, 1, generator=gen)]))
+        if cache.length == 0 or len(ids) > seq_length:
+            cache = InferenceCache()
+            new = ids[-seq_length:]
+        else:
+            new = ids[cache.length:]
+        logits = chunk.decode_logits(torch.tensor([new], device=device), cache)[0, -1].cpu()
+        ids.append(pick_token(logits, top_k, temperature, gen))
     return ids
+
+
+def pick_token(logits: torch.Tensor, top_k: int, temperature: float, gen: torch.Generator) -> int:
+    """The argmax (top_k <= 0) or a draw from the top_k most likely tokens at `temperature`."""
+    if top_k <= 0:
+        return int(logits.argmax())
+    values, indices = logits.topk(min(top_k, logits.numel()))
+    probs = torch.softmax(values / max(temperature, 1e-5), dim=-1)
+    return int(indices[torch.multinomial(probs, 1, generator=gen)])
 
 
 def main(argv: list[str]) -> int:

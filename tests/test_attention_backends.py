@@ -275,3 +275,22 @@ def test_gpu_backends_match_dense(backend: str, window: int) -> None:
     ref = _grads(lambda a, b_, c: dense_reference(a, b_, c, window)[0], q, k, v, dout)
     for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert (a - r).abs().max() < 5e-2, name  # bf16 inputs and outputs: ~3 significant digits
+
+
+@pytest.mark.slow
+def test_flex_forward_on_cpu_matches_dense() -> None:
+    """FlexAttention's forward runs (compiled) on CPU: the flex path's block masks and call, checked without a GPU.
+
+    Slow: the first call compiles. One block mask is built per (shape, window) and reused.
+    """
+    from megascale.kernels.attention import flex_available
+
+    if not flex_available():
+        pytest.skip("FlexAttention needs torch >= 2.5")
+    kernels = AttentionKernels(AttentionChoice("flex", "flex", "torch"))
+    q, k, v, _ = _qkv(256, 2, 4, 2, 16, 1)
+    with torch.no_grad():
+        for window in (0, 40, 40):
+            out = kernels.local(q, k, v, window)
+            assert (out.double() - dense_reference(q, k, v, window)[0]).abs().max() < 2e-5
+    assert len(kernels._block_masks) == 2

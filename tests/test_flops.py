@@ -90,7 +90,8 @@ def test_sliding_window_counts_window_keys() -> None:
     [],
     ["model.num_kv_heads=2", "model.activation=swiglu", "model.ffn_hidden_size=160"],
     ["model.attention=sliding_window", "model.window_size=8"],
-], ids=["mha-gelu", "gqa-swiglu", "sliding-window"])
+    ["model.lfa=true", "model.norm=rmsnorm"],
+], ids=["mha-gelu", "gqa-swiglu", "sliding-window", "lfa"])
 def test_partitioner_and_benchmark_count_the_trainers_flops(extra: list[str]) -> None:
     """The pipeline's `auto` cost model and the benchmark's shape-based count are the MFU count."""
     from megascale.distributed.pipeline.partition import gpt_stage_cost
@@ -100,7 +101,7 @@ def test_partitioner_and_benchmark_count_the_trainers_flops(extra: list[str]) ->
                            "model.seq_length=32", "model.activation=gelu", *extra]).model
     cost = gpt_stage_cost(m)
     assert m.num_layers * cost.layer + cost.head == forward_flops_per_token(m)
-    if m.attention != "sliding_window":  # the benchmark's GPT has full attention
+    if m.attention != "sliding_window" and not m.lfa:  # the benchmark's GPT has full attention, no LFA
         bench = gpt_train_flops_per_token(m.num_layers, m.hidden_size, m.num_heads, m.seq_length, m.padded_vocab_size,
                                           kv_heads=m.kv_heads, ffn=m.ffn_size, swiglu=m.activation == "swiglu")
         assert bench == train_flops_per_token(m)
@@ -118,3 +119,76 @@ def test_peak_table_reads_device_names() -> None:
     assert table_peak("Tesla V100-SXM2-32GB") is None
     peak = device_peak(torch.device("cpu"), configured=123.0)
     assert (peak.tflops, peak.source) == (123.0, "config")
+
+
+# ----------------------------------------------------------------------------- LFA (Yuan 2.0)
+
+LFA_BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=128",
+            "model.seq_length=32", "model.activation=swiglu", "model.norm=rmsnorm", "model.position=rope",
+            "model.bias=false"]
+
+
+def test_lfa_adds_its_convolutions_by_hand() -> None:
+    # conv1: 2 taps x h inputs -> h/2 outputs, conv2: 2 taps x h/2 -> h; 2 FLOPs per multiply-add:
+    # 2*2*64*32 + 2*2*32*64 = 16,384 = 4 h^2 per token per layer, forward.
+    plain = load_config(None, LFA_BASE).model
+    lfa = load_config(None, [*LFA_BASE, "model.lfa=true"]).model
+    assert forward_flops_per_token(lfa) - forward_flops_per_token(plain) == 2 * 16_384
+    assert train_flops_per_token(lfa) - train_flops_per_token(plain) == 3 * 2 * 16_384
+    assert hardware_flops_per_token(lfa, "full") - hardware_flops_per_token(plain, "full") == 4 * 2 * 16_384
+    # selective recomputation redoes the attention core only, not the filter
+    assert (hardware_flops_per_token(lfa, "selective") - train_flops_per_token(lfa)
+            == hardware_flops_per_token(plain, "selective") - train_flops_per_token(plain))
+
+
+def test_lfa_flops_match_counted_published_structure() -> None:
+    """The 4 h^2 term against torch's FLOP counter on the two causal kernel-2 convolutions of the paper."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megascale.perf.flops import lfa_conv_flops
+
+    h, s, b = 96, 40, 3
+    x = torch.randn(b, h, s)
+    w1, b1 = torch.randn(h // 2, h, 2), torch.randn(h // 2)
+    w2, b2 = torch.randn(h, h // 2, 2), torch.randn(h)
+    with FlopCounterMode(display=False) as counter:
+        c1 = F.conv1d(F.pad(x, (1, 0)), w1, b1)  # zero padding at the start only: causal
+        F.conv1d(F.pad(c1, (1, 0)), w2, b2)
+    assert counter.get_total_flops() == lfa_conv_flops(h) * b * s
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["model.parallel_block=true", "model.num_kv_heads=2"],
+    ["model.lfa=true"],
+    ["model.lfa=true", "model.num_kv_heads=2", "model.parallel_block=true"],
+], ids=["llama", "parallel-gqa", "lfa", "lfa-parallel-gqa"])
+def test_model_flops_match_the_real_models_counted_matmuls(extra: list[str]) -> None:
+    """forward_flops_per_token against torch's FLOP counter on the real model's forward.
+
+    The attention core runs in SDPA's CPU flash kernel, which the counter does not
+    register, so the core (covered by the hand counts above; a sliding window's
+    blockwise kernel computes whole blocks, more than the model's count) is added
+    to what it counts: every projection, MLP, LFA and logits GEMM.
+    """
+    import parity
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megascale.perf.flops import LayerDims, attention_core_flops
+
+    overrides = [*LFA_BASE, "train.micro_batch_size=2", "kernels.attention=sdpa", *extra]
+    m = load_config(None, overrides).model
+    chunk = parity.reference_chunk(overrides)
+    generator = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, m.vocab_size, (2, m.seq_length), generator=generator) for _ in range(2))
+    with FlopCounterMode(display=False) as counter:
+        chunk(None, {"tokens": tokens, "labels": labels})
+    core = m.num_layers * attention_core_flops(LayerDims.of(m))
+    # LFA also runs conv1 on the token before each run (position -1 here) to feed conv2's first tap:
+    # one extra row of 2 h^2 per sequence per layer, executed but not a model FLOP.
+    halo = m.num_layers * 2 * (2 * m.hidden_size * m.hidden_size) if m.lfa else 0
+    model = forward_flops_per_token(m) * 2 * m.seq_length
+    assert counter.get_total_flops() + core * 2 * m.seq_length == model + halo

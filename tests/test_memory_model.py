@@ -12,7 +12,7 @@ save an extra small tensor).
 Grid: single-process chunks as first / middle / last / whole pipeline stage (the
 chunk's first/last flags), recompute none / selective / full / first layer only,
 fp32 and bf16, MHA and GQA, GeLU and SwiGLU, LayerNorm and RMSNorm, learned and
-rotary positions, dropout 0 and > 0, parallel block, sliding window; and on two
+rotary positions, dropout 0 and > 0, parallel block, sliding window, LFA; and on two
 gloo ranks (one spawn) tp 2 with and without sequence parallelism and cp 2
 Ulysses and ring. The "reference" profile is what these CPU runs execute; the
 "fused" profile is checked by driving the csrc autograd fronts through the
@@ -43,6 +43,8 @@ VARIANTS = {
     "dropout": ["model.dropout=0.1", "model.attention_dropout=0.1"],
     "llama_dropout": [*LLAMA, "model.dropout=0.1"],
     "parallel_window": ["model.parallel_block=true", "model.attention=sliding_window", "model.window_size=8"],
+    "lfa": [*LLAMA, "model.lfa=true"],
+    "lfa_mha_window": ["model.lfa=true", "model.attention=sliding_window", "model.window_size=8"],
 }
 RECOMPUTE = {
     "none": [],
@@ -124,7 +126,9 @@ SINGLE = (_grid(list(VARIANTS), ("fp32", "bf16"), ["none"], ["whole", "middle"],
           + _grid(["gpt", "llama"], ("fp32",), ["full", "full_first1"], ["first", "middle"], "reference")
           + _grid(["gpt", "llama", "gqa1_learned", "parallel_window"], ("bf16",), ["none"], ["whole", "middle"],
                   "fused")
-          + _grid(["llama"], ("fp32",), ["selective", "full_first1"], ["first", "last"], "fused"))
+          + _grid(["llama"], ("fp32",), ["selective", "full_first1"], ["first", "last"], "fused")
+          + _grid(["lfa", "lfa_mha_window"], ("fp32", "bf16"), ["none", "selective"], ["middle"], "reference")
+          + _grid(["lfa", "lfa_mha_window"], ("bf16",), ["none"], ["whole"], "fused"))
 SINGLE_SLOW = (_grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "reference")
                + _grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "fused"))
 
@@ -164,8 +168,9 @@ SLOW_LAYOUTS = {
 def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str]]:
     dropout = "llama_dropout" if "ring" in layout or "hybrid" in layout else "dropout"
     if full:
-        cases = _grid(["gpt", "llama", dropout], ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
-        cases += _grid(["gpt", "llama"], ("bf16",), ["none", "selective"], ["first", "last"], "fused")
+        cases = _grid(["gpt", "llama", dropout, "lfa", "lfa_mha_window"], ("fp32", "bf16"), list(RECOMPUTE),
+                      ["whole", "middle"], "reference")
+        cases += _grid(["gpt", "llama", "lfa"], ("bf16",), ["none", "selective"], ["first", "last"], "fused")
     else:  # one case per setting: dtype, recompute mode, MHA/GQA, dropout, stage position, profile
         cases = (_grid(["gpt"], ("fp32",), ["none"], ["whole"], "reference")
                  + _grid(["llama"], ("bf16",), ["none"], ["whole"], "reference")
@@ -173,7 +178,9 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
                  + _grid([dropout], ("bf16",), ["none"], ["middle"], "reference")
                  + _grid(["gpt"], ("bf16",), ["full_first1"], ["middle"], "reference")
                  + _grid(["llama"], ("bf16",), ["none"], ["first"], "fused")
-                 + _grid(["gpt"], ("bf16",), ["none"], ["last"], "fused"))
+                 + _grid(["gpt"], ("bf16",), ["none"], ["last"], "fused")
+                 + _grid(["lfa"], ("bf16",), ["none"], ["middle"], "reference")
+                 + _grid(["lfa_mha_window"], ("fp32",), ["selective"], ["middle"], "fused"))
     layouts = {**LAYOUTS, **SLOW_LAYOUTS}
     return [(f"{layout}-{case}", [*overrides, *layouts[layout]], kernels, stage)
             for case, overrides, kernels, stage in cases]
@@ -238,8 +245,9 @@ PEAK_BASE = [*BASE, "model.hidden_size=128", "model.seq_length=256", "train.micr
 
 
 @pytest.mark.parametrize("extra", [["train.dtype=fp32", "model.vocab_size=2000"],
-                                   ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "train.recompute=full"]],
-                         ids=["gpt_fp32_padded_vocab", "llama_bf16_full_recompute"])
+                                   ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "train.recompute=full"],
+                                   ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "model.lfa=true"]],
+                         ids=["gpt_fp32_padded_vocab", "llama_bf16_full_recompute", "lfa_bf16"])
 def test_estimate_matches_measured_peak_of_a_micro_batch(extra: list[str]) -> None:
     # One process, the whole model in one chunk: the peak of a micro-batch's forward and backward
     # comes while the loss runs, with every layer's saved tensors alive.

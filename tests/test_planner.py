@@ -26,8 +26,10 @@ CONFIGS = os.path.join(ROOT, "configs")
 PRESET_GPUS = {
     "tiny.yaml": 1, "gpt2-124m.yaml": 8, "llama-1.3b.yaml": 8, "gpt3-175b.yaml": 1024, "megascale-175b.yaml": 12288,
     "gpt3-530b.yaml": 8960, "llama3-8b.yaml": 64, "llama3-70b.yaml": 1024, "llama3-405b.yaml": 16384,
-    "yuan-2b.yaml": 64, "yuan-51b.yaml": 1024, "yuan-102b.yaml": 2048,
+    "yuan-2b.yaml": 64, "yuan-51b.yaml": 1024, "yuan-102b.yaml": 2048, "long-context-32k.yaml": 8,
 }
+# Presets whose header promises they fit the GPUs they are planned on (the memory model's peak <= usable memory).
+FITTING_PRESETS = ("yuan-2b.yaml", "yuan-51b.yaml", "yuan-102b.yaml", "long-context-32k.yaml")
 
 
 def test_every_gpu_spec_ships_the_named_parts() -> None:
@@ -136,6 +138,8 @@ def test_every_preset_plans(name: str, capsys) -> None:
                      "--gpu", gpu, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1 and out["gpus"] == PRESET_GPUS[name]
+    if name in FITTING_PRESETS:
+        assert out["fits"] and out["memory_gib"] <= out["usable_memory_gib"], (name, out["memory_gib"])
     assert len(out["stages"]) == resolve_plan(load_config(os.path.join(CONFIGS, name), []),
                                               PRESET_GPUS[name]).pp
 

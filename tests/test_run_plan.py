@@ -197,7 +197,6 @@ ERRORS = [
     (["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.ulysses_size=3"], 4, "must divide parallel.cp"),
     (["parallel.cp=8", "model.seq_length=32"], 8, "not divisible by the Ulysses size"),
     (["parallel.cp=2", "model.seq_length=18"], 2, r"must be divisible by 2\*cp=4 \(zigzag split\)"),
-    (["parallel.cp=2", "parallel.cp_mode=ring", "model.attention_dropout=0.1"], 2, "attention_dropout"),
     (["parallel.order=tp-dp-pp"], 1, "must name each of tp, cp, dp, pp exactly once"),
     (["parallel.tp=2", "parallel.pp=2"], 6, r"tp 2 \* pp 2 \* cp 1 = 4 does not divide world size 6"),
     (["parallel.dp=2"], 4, r"= 2 != world size 4; launch 2 ranks"),

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,10 +17,12 @@ SMALL = ["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4", "mod
          "log.tensorboard=false"]
 
 
-def train(out: Path, *overrides: str, nproc: int = 0) -> list[dict]:
-    """Train configs/tiny.yaml with SMALL + overrides into `out`; returns the metrics.jsonl records."""
-    args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
-            f"train.output_dir={out}", *SMALL, *overrides]
+def train(out: Path, *overrides: str, nproc: int = 0, config: str = "configs/tiny.yaml",
+          base: Sequence[str] = SMALL) -> list[dict]:
+    """Train `config` (default configs/tiny.yaml) with base (default SMALL) + overrides into `out`;
+    returns the metrics.jsonl records."""
+    args = [sys.executable, "-m", "megascale.cli", "train", "--config", config,
+            f"train.output_dir={out}", *base, *overrides]
     if nproc:
         args += ["--nproc", str(nproc)]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,

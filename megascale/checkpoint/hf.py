@@ -31,8 +31,17 @@ def _matches(value: Any, want: Any) -> bool:
     return value in want if isinstance(want, tuple) else value == want
 
 
+def refuse_lfa(model: ModelConfig) -> None:
+    """UserError for an LFA model: HF's Llama and GPT-2 have no localized filtering to put its weights in."""
+    if model.lfa:
+        raise UserError("cannot export a model.lfa=true model to HuggingFace: Llama and GPT-2 have no "
+                        "localized filtering (its conv/norm weights would be lost); keep the megascale "
+                        "checkpoint (megascale generate reads it) or use `megascale convert --merge` for one file")
+
+
 def detect_arch(model: ModelConfig) -> str:
-    """'llama' or 'gpt2' from the model's variant; UserError if it is neither."""
+    """'llama' or 'gpt2' from the model's variant; UserError if it is neither (or uses LFA)."""
+    refuse_lfa(model)
     for arch, want in (("llama", _LLAMA), ("gpt2", _GPT2)):
         if all(_matches(getattr(model, k), v) for k, v in want.items()):
             return arch
@@ -42,6 +51,7 @@ def detect_arch(model: ModelConfig) -> str:
 
 
 def _check_arch(model: ModelConfig, arch: str) -> None:
+    refuse_lfa(model)
     want = _LLAMA if arch == "llama" else _GPT2
     wrong = [f"model.{k}={getattr(model, k)} (needs {v})" for k, v in want.items()
              if not _matches(getattr(model, k), v)]

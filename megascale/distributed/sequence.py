@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from megascale.distributed.halo import Halo, exchange_preceding
 from megascale.kernels.attention import AttentionKernels, build_attention_kernels, default_attention_kernels
 
 if TYPE_CHECKING:
     from megascale.config import Config
+    from megascale.distributed.tensor_parallel.layers import TPSettings
     from megascale.distributed.topology import ParallelContext
 
 
@@ -76,6 +78,14 @@ class SequenceLayout(ABC):
         returns [s_local, b, nq, d] in the same token order.
         """
 
+    @abstractmethod
+    def preceding(self, x: torch.Tensor, n: int, tp: Optional[TPSettings] = None) -> Halo:
+        """The n tokens before each run of consecutive positions in x (a halo; zeros before position 0).
+
+        x [s_local, b, h] in local order; under sequence parallelism (tp.sp) it is
+        this tp rank's contiguous 1/tp of the layout's tokens. Differentiable.
+        """
+
     def local_length(self, seq_length: int) -> int:
         """Tokens of a seq_length sample that this rank holds."""
         return seq_length // self.size
@@ -110,6 +120,11 @@ class LocalSequence(SequenceLayout):
                   dropout_p: float = 0.0) -> torch.Tensor:
         """The run's local attention kernel over the sequence (SDPA, FlexAttention, flash-attn or blockwise)."""
         return self.kernels.local(q, k, v, window, dropout_p)
+
+    def preceding(self, x: torch.Tensor, n: int, tp: Optional[TPSettings] = None) -> Halo:
+        """Zeros for the one run from position 0, or the previous tp rank's last tokens under SP."""
+        tokens = x.shape[0] * (tp.size if tp is not None and tp.sp else 1)
+        return exchange_preceding(x, n, [torch.arange(tokens)], 0, None, tp)
 
     def __repr__(self) -> str:
         return f"LocalSequence({self.kernels!r})"

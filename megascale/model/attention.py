@@ -2,6 +2,9 @@
 
 The attention itself belongs to the run's sequence layout (`bc.sequence`): SDPA
 when this rank holds whole sequences, the context-parallel algorithms otherwise.
+With LFA (`model.lfa`) q and k are projected from the filtered input and v from
+the unfiltered one, by slicing the fused weight: no row is computed twice.
+With an inference cache (generation) the new tokens attend to the cached keys.
 """
 
 from __future__ import annotations
@@ -9,11 +12,18 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from megascale.distributed import comm
+from megascale.distributed.tensor_parallel import overlap as tp_overlap
 from megascale.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_std
+from megascale.model.kv_cache import LayerCache
 from megascale.model.layers import BuildContext
+from megascale.model.lfa import LFA_CONTEXT, LocalizedFiltering
 from megascale.model.recompute import recompute
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -39,19 +49,68 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(f"{name}.qkv", (qkv_rows, m.hidden_size), 0, tp, m.bias, m.init_std)
         self.proj = RowParallelLinear(f"{name}.proj", (m.hidden_size, m.num_heads * m.head_dim), tp, m.bias,
                                       scaled_std(m.init_std, m.num_layers))
+        self.lfa = LocalizedFiltering(f"{name}.lfa", bc) if m.lfa else None
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]; with a cache, x holds the tokens after the cached ones."""
+        q, k, v = self._qkv(x) if self.lfa is None else self._lfa_qkv(x, cache)
+        s, b = q.shape[:2]
+        if rope is not None:
+            q, k = self.bc.ops.apply_rotary(q.contiguous(), k.contiguous(), rope[0], rope[1])
+        if cache is not None:
+            out = cache.attend(q, k, v, self.window, self.bc.sequence.attention)
+        elif self.recompute_core:
+            out = recompute(self._core, self.bc.rng, q, k, v)
+        else:
+            out = self._core(q, k, v)
+        return self.proj(out.reshape(s, b, -1))
+
+    def _qkv(self, x: torch.Tensor) -> QKV:
+        """q [s, b, nq/tp, d], k and v [s, b, nkv/tp, d] from one fused GEMM."""
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_kv, self.group + 2, self.head_dim)
         q = qkv[:, :, :, : self.group].reshape(s, b, self.local_kv * self.group, self.head_dim)
-        k = qkv[:, :, :, self.group]
-        v = qkv[:, :, :, self.group + 1]
-        if rope is not None:
-            q, k = self.bc.ops.apply_rotary(q.contiguous(), k.contiguous(), rope[0], rope[1])
-        out = recompute(self._core, self.bc.rng, q, k, v) if self.recompute_core else self._core(q, k, v)
-        return self.proj(out.reshape(s, b, -1))
+        return q, qkv[:, :, :, self.group], qkv[:, :, :, self.group + 1]
+
+    def _lfa_qkv(self, x: torch.Tensor, cache: Optional[LayerCache]) -> QKV:
+        """q and k from the LFA-filtered input, v from x: the fused weight's q/k rows and v rows."""
+        assert self.lfa is not None
+        if cache is not None:  # generation: the two inputs before x are cached
+            halo = cache.halo(x, LFA_CONTEXT)
+            cache.remember_inputs(x, LFA_CONTEXT)
+        else:
+            halo = self.bc.sequence.preceding(x, LFA_CONTEXT, self.bc.tp)
+        qk, v = self._lfa_gemms(self.lfa(x, halo), x)
+        s, b = qk.shape[:2]
+        qk = qk.view(s, b, self.local_kv, self.group + 1, self.head_dim)
+        v = v.view(s, b, self.local_kv, self.head_dim)
+        if self.qkv.bias is not None:
+            bias = self.qkv.bias.view(self.local_kv, self.group + 2, self.head_dim)
+            qk, v = qk + bias[:, : self.group + 1], v + bias[:, self.group + 1]
+        q = qk[:, :, :, : self.group].reshape(s, b, self.local_kv * self.group, self.head_dim)
+        return q, qk[:, :, :, self.group], v
+
+    def _lfa_gemms(self, filtered: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Column-parallel (filtered @ W_qk^T, x @ W_v^T) with W_qk / W_v the rows of the fused weight.
+
+        Under tensor parallelism the two inputs enter the column-parallel region
+        together: one all-gather under sequence parallelism, one all-reduce of
+        their gradients otherwise. With tp_overlap each GEMM overlaps its own gather.
+        """
+        tp = self.bc.tp
+        rows = self.qkv.weight.view(self.local_kv, self.group + 2, self.head_dim, -1)
+        w_qk = rows[:, : self.group + 1].reshape(-1, rows.shape[-1])
+        w_v = rows[:, self.group + 1].reshape(-1, rows.shape[-1])
+        if tp.overlap and tp.size > 1:
+            return tp_overlap.column_linear(filtered, w_qk, tp), tp_overlap.column_linear(x, w_v, tp)
+        if tp.size > 1:
+            both = torch.cat([filtered, x], dim=-1)
+            both = (comm.gather_sequence(both, tp.group, tp.timers) if tp.sp
+                    else comm.copy_to_group(both, tp.group, tp.timers))
+            filtered, x = both.chunk(2, dim=-1)
+        return F.linear(filtered, w_qk), F.linear(x, w_v)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[s, b, heads, d] -> [s, b, heads, d] over the whole causal sequence, through the sequence layout."""

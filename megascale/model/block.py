@@ -9,6 +9,7 @@ from torch import nn
 
 from megascale.config import Recompute
 from megascale.model.attention import Attention
+from megascale.model.kv_cache import LayerCache
 from megascale.model.layers import BuildContext, Norm, dropout
 from megascale.model.mlp import MLP
 from megascale.model.recompute import recompute
@@ -31,20 +32,22 @@ class TransformerBlock(nn.Module):
             self.post_attention_norm = Norm(f"{name}.post_attention_norm", bc)
         self.mlp = MLP(f"{name}.mlp", bc)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x [s(/tp), b, h] -> same shape."""
-        if self.recompute == "full":
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> same shape; with an inference cache, x follows the cached tokens."""
+        if self.recompute == "full" and cache is None:
             return recompute(self._forward, self.bc.rng, x, rope)
-        return self._forward(x, rope)
+        return self._forward(x, rope, cache)
 
-    def _forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         p = self.bc.model.dropout
         # The residual stream is identical on every tp rank unless it is sequence-sharded.
         rng = self.bc.rng if self.bc.tp.sp else None
         if self.parallel_block:
             h = self.input_norm(x)
-            return x + dropout(self.attention(h, rope) + self.mlp(h), p, self.training, rng)
-        attn = dropout(self.attention(self.input_norm(x), rope), p, self.training, rng)
+            return x + dropout(self.attention(h, rope, cache) + self.mlp(h), p, self.training, rng)
+        attn = dropout(self.attention(self.input_norm(x), rope, cache), p, self.training, rng)
         h, x = self.post_attention_norm.add_forward(attn, x)  # residual add fused into the norm
         return x + dropout(self.mlp(h), p, self.training, rng)
 

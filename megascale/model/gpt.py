@@ -30,6 +30,7 @@ from megascale.distributed.tensor_parallel.layers import (
 )
 from megascale.distributed.topology import ParallelContext
 from megascale.model.block import TransformerBlock
+from megascale.model.kv_cache import InferenceCache
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
 from megascale.run_plan import RunPlan, precision_of
 from megascale.seeds import tensor_parallel_seed
@@ -103,16 +104,48 @@ class GPTChunk(nn.Module):
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [b, s, vocab_size] of a whole model held in one chunk (generation, HF checks)."""
-        if not (self.first and self.last and self.bc.sequence.holds_whole_sequence):
-            raise ValueError("logits() needs a chunk holding the whole model and whole sequences (pp=1, cp=1)")
-        m, tp = self.bc.model, self.bc.tp
+        self._check_whole_model("logits()")
+        m = self.bc.model
         hidden = self._embed(tokens)
         rope = rope_tables(self._positions(hidden), m.head_dim, m.rope_theta) if m.position == "rope" else None
         for layer in self.layers.values():
             hidden = layer(hidden, rope)
+        return self._full_logits(hidden)
+
+    @torch.no_grad()
+    def decode_logits(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        """Logits [b, n, vocab_size] of n tokens [b, n] that follow the cached ones; extends the cache.
+
+        With an empty cache this is `logits(tokens)` (the prefill); afterwards each
+        call costs only the new tokens' work (incremental decoding).
+        """
+        self._check_whole_model("decode_logits()")
+        m = self.bc.model
+        if self.bc.tp.sp:
+            raise ValueError("decode_logits() needs parallel.sequence_parallel=false")
+        start = cache.length
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        if int(positions[-1]) >= m.seq_length:
+            raise ValueError(f"position {int(positions[-1])} is past model.seq_length={m.seq_length}; "
+                             "restart from the last seq_length tokens with an empty cache")
+        hidden = self.word_embeddings(tokens)
+        if m.position == "learned":
+            hidden = hidden + self.position_embeddings[positions].unsqueeze(1)
+        rope = rope_tables(positions, m.head_dim, m.rope_theta) if m.position == "rope" else None
+        for index, layer in self.layers.items():
+            hidden = layer(hidden, rope, cache.layer(int(index)))
+        return self._full_logits(hidden)
+
+    def _check_whole_model(self, what: str) -> None:
+        if not (self.first and self.last and self.bc.sequence.holds_whole_sequence):
+            raise ValueError(f"{what} needs a chunk holding the whole model and whole sequences (pp=1, cp=1)")
+
+    def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and output layer: hidden [s, b, h] -> full-vocabulary logits [b, s, vocab_size] in fp32."""
+        tp = self.bc.tp
         local = parallel_logits(self.final_norm(hidden), self.head_weight(), tp)
         full = comm.all_gather_dim(local, 2, tp.group) if tp.size > 1 else local
-        return full[..., : m.vocab_size].transpose(0, 1).float()
+        return full[..., : self.bc.model.vocab_size].transpose(0, 1).float()
 
     def _positions(self, hidden: torch.Tensor) -> torch.Tensor:
         """Global positions of this rank's tokens, in local order (the sequence layout may reorder them)."""

@@ -26,9 +26,10 @@ tensors on the real model for a grid of layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from megascale.config import Config, Recompute
+from megascale.perf import lfa
 from megascale.run_plan import RunPlan
 
 KernelProfile = Literal["reference", "fused"]
@@ -94,12 +95,16 @@ class Shapes:
         return self.tokens * width * nbytes
 
 
-def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
-    """What one norm keeps, its input included (x is kept by the norm, not by the residual add)."""
+def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Optional[str] = None) -> float:
+    """What one norm keeps, its input included (x is kept by the norm, not by the residual add).
+
+    norm: the kind of norm (default model.norm; LFA's filter always ends in an RMSNorm).
+    """
     n, h = sh.residual_tokens, sh.hidden
+    kind = norm or cfg.model.norm
     if kernels == "fused":  # input rows + fp32 rstd (+ fp32 mean for LayerNorm); weight is the parameter
-        return n * h * sh.act + n * FP32 * (1 if cfg.model.norm == "rmsnorm" else 2)
-    if cfg.model.norm == "layernorm":  # aten layer norm: input, mean and rstd in the input dtype on CPU
+        return n * h * sh.act + n * FP32 * (1 if kind == "rmsnorm" else 2)
+    if kind == "layernorm":  # aten layer norm: input, mean and rstd in the input dtype on CPU
         return n * h * sh.act + 2 * n * sh.act
     # x.float() (x itself in fp32), rsqrt(mean(x^2)), x * rstd, and an fp32 copy of a 16-bit weight.
     half = sh.act != FP32
@@ -113,6 +118,19 @@ def _linear_input_bytes(sh: Shapes) -> float:
 
 def _qkv_bytes(sh: Shapes) -> float:
     return sh.per_token((sh.q_heads + 2 * sh.kv_heads) * sh.head_dim, sh.act)
+
+
+def _qkv_kept_bytes(cfg: Config, sh: Shapes) -> float:
+    """Bytes of q/k/v projection outputs that attention keeps alive through views.
+
+    Attention keeps v as a view, and k too without RoPE. Without LFA q, k and v are
+    slices of one fused output, so all of it stays; with LFA q/k and v are two GEMM
+    outputs (filtered and unfiltered inputs), and the q/k one stays only without RoPE.
+    """
+    if not cfg.model.lfa:
+        return _qkv_bytes(sh)
+    v = _heads_bytes(sh, sh.kv_heads)
+    return v + (_qkv_bytes(sh) - v if cfg.model.position != "rope" else 0.0)
 
 
 def _heads_bytes(sh: Shapes, heads: int) -> float:
@@ -160,7 +178,7 @@ def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, select
     proj_input = _heads_bytes(sh, sh.q_heads)
     if selective:
         # The checkpoint keeps q, k, v as they enter the core (v a view of qkv) and the core's output.
-        return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
+        return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
     if sh.ring > 1:
         return _ring_bytes(cfg, sh) + rope_tables
     if sh.ulysses > 1:
@@ -176,7 +194,7 @@ def _local_attention_bytes(cfg: Config, sh: Shapes) -> float:
     groups; the kernel's output is laid out [s, b, heads, d], so the projection
     reads a view of it.
     """
-    return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + _kernel_bytes(sh, local_inputs=True)
+    return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + _kernel_bytes(sh, local_inputs=True)
 
 
 def _ring_bytes(cfg: Config, sh: Shapes) -> float:
@@ -192,7 +210,7 @@ def _ring_bytes(cfg: Config, sh: Shapes) -> float:
         q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, spread_kv_heads(sh))
         return q_kv + fp32_out + _heads_bytes(sh, sh.q_heads)
     proj_input = 0.0 if sh.act == FP32 else _heads_bytes(sh, sh.q_heads)
-    return _qkv_bytes(sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
+    return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
 
 
 def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -219,14 +237,25 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
     if recompute == "full":
         return sh.residual_tokens * sh.hidden * sh.act  # the checkpoint keeps the block input only
     norm = norm_bytes(cfg, sh, kernels)
+    lfa_filter = _lfa_bytes(cfg, sh, kernels) if m.lfa else 0.0
     core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
     mask = dropout_mask_bytes(cfg, sh, kernels)
     linear_in = _linear_input_bytes(sh)
     if m.parallel_block:
         # One norm feeds both GEMMs; under SP each column-parallel GEMM gathers its own copy.
         inputs = linear_in * (2 if sh.sp else 1)
-        return norm + inputs + core + mlp_bytes(cfg, sh, kernels) + mask
-    return 2 * norm + 2 * linear_in + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+        return norm + inputs + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + mask
+    return 2 * norm + 2 * linear_in + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+
+
+def _lfa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """What LFA's filter keeps beyond the plain layer (megascale/perf/lfa.py): its inputs, its RMSNorm,
+    the filtered input the q/k GEMM reads, and the q/k and v weight slices that are copies."""
+    split = sh.ulysses * (sh.tp if sh.sp else 1)  # parts each ring rank's zigzag pair is cut into
+    runs = lfa.halo_runs(sh.ring, split)
+    filters = lfa.filter_saved_bytes(sh.residual_tokens, sh.batch, sh.hidden, sh.act, runs)
+    weights = lfa.weight_copy_elements(sh.kv_heads, sh.group, sh.head_dim, sh.hidden) * sh.act
+    return filters + norm_bytes(cfg, sh, kernels, norm="rmsnorm") + _linear_input_bytes(sh) + weights
 
 
 def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:

@@ -15,7 +15,9 @@ plan's layout, the model config and a `GpuSpec`:
 - context-parallel traffic (Ulysses all-to-alls, ring k/v blocks overlapped
   with each block's attention);
 - recomputation (selective: the attention core again; full: the layer's forward
-  again; only the first `train.recompute_layers` of each chunk).
+  again; only the first `train.recompute_layers` of each chunk);
+- Yuan's LFA filter (`model.lfa`): its convolution GEMMs, memory-bound work and
+  halo exchange (megascale/perf/lfa.py), and the extra column-parallel input.
 
 `SystemTraits` names implementation facts that differ between systems (the
 MegaScale reproduction models Megatron-LM and MegaScale with them); megascale's
@@ -28,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 from megascale.config import Config
+from megascale.perf import lfa
 from megascale.perf.cp_traffic import cp_layer_traffic
 from megascale.perf.gpus import GpuSpec, dtype_bytes
 from megascale.run_plan import RunPlan
@@ -160,6 +163,8 @@ class LayerShape:
     dtype: str
     parallel_block: bool
     dropout: bool
+    batch: int = 1  # sequences per micro-batch
+    lfa: bool = False  # Yuan's localized filtering before the q/k projection
 
     @classmethod
     def of(cls, cfg: Config, plan: RunPlan) -> LayerShape:
@@ -171,7 +176,8 @@ class LayerShape:
                    sp=plan.sequence_parallel, seq=plan.seq_length,
                    window=m.window_size if m.attention == "sliding_window" else 0, cp=plan.cp,
                    ulysses=plan.ulysses_size, ring=plan.ring_size, dtype=plan.precision.name,
-                   parallel_block=m.parallel_block, dropout=m.dropout > 0 or m.attention_dropout > 0)
+                   parallel_block=m.parallel_block, dropout=m.dropout > 0 or m.attention_dropout > 0,
+                   batch=plan.micro_batch_size, lfa=m.lfa)
 
     @property
     def bytes(self) -> int:
@@ -182,6 +188,11 @@ class LayerShape:
     def qkv_width(self) -> int:
         """Output width of this rank's fused qkv projection."""
         return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def region(self) -> int:
+        """Rows of the residual stream on this rank (norms, residual adds, LFA's filter): tokens / tp under SP."""
+        return self.tokens // self.tp if self.sp else self.tokens
 
     @property
     def fc1_width(self) -> int:
@@ -209,7 +220,14 @@ class LayerCosts:
 def _gemms(shape: LayerShape, traits: SystemTraits) -> list[tuple[str, int, int]]:
     """(role, N, K) of each forward GEMM with M = tokens; role pairs a GEMM with its collective."""
     h = shape.hidden
-    if shape.parallel_block and traits.fused_block_gemm:
+    fused = shape.parallel_block and traits.fused_block_gemm
+    if shape.lfa:  # q/k read the filtered input, v the unfiltered one (which may share fc1's GEMM)
+        v_width = shape.kv_heads * shape.head_dim
+        qk = ("column", shape.qkv_width - v_width, h)
+        rest = [("column", v_width + shape.fc1_width, h)] if fused else [("column", v_width, h),
+                                                                          ("column", shape.fc1_width, h)]
+        column = [qk, *rest]
+    elif fused:
         column = [("column", shape.qkv_width + shape.fc1_width, h)]
     else:
         column = [("column", shape.qkv_width, h), ("column", shape.fc1_width, h)]
@@ -234,7 +252,7 @@ def _attention_seconds(shape: LayerShape, spec: GpuSpec) -> tuple[float, float]:
 def _memory_bytes(shape: LayerShape) -> float:
     """Bytes the forward's memory-bound ops stream (norms, residuals, activation, RoPE, dropout)."""
     e = shape.bytes
-    region = shape.tokens // shape.tp if shape.sp else shape.tokens  # rows the norms/residuals see
+    region = shape.region  # rows the norms/residuals see
     h = shape.hidden
     norms = (2 + 4) * region * h if not shape.parallel_block else 2 * region * h  # norm, fused add+norm
     residual = 3 * region * h if not shape.parallel_block else 4 * region * h
@@ -245,14 +263,21 @@ def _memory_bytes(shape: LayerShape) -> float:
 
 
 def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, int], dict[str, int]]:
-    """Counts of forward and backward tp collectives per layer, by kind."""
+    """Counts of forward and backward tp collectives per layer, by kind.
+
+    Each distinct column-parallel input is gathered (SP) or has its gradient reduced;
+    each row-parallel output is reduce-scattered (SP) or all-reduced. LFA's filtered
+    input is one more column input: the q/k projection reads it, v reads x.
+    """
     if shape.tp == 1:
         return {}, {}
-    pairs = 1 if (shape.parallel_block and traits.shared_block_comm) else 2
+    outputs = 1 if (shape.parallel_block and traits.shared_block_comm) else 2
+    inputs = outputs + (1 if shape.lfa else 0)
     if not shape.sp:
-        return {"all_reduce": pairs}, {"all_reduce": pairs}
-    backward = {"reduce_scatter": pairs, "all_gather": pairs * (2 if traits.tp_regather_backward else 1)}
-    return {"all_gather": pairs, "reduce_scatter": pairs}, backward
+        return {"all_reduce": outputs}, {"all_reduce": inputs}
+    regathers = inputs if traits.tp_regather_backward else 0
+    backward = {"reduce_scatter": inputs, "all_gather": outputs + regathers}
+    return {"all_gather": inputs, "reduce_scatter": outputs}, backward
 
 
 def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dict[str, int],
@@ -293,6 +318,26 @@ def _cp_pass(shape: LayerShape, spec: GpuSpec, attention: float, inter_node: boo
     return exposed, hidden
 
 
+def _lfa_costs(shape: LayerShape, spec: GpuSpec, tp_inter: bool, cp_inter: bool) -> tuple[Cost, Cost]:
+    """Forward/backward of LFA's filter on this rank: replicated over tp, on the residual stream's rows."""
+    fwd, bwd = Cost(), Cost()
+    for m, n, k in lfa.conv_gemms(shape.region, shape.hidden):
+        fwd.gemm += spec.gemm_seconds(m, n, k, shape.dtype)
+        bwd.gemm += spec.gemm_seconds(m, k, n, shape.dtype) + spec.gemm_seconds(n, k, m, shape.dtype)
+    fwd.memory = spec.memory_seconds(lfa.memory_bytes(shape.region, shape.hidden, shape.bytes))
+    bwd.memory = 2 * fwd.memory
+    runs = 2 if shape.ring > 1 else 1  # zigzag: two chunks per ring rank, each needing its predecessors
+    tails = lfa.halo_bytes(shape.batch, shape.hidden, shape.bytes, runs)
+    if shape.sp:  # the tp ranks' tails first, then the cp ranks' (all-gather forward, reduce-scatter back)
+        fwd.tp_comm = collective_seconds("all_gather", shape.tp * tails, shape.tp, spec, tp_inter)
+        bwd.tp_comm = collective_seconds("reduce_scatter", shape.tp * tails, shape.tp, spec, tp_inter)
+    sp_ranks = shape.tp if shape.sp else 1
+    halo_cp = sp_ranks * shape.cp * tails
+    fwd.cp_comm = collective_seconds("all_gather", halo_cp, shape.cp, spec, cp_inter)
+    bwd.cp_comm = collective_seconds("reduce_scatter", halo_cp, shape.cp, spec, cp_inter)
+    return fwd, bwd
+
+
 def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> LayerCosts:
     """Forward/backward seconds of one transformer layer for one micro-batch on one GPU."""
     shape = LayerShape.of(cfg, plan)
@@ -319,6 +364,10 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
                    hidden={"tp": tp_f_hidden, "cp": cp_f_hidden})
     backward = Cost(gemm=gemm_b, attention=attn_bwd, memory=2 * mem_fwd, tp_comm=tp_b, cp_comm=cp_b,
                     hidden={"tp": tp_b_hidden, "cp": cp_b_hidden})
+    if shape.lfa:
+        lfa_fwd, lfa_bwd = _lfa_costs(shape, spec, tp_inter, cp_inter)
+        forward.add(lfa_fwd)
+        backward.add(lfa_bwd)
     return LayerCosts(forward, backward, recompute_selective=attn_fwd + cp_f, recompute_full=forward.total)
 
 
@@ -344,7 +393,7 @@ def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
     shape = LayerShape.of(cfg, plan)
     vocab = cfg.model.padded_vocab_size // plan.tp
     t, h, e, dtype = shape.tokens, shape.hidden, shape.bytes, shape.dtype
-    region = t // shape.tp if shape.sp else t
+    region = shape.region
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
     gather = collective_seconds("all_gather", t * h * e, shape.tp, spec, inter) if shape.sp else 0.0
     # Fused loss: one read of the logits forward, one read and one write of their gradient backward.

@@ -4,7 +4,9 @@ Model FLOPs per token follow Narayanan et al. 2021: training = 3 x forward
 (backward costs twice the forward), no recomputation counted. Forward per layer
 per token = 2 x (multiply-adds) of the qkv projection, attention scores
 (q.k over the s keys), attention over values, output projection and MLP; plus
-the logit layer. Attention is not halved for the causal mask (report that
+the logit layer. With Yuan's LFA (`model.lfa`) each layer adds its two
+kernel-2 convolutions, which are matmuls over a token and its predecessor:
+2*2*h*(h/2) + 2*2*(h/2)*h = 4 h^2 per token. Attention is not halved for the causal mask (report that
 separately if wanted: `causal_halved_train_flops_per_token`, logged as
 mfu_causal_halved); a sliding window counts min(window, s) keys. The padded
 vocabulary is used because those logits are computed. For the classic GPT (MHA,
@@ -45,7 +47,8 @@ class LayerDims:
     """The sizes one transformer layer's matmul FLOPs depend on.
 
     keys: how many keys each query attends to (the sequence, or a sliding window);
-    gated_mlp: SwiGLU-style MLP with three matrices instead of two.
+    gated_mlp: SwiGLU-style MLP with three matrices instead of two;
+    lfa: Yuan's localized filtering (two convolutions before the q/k projection).
     """
 
     hidden: int
@@ -55,6 +58,7 @@ class LayerDims:
     ffn: int
     keys: int
     gated_mlp: bool
+    lfa: bool = False
 
     @classmethod
     def of(cls, m: ModelConfig, seq_length: Optional[int] = None) -> LayerDims:
@@ -62,7 +66,7 @@ class LayerDims:
         s = seq_length or m.seq_length
         keys = min(m.window_size, s) if m.attention == "sliding_window" else s
         return cls(hidden=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
-                   ffn=m.ffn_size, keys=keys, gated_mlp=m.activation == "swiglu")
+                   ffn=m.ffn_size, keys=keys, gated_mlp=m.activation == "swiglu", lfa=m.lfa)
 
 
 def attention_core_flops(dims: LayerDims) -> float:
@@ -71,14 +75,26 @@ def attention_core_flops(dims: LayerDims) -> float:
     return 2.0 * 2 * dims.keys * dims.num_heads * dims.head_dim
 
 
+def lfa_conv_flops(hidden: int) -> float:
+    """Forward FLOPs per token of LFA's two kernel-2 convolutions (h -> h/2 -> h).
+
+    Each output position of a kernel-2 convolution is one matmul over [x[t-1], x[t]]:
+    2 * (2 * c_in) * c_out FLOPs, so 2*2*h*(h/2) + 2*2*(h/2)*h = 4 h^2.
+    """
+    half = hidden // 2
+    return 2.0 * 2 * hidden * half + 2.0 * 2 * half * hidden
+
+
 def layer_forward_flops(dims: LayerDims) -> float:
     """Forward matmul FLOPs per token of one transformer layer: qkv, attention core, output
-    projection, MLP. The one per-layer count behind MFU, `pipeline_layers: auto` and the benchmarks."""
+    projection, MLP, and LFA's convolutions when on. The one per-layer count behind MFU,
+    `pipeline_layers: auto` and the benchmarks."""
     h, d = dims.hidden, dims.head_dim
     qkv = 2 * h * (dims.num_heads + 2 * dims.kv_heads) * d
     proj = 2 * dims.num_heads * d * h
     mlp = 2 * (3 if dims.gated_mlp else 2) * h * dims.ffn
-    return float(qkv + proj + mlp) + attention_core_flops(dims)
+    lfa = lfa_conv_flops(h) if dims.lfa else 0.0
+    return float(qkv + proj + mlp) + lfa + attention_core_flops(dims)
 
 
 def logits_forward_flops(hidden: int, padded_vocab: int) -> float:

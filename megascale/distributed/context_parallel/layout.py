@@ -7,7 +7,8 @@ without knowing which mode (or that context parallelism) is active.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -19,9 +20,13 @@ from megascale.distributed.context_parallel.attention import (
     local_positions,
     shard_batch,
 )
+from megascale.distributed.halo import Halo, exchange_preceding
 from megascale.distributed.sequence import SequenceLayout
 from megascale.distributed.topology import ParallelContext
 from megascale.kernels.attention import AttentionKernels
+
+if TYPE_CHECKING:
+    from megascale.distributed.tensor_parallel.layers import TPSettings
 
 
 class ContextParallelSequence(SequenceLayout):
@@ -51,6 +56,19 @@ class ContextParallelSequence(SequenceLayout):
                   dropout_p: float = 0.0) -> torch.Tensor:
         """All-to-all and/or ring attention over the cp group; exact causal (or windowed) attention."""
         return attention(q, k, v, self.settings, window=window, dropout_p=dropout_p)
+
+    def preceding(self, x: torch.Tensor, n: int, tp: Optional[TPSettings] = None) -> Halo:
+        """The n tokens before each of this rank's runs (zigzag chunks, hybrid parts), from the cp ranks
+        (and, under sequence parallelism, the tp ranks) holding them."""
+        s = self.settings
+        seq = x.shape[0] * (tp.size if tp is not None and tp.sp else 1) * s.size
+        members = [local_positions(seq, self._settings_of(c)) for c in range(s.size)]  # on the host: no device sync
+        return exchange_preceding(x, n, members, s.rank, s.group, tp)
+
+    def _settings_of(self, cp_rank: int) -> CPSettings:
+        """The settings cp rank `cp_rank` holds: enough to compute its positions."""
+        u = self.settings.ulysses_size
+        return dataclasses.replace(self.settings, rank=cp_rank, ulysses_rank=cp_rank % u, ring_rank=cp_rank // u)
 
     def __repr__(self) -> str:
         s = self.settings
