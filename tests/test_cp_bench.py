@@ -21,6 +21,8 @@ from megascale.perf.cp_traffic import cp_layer_traffic
 
 ARGS = ["--seq", "512", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "1", "--vocab", "256",
         "--cps", "2", "--modes", "ulysses,ring", "--steps", "1", "--device", "cpu", "--threads", "1"]
+# The cp=2 run also has LFA's filter, so its halo exchange is counted too.
+LFA_ARGS = [*ARGS, "--lfa"]
 
 # Per layer, per rank, fp32 (4 B): t = 512 / 2 = 256 tokens, head_dim 16, 4 query heads, 1 kv head.
 # Ulysses U=2: the kv head is repeated once (2 kv heads, divisible by U); q, k, v and the output are
@@ -28,15 +30,18 @@ ARGS = ["--seq", "512", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv
 # backward the same on the gradients.
 # Ring R=2: one k/v block is 2 * 256 * 1 * 16 = 8,192 elements. Forward: one hop in fp32, 32,768 B.
 # Backward: k/v again (32,768 B) and the fp32 dk/dv sums twice (2 * 32,768 B): 98,304 B.
-EXPECTED = {"ulysses": (98_304, 98_304), "ring": (32_768, 98_304)}
-# Calls per layer: Ulysses 4 all-to-alls per pass; ring 1 hop forward, 1 + 2 backward.
-CALLS = {"ulysses": {"forward all_to_all": 4, "backward all_to_all": 4},
-         "ring": {"forward p2p": 1, "backward p2p": 3}}
+# LFA's halo: the 2 tokens before each run, h = 64, fp32: 512 B per run, to the other rank (all-gather
+# forward, reduce-scatter backward); Ulysses ranks hold one run, ring ranks two (the zigzag pair).
+EXPECTED = {"ulysses": (98_304 + 512, 98_304 + 512), "ring": (32_768 + 1_024, 98_304 + 1_024)}
+# Calls per layer: Ulysses 4 all-to-alls per pass; ring 1 hop forward, 1 + 2 backward; one halo exchange.
+HALO_CALLS = {"forward all_gather": 1, "backward reduce_scatter": 1}
+CALLS = {"ulysses": {"forward all_to_all": 4, "backward all_to_all": 4, **HALO_CALLS},
+         "ring": {"forward p2p": 1, "backward p2p": 3, **HALO_CALLS}}
 
 
 @pytest.fixture(scope="module")
 def bench() -> tuple[argparse.Namespace, list[cp_bench.Result]]:
-    args = cp_bench._parse(ARGS)
+    args = cp_bench._parse(LFA_ARGS)
     return args, cp_bench.run(args)
 
 
@@ -95,8 +100,11 @@ def test_formula_cases() -> None:
     assert hybrid.ring_kv_message == 2 * t * heads * d * 2
     assert hybrid.ring_grad_message == 2 * t * heads * d * 4
     assert hybrid.backward_sent == hybrid.alltoall_sent + hybrid.ring_kv_message + 2 * hybrid.ring_grad_message
-    none = cp_layer_traffic(t, heads, heads, d, ulysses=1, ring=1, element_bytes=2)
+    none = cp_layer_traffic(t, heads, heads, d, ulysses=1, ring=1, element_bytes=2, lfa_hidden=256)
     assert none.forward_sent == none.backward_sent == 0
+    # LFA under hybrid 2x2: the even Ulysses split cuts between the zigzag chunks, one run per rank,
+    # 2 tokens x h to each of the 3 other ranks.
+    assert cp_layer_traffic(t, heads, heads, d, 2, 2, 2, lfa_hidden=256).halo_sent == 3 * 2 * 256 * 2
 
 
 def test_counter_restores_torch_distributed() -> None:

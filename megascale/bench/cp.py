@@ -92,6 +92,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default = --heads")
     parser.add_argument("--window", type=int, default=0, help="sliding window in tokens; 0 = full causal")
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    parser.add_argument("--lfa", action="store_true",
+                        help="Yuan's LFA filter on q/k (model.lfa; adds its halo exchange)")
     parser.add_argument("--modes", default="ulysses,ring", help=f"cp modes, comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--cps", default="1,2,4", help="cp sizes, comma-separated (1 = no context parallelism)")
     parser.add_argument("--ulysses-size", type=int, default=2, help="Ulysses size of hybrid (1 < U < cp)")
@@ -173,13 +175,16 @@ def overrides_of(args: argparse.Namespace, case: Case) -> list[str]:
         out.append(f"parallel.ulysses_size={case.ulysses}")
     if args.window:
         out += ["model.attention=sliding_window", f"model.window_size={args.window}"]
+    if args.lfa:
+        out.append("model.lfa=true")
     return out
 
 
 def traffic_of(args: argparse.Namespace, case: Case) -> CPTraffic:
     """The formula's bytes for one layer of this case."""
     return cp_layer_traffic(args.seq // case.cp, args.heads, args.kv_heads, args.hidden // args.heads,
-                            case.ulysses, case.ring, PRECISIONS[args.dtype].compute_bytes)
+                            case.ulysses, case.ring, PRECISIONS[args.dtype].compute_bytes,
+                            lfa_hidden=args.hidden if args.lfa else 0)
 
 
 def _validate_configs(args: argparse.Namespace) -> None:
@@ -222,6 +227,7 @@ def format_table(args: argparse.Namespace, results: list[Result], device: str) -
     """Markdown table: memory, time and per-layer bytes per rank, measured against the formula."""
     lines = [f"cp bench: {device}, {args.dtype}, one sequence of {args.seq:,} tokens, {args.layers} layers, "
              f"h={args.hidden}, heads={args.heads}, kv_heads={args.kv_heads}, window={args.window or 'none'}, "
+             f"lfa={'on' if args.lfa else 'off'}, "
              f"vocab={args.vocab}; step = forward+backward, median of {args.steps} steps (slowest rank) after "
              f"{1 + args.warmup} untimed, modes alternating",
              f"peak = per-rank allocation peak of one step above parameters+gradients "

@@ -18,11 +18,18 @@ size, R = cp / U the ring size, e the bytes of an activation element:
   heads, so one k/v block is 2 t nkv' d elements. Forward: R-1 hops of it.
   Backward: R-1 hops of k/v again, and R hops of the fp32 dk/dv partial sums
   (one hop more than k/v: after a full turn each block's sum is home).
+- LFA's halo (`model.lfa`, cp > 1): each rank contributes the two tokens
+  before each run of positions it holds (`perf/lfa.py`: one run, or two for a
+  ring rank's zigzag pair unless an even Ulysses split cuts between them) to an
+  all-gather over cp forward, and gets their gradients back by a reduce-scatter
+  of the same size backward: cp-1 contributions leave the rank each way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megascale.perf import lfa
 
 # The ring's dk/dv partial sums travel in fp32 whatever the training dtype.
 RING_GRAD_BYTES = 4
@@ -44,6 +51,7 @@ class CPTraffic:
     alltoall_tensor_bytes: the sizes of the tensors each Ulysses pass all-to-alls
     (q, k, v and the output; their gradients backward), before the split.
     ring_kv_message / ring_grad_message: one ring hop's k/v block / fp32 dk/dv sums.
+    halo_message: this rank's contribution to LFA's halo all-gather (0 without LFA).
     """
 
     ulysses: int
@@ -51,6 +59,12 @@ class CPTraffic:
     alltoall_tensor_bytes: int
     ring_kv_message: int
     ring_grad_message: int
+    halo_message: int = 0
+
+    @property
+    def halo_sent(self) -> int:
+        """Bytes one rank sends in LFA's halo exchange, per pass (all-gather forward, reduce-scatter backward)."""
+        return (self.ulysses * self.ring - 1) * self.halo_message
 
     @property
     def alltoall_sent(self) -> int:
@@ -70,23 +84,28 @@ class CPTraffic:
     @property
     def forward_sent(self) -> int:
         """All bytes one rank sends in the forward of one layer."""
-        return self.alltoall_sent + self.ring_forward_sent
+        return self.alltoall_sent + self.ring_forward_sent + self.halo_sent
 
     @property
     def backward_sent(self) -> int:
         """All bytes one rank sends in the backward of one layer."""
-        return self.alltoall_sent + self.ring_backward_sent
+        return self.alltoall_sent + self.ring_backward_sent + self.halo_sent
 
 
 def cp_layer_traffic(tokens: int, q_heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-                     element_bytes: int) -> CPTraffic:
+                     element_bytes: int, lfa_hidden: int = 0, batch: int = 1) -> CPTraffic:
     """The context-parallel traffic of one layer (see the module docstring for the rule).
 
     tokens: this rank's tokens of the micro-batch (seq / cp x micro-batch);
-    q_heads / kv_heads: this tp rank's heads; ulysses x ring = cp.
+    q_heads / kv_heads: this tp rank's heads; ulysses x ring = cp. lfa_hidden:
+    the hidden size when the layer has LFA's filter (its halo), else 0; batch:
+    sequences per micro-batch (the halo is per sequence). Without tensor
+    parallelism (under sequence parallelism the tp ranks' tails travel too).
     """
     kv = spread_kv_heads(q_heads, kv_heads, ulysses) if ulysses > 1 else kv_heads
     alltoall = tokens * (2 * q_heads + 2 * kv) * head_dim * element_bytes if ulysses > 1 else 0
     kv_block = 2 * tokens * kv * head_dim if ring > 1 else 0
+    halo = lfa.halo_bytes(batch, lfa_hidden, element_bytes, lfa.halo_runs(ring, ulysses)) if ulysses * ring > 1 else 0
     return CPTraffic(ulysses=ulysses, ring=ring, alltoall_tensor_bytes=alltoall,
-                     ring_kv_message=kv_block * element_bytes, ring_grad_message=kv_block * RING_GRAD_BYTES)
+                     ring_kv_message=kv_block * element_bytes, ring_grad_message=kv_block * RING_GRAD_BYTES,
+                     halo_message=int(halo))
