@@ -9,8 +9,9 @@ yields exactly its share of the gradients). aten's flash kernels do both:
 - CUDA: `_scaled_dot_product_flash_attention` -> (out, lse, cum_seq_q, cum_seq_k,
   max_q, max_k, philox seed/offset, ...) and `_scaled_dot_product_flash_attention_backward`
   taking those back; fp16/bf16 only, head_dim a multiple of 8 up to 256, sm80+.
-  Like torch's own ring attention, k/v are made contiguous and the lse rows passed to
-  backward too (the kernel indexes them densely).
+  Like torch's own ring attention, k/v are made contiguous and so are the lse rows
+  passed to backward (the kernel indexes them densely), and the output gradient
+  (autograd may hand an expanded one).
 
 Both take queries [b, h, s, d] and keys/values with fewer heads (h a multiple of
 kv heads: grouped-query attention is native, k/v are never repeated). With
@@ -127,9 +128,9 @@ class CudaFlashTiles:
         b, hk, g, sq = q.shape[:4]
         p = dropout.p if dropout is not None else 0.0
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            _flat(grad_out.to(q.dtype)), _flat(q), k.contiguous(), v.contiguous(), _flat(out.to(q.dtype)),
-            lse.reshape(b, hk * g, sq).contiguous(), cum_q, cum_k, max_q, max_k, p, causal, seed, offset,
-            scale=scale)
+            _flat(grad_out.to(q.dtype).contiguous()), _flat(q), k.contiguous(), v.contiguous(),
+            _flat(out.to(q.dtype).contiguous()), lse.reshape(b, hk * g, sq).contiguous(), cum_q, cum_k, max_q,
+            max_k, p, causal, seed, offset, scale=scale)
         return dq.view(q.shape), dk, dv
 
 
