@@ -29,7 +29,13 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from megascale.distributed.context_parallel.ring import merge_into, plan_step, zigzag_positions
+from megascale.distributed.context_parallel.ring import (
+    RingSpec,
+    merge_into,
+    plan_step,
+    ring_attention,
+    zigzag_positions,
+)
 from megascale.kernels.attention import AttentionChoice, AttentionKernels, build_attention_kernels, resolve_attention
 from megascale.kernels.attention_blockwise import Dropout, Tile, blockwise_backward, blockwise_forward, row_delta
 from megascale.kernels.attention_tiles import CpuFlashTiles, CudaFlashTiles, TileState, tile_seed
@@ -147,6 +153,30 @@ def test_dispatch_fuses_unmasked_and_diagonal_tiles_only(world: int, window: int
     assert [(t, c, (t, c)) for t, c in fake.forward_calls] == fake.backward_calls
 
 
+def _ring_function(kernels: AttentionKernels, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, window: int,
+                   dropout: Optional[Dropout] = None) -> tuple[Tensor, ...]:
+    """(out, dq, dk, dv) of the real RingAttention autograd Function over a ring of one rank (no communication)."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = ring_attention(q, k, v, RingSpec(group=None, ranks=(0,), index=0, window=window), kernels, dropout)
+    out.backward(grad_out)
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("window", [0, 10])  # 10: diagonal squares fused, the tile below blockwise
+def test_ring_function_hands_each_backward_its_forward_state(window: int) -> None:
+    """RingAttention itself keeps the fused kernel's per-tile state and hands it back tile by tile in backward."""
+    fake = _Recording()
+    kernels = AttentionKernels(AttentionChoice("sdpa", "torch", "cuda_flash"), fused=fake)
+    q, k, v, g = _inputs(16, 8, torch.float32, torch.device("cpu"), 11 + window)
+    got = _ring_function(kernels, q, k, v, g, window)
+    ref = _dense(q, k, v, g, window)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref[:1] + ref[2:]):
+        assert (a.double() - r).abs().max() < 2e-5, name
+    assert len(fake.forward_calls) == (2 if window else 3)  # the lower tile is window-cut: blockwise
+    assert [(t, c, (t, c)) for t, c in fake.forward_calls] == fake.backward_calls
+
+
 def test_cuda_tiles_chosen_for_half_on_cuda_never_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto: CUDA fp16/bf16 -> fused flash tiles; fp32 stays exact (blockwise); CPU keeps the CPU kernel."""
     import megascale.kernels.attention as attention
@@ -214,3 +244,18 @@ def test_gpu_fused_ring_tiles_dropout(world: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, again))
     other = simulate_ring(kernels, q, k, v, g, world, 0, Dropout(p, 78))
     assert (other[0] - got[0]).abs().max() > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_gpu_ring_function_matches_simulated_ring(p: float) -> None:
+    """The RingAttention Function with fused CUDA tiles (one rank, with and without dropout) computes what the
+    simulated ring computes: the same tiles, the same per-tile philox states in backward."""
+    kernels = build_attention_kernels("auto", CUDA, torch.bfloat16, dropout_p=p)
+    q, k, v, g = _inputs(256, 64, torch.bfloat16, CUDA, 5)
+    drop = Dropout(p, 99) if p else None
+    got = _ring_function(kernels, q, k, v, g, 0, drop)
+    ref = simulate_ring(kernels, q, k, v, g, 1, 0, drop)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref[:1] + ref[2:]):
+        assert (a.float() - r).abs().max() < 2e-2, name  # the Function returns bf16: one rounding apart
