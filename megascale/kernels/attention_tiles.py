@@ -8,7 +8,8 @@ yields exactly its share of the gradients). aten's flash kernels do both:
 - CPU: `_scaled_dot_product_flash_attention_for_cpu` and its `_backward` (no dropout);
 - CUDA: `_scaled_dot_product_flash_attention` -> (out, lse, cum_seq_q, cum_seq_k,
   max_q, max_k, philox seed/offset, ...) and `_scaled_dot_product_flash_attention_backward`
-  taking those back; fp16/bf16 only, head_dim a multiple of 8 up to 256, sm80+.
+  taking those back; fp16/bf16 only, head_dim a multiple of 8 up to 256 (192 on
+  sm86/sm89, whose backward lacks the shared memory), sm80+.
   Like torch's own ring attention, k/v are made contiguous and so are the lse rows
   passed to backward (the kernel indexes them densely), and the output gradient
   (autograd may hand an expanded one).
@@ -108,7 +109,11 @@ class CudaFlashTiles:
     def accepts(self, q: Tensor, dropout: Optional[Dropout]) -> bool:
         """CUDA fp16/bf16 queries with a head dim the kernel takes; dropout included."""
         d = q.shape[-1]
-        return q.is_cuda and q.dtype in _HALF and d % 8 == 0 and d <= 256
+        if not (q.is_cuda and q.dtype in _HALF and d % 8 == 0 and d <= 256):
+            return False
+        # The flash backward for head dims above 192 needs the shared memory of sm80/sm90, not sm86/sm89
+        # (aten's SDPA refuses it there too).
+        return d <= 192 or torch.cuda.get_device_capability(q.device) not in ((8, 6), (8, 9))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, tile: Tile, causal: bool, scale: float,
                 dropout: Optional[Dropout]) -> tuple[Tensor, Tensor, TileState]:
