@@ -14,7 +14,9 @@ blockwise, each backward handed its own forward's state. The CUDA kernel itself
 is never taken on CPU.
 
 GPU (bf16, grouped-query heads): the fused tiles against the fp64 reference
-(outputs and gradients to 5e-2, lse to 2e-2: bf16 inputs, ~3 digits); with dropout,
+(errors measured relative to the reference's largest entry, 2e-2: the kernel rounds
+probabilities and outputs to bf16, ~3 digits, while a wrong mask, tile flag or
+gradient route is O(1)); with dropout,
 the mask the kernel drew is read back from the forward (v = one-hot key rows makes
 out the dropped probability matrix), then a run with the same seed and real v must
 match the fp64 reference using that mask in forward *and* gradients (the backward
@@ -42,6 +44,7 @@ from megascale.kernels.attention_tiles import CpuFlashTiles, CudaFlashTiles, Til
 
 Tensor = torch.Tensor
 CUDA = torch.device("cuda")
+REL = 2e-2  # bf16 GPU checks: largest error relative to the reference's largest entry
 
 
 def simulate_ring(kernels: AttentionKernels, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, world: int,
@@ -204,6 +207,12 @@ def test_tile_seed_depends_on_seed_heads_and_position() -> None:
     assert tile_seed(None, Tile()) is None
 
 
+def _assert_close(names: tuple[str, ...], got: tuple[Tensor, ...], ref: tuple[Tensor, ...]) -> None:
+    for name, a, r in zip(names, got, ref):
+        err = (a.double() - r).abs().max().item()
+        assert err <= REL * r.abs().max().item(), f"{name}: {err} vs largest {r.abs().max().item()}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("world,window", [(1, 0), (2, 0), (4, 0), (4, 48)])
@@ -214,11 +223,10 @@ def test_gpu_fused_ring_tiles_match_dense(world: int, window: int) -> None:
     q, k, v, g = _inputs(512, 64, torch.bfloat16, CUDA, world)
     got = simulate_ring(kernels, q, k, v, g, world, window)
     ref = _dense(q, k, v, g, window)
-    for name, a, r, tol in zip(("out", "lse", "dq", "dk", "dv"), got, ref, (5e-2, 2e-2, 5e-2, 5e-2, 5e-2)):
-        assert (a.double() - r).abs().max() < tol, name
+    _assert_close(("out", "lse", "dq", "dk", "dv"), got, ref)
     blockwise = AttentionKernels(AttentionChoice("sdpa", "torch", "torch"))
     for name, a, r in zip(("out", "dq", "dk", "dv"), got, simulate_ring(blockwise, q, k, v, g, world, window)):
-        assert (a - r).abs().max() < 5e-2, f"{name} vs blockwise"
+        assert (a - r).abs().max() <= REL * r.abs().max(), f"{name} vs blockwise"
 
 
 @pytest.mark.gpu
@@ -238,8 +246,7 @@ def test_gpu_fused_ring_tiles_dropout(world: int) -> None:
     assert 0.15 < 1 - keep[..., causal].mean().item() < 0.35  # about p of the visible pairs dropped
     got = simulate_ring(kernels, q, k, v, g, world, 0, drop)
     ref = _dense(q, k, v, g, 0, keep, p)
-    for name, a, r, tol in zip(("out", "lse", "dq", "dk", "dv"), got, ref, (5e-2, 2e-2, 1e-1, 1e-1, 5e-2)):
-        assert (a.double() - r).abs().max() < tol, name
+    _assert_close(("out", "lse", "dq", "dk", "dv"), got, ref)
     again = simulate_ring(kernels, q, k, v, g, world, 0, drop)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
     other = simulate_ring(kernels, q, k, v, g, world, 0, Dropout(p, 78))
@@ -258,4 +265,4 @@ def test_gpu_ring_function_matches_simulated_ring(p: float) -> None:
     got = _ring_function(kernels, q, k, v, g, 0, drop)
     ref = simulate_ring(kernels, q, k, v, g, 1, 0, drop)
     for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref[:1] + ref[2:]):
-        assert (a.float() - r).abs().max() < 2e-2, name  # the Function returns bf16: one rounding apart
+        assert (a.float() - r).abs().max() <= REL * r.abs().max(), name  # the Function returns bf16
