@@ -21,6 +21,8 @@ the mask the kernel drew is read back from the forward (v = one-hot key rows mak
 out the dropped probability matrix), then a run with the same seed and real v must
 match the fp64 reference using that mask in forward *and* gradients (the backward
 regenerated the forward's mask), repeat bit for bit, and change with the seed.
+The same read-back check runs on CPU through the blockwise tiles, which shows
+the method itself holds.
 """
 
 from __future__ import annotations
@@ -229,28 +231,39 @@ def test_gpu_fused_ring_tiles_match_dense(world: int, window: int) -> None:
         assert (a - r).abs().max() <= REL * r.abs().max(), f"{name} vs blockwise"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("world", [1, 2])
-def test_gpu_fused_ring_tiles_dropout(world: int) -> None:
-    """Dropout in fused tiles: the forward's mask (read back) reproduces forward and gradients in fp64, the
-    backward used the same mask, a rerun is bit-identical and another seed gives another mask."""
+def _check_dropout_readback(kernels: AttentionKernels, device: torch.device, dtype: torch.dtype, world: int) -> None:
+    """The forward's dropout mask (read back) reproduces forward and gradients in fp64, so the backward used the
+    same mask; a rerun is bit-identical and another seed gives another mask."""
     p, seq = 0.25, 128
-    kernels = build_attention_kernels("auto", CUDA, torch.bfloat16, dropout_p=p)
-    q, k, v, g = _inputs(seq, seq, torch.bfloat16, CUDA, 3)  # head_dim = seq: v rows can be one-hot keys
+    q, k, v, g = _inputs(seq, seq, dtype, device, 3)  # head_dim = seq: v rows can be one-hot keys
     drop = Dropout(p, 77)
-    eye = torch.eye(seq, device=CUDA, dtype=torch.bfloat16).expand(v.shape)
+    eye = torch.eye(seq, device=device, dtype=dtype).expand(v.shape)
     dropped = simulate_ring(kernels, q, k, eye, g, world, 0, drop)[0]  # [.., query, key] = P * keep / (1 - p)
     keep = (dropped > 0).double()
-    causal = torch.ones(seq, seq, device=CUDA).tril().bool()
+    causal = torch.ones(seq, seq, device=device).tril().bool()
     assert 0.15 < 1 - keep[..., causal].mean().item() < 0.35  # about p of the visible pairs dropped
     got = simulate_ring(kernels, q, k, v, g, world, 0, drop)
-    ref = _dense(q, k, v, g, 0, keep, p)
-    _assert_close(("out", "lse", "dq", "dk", "dv"), got, ref)
+    _assert_close(("out", "lse", "dq", "dk", "dv"), got, _dense(q, k, v, g, 0, keep, p))
     again = simulate_ring(kernels, q, k, v, g, world, 0, drop)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
     other = simulate_ring(kernels, q, k, v, g, world, 0, Dropout(p, 78))
     assert (other[0] - got[0]).abs().max() > 0.1
+
+
+def test_dropout_readback_check_on_blockwise_tiles() -> None:
+    """The read-back check of the GPU dropout test, run on CPU through the blockwise tiles (fp32)."""
+    _check_dropout_readback(AttentionKernels(AttentionChoice("torch", "torch", "torch")), torch.device("cpu"),
+                            torch.float32, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("world", [1, 2])
+def test_gpu_fused_ring_tiles_dropout(world: int) -> None:
+    """Dropout in aten's CUDA flash tiles (bf16, philox per tile): see `_check_dropout_readback`."""
+    kernels = build_attention_kernels("auto", CUDA, torch.bfloat16, dropout_p=0.25)
+    assert kernels.choice.tiles == "cuda_flash", kernels.choice.describe()
+    _check_dropout_readback(kernels, CUDA, torch.bfloat16, world)
 
 
 @pytest.mark.gpu
