@@ -137,7 +137,7 @@ def test_tiles_merged_then_backward_with_final_lse(window: int) -> None:
     out = torch.zeros(qg.shape)
     lse = torch.full(qg.shape[:4], float("-inf"))
     for rows, cols, tile in tiles:
-        out_b, lse_b = kernels.tile_forward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], tile, scale, None)
+        out_b, lse_b, _ = kernels.tile_forward(qg[..., rows, :], kg[..., cols, :], vg[..., cols, :], tile, scale, None)
         merge_into(out, lse, out_b, lse_b, rows)
     delta = row_delta(dg, out)
     dq, dk, dv = torch.zeros(qg.shape), torch.zeros(kg.shape), torch.zeros(vg.shape)

@@ -19,9 +19,11 @@ Backends:
   window_size, dropout.
 - torch: the exact blockwise kernel (`attention_blockwise`), any rule, dropout,
   O(s * block) memory, on every device.
-Ring tiles on CPU use aten's CPU flash kernel (which returns the lse and has a
-backward taking out/lse) for unmasked and plain-causal tiles without dropout, and
-the blockwise kernel for tiles a window cuts or with dropout.
+Ring tiles go to aten's flash kernel (`attention_tiles`: it returns the lse and has
+a backward taking the ring's final out/lse) when unmasked or cut only by the causal
+diagonal: on CPU without dropout, on CUDA (sm80+) in fp16/bf16 with or without
+dropout. Tiles a window cuts, fp32 CUDA tiles and CPU tiles with dropout run the
+exact blockwise kernel.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ from megascale.kernels.attention_blockwise import (
     blockwise_forward,
     draw_dropout,
 )
+from megascale.kernels.attention_tiles import (
+    CpuFlashTiles,
+    CudaFlashTiles,
+    FusedTiles,
+    TileState,
+    cuda_flash_available,
+    fused_causal,
+)
 from megascale.kernels.ops import _optional_attr
 
 Tensor = torch.Tensor
@@ -55,19 +65,22 @@ class AttentionChoice:
 
     causal: str  # sdpa | flex | flash_attn | torch
     window: str  # flex | flash_attn | torch
-    tiles: str  # cpu_flash (aten CPU flash for unmasked/causal tiles without dropout, else blockwise) | torch
+    tiles: str  # cpu_flash | cuda_flash (aten flash for unmasked/causal tiles, else blockwise) | torch
     reasons: tuple[str, ...] = ()
 
     def describe(self, ring: bool = True) -> str:
         """One log line: what serves plain causal, sliding window and (ring: True) ring tiles, with the reasons."""
-        tiles = ("aten CPU flash (unmasked/causal tiles) + torch blockwise (window-cut or dropout tiles)"
-                 if self.tiles == "cpu_flash" else "torch blockwise")
+        tiles = _TILE_NAMES[self.tiles]
         line = f"attention: {_NAMES[self.causal]} (causal), {_NAMES[self.window]} (sliding window)"
         line += f", {tiles} (ring tiles)" if ring else ""
         return line + (f" [{'; '.join(self.reasons)}]" if self.reasons else "")
 
 
 _NAMES = {"sdpa": "sdpa", "flex": "FlexAttention", "flash_attn": "flash-attn", "torch": "torch blockwise"}
+_TILE_NAMES = {"cpu_flash": "aten CPU flash (unmasked/causal tiles) + torch blockwise (window-cut or dropout tiles)",
+               "cuda_flash": "aten CUDA flash (unmasked/causal tiles, dropout included) + torch blockwise "
+                             "(window-cut tiles)",
+               "torch": "torch blockwise"}
 
 
 def flash_attn_func() -> Optional[Callable]:
@@ -97,8 +110,9 @@ def resolve_attention(choice: AttentionBackend, device: torch.device, dtype: tor
                            "probabilities")
         reasons.append("sliding window: SDPA needs a dense mask, FlexAttention has no CPU backward")
         return AttentionChoice(causal, "torch", "cpu_flash", tuple(reasons))
+    tiles, tile_reason = _cuda_tiles(device, dtype)
     if choice == "flash_attn" or (choice == "auto" and flash):
-        return AttentionChoice("flash_attn", "flash_attn", "torch", ("ring tiles need an explicit lse backward",))
+        return AttentionChoice("flash_attn", "flash_attn", tiles, tuple(r for r in (tile_reason,) if r))
     causal = "flex" if choice == "flex" and not dropout else "sdpa"
     window = "torch" if dropout or not flex_available() else "flex"
     if dropout:
@@ -108,8 +122,19 @@ def resolve_attention(choice: AttentionBackend, device: torch.device, dtype: tor
                        else f"flash-attn takes fp16/bf16, not {dtype}")
     elif choice == "sdpa":
         reasons.append("sliding window: SDPA needs a dense mask")
-    reasons.append("ring tiles need an explicit lse backward")
-    return AttentionChoice(causal, window, "torch", tuple(reasons))
+    if tile_reason:
+        reasons.append(tile_reason)
+    return AttentionChoice(causal, window, tiles, tuple(reasons))
+
+
+def _cuda_tiles(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """Ring tiles on CUDA: aten's flash kernel where it runs (fp16/bf16, sm80+), else the exact blockwise kernel
+    (fp32 stays exact); with the reason when not fused."""
+    if dtype not in _HALF:
+        return "torch", f"ring tiles: the fused flash kernel takes fp16/bf16, not {dtype}"
+    if not cuda_flash_available(device):
+        return "torch", "ring tiles: aten's CUDA flash kernel is not available here (needs sm80+)"
+    return "cuda_flash", ""
 
 
 def _check_explicit(choice: AttentionBackend, cuda: bool, flash: bool, dtype: torch.dtype) -> None:
@@ -136,9 +161,12 @@ class AttentionKernels:
     here, not in module globals.
     """
 
-    def __init__(self, choice: AttentionChoice, plain: Optional[AttentionChoice] = None) -> None:
+    def __init__(self, choice: AttentionChoice, plain: Optional[AttentionChoice] = None,
+                 fused: Optional[FusedTiles] = None) -> None:
         self.choice = choice  # with the run's attention dropout (training)
         self.plain = plain or choice  # without dropout (evaluation, generation)
+        # The fused ring-tile kernel of choice.tiles (None: every tile blockwise); injectable for tests.
+        self.fused = fused if fused is not None else _fused_tiles(choice.tiles)
         self._flex: Optional[Callable] = None
         self._block_masks: dict[tuple, Any] = {}
 
@@ -200,39 +228,30 @@ class AttentionKernels:
     # ------------------------------------------------------------------ ring tiles
 
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, tile: Tile, scale: float,
-                     dropout: Optional[Dropout]) -> tuple[Tensor, Tensor]:
-        """(out, lse) of one tile, q [b, hk, g, sq, d], k/v [b, hk, sk, d]; lse fp32 [b, hk, g, sq]."""
-        causal = self._cpu_flash_causal(q, k, tile, dropout)
-        if causal is None:
-            return blockwise_forward(q, k, v, tile, scale, dropout)
-        b, hk, g, sq, d = q.shape
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.reshape(b, hk * g, sq, d), k, v, 0.0, causal, scale=scale)
-        return out.view(b, hk, g, sq, -1), lse.view(b, hk, g, sq)
+                     dropout: Optional[Dropout]) -> tuple[Tensor, Tensor, TileState]:
+        """(out, lse, state for tile_backward) of one tile, q [b, hk, g, sq, d], k/v [b, hk, sk, d];
+        lse fp32 [b, hk, g, sq]."""
+        causal = self._fused_causal(q, k, tile, dropout)
+        if causal is None or self.fused is None:
+            out, lse = blockwise_forward(q, k, v, tile, scale, dropout)
+            return out, lse, None
+        return self.fused.forward(q, k, v, tile, causal, scale, dropout)
 
     def tile_backward(self, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
-                      delta: Tensor, tile: Tile, scale: float, dropout: Optional[Dropout]
-                      ) -> tuple[Tensor, Tensor, Tensor]:
-        """This tile's (dq, dk, dv) given the rows' final out, lse and delta = rowsum(dO * O)."""
-        causal = self._cpu_flash_causal(q, k, tile, dropout)
-        if causal is None:
+                      delta: Tensor, tile: Tile, scale: float, dropout: Optional[Dropout],
+                      state: TileState = None) -> tuple[Tensor, Tensor, Tensor]:
+        """This tile's (dq, dk, dv) given the rows' final out, lse, delta = rowsum(dO * O) and the state
+        tile_forward returned for it."""
+        causal = self._fused_causal(q, k, tile, dropout)
+        if causal is None or self.fused is None:
             return blockwise_backward(q, k, v, grad_out, lse, delta, tile, scale, dropout)
-        b, hk, g, sq = q.shape[:4]
-        flat = (b, hk * g, sq, -1)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.to(q.dtype).reshape(flat), q.reshape(flat), k, v, out.to(q.dtype).reshape(flat),
-            lse.reshape(b, hk * g, sq), 0.0, causal, scale=scale)
-        return dq.view(q.shape), dk, dv
+        return self.fused.backward(q, k, v, grad_out, out, lse, tile, causal, scale, dropout, state)
 
-    def _cpu_flash_causal(self, q: Tensor, k: Tensor, tile: Tile, dropout: Optional[Dropout]) -> Optional[bool]:
-        """is_causal for aten's CPU flash kernel when it can compute this tile, else None (blockwise)."""
-        if self.choice.tiles != "cpu_flash" or dropout is not None or q.is_cuda:
+    def _fused_causal(self, q: Tensor, k: Tensor, tile: Tile, dropout: Optional[Dropout]) -> Optional[bool]:
+        """is_causal for the fused tile kernel when it can compute this tile, else None (blockwise)."""
+        if self.fused is None or not self.fused.accepts(q, dropout):
             return None
-        rows, cols = q.shape[3], k.shape[2]
-        if tile.full(tile.q_start, tile.q_start + rows - 1, tile.k_start, tile.k_start + cols - 1):
-            return False
-        plain_causal = tile.q_start == tile.k_start and rows == cols and (tile.window <= 0 or tile.window >= rows)
-        return True if plain_causal else None
+        return fused_causal(tile, q.shape[3], k.shape[2])
 
 
 def _blockwise_local(q: Tensor, k: Tensor, v: Tensor, window: int, dropout: Optional[Dropout],
@@ -251,6 +270,11 @@ def _flash_attn_local(q: Tensor, k: Tensor, v: Tensor, window: int, dropout_p: f
     out = fn(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p, causal=True,
              window_size=(window - 1, 0) if window > 0 else (-1, -1))
     return out.transpose(0, 1)
+
+
+def _fused_tiles(tiles: str) -> Optional[FusedTiles]:
+    """The fused ring-tile kernel of AttentionChoice.tiles, None for the blockwise kernel."""
+    return CpuFlashTiles() if tiles == "cpu_flash" else CudaFlashTiles() if tiles == "cuda_flash" else None
 
 
 def build_attention_kernels(choice: AttentionBackend, device: torch.device, dtype: torch.dtype,

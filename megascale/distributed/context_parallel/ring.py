@@ -22,12 +22,14 @@ mask empties are skipped, blocks it cuts are handed to a kernel that applies the
 rule block by block (never a dense mask).
 
 Each tile's output and log-sum-exp come from the run's attention kernels
-(`megascale.kernels.attention`): on CPU aten's flash kernel for unmasked and
-plain-causal tiles, the exact blockwise kernel for tiles a window cuts. Backward
-gives every tile the final merged out and lse, from which the flash backward
-recomputes exactly that tile's share of the gradients. Attention dropout draws
-its masks from (seed, head, query position, key position), so each tile's
-backward regenerates the forward's masks.
+(`megascale.kernels.attention`): aten's flash kernel (CPU; CUDA in fp16/bf16) for
+unmasked and plain-causal tiles, the exact blockwise kernel for tiles a window
+cuts. Backward gives every tile the final merged out and lse, from which the
+flash backward recomputes exactly that tile's share of the gradients. Attention
+dropout masks are a function of the call's seed and the tile's positions (hashed
+per element in the blockwise kernel, a per-tile philox seed in the CUDA flash
+kernel, whose returned state is kept per tile), so each tile's backward
+regenerates the forward's masks.
 
 Tensors inside are laid out [b, kv_heads, group, s, d] for queries and
 [b, kv_heads, s, d] for keys/values, so grouped-query attention never repeats k/v
@@ -45,6 +47,7 @@ import torch.distributed as dist
 
 from megascale.kernels.attention import AttentionKernels
 from megascale.kernels.attention_blockwise import Dropout, Tile, compute_dtype, row_delta
+from megascale.kernels.attention_tiles import TileState
 from megascale.timers import timed
 
 
@@ -175,18 +178,20 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         lse = torch.full(q.shape[:4], float("-inf"), dtype=out.dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per hop
+        states: list[TileState] = []  # per tile, in plan order: what a fused kernel's backward needs (philox)
         for step in range(ring.size):
             pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
             src = (ring.index - step) % ring.size
             for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, merge=dropout is None):
-                out_b, lse_b = kernels.tile_forward(q[..., blk.q, :], kv[0][..., blk.k, :], kv[1][..., blk.k, :],
-                                                    blk.tile, scale, dropout)
+                out_b, lse_b, state = kernels.tile_forward(q[..., blk.q, :], kv[0][..., blk.k, :],
+                                                           kv[1][..., blk.k, :], blk.tile, scale, dropout)
                 merge_into(out, lse, out_b, lse_b, blk.q)
+                states.append(state)
             if pending is not None:
                 comm.wait(pending[1])
                 kv = pending[0]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.kernels, ctx.dropout = ring, kernels, dropout
+        ctx.ring, ctx.kernels, ctx.dropout, ctx.tile_states = ring, kernels, dropout, states
         return out.to(q.dtype)
 
     @staticmethod
@@ -201,6 +206,7 @@ class RingAttention(torch.autograd.Function):
         grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         grad_in_flight: Optional[tuple[torch.Tensor, list]] = None
+        states = iter(ctx.tile_states)  # the same plan, in the same order, as forward
         for step in range(ring.size):
             pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
             src = (ring.index - step) % ring.size
@@ -209,7 +215,7 @@ class RingAttention(torch.autograd.Function):
                 rows = blk.q
                 dq, dk, dv = kernels.tile_backward(q[..., rows, :], kv[0][..., blk.k, :], kv[1][..., blk.k, :],
                                                    grad_out[..., rows, :], out[..., rows, :], lse[..., rows],
-                                                   delta[..., rows], blk.tile, scale, ctx.dropout)
+                                                   delta[..., rows], blk.tile, scale, ctx.dropout, next(states))
                 grad_q[..., rows, :] += dq
                 grad_kv[0][..., blk.k, :] += dk
                 grad_kv[1][..., blk.k, :] += dv
