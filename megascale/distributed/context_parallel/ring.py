@@ -175,7 +175,10 @@ class RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         comm = RingComm(ring.group, ring.ranks, ring.index, ring.timers)
         chunk = q.shape[3] // 2
-        out = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
+        # Allocated sequence-major ([s, b, hk, g, d] memory) like the tensors around it: the caller's
+        # [s, b, heads * d] view of the result is then free, and in fp32 the projection reads this kept tensor.
+        b, hk, g, s, d = q.shape
+        out = torch.zeros((s, b, hk, g, d), dtype=compute_dtype(q), device=q.device).permute(1, 2, 3, 0, 4)
         lse = torch.full(q.shape[:4], float("-inf"), dtype=out.dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per hop
         states: list[TileState] = []  # per tile, in plan order: what a fused kernel's backward needs (philox)
