@@ -47,6 +47,18 @@ SMALL_MODEL = ("model.num_layers=2", "model.hidden_size=64", "model.num_heads=8"
 # ----------------------------------------------------------------------------- builders
 
 
+def micro_batches(cfg: Config, count: int, seed: int = 3) -> list[dict]:
+    """`count` random micro-batches of the config's shape whose summed losses are the mean over all tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
+    scale = 1.0 / (count * b * s)
+    batches = []
+    for _ in range(count):
+        tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen)
+        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_scale": scale})
+    return batches
+
+
 def make_config(overrides: Iterable[str]) -> Config:
     """The resolved config of these dotted overrides on the defaults (no YAML file)."""
     from megascale.config import load_config

@@ -35,14 +35,7 @@ MICROBATCHES = 4
 
 
 def _batches(cfg) -> list[dict]:
-    gen = torch.Generator().manual_seed(3)
-    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
-    scale = 1.0 / (MICROBATCHES * b * s)  # micro-batch losses sum to the mean over all tokens
-    batches = []
-    for _ in range(MICROBATCHES):
-        tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen)
-        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_scale": scale})
-    return batches
+    return parity.micro_batches(cfg, MICROBATCHES)
 
 
 def _reference(overrides: list[str]) -> tuple[list[float], dict[str, torch.Tensor]]:
