@@ -26,8 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from train_utils import ROOT, SMALL, train
 
-from megascale.checkpoint.format import CheckpointError
+from megascale.checkpoint.format import MAX_METADATA_BYTES, CheckpointError
 from megascale.cli import main as cli_main
+from megascale.config import load_config
+from megascale.training.run_dir import check_resume
 
 STEPS = ["step_00000002", "step_00000004", "step_00000006"]
 RUN = ["train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=0"]
@@ -270,6 +272,65 @@ def test_resume_past_a_hostile_checkpoint_matches_the_clean_run(clean, tmp_path:
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
     assert skipped and skipped[0]["checkpoint"] == STEPS[1] and "files" in skipped[0]["reason"]
+
+
+def _mismatched_metadata(step_dir: Path) -> None:
+    edit_json(step_dir / "metadata.json", lambda m: m.update(note="edited after commit"))  # valid JSON
+
+
+def _truncated_metadata(step_dir: Path) -> None:
+    path = step_dir / "metadata.json"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _flipped_data_byte(step_dir: Path) -> None:
+    path = step_dir / "rank_00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _oversized_metadata(step_dir: Path) -> None:
+    with open(step_dir / "metadata.json", "r+b") as f:  # sparse: the size is refused before any read
+        f.truncate(MAX_METADATA_BYTES + 1)
+
+
+DAMAGE = {"metadata valid JSON but not as committed": (_mismatched_metadata, "checksum recorded at commit"),
+          "metadata truncated": (_truncated_metadata, "metadata.json is unreadable"),
+          "data byte flipped": (_flipped_data_byte, "checksum mismatch"),
+          "metadata oversized": (_oversized_metadata, "more than the")}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_preflight_and_loader_follow_one_rule(clean, tmp_path: Path, damage: str) -> None:
+    """Every kind of damage to the newest checkpoint: the run's preflight passes and the load falls back."""
+    run, _, tensors = clean
+    root = _copy(run, tmp_path)
+    damage_fn, reason = DAMAGE[damage]
+    damage_fn(root / STEPS[2])
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"train.output_dir={root.parent}", *SMALL, "train.steps=8"])
+    check_resume(cfg)  # the checks a run makes before it starts must not refuse what the loader passes over
+    extra, got, stats = _load(root)
+    _assert_fell_back_to(tensors, got, extra, stats, STEPS[1], reason)
+
+
+def test_resume_past_a_damaged_index_keeps_it_aside(clean, tmp_path: Path) -> None:
+    """metadata.json edited after commit (still valid JSON): the run resumes from the previous checkpoint,
+    says so in one line and a `checkpoint_skipped` event, ends on the clean loss and keeps the bad one aside."""
+    run, records, _ = clean
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    _mismatched_metadata(out / "checkpoints" / STEPS[2])
+    resumed = train(out, *RUN)
+    assert [r["step"] for r in resumed[len(records):]] == [5, 6]
+    assert resumed[-1]["loss"] == records[-1]["loss"]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
+    assert [e["checkpoint"] for e in skipped] == [STEPS[2]], skipped
+    assert "checksum recorded at commit" in skipped[0]["reason"] and "\n" not in skipped[0]["reason"]
+    aside = [p for p in (out / "checkpoints").iterdir() if p.name.startswith(STEPS[2] + ".unusable.")]
+    assert len(aside) == 1 and "note" in json.loads((aside[0] / "metadata.json").read_text())
+    assert (out / "checkpoints" / STEPS[2] / "COMMITTED").is_file()  # the re-run's own step 6
 
 
 @pytest.mark.slow  # the in-process test above checks the refusal; this one the command line's exit and message

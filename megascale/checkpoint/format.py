@@ -42,6 +42,9 @@ EXTRA_FILE = "extra_state.json"
 COMMIT_MARKER = "COMMITTED"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _RANK_FILE_RE = re.compile(r"^rank_\d{5,}\.safetensors$")
+# Bytes a metadata.json may take before it is parsed: an index costs a few hundred bytes per
+# piece, so this holds millions of pieces, and a damaged or hostile size cannot exhaust memory.
+MAX_METADATA_BYTES = 1 << 30
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -245,6 +248,9 @@ def incomplete_reason(step_dir: Path) -> Optional[str]:
     if links:
         return f"{links[0]} is a symbolic link (checkpoint files are never followed through links)"
     try:
+        size = (step_dir / METADATA_FILE).stat().st_size
+        if size > MAX_METADATA_BYTES:
+            return f"{METADATA_FILE} is {size} bytes, more than the {MAX_METADATA_BYTES} an index may take"
         meta = json.loads((step_dir / METADATA_FILE).read_bytes())
         files = meta.get("files", {}) if isinstance(meta, dict) else None
         if not isinstance(files, dict):

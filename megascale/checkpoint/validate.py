@@ -26,6 +26,7 @@ from megascale.checkpoint.format import (
     DTYPES,
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_METADATA_BYTES,
     METADATA_FILE,
     CheckpointError,
     PieceRecord,
@@ -99,8 +100,11 @@ def open_nofollow(path: Path, write: bool) -> int:
         raise
 
 
-def read_member(path: Path, limit: Optional[int] = None) -> bytes:
-    """All bytes of a checkpoint file, without following a link (CheckpointError when missing or unreadable)."""
+def read_member(path: Path, limit: Optional[int] = None, most: Optional[int] = None) -> bytes:
+    """All bytes of a checkpoint file, without following a link (CheckpointError when missing or unreadable).
+
+    `limit` reads only that many bytes; `most` refuses, before reading, a file larger than that.
+    """
     try:
         fd = open_nofollow(path, write=False)
     except FileNotFoundError:
@@ -108,6 +112,9 @@ def read_member(path: Path, limit: Optional[int] = None) -> bytes:
     except OSError as err:
         raise CheckpointError(f"checkpoint file {path} is unreadable: {err}") from None
     with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if most is not None and size > most:
+            raise corrupt(path, f"it is {size} bytes, more than the {most} such a file may take")
         try:
             return f.read() if limit is None else f.read(limit)
         except OSError as err:
@@ -283,6 +290,6 @@ def parse_json(data: bytes, where: Path) -> Any:
 def read_checked_json(step_dir: Path, name: str, marker: Mapping) -> Any:
     """A JSON file of a step dir: inside it, not a link, matching its commit checksum, parsed."""
     path = member(step_dir, name, "file") if "/" in name else member_path(step_dir, name)
-    data = read_member(path)
+    data = read_member(path, most=MAX_METADATA_BYTES)
     verify_file(step_dir, name, data, marker)
     return parse_json(data, path)

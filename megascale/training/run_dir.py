@@ -58,6 +58,28 @@ def stored_checkpoint(cfg: Config) -> Optional[Path]:
     return found[0] if found else None
 
 
+def usable_checkpoint(cfg: Config) -> Optional[tuple[Path, dict]]:
+    """(step dir, its metadata) of the checkpoint the loader will start from, or None.
+
+    An explicit checkpoint.load must be sound (CheckpointError otherwise, as the loader would
+    raise). On resume, a step dir whose metadata fails its checks is passed over exactly as the
+    loader passes over it: the loader falls back to the previous one, keeps the bad one aside and
+    says so in one line and a `checkpoint_skipped` event, so the check here must not refuse the run.
+    """
+    from megascale.checkpoint.format import CheckpointError, complete_checkpoints
+    from megascale.checkpoint.reader import load_metadata
+
+    if cfg.checkpoint.load or not cfg.checkpoint.resume:
+        step_dir = stored_checkpoint(cfg)
+        return None if step_dir is None else (step_dir, load_metadata(step_dir))
+    for step_dir in complete_checkpoints(Path(cfg.train.output_dir) / "checkpoints"):
+        try:
+            return step_dir, load_metadata(step_dir)
+        except CheckpointError:
+            continue  # the loader reports it when it skips it
+    return None
+
+
 def shape_differences(stored_tensors: dict, cfg: Config) -> list[str]:
     """Parameters of cfg's model that the checkpoint lacks or holds with another global shape."""
     from megascale.model.params import param_table
@@ -85,12 +107,11 @@ def check_resume(cfg: Config, first_attempt: bool = True) -> None:
     after its final checkpoint then ends as it would have, instead of failing.
     """
     from megascale.checkpoint.format import parse_step
-    from megascale.checkpoint.reader import load_metadata
 
-    step_dir = stored_checkpoint(cfg)
-    if step_dir is None:
+    found = usable_checkpoint(cfg)
+    if found is None:
         return
-    meta = load_metadata(step_dir)
+    step_dir, meta = found
     shapes = shape_differences(meta.get("tensors", {}), cfg)
     if shapes:
         stored_model = meta.get("config", {}).get("model")
