@@ -71,6 +71,17 @@ def test_describe_restart_exception_names_the_rank_and_message() -> None:
     assert fields["detect_s"] == pytest.approx(0.2) and fields["steps_lost"] is None
 
 
+def test_describe_restart_when_every_rank_failed_still_times_detection() -> None:
+    """A hang that took every rank down (the frozen one killed, the waiting one exiting on its watchdog's
+    verdict as if it had failed): detection is the first exit recorded, not null."""
+    previous = {"ranks": {0: {"start_time": 1.0, "exit": "error", "exit_time": 23.0, "error": "hang: rank 0 stuck"},
+                          1: {"start_time": 1.0}},
+                "progress": {"step": 38, "time": 10.0}}
+    fields = describe_restart(previous, world_size=2, resumed_step=36, now=40.0)
+    assert fields["failed_ranks"] == [0, 1]
+    assert fields["detect_s"] is not None and fields["recover_s"] == pytest.approx(17.0)
+
+
 def test_peer_lost_errors_are_told_apart_from_primary_failures() -> None:
     assert is_peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert is_peer_lost(ConnectionResetError("reset"))
@@ -312,12 +323,14 @@ def test_plain_torchrun_restart_without_fresh_store(tmp_path: Path, fault_free_d
 @pytest.mark.slow
 def test_sigstop_hang_is_named_restarted_and_matches_fault_free(tmp_path: Path, fault_free_dp2: dict,
                                                                 request: pytest.FixtureRequest) -> None:
-    """SIGSTOP rank 1 from outside: the watchdog names it within the step timeout + 10 s, the launcher restarts
-    the group (--max-restarts 1), and the run ends with the fault-free losses."""
+    """SIGSTOP rank 1 from outside: the watchdog names it (rank 0 only as waiting) within the step timeout + 10 s,
+    the launcher restarts the group (--max-restarts 1), the restart event times detection and recovery, and the
+    run ends with the fault-free losses. Heartbeats (2.5 s) are slow against the step timeout (4 s), so rank 0
+    is past its timeout before rank 1 has been silent long."""
     run_slow(request)
     out = tmp_path / "run"
-    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2", "fault.step_timeout_s=5",
-                               "fault.heartbeat_s=1", nproc=2, max_restarts=1), tmp_path / "log")
+    proc = start(train_command(out, "train.steps=10", "checkpoint.interval=2", "fault.step_timeout_s=4",
+                               "fault.heartbeat_s=2.5", nproc=2, max_restarts=1), tmp_path / "log")
     wait_for_step(out, 5, proc)
     pid = rank_pid(out, 1)
     stopped = time.time()
@@ -331,12 +344,13 @@ def test_sigstop_hang_is_named_restarted_and_matches_fault_free(tmp_path: Path, 
     assert code == 0, (tmp_path / "log").read_text()
     (hang,) = events(out, "hang")
     detect_s = hang["time"] - stopped
-    print(f"hang drill: rank 1 SIGSTOPped, named after {detect_s:.1f} s (step timeout 5 s)")
-    assert hang["ranks"] == [1] and detect_s < 5 + 10
+    print(f"hang drill: rank 1 SIGSTOPped, named after {detect_s:.1f} s (step timeout 4 s, heartbeat 2.5 s)")
+    assert hang["ranks"] == [1] and hang["waiting"] == [0] and detect_s < 4 + 10
     assert "rank 1 (tp 0, cp 0, dp 1, pp 0 on" in (tmp_path / "log").read_text()
     (restart,) = events(out, "restart")
     assert restart["attempt"] == 1 and restart["ranks"] == [1] and restart["resumed_from"] in (4, 6)
     assert restart["detect_s"] is not None and restart["recover_s"] > 0  # rank 0 recorded its watchdog exit
+    print(f"hang drill restart: detect_s {restart['detect_s']} recover_s {restart['recover_s']}")
     assert losses(out) == fault_free_dp2
 
 

@@ -107,6 +107,31 @@ def test_stuck_in_a_collective_blames_the_rank_behind(tmp_path):
     assert "rank 2 (tp 0, cp 0, dp 1, pp 0 on host-1) stuck for" in verdict.details[2]
 
 
+def test_a_rank_waiting_on_a_frozen_peer_names_the_peer_not_itself(tmp_path):
+    """2 ranks, heartbeat 2 s, step timeout 3 s: rank 0 waits in the gradient reduce past its timeout while
+    rank 1 (frozen) has missed only one or two beats. The verdict waits for rank 1's silence to pass the
+    limit, then names rank 1 silent and rank 0 only as waiting."""
+    layout = RankLayout(tp=1, cp=1, dp=2, pp=1)
+    board = FileBoard(tmp_path / "hb")
+    cfg = _fault_cfg(step_timeout_s=3.0, heartbeat_s=2.0)
+    dogs = [Watchdog(rank=r, layout=layout, fault_cfg=cfg, run_dir=tmp_path, board=board, progress=Progress(),
+                     host="host-a", exit_fn=lambda code: None) for r in range(2)]
+    for dog in dogs:
+        dog.progress.enter("step", 38)
+        dog.publish()
+    t0 = time.monotonic()
+    assert dogs[0].check(t0) is None  # reads rank 1's last beat; rank 1 freezes right after
+    dogs[0].progress.collective = "dp_cp gradient reduce"
+    dogs[0].progress.since = t0 - 10.0
+    assert dogs[0].check(t0 + 4.0) is None  # stuck past 3 s, but rank 1 has been quiet only 4 s (limit 5 s)
+    verdict = dogs[0].check(t0 + 6.0)
+    assert verdict is not None and verdict.reason == "silent" and verdict.culprits == [1]
+    assert list(verdict.waiting) == [0] and "waiting for" in verdict.waiting[0]
+    line = dogs[0].summary(verdict)
+    assert line.index("rank 1 (tp 0, cp 0, dp 1, pp 0 on host-a) silent for 6 s") < line.index("waiting on it: rank 0")
+    assert "rank 0 (tp 0, cp 0, dp 0, pp 0 on host-a) waiting for" in line and "dp_cp gradient reduce" in line
+
+
 def test_a_finished_rank_is_not_a_hang(tmp_path):
     group = _Group(tmp_path)
     group.dogs[3].progress.enter("done")
@@ -205,10 +230,16 @@ def _freeze_and_wait(out: Path, proc: subprocess.Popen, rank: int, at_step: int)
     return pid, time.time()
 
 
+# Heartbeats slower than the step timeout allows for (2.5 s against 4 s): the waiting rank is past its
+# timeout while its frozen peer has missed only a beat or two, and must still name the peer.
+SLOW_BEATS = ["fault.step_timeout_s=4", "fault.heartbeat_s=2.5"]
+
+
 def test_frozen_rank_is_named_and_the_job_exits(tmp_path):
-    """SIGSTOP one of two ranks from outside: the other names it within the step timeout + 10 s and exits."""
+    """SIGSTOP one of two ranks from outside: the other names it (and itself only as waiting) within the step
+    timeout + 10 s and exits."""
     out = tmp_path / "run"
-    proc = start_train(out, "train.steps=200", "model.num_layers=2", *HANG, nproc=2)
+    proc = start_train(out, "train.steps=200", "model.num_layers=2", *SLOW_BEATS, nproc=2)
     pid = None
     try:
         pid, stopped_at = _freeze_and_wait(out, proc, rank=1, at_step=3)
@@ -220,10 +251,13 @@ def test_frozen_rank_is_named_and_the_job_exits(tmp_path):
     events = read_events(out, "hang")
     assert len(events) == 1, output[-3000:]
     detect_s = events[0]["time"] - stopped_at
-    print(f"hang drill: rank 1 frozen, detected in {detect_s:.1f} s (step timeout 5 s)")
-    assert detect_s < 5 + 10
+    print(f"hang drill: rank 1 frozen, detected in {detect_s:.1f} s (step timeout 4 s, heartbeat 2.5 s)")
+    assert detect_s < 4 + 10
     assert events[0]["ranks"] == [1] and events[0]["coords"] == {"1": {"tp": 0, "cp": 0, "dp": 1, "pp": 0}}
-    assert "hang detected at step" in output and "rank 1 (tp 0, cp 0, dp 1, pp 0 on" in output
+    assert events[0]["reason"] == "silent" and events[0]["waiting"] == [0], events[0]
+    summary = events[0]["summary"]
+    assert summary.index("rank 1 (tp 0, cp 0, dp 1, pp 0 on") < summary.index("waiting on it: rank 0 (tp 0"), summary
+    assert "hang detected at step" in output and summary in output
     assert (out / "hang" / "0" / "rank_0.txt").exists() and not (out / "hang" / "0" / "rank_1.txt").exists()
 
 

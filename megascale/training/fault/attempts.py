@@ -169,7 +169,8 @@ def describe_restart(previous: dict[str, Any], world_size: int, resumed_step: in
     vanished or because the agent signalled them are survivors. Failure time:
     the error's time, or for a killed rank its last sign of life (rank 0's last
     completed step, or its start). Detection: the first survivor stopping (the
-    agent's teardown, or its collective failing); recovery: from then to now.
+    agent's teardown, its collective failing, or its watchdog naming a peer), else
+    the first failed rank's own recorded exit; recovery: from then to now.
     """
     ranks: dict[int, dict] = previous["ranks"]
     progress = previous["progress"]
@@ -192,7 +193,11 @@ def describe_restart(previous: dict[str, Any], world_size: int, resumed_step: in
         last_alive.extend(s for s in signs if s is not None)
     t_fail = min(last_alive) if errored else (max(last_alive) if last_alive else None)
     survivor_stops = [rec["exit_time"] for r, rec in ranks.items() if r not in failed and "exit_time" in rec]
+    if not survivor_stops:  # every rank failed: the first exit recorded is when the failure was known
+        survivor_stops = [rec["exit_time"] for rec in ranks.values() if "exit_time" in rec]
     t_detect = min(survivor_stops) if survivor_stops else None
+    if t_detect is not None and t_fail is not None:
+        t_detect = max(t_detect, t_fail)
     last_step = progress["step"] if progress is not None else None
     fields: dict[str, Any] = {
         "failed_ranks": failed,

@@ -9,10 +9,15 @@ reads its peers' heartbeats, and fires when either
 Silence is measured on this rank's own monotonic clock (when did the peer's
 sequence number last change), so clock skew between hosts does not matter.
 
+A rank that is stuck in a collective is usually waiting for a peer that went silent, so
+before blaming itself it waits until every peer that missed a heartbeat has either beaten
+again or stayed silent past `silence_limit` (two heartbeat intervals and a second): a
+silent peer is named first, and the live ranks stuck behind it only as waiting.
+
 Firing writes ``<run_dir>/hang/<attempt>/rank_<r>.txt`` (phase, collective, step and
 every thread's Python stack), and the lowest live rank appends one ``hang`` event and
 prints one summary line naming the silent or stuck ranks with their (tp, cp, dp, pp)
-coordinates and host. Then the process exits with HANG_EXIT_CODE: its main thread is
+coordinates and host, then the ranks waiting on them. Then the process exits with HANG_EXIT_CODE: its main thread is
 blocked in a collective, so only os._exit ends it, and the launcher restarts the group.
 """
 
@@ -57,6 +62,8 @@ class HangVerdict:
     culprits: list[int]
     details: dict[int, str] = field(default_factory=dict)
     step: int = 0
+    # Live ranks stuck behind the culprits (in a collective on them), with a description of each.
+    waiting: dict[int, str] = field(default_factory=dict)
 
 
 def rank_label(rank: int, layout: RankLayout, host: str) -> str:
@@ -95,6 +102,9 @@ class Watchdog:
         self.host = host or socket.gethostname()
         self.exit_fn = exit_fn
         self.interval = max(0.05, float(fault_cfg.heartbeat_s))
+        # A live peer beats every interval and is read every interval: it never looks silent for much
+        # more than two intervals, even on a loaded host.
+        self.silence_limit = max(2 * self.interval + 1.0, 2.0)
         self.started_at = time.monotonic()
         self.peers = {r: PeerView(changed_at=self.started_at) for r in watched_ranks(layout, rank) if r != rank}
         self.seq = 0
@@ -183,20 +193,28 @@ class Watchdog:
                   if (t := self._peer_timeout(view)) is not None and self.silent_for(r, now) > t]
         if not own_stuck and not silent:
             return None
+        if self._missed_beat(now):
+            return None  # a peer missed a beat: decide once it beats again or has gone silent
         return self.diagnose(now, own_stuck)
+
+    def _missed_beat(self, now: float) -> bool:
+        """Some watched peer has not beaten for over an interval, none is past the silence limit yet."""
+        quiet = [self.silent_for(r, now) for r, view in self.peers.items() if self._peer_timeout(view) is not None]
+        return any(q > self.interval for q in quiet) and not any(q > self.silence_limit for q in quiet)
 
     # ---------------------------------------------------------------------------- diagnosis
     def diagnose(self, now: float, own_stuck: bool) -> HangVerdict:
         """Name the ranks to blame: silent ones first; else the stuck ranks furthest behind."""
         everyone = [r for r in range(self.layout.world_size) if r != self.rank]
         self.refresh(now, everyone if self.layout.world_size <= WATCH_ALL_UP_TO else None)
-        silence_limit = max(3 * self.interval, 2.0)
         silent = sorted(r for r, view in self.peers.items()
-                        if self.silent_for(r, now) > silence_limit and self._peer_timeout(view) is not None)
+                        if self.silent_for(r, now) > self.silence_limit and self._peer_timeout(view) is not None)
         if silent:
             details = {r: self._describe_silent(r, now) for r in silent}
             step = min(int((self.peers[r].record or {}).get("step", self.progress.step)) for r in silent)
-            return HangVerdict("silent", silent, details, step)
+            waiting = {r: self._describe_waiting(rec) for r, rec in self._stuck_records(now, fallback=False).items()
+                       if r not in silent}
+            return HangVerdict("silent", silent, details, step, waiting)
         stuck = self._stuck_records(now)
         behind = min(rec["step"] for rec in stuck.values())
         culprits = [r for r, rec in stuck.items() if rec["step"] == behind]
@@ -212,15 +230,19 @@ class Watchdog:
         where = _where(rec) if rec else "startup (never reported)"
         return f"{rank_label(rank, self.layout, host)} silent for {self.silent_for(rank, now):.0f} s in phase {where}"
 
-    def _stuck_records(self, now: float) -> dict[int, dict]:
-        """Live ranks (this one included) that exceed their phase timeout."""
+    def _describe_waiting(self, rec: dict) -> str:
+        return (f"{rank_label(int(rec['rank']), self.layout, rec.get('host', '?'))} waiting for "
+                f"{float(rec.get('phase_age_s', 0.0)):.0f} s in phase {_where(rec)}")
+
+    def _stuck_records(self, now: float, fallback: bool = True) -> dict[int, dict]:
+        """Live ranks (this one included) that exceed their phase timeout (this rank alone if none and `fallback`)."""
         mine = self.record()
         records = {self.rank: mine}
         records.update({r: v.record for r, v in self.peers.items() if v.record is not None})
         stuck = {r: rec for r, rec in records.items()
                  if (t := phase_timeout(rec.get("phase", "startup"), self.fault_cfg)) is not None
                  and float(rec.get("phase_age_s", 0.0)) > t}
-        return stuck or {self.rank: mine}
+        return stuck or ({self.rank: mine} if fallback else {})
 
     # ---------------------------------------------------------------------------- firing
     def fire(self, verdict: HangVerdict) -> None:
@@ -253,9 +275,12 @@ class Watchdog:
         self.report(verdict)
 
     def summary(self, verdict: HangVerdict) -> str:
-        """The one line naming the hung ranks."""
+        """The one line naming the hung ranks, then the ranks waiting on them."""
         head = f"hang detected at step {verdict.step}: "
-        return head + "; ".join(verdict.details[r] for r in verdict.culprits)
+        line = head + "; ".join(verdict.details[r] for r in verdict.culprits)
+        if verdict.waiting:
+            line += f"; waiting on {'it' if len(verdict.culprits) == 1 else 'them'}: " + "; ".join(verdict.waiting[r] for r in sorted(verdict.waiting))
+        return line
 
     def report(self, verdict: HangVerdict) -> None:
         """Append the hang event, print the summary, and free frozen ranks' devices by killing them."""
@@ -265,7 +290,7 @@ class Watchdog:
         coords = {str(r): self.layout.coords(r) for r in verdict.culprits}
         append_event(self.run_dir, "hang", step=verdict.step, ranks=verdict.culprits, reason=verdict.reason,
                      summary=line, coords=coords, hosts={str(r): h for r, h in hosts.items()},
-                     reporter=self.rank, attempt=self.attempt,
+                     waiting=sorted(verdict.waiting), reporter=self.rank, attempt=self.attempt,
                      dumps=str(self.run_dir / "hang" / str(self.attempt)))
         print(f"megascale: {line}", file=sys.stderr, flush=True)
         self.reported = True
