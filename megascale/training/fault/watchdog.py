@@ -279,7 +279,8 @@ class Watchdog:
         head = f"hang detected at step {verdict.step}: "
         line = head + "; ".join(verdict.details[r] for r in verdict.culprits)
         if verdict.waiting:
-            line += f"; waiting on {'it' if len(verdict.culprits) == 1 else 'them'}: " + "; ".join(verdict.waiting[r] for r in sorted(verdict.waiting))
+            them = "it" if len(verdict.culprits) == 1 else "them"
+            line += f"; waiting on {them}: " + "; ".join(verdict.waiting[r] for r in sorted(verdict.waiting))
         return line
 
     def report(self, verdict: HangVerdict) -> None:
