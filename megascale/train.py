@@ -84,6 +84,7 @@ def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
             init_process_group(backend=backend, timeout_s=collective_timeout_s(cfg.fault))
             trainer = Trainer(cfg, progress=progress)
             fault_state["lifecycle"] = trainer.lifecycle
+            fault_state["checkpoint"] = trainer.ckpt  # a failing rank finishes its save in flight first
             records = trainer.train()
         except SystemExit:  # a preempted run ends here after its checkpoint: leave the group cleanly
             if dist.is_initialized():

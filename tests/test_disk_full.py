@@ -7,6 +7,7 @@ Skipped where user namespaces are not allowed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -36,6 +37,7 @@ _SAVE_SCRIPT = textwrap.dedent("""
     from megascale.config import Config
     from megascale.distributed.sharding import TensorShard
     from megascale.distributed.topology import ParallelContext, RankLayout
+    from megascale.training.fault.events import append_event
     from megascale.training.metrics import MetricsSink
 
     disk = Path(sys.argv[1])
@@ -67,10 +69,44 @@ _SAVE_SCRIPT = textwrap.dedent("""
     except OSError:
         pass
     sink.write({"step": 1, "loss": 1.0})  # the disk is full: a warning, no exception
+    append_event(disk, "straggler", step=1, ranks=[0], reason="x" * 8192)  # so is the event log
     filler.unlink()
     sink.write({"step": 2, "loss": 2.0})
+    append_event(disk, "straggler", step=2, ranks=[0])
     out["metrics"] = (disk / "metrics.jsonl").read_text().splitlines()
+    out["events"] = (disk / "events.jsonl").read_text().splitlines()
     print(json.dumps(out))
+""")
+
+
+_TENSORBOARD_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from megascale.training.metrics import MetricsSink
+
+    disk = Path(sys.argv[1])
+    sink = MetricsSink(disk, True, True)
+    sink.write({"step": 1, "loss": 1.0})
+    filler = disk / "filler"
+    try:
+        with open(filler, "wb") as f:
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+    except OSError:
+        pass
+    for step in range(2, 40):  # the disk is full: TensorBoard's writes fail, the run does not
+        sink.write({"step": step, "loss": float(step), "pad": 1.0})
+    filler.unlink()
+    sink.write({"step": 40, "loss": 40.0})
+    sink.close()
+    steps = set()
+    for events in (disk / "tensorboard").glob("events.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        steps |= {e.step for e in acc.Scalars("loss")} if "loss" in acc.Tags()["scalars"] else set()
+    print(sorted(steps))
 """)
 
 
@@ -94,6 +130,8 @@ def test_full_disk_during_a_save_keeps_the_last_checkpoint_and_metrics_go_on(tmp
     assert out["loaded"] == [1, 1.0]
     assert [json.loads(line)["step"] for line in out["metrics"]] == [2]
     assert "cannot append to" in proc.stderr and "writable again" in proc.stderr
+    assert [json.loads(line)["step"] for line in out["events"]] == [2]
+    assert "cannot append the straggler event to" in proc.stderr
 
 
 @pytest.mark.slow
@@ -117,3 +155,20 @@ def test_training_on_a_filling_disk_exits_non_zero_then_resumes_to_the_clean_los
     assert ".step_00000004.partial" not in proc.stdout and ".step_00000006.partial" not in proc.stdout
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert records[-1]["step"] == 6 and records[-1]["loss"] == clean[-1]["loss"]
+
+
+@pytest.mark.slow  # importing tensorboard takes seconds
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard not installed")
+def test_tensorboard_survives_a_full_disk(tmp_path: Path) -> None:
+    """TensorBoard's event file on a disk that fills up: one warning, training goes on, and the scalars
+    written once there is room again are in the (new) event file."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "tb.py"
+    script.write_text(_TENSORBOARD_SCRIPT)
+    proc = _in_namespace(f"mount -t tmpfs -o size=256k tmpfs {shlex.quote(str(disk))} && "
+                         f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {shlex.quote(str(disk))}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 1 in steps and 40 in steps, steps
+    assert proc.stderr.count("TensorBoardSink cannot write") == 1, proc.stderr[-3000:]

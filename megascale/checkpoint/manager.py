@@ -267,6 +267,28 @@ class CheckpointManager:
             self._pruner.join()
             self._pruner = None
 
+    def finish_in_flight(self, timeout_s: Optional[float]) -> Optional[dict]:
+        """On a failing rank, before it exits: let the async save in flight commit, for up to `timeout_s`.
+
+        The save runs in a daemon thread that the process exit would kill half-way (its peers'
+        commit then fails too), losing a checkpoint the run had already paid for. Returns None
+        when no save was in flight, else {step, outcome: committed | failed | abandoned,
+        waited_s, error}; an abandoned save leaves its partial dir, which the next save of
+        that step replaces, and `latest` on the previous checkpoint. None waits without limit.
+        """
+        thread, stats = self._thread, self.last_save_stats
+        if thread is None or not thread.is_alive() or stats.get("ok") is not None or "step" not in stats:
+            return None  # nothing in flight (or only the buffer warm-up, which holds no state)
+        start = time.perf_counter()
+        thread.join(timeout_s)
+        waited = round(time.perf_counter() - start, 3)
+        if thread.is_alive():
+            return {"step": stats["step"], "outcome": "abandoned", "waited_s": waited,
+                    "error": f"not finished within fault.checkpoint_timeout_s = {timeout_s} s"}
+        self._thread = None
+        outcome = "committed" if stats.get("ok") else "failed"
+        return {"step": stats["step"], "outcome": outcome, "waited_s": waited, "error": stats.get("error")}
+
     def _write_and_commit(self, step: int, partial: Path, pieces: list, extra_json: str, start: float,
                           stats: dict) -> None:
         error: Optional[str] = stats.get("snapshot_error")

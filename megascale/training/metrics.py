@@ -65,6 +65,7 @@ class MetricsSink:
         self.path = run_dir / "metrics.jsonl"
         self._write_failed = False
         self.scalar_sinks: list[ScalarSink] = []
+        self._sink_failed: set[Any] = set()  # scalar sinks whose last write failed (warned once)
         # Sinks open at the first record, so a command refused by its checks writes nothing.
         self._sinks_wanted = enabled
         self._tensorboard, self._cfg = tensorboard, cfg
@@ -97,7 +98,20 @@ class MetricsSink:
         self._open_sinks()
         scalars = numeric_scalars(rec)
         for sink in self.scalar_sinks:
-            sink.log(scalars, int(rec["step"]))
+            self._guarded(sink, lambda sink=sink: sink.log(scalars, int(rec["step"])))
+
+    def _guarded(self, sink: ScalarSink, call: Any) -> None:
+        """Run one sink call; a file system error (a full disk under TensorBoard's event file) warns once
+        per outage and loses those scalars instead of ending the run."""
+        try:
+            call()
+        except OSError as err:
+            if sink not in self._sink_failed:
+                print(f"megascale: WARNING: {type(sink).__name__} cannot write ({err}); training goes on, its "
+                      "scalars are lost until the file system accepts writes again", file=sys.stderr, flush=True)
+            self._sink_failed.add(sink)
+            return
+        self._sink_failed.discard(sink)
 
     def print(self, line: str) -> None:
         """Print a log line on the logging rank."""
@@ -107,5 +121,5 @@ class MetricsSink:
     def close(self) -> None:
         """Flush and finish the scalar sinks."""
         for sink in self.scalar_sinks:
-            sink.close()
+            self._guarded(sink, sink.close)
         self.scalar_sinks = []

@@ -7,6 +7,8 @@ installed, a sink says so in one line and training goes on without it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
@@ -22,19 +24,45 @@ class ScalarSink(Protocol):
 
 
 class TensorBoardSink:
-    """Scalars as TensorBoard events under ``RUN_DIR/tensorboard``."""
+    """Scalars as TensorBoard events under ``RUN_DIR/tensorboard``.
 
-    def __init__(self, writer: Any) -> None:
-        self.writer = writer
+    TensorBoard writes from a background thread, and once a write fails (a full disk) its
+    writer re-raises that error on every later call. So a failed writer is dropped (the
+    OSError goes to the caller) and the next record opens a new event file in the same
+    directory, which TensorBoard reads together with the earlier ones.
+    """
+
+    def __init__(self, writer: Any, reopen: Optional[Callable[[], Any]] = None) -> None:
+        self.writer: Optional[Any] = writer
+        self.reopen = reopen
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        """One add_scalar per value."""
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
+        """One add_scalar per value (OSError when the event file cannot be written)."""
+        if self.writer is None and self.reopen is not None:
+            self.writer = self.reopen()
+        if self.writer is None:
+            return
+        try:
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()  # a full disk shows up here, not at the end of the run
+        except OSError:
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        writer, self.writer = self.writer, None
+        with contextlib.suppress(Exception):  # it already failed: closing it re-raises that failure
+            if writer is not None:
+                writer.close()
 
     def close(self) -> None:
         """Flush the event file."""
-        self.writer.close()
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            finally:
+                self.writer = None
 
 
 class WandbSink:
@@ -60,7 +88,10 @@ def open_tensorboard(run_dir: Path, note: Any) -> Optional[ScalarSink]:
         note("log.tensorboard: tensorboard is not installed, so no TensorBoard events are written "
              "(pip install 'megascale[tensorboard]', or set log.tensorboard=false to silence this)")
         return None
-    return TensorBoardSink(SummaryWriter(str(run_dir / "tensorboard")))
+    def writer() -> Any:
+        return SummaryWriter(str(run_dir / "tensorboard"))
+
+    return TensorBoardSink(writer(), reopen=writer)
 
 
 def open_wandb(run_dir: Path, cfg: Any, note: Any) -> Optional[ScalarSink]:

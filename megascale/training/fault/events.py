@@ -4,13 +4,16 @@ Every record carries ``time`` (Unix seconds), ``kind``, ``step`` and ``ranks``
 (the global ranks involved, possibly empty); kinds add their own fields.
 Records are appended with one ``write`` of a whole line on a file opened in
 append mode, so concurrent writers (the launcher and rank 0, say) never
-interleave inside a line; the file is never rewritten.
+interleave inside a line; the file is never rewritten. A write the file system
+refuses (a full disk) loses that event with one warning line on stderr and never
+raises: the run, not its log, decides when to stop.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -25,12 +28,16 @@ def append_event(run_dir: str | Path, kind: str, step: Optional[int] = None,
     record.update(fields)
     line = (json.dumps(record, sort_keys=False, default=str) + "\n").encode()
     path = Path(run_dir) / EVENTS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        print(f"megascale: WARNING: cannot append the {kind} event to {path} ({err}); the run goes on, this "
+              "event is lost", file=sys.stderr, flush=True)
     return record
 
 

@@ -9,6 +9,9 @@
   quiet, so the cause is shown once. The full traceback goes to the attempt
   record and to events.jsonl.
 - Ctrl-C / the agent's SIGINT: a worker exits with 130 without a traceback.
+- An asynchronous checkpoint save in flight when the rank's own code fails is
+  finished (or, past `fault.checkpoint_timeout_s`, abandoned) before the rank
+  exits, with one line and a `checkpoint_on_failure` event saying which.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def worker_process(rank: int, run_dir: Optional[str], world_size: int) -> Iterat
 
     if under_agent():
         die_with_parent()
-    state: dict = {"lifecycle": None}  # the trainer's RunLifecycle, once built
+    state: dict = {"lifecycle": None, "checkpoint": None}  # the trainer's RunLifecycle and CheckpointManager
     try:
         yield state
     except (ConfigError, UserError, SystemExit):
@@ -100,9 +103,11 @@ def worker_process(rank: int, run_dir: Optional[str], world_size: int) -> Iterat
             exit_now(130)  # the launcher prints the one "interrupted" line
         raise
     except Exception as err:
+        lost = is_peer_lost(err)
+        if not lost:  # a lost peer cannot join the commit: nothing to wait for
+            finish_save(state, rank, run_dir)
         if world_size <= 1 and not under_agent():
             raise
-        lost = is_peer_lost(err)
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         _record_exit(state, "peer_lost" if lost else "error", f"{type(err).__name__}: {err}")
         if not lost:
@@ -112,6 +117,32 @@ def worker_process(rank: int, run_dir: Optional[str], world_size: int) -> Iterat
                     append_event(run_dir, "rank_failed", step=_step(state), ranks=[rank],
                                  error=f"{type(err).__name__}: {err}", traceback=text[-4000:])
         exit_now(1)
+
+
+def finish_save(state: dict, rank: int, run_dir: Optional[str]) -> Optional[dict]:
+    """Let an async save in flight commit (or abandon it past fault.checkpoint_timeout_s) before this failing
+    rank exits; one line and a `checkpoint_on_failure` event say what became of it."""
+    from megascale.training.fault.events import append_event
+
+    manager = state.get("checkpoint")
+    if manager is None:
+        return None
+    limit = float(manager.cfg.fault.checkpoint_timeout_s)
+    try:
+        result = manager.finish_in_flight(limit if limit > 0 else None)
+    except Exception as err:  # noqa: BLE001 - the rank is failing already: report, never mask the first error
+        result = {"step": manager.last_save_stats.get("step"), "outcome": "abandoned", "waited_s": None,
+                  "error": f"{type(err).__name__}: {err}"}
+    if result is None:
+        return None
+    why = f": {result['error']}" if result["outcome"] != "committed" and result["error"] else ""
+    print(f"megascale: rank {rank}: checkpoint of step {result['step']}, in flight when the rank failed, "
+          f"{result['outcome']} (waited {result['waited_s']} s){why}", file=sys.stderr, flush=True)
+    if run_dir is not None:
+        with suppress(OSError):
+            append_event(run_dir, "checkpoint_on_failure", step=result["step"], ranks=[rank], **{
+                k: v for k, v in result.items() if k != "step"})
+    return result
 
 
 def exit_now(code: int) -> None:
