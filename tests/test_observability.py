@@ -7,14 +7,20 @@ One run serves the default tests (a 4-process spawn costs seconds on 2 cores).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import signal
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from fault_drill_utils import start_train, stop_group, wait_for_step, worker_pid
 
 from megascale.cli import main as cli_main
 from megascale.report.cli import main as report_main
@@ -147,3 +153,53 @@ def test_tensor_and_pipeline_phases_are_timed(tmp_path):
     trace = json.loads((run_dir / "report" / "timeline.json").read_text())
     assert check_trace(trace) == []
     _assert_every_phase_on_the_timeline(trace, records)
+
+
+def _bursts(pid: int, stop: threading.Event, seed: int) -> None:
+    """Stop `pid` for 50 ms out of every ~200 ms (about 25% slower) until `stop`, as an outside load would."""
+    rng = random.Random(seed)
+    while not stop.is_set():
+        time.sleep(rng.uniform(0.12, 0.18))
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.05)
+        except OSError:
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _drill_with_bursts(out: Path, ranks: list[int]) -> tuple[list[dict], str]:
+    """A 4-rank run of 40 steps whose `ranks` are slowed from outside with SIGSTOP/SIGCONT bursts."""
+    proc = start_train(out, *MODEL, "train.steps=40", "log.interval=4", "checkpoint.interval=0", nproc=4)
+    stop, threads = threading.Event(), []
+    try:
+        wait_for_step(out, 1, proc)
+        for rank in ranks:
+            pid = worker_pid(out, rank)
+            assert pid is not None
+            threads.append(threading.Thread(target=_bursts, args=(pid, stop, rank), daemon=True))
+            threads[-1].start()
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        stop_group(proc)
+    assert proc.returncode == 0, output[-3000:]
+    return read_events(out, "straggler"), output
+
+
+@pytest.mark.slow  # two 4-rank runs of 40 steps
+def test_stragglers_from_outside_bursts_name_only_the_slowed_rank(tmp_path):
+    """Rank 2 stopped ~20% of the time from outside: only rank 2 is named, with its ratios and step count in
+    the line. Then every rank stopped alike (uniform noise): nobody is named."""
+    events, output = _drill_with_bursts(tmp_path / "slowed", [SLOW_RANK])
+    assert events and {rank for e in events for rank in e["ranks"]} == {SLOW_RANK}, (events, output[-3000:])
+    assert all(e["compute_ratio"] > 1.1 and e["step_ratio"] > 1.1 and e["slow_steps"] <= e["steps"]
+               for e in events)
+    assert f"straggler: rank {SLOW_RANK} (pp0 dp{SLOW_RANK} cp0 tp0, host " in output
+    assert "x step time, slower on both in " in output
+    events, output = _drill_with_bursts(tmp_path / "uniform", [0, 1, 2, 3])
+    assert events == [], (events, output[-3000:])

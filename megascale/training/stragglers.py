@@ -6,8 +6,15 @@ differs is how the time splits. A slow rank computes longer and waits less; its
 peers compute normally and wait longer. So each rank's *compute time* (step time
 less the time spent waiting on peers, see `StepTimes.compute_s`) is divided, step
 by step, by the median of its peers (the ranks of its pipeline stage when there
-are enough of them, else all ranks); a rank whose typical ratio over the window
-exceeds 1 + `threshold` is named."""
+are enough of them, else all ranks).
+
+Compute time alone is noisy on a shared host: a healthy rank descheduled for a
+moment inside its forward looks slow for that step. A rank that really holds the
+others back also ends its steps later, so its own step time (from its step start
+to its step end) runs above its peers' too. A rank is named only when its typical
+ratio over the window exceeds 1 + `threshold` on *both* compute and step time,
+and the line says how sure: both ratios and in how many of the window's steps
+the rank was slower on both."""
 
 from __future__ import annotations
 
@@ -23,21 +30,28 @@ class Straggler:
     rank: int
     host: str
     coords: dict[str, int]
-    metric: str  # "compute_ms" or "step_ms": the one that exceeded the threshold most
+    metric: str  # "compute_ms": the signal the line quotes (step time must agree, see `step_ratio`)
     value_ms: float  # this rank's median over the window
     median_ms: float  # the median rank's median over the window
     slowdown: float  # median over steps of (this rank / the step's median rank) - 1; 0.2 = 20% slower
+    step_ratio: float = 1.0  # the same median ratio for step time
+    slow_steps: int = 0  # steps of the window in which the rank was slower than 1 + threshold on both
+    steps: int = 0  # steps in the window
 
     def describe(self) -> str:
-        """One line naming the rank, its coordinates and host."""
+        """One line naming the rank, its coordinates and host, and how sure the verdict is."""
         where = " ".join(f"{axis}{index}" for axis, index in self.coords.items())
         return (f"straggler: rank {self.rank} ({where}, host {self.host}) {self.metric.removesuffix('_ms')} "
-                f"{self.value_ms:.1f} ms vs median {self.median_ms:.1f} ms (+{100 * self.slowdown:.0f}%)")
+                f"{self.value_ms:.1f} ms vs median {self.median_ms:.1f} ms (+{100 * self.slowdown:.0f}%, "
+                f"{1 + self.slowdown:.2f}x compute, {self.step_ratio:.2f}x step time, slower on both in "
+                f"{self.slow_steps} of {self.steps} steps)")
 
     def to_event(self) -> dict:
         """Fields of its events.jsonl record."""
         return {"host": self.host, "coords": self.coords, "metric": self.metric, "value_ms": round(self.value_ms, 3),
-                "median_ms": round(self.median_ms, 3), "slowdown": round(self.slowdown, 4)}
+                "median_ms": round(self.median_ms, 3), "slowdown": round(self.slowdown, 4),
+                "compute_ratio": round(1 + self.slowdown, 4), "step_ratio": round(self.step_ratio, 4),
+                "slow_steps": self.slow_steps, "steps": self.steps}
 
 
 def per_rank_medians(records: Iterable[dict], metric: str) -> dict[int, float]:
@@ -53,18 +67,24 @@ def relative_slowness(records: Iterable[dict], metric: str) -> dict[int, float]:
 
     Normalising each step by its own median first cancels what every rank shares (a slow step
     for all, a busy host, a checkpoint), so only what sets a rank apart from its peers remains."""
+    return {rank: statistics.median(by_step.values()) for rank, by_step in step_ratios(records, metric).items()}
+
+
+def step_ratios(records: Iterable[dict], metric: str) -> dict[int, dict[int, float]]:
+    """rank -> {step: its `metric` / that step's median over its peer group}."""
+    records = list(records)
     peers = peer_groups(records)
     by_step: dict[tuple[int, int], dict[int, float]] = {}
     for record in records:
         rank = int(record["rank"])
         by_step.setdefault((int(record["step"]), peers[rank]), {})[rank] = float(record[metric])
-    ratios: dict[int, list[float]] = {}
-    for values in by_step.values():
+    ratios: dict[int, dict[int, float]] = {}
+    for (step, _), values in by_step.items():
         median = statistics.median(values.values())
         if median > 0:
             for rank, value in values.items():
-                ratios.setdefault(rank, []).append(value / median)
-    return {rank: statistics.median(r) for rank, r in ratios.items()}
+                ratios.setdefault(rank, {})[step] = value / median
+    return ratios
 
 
 def peer_groups(records: Iterable[dict]) -> dict[int, int]:
@@ -81,24 +101,27 @@ def peer_groups(records: Iterable[dict]) -> dict[int, int]:
 
 
 def find_stragglers(records: list[dict], threshold: float) -> list[Straggler]:
-    """Ranks whose compute or step time, relative to their peers step by step (`relative_slowness`),
-    exceeds 1 + `threshold` (0.1 = 10% slower than the median rank); slowest first. `records` are
+    """Ranks whose compute time *and* step time, relative to their peers step by step (`relative_slowness`),
+    both exceed 1 + `threshold` (0.1 = 10% slower than the median rank); slowest first. `records` are
     timers.jsonl records of every rank over a window of steps. Needs at least three ranks: with two,
     the median cannot tell the slow one from the fast."""
     identity = {int(r["rank"]): (str(r.get("host", "?")), dict(r.get("coords", {}))) for r in records}
     if len(identity) < 3 or threshold <= 0:
         return []
-    found: dict[int, Straggler] = {}
-    for metric in ("compute_ms", "step_ms"):
-        medians = per_rank_medians(records, metric)
-        typical = statistics.median(medians.values())
-        for rank, score in relative_slowness(records, metric).items():
-            if score > 1.0 + threshold:
-                host, coords = identity[rank]
-                candidate = Straggler(rank, host, coords, metric, medians[rank], typical, score - 1.0)
-                if rank not in found or candidate.slowdown > found[rank].slowdown:
-                    found[rank] = candidate
-    return sorted(found.values(), key=lambda s: -s.slowdown)
+    compute, step = step_ratios(records, "compute_ms"), step_ratios(records, "step_ms")
+    medians = per_rank_medians(records, "compute_ms")
+    typical = statistics.median(medians.values())
+    limit = 1.0 + threshold
+    found = []
+    for rank, by_step in compute.items():
+        compute_score = statistics.median(by_step.values())
+        step_score = statistics.median(step.get(rank, {0: 1.0}).values())
+        if compute_score > limit and step_score > limit:
+            both = sum(1 for s, r in by_step.items() if r > limit and step.get(rank, {}).get(s, 0.0) > limit)
+            host, coords = identity[rank]
+            found.append(Straggler(rank, host, coords, "compute_ms", medians[rank], typical, compute_score - 1.0,
+                                   step_score, both, len(by_step)))
+    return sorted(found, key=lambda s: -s.slowdown)
 
 
 def phase_spread(records: list[dict]) -> tuple[str, float, float]:
@@ -117,4 +140,5 @@ def phase_spread(records: list[dict]) -> tuple[str, float, float]:
     return slowest, statistics.fmean(values), max(values) - min(values)
 
 
-__all__ = ["Straggler", "find_stragglers", "peer_groups", "per_rank_medians", "phase_spread"]
+__all__ = ["Straggler", "find_stragglers", "peer_groups", "per_rank_medians", "phase_spread", "relative_slowness",
+           "step_ratios"]
