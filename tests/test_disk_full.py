@@ -88,7 +88,7 @@ _TENSORBOARD_SCRIPT = textwrap.dedent("""
     disk = Path(sys.argv[1])
     sink = MetricsSink(disk, True, True)
     sink.write({"step": 1, "loss": 1.0})
-    filler = disk / "filler"
+    filler = disk / "tensorboard" / "filler"  # TensorBoard's own (tiny) disk fills up; metrics.jsonl has room
     try:
         with open(filler, "wb") as f:
             while True:
@@ -96,8 +96,8 @@ _TENSORBOARD_SCRIPT = textwrap.dedent("""
                 f.flush()
     except OSError:
         pass
-    for step in range(2, 40):  # the disk is full: TensorBoard's writes fail, the run does not
-        sink.write({"step": step, "loss": float(step), "pad": 1.0})
+    for step in range(2, 40):  # TensorBoard's writes fail, the run does not
+        sink.write({"step": step, "loss": float(step), **{f"pad{i}": 1.0 for i in range(50)}})
     filler.unlink()
     sink.write({"step": 40, "loss": 40.0})
     sink.close()
@@ -112,7 +112,8 @@ _TENSORBOARD_SCRIPT = textwrap.dedent("""
 
 def _in_namespace(shell: str) -> subprocess.CompletedProcess:
     return subprocess.run(["unshare", "-rm", "sh", "-c", shell], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+                          timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
 
 
 def test_full_disk_during_a_save_keeps_the_last_checkpoint_and_metrics_go_on(tmp_path: Path) -> None:
@@ -166,9 +167,11 @@ def test_tensorboard_survives_a_full_disk(tmp_path: Path) -> None:
     disk.mkdir()
     script = tmp_path / "tb.py"
     script.write_text(_TENSORBOARD_SCRIPT)
-    proc = _in_namespace(f"mount -t tmpfs -o size=256k tmpfs {shlex.quote(str(disk))} && "
+    (disk / "tensorboard").mkdir()
+    proc = _in_namespace(f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(disk / 'tensorboard'))} && "
                          f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {shlex.quote(str(disk))}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert 1 in steps and 40 in steps, steps
+    assert 1 in steps and 40 in steps and 30 not in steps, steps
+    assert len((disk / "metrics.jsonl").read_text().splitlines()) == 40
     assert proc.stderr.count("TensorBoardSink cannot write") == 1, proc.stderr[-3000:]
