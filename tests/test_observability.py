@@ -156,13 +156,14 @@ def test_tensor_and_pipeline_phases_are_timed(tmp_path):
 
 
 def _bursts(pid: int, stop: threading.Event, seed: int) -> None:
-    """Stop `pid` for 50 ms out of every ~200 ms (about 25% slower) until `stop`, as an outside load would."""
+    """Stop `pid` for 100 ms out of every ~225 ms until `stop`, as an outside load would. With 4 ranks on 2
+    cores a stopped rank leaves its core share to the others, so this costs it about a quarter, not half."""
     rng = random.Random(seed)
     while not stop.is_set():
-        time.sleep(rng.uniform(0.12, 0.18))
+        time.sleep(rng.uniform(0.1, 0.15))
         try:
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.05)
+            time.sleep(0.1)
         except OSError:
             return
         finally:
@@ -193,13 +194,13 @@ def _drill_with_bursts(out: Path, ranks: list[int]) -> tuple[list[dict], str]:
 
 @pytest.mark.slow  # two 4-rank runs of 40 steps
 def test_stragglers_from_outside_bursts_name_only_the_slowed_rank(tmp_path):
-    """Rank 2 stopped ~20% of the time from outside: only rank 2 is named, with its ratios and step count in
+    """Rank 2 stopped ~45% of the time from outside: only rank 2 is named, with its ratios and step count in
     the line. Then every rank stopped alike (uniform noise): nobody is named."""
     events, output = _drill_with_bursts(tmp_path / "slowed", [SLOW_RANK])
     assert events and {rank for e in events for rank in e["ranks"]} == {SLOW_RANK}, (events, output[-3000:])
-    assert all(e["compute_ratio"] > 1.1 and e["step_ratio"] > 1.1 and e["slow_steps"] <= e["steps"]
-               for e in events)
+    assert all(e["compute_ratio"] > 1.1 and (e["step_ratio"] > 1.1 or e["slow_steps"] >= 0.7 * e["steps"])
+               for e in events), events
     assert f"straggler: rank {SLOW_RANK} (pp0 dp{SLOW_RANK} cp0 tp0, host " in output
-    assert "x step time, slower on both in " in output
+    assert "x step time, slower than the median in " in output
     events, output = _drill_with_bursts(tmp_path / "uniform", [0, 1, 2, 3])
     assert events == [], (events, output[-3000:])

@@ -9,15 +9,20 @@ by step, by the median of its peers (the ranks of its pipeline stage when there
 are enough of them, else all ranks).
 
 Compute time alone is noisy on a shared host: a healthy rank descheduled for a
-moment inside its forward looks slow for that step. A rank that really holds the
-others back also ends its steps later, so its own step time (from its step start
-to its step end) runs above its peers' too. A rank is named only when its typical
-ratio over the window exceeds 1 + `threshold` on *both* compute and step time,
-and the line says how sure: both ratios and in how many of the window's steps
-the rank was slower on both."""
+moment inside its forward looks slow for that step, and over a short window its
+median can look slow by chance. So a rank is named only when its typical compute
+ratio over the window exceeds 1 + `threshold` *and* the step time confirms it:
+either its own step time (from its step start to its step end) runs above its
+peers' by as much (a device that is slower in the part of the step no collective
+waits for), or, since a rank slowed inside the synchronised part ends its steps
+with everyone else, it was slower than its peers' median in so many of the
+window's steps that chance explains it less than once in a hundred (a sign test:
+a healthy rank is above the median in half the steps). The line says how sure:
+both ratios, and in how many of the window's steps the rank was slower."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,7 +40,7 @@ class Straggler:
     median_ms: float  # the median rank's median over the window
     slowdown: float  # median over steps of (this rank / the step's median rank) - 1; 0.2 = 20% slower
     step_ratio: float = 1.0  # the same median ratio for step time
-    slow_steps: int = 0  # steps of the window in which the rank was slower than 1 + threshold on both
+    slow_steps: int = 0  # steps of the window in which its compute was above its peers' median
     steps: int = 0  # steps in the window
 
     def describe(self) -> str:
@@ -43,7 +48,7 @@ class Straggler:
         where = " ".join(f"{axis}{index}" for axis, index in self.coords.items())
         return (f"straggler: rank {self.rank} ({where}, host {self.host}) {self.metric.removesuffix('_ms')} "
                 f"{self.value_ms:.1f} ms vs median {self.median_ms:.1f} ms (+{100 * self.slowdown:.0f}%, "
-                f"{1 + self.slowdown:.2f}x compute, {self.step_ratio:.2f}x step time, slower on both in "
+                f"{1 + self.slowdown:.2f}x compute, {self.step_ratio:.2f}x step time, slower than the median in "
                 f"{self.slow_steps} of {self.steps} steps)")
 
     def to_event(self) -> dict:
@@ -100,11 +105,21 @@ def peer_groups(records: Iterable[dict]) -> dict[int, int]:
     return dict.fromkeys(stage, 0)
 
 
+# A rank above its peers' median in this many of the window's steps is slow beyond chance (sign test).
+CHANCE = 0.01
+
+
+def sign_test(slower: int, steps: int) -> float:
+    """Chance that a rank no slower than its peers is above their median in `slower` or more of `steps`."""
+    return sum(math.comb(steps, k) for k in range(slower, steps + 1)) / 2 ** steps
+
+
 def find_stragglers(records: list[dict], threshold: float) -> list[Straggler]:
-    """Ranks whose compute time *and* step time, relative to their peers step by step (`relative_slowness`),
-    both exceed 1 + `threshold` (0.1 = 10% slower than the median rank); slowest first. `records` are
-    timers.jsonl records of every rank over a window of steps. Needs at least three ranks: with two,
-    the median cannot tell the slow one from the fast."""
+    """Ranks whose compute time, relative to their peers step by step (`relative_slowness`), exceeds
+    1 + `threshold` (0.1 = 10% slower than the median rank), confirmed by the step time (its own step time
+    as much above its peers', or slower in so many steps that `sign_test` < `CHANCE`); slowest first.
+    `records` are timers.jsonl records of every rank over a window of steps. Needs at least three ranks:
+    with two, the median cannot tell the slow one from the fast."""
     identity = {int(r["rank"]): (str(r.get("host", "?")), dict(r.get("coords", {}))) for r in records}
     if len(identity) < 3 or threshold <= 0:
         return []
@@ -116,11 +131,11 @@ def find_stragglers(records: list[dict], threshold: float) -> list[Straggler]:
     for rank, by_step in compute.items():
         compute_score = statistics.median(by_step.values())
         step_score = statistics.median(step.get(rank, {0: 1.0}).values())
-        if compute_score > limit and step_score > limit:
-            both = sum(1 for s, r in by_step.items() if r > limit and step.get(rank, {}).get(s, 0.0) > limit)
+        slower = sum(1 for r in by_step.values() if r > 1.0)
+        if compute_score > limit and (step_score > limit or sign_test(slower, len(by_step)) < CHANCE):
             host, coords = identity[rank]
             found.append(Straggler(rank, host, coords, "compute_ms", medians[rank], typical, compute_score - 1.0,
-                                   step_score, both, len(by_step)))
+                                   step_score, slower, len(by_step)))
     return sorted(found, key=lambda s: -s.slowdown)
 
 
