@@ -30,11 +30,13 @@ COMM_PHASES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "tp_overla
                "embedding_all_reduce", "loss_all_reduce", "grad_norm_all_reduce")
 # "pipeline" spans a pipelined forward/backward; "pp_bubble" is derived from it: the part of it
 # spent in neither forward nor backward (waiting for a neighbour stage).
-OTHER_PHASES = ("data_wait", "checkpoint_blocking", "pipeline", "pp_bubble")
+OTHER_PHASES = ("data_wait", "checkpoint_blocking", "pipeline", "pp_bubble", "logging")
 PHASES = COMPUTE_PHASES + COMM_PHASES + OTHER_PHASES
 # Time in these is spent waiting on peers or input, not computing: a straggler has little of it,
 # its peers a lot. `compute_s` of a step is the step time minus these.
 WAIT_PHASES = frozenset((*COMM_PHASES, "data_wait", "pp_bubble"))
+# Bookkeeping (log lines, evaluation, progress records) falls mostly on the logging rank: not compute either.
+BOOKKEEPING_PHASES = frozenset(("logging",))
 
 
 @dataclass
@@ -54,8 +56,10 @@ class StepTimes:
 
     @property
     def compute_s(self) -> float:
-        """Step time less the waits: what a rank spends working, the straggler signal."""
-        return max(self.step_s - self.wait_s, 0.0)
+        """Step time less the waits and the bookkeeping: what a rank spends computing, the straggler signal."""
+        # One pass over both kinds: a collective inside the bookkeeping (evaluation) counts once.
+        idle = sum(dur for _, _, dur in _outermost(self.spans, WAIT_PHASES | BOOKKEEPING_PHASES))
+        return max(self.step_s - idle, 0.0)
 
     def to_record(self, rank: int) -> dict[str, Any]:
         """The timers.jsonl form (milliseconds, rounded to the microsecond)."""

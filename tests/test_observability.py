@@ -194,13 +194,14 @@ def _drill_with_bursts(out: Path, ranks: list[int]) -> tuple[list[dict], str]:
 
 @pytest.mark.slow  # two 4-rank runs of 40 steps
 def test_stragglers_from_outside_bursts_name_only_the_slowed_rank(tmp_path):
-    """Rank 2 stopped ~45% of the time from outside: only rank 2 is named, with its ratios and step count in
-    the line. Then every rank stopped alike (uniform noise): nobody is named."""
+    """Rank 2 stopped ~45% of the time from outside (about a quarter slower): only rank 2 is named, with its ratios and step count in
+    the line. Then the same run with no rank slowed, only the noise of 4 ranks and the test's own threads
+    on 2 shared cores: nobody is named."""
     events, output = _drill_with_bursts(tmp_path / "slowed", [SLOW_RANK])
     assert events and {rank for e in events for rank in e["ranks"]} == {SLOW_RANK}, (events, output[-3000:])
     assert all(e["compute_ratio"] > 1.1 and (e["step_ratio"] > 1.1 or e["slow_steps"] >= 0.7 * e["steps"])
                for e in events), events
     assert f"straggler: rank {SLOW_RANK} (pp0 dp{SLOW_RANK} cp0 tp0, host " in output
     assert "x step time, slower than the median in " in output
-    events, output = _drill_with_bursts(tmp_path / "uniform", [0, 1, 2, 3])
+    events, output = _drill_with_bursts(tmp_path / "uniform", [])
     assert events == [], (events, output[-3000:])

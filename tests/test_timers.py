@@ -224,3 +224,12 @@ def test_cuda_timers_read_back_one_step_late():
     assert 0 < first.phases["forward"] <= first.step_s and first.phases["dp_all_reduce"] < first.phases["forward"]
     last = t.flush()
     assert last is not None and last.step == 2 and t.flush() is None
+
+
+def test_bookkeeping_is_not_compute():
+    """The logging rank's log lines and evaluation are timed as `logging` and left out of its compute time
+    (a collective inside them counted once), so they do not make it look like a straggler."""
+    times = StepTimes(step=3, start_unix=0.0, step_s=20.0,
+                      spans=[("forward", 0.0, 10.0), ("dp_all_reduce", 10.0, 1.0), ("logging", 12.0, 5.0),
+                             ("loss_all_reduce", 13.0, 2.0)])
+    assert times.compute_s == pytest.approx(20.0 - 1.0 - 5.0)

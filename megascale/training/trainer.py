@@ -277,6 +277,10 @@ class Trainer:
             if stats.fault is not None:  # its update was withheld on every rank: skip, roll back or stop
                 numerics.apply_policy(self, stats.fault)
             window_steps += 1
+            # Logging, evaluation and progress records are the logging rank's bookkeeping, not model
+            # compute: timed apart so they do not make it look like a straggler (closed below).
+            bookkeeping = self.timers.phase("logging")
+            bookkeeping.__enter__()
             self.progress.collective = "log and evaluate"
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 if self.device.type == "cuda":
@@ -297,6 +301,7 @@ class Trainer:
                 records.append(rec)
                 window_start, window_steps = time.perf_counter(), 0
             self.lifecycle.step_done(self.step, time.perf_counter() - step_start)
+            bookkeeping.__exit__(None, None, None)
             if self._should_save():
                 self.progress.enter("checkpoint_save")
                 with self.timers.phase("checkpoint_blocking"):
