@@ -1,0 +1,126 @@
+"""Elastic continuation: re-planning units, and drills that lose a worker for good and get it back.
+
+The drill starts `megascale train --nproc N --min-nproc M`, marks one slot bad in
+<output_dir>/elastic/exclude (as a health check would) and SIGKILLs its worker
+from outside at a random step; the launcher restarts the group on the slots
+left (dp shrinks, more micro-batches per step keep the global batch), from the
+latest checkpoint through the resharding loader. Removing the slot from the
+file brings it back: the launcher preempts the small group (checkpoint of the
+step it is on) and starts the full one. Every loss must equal an uninterrupted
+run's to float32 reduction-order noise (1e-4 relative, as tests/test_resume.py
+uses across layouts): the samples of each global batch depend only on the seed
+and the data. 2 -> 1 -> 2 runs in the default suite; 4 -> 3 -> 4 is slow.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from fault_procs import events, losses, progress, rank_pid, start, train_command, wait_exit, wait_for_step
+from train_utils import ROOT
+
+from megascale.config import ConfigError, load_config
+from megascale.run_plan import resolve_plan
+from megascale.training.fault.elastic import elastic_config, layout_record
+from megascale.training.fault.elastic_launch import EXCLUDE_FILE, excluded_slots, group_size, visible_devices
+
+
+# ------------------------------------------------------------------------------------------ units
+def test_shrinking_dp_keeps_the_global_batch_with_more_micro_batches() -> None:
+    cfg = load_config("configs/tiny.yaml", ["fault.elastic=dp", "parallel.dp=4", "train.global_batch_size=12",
+                                            "train.micro_batch_size=1"])
+    records = {world: layout_record(resolve_plan(elastic_config(cfg, world), world)) for world in (4, 3, 2, 1)}
+    assert [(r["dp"], r["micro_batches"], r["micro_batch_size"]) for r in records.values()] == \
+        [(4, 3, 1), (3, 4, 1), (2, 6, 1), (1, 12, 1)]
+    assert {r["global_batch_size"] for r in records.values()} == {12}
+
+
+def test_micro_batch_size_is_lowered_only_where_the_batch_would_not_split() -> None:
+    cfg = load_config("configs/tiny.yaml", ["fault.elastic=dp", "train.global_batch_size=12",
+                                            "train.micro_batch_size=2", "parallel.tp=2"])
+    assert elastic_config(cfg, 4).train.micro_batch_size == 2  # dp 2: 6 per rank, 3 micro-batches of 2
+    assert elastic_config(cfg, 8).train.micro_batch_size == 1  # dp 4: 3 per rank, 3 micro-batches of 1
+    assert elastic_config(cfg, 8).parallel.tp == 2 and cfg.train.micro_batch_size == 2  # tp stays; cfg untouched
+    with pytest.raises(ConfigError, match="world size 3 is not a multiple of tp 2"):
+        elastic_config(cfg, 3)
+    with pytest.raises(ConfigError, match=r"no micro-batch size splits train\.global_batch_size=12 over dp 5"):
+        elastic_config(cfg, 10)
+
+
+def test_elastic_off_keeps_the_world_size_check() -> None:
+    cfg = load_config("configs/tiny.yaml", ["parallel.dp=4"])
+    assert elastic_config(cfg, 3) is cfg
+    with pytest.raises(ConfigError, match="!= world size 3"):
+        resolve_plan(elastic_config(cfg, 3), 3)
+
+
+def test_group_size_and_slots(tmp_path: Path) -> None:
+    cfg = load_config("configs/tiny.yaml", ["fault.elastic=dp", "train.global_batch_size=8",
+                                            "train.micro_batch_size=1"])
+    assert [group_size(cfg, healthy, 1) for healthy in (4, 3, 2, 1)] == [4, 2, 2, 1]  # 8 does not split over 3
+    assert group_size(cfg, 3, 3) is None
+    (tmp_path / EXCLUDE_FILE).parent.mkdir()
+    (tmp_path / EXCLUDE_FILE).write_text("2  # ECC errors\n\n# comment\n9\nx\n")
+    assert excluded_slots(tmp_path, 4) == {2}
+    assert visible_devices([0, 1, 3], 4, {}) == "0,1,3"
+    assert visible_devices([0, 2], 4, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "4,6"
+
+
+# ------------------------------------------------------------------------------------------ drills
+def reference_losses(out: Path, *overrides: str) -> dict[int, float]:
+    """An uninterrupted single-process run of the same config."""
+    done = subprocess.run(train_command(out, *overrides), cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return losses(out)
+
+
+def shrink_and_grow(tmp_path: Path, nproc: int, killed: int, steps: int, *overrides: str) -> None:
+    """Lose worker `killed` for good at a random step, continue on fewer, bring it back, finish; check losses."""
+    common = [f"train.steps={steps}", "checkpoint.interval=2", f"optim.decay_steps={steps}", *overrides]
+    reference = reference_losses(tmp_path / "reference", *common)
+    out = tmp_path / "run"
+    log = tmp_path / "log"
+    proc = start([*train_command(out, *common, nproc=nproc, max_restarts=1), "--min-nproc", "1"], log)
+    try:
+        kill_at = random.randint(2, steps // 2)
+        wait_for_step(out, kill_at, proc)
+        (out / EXCLUDE_FILE).parent.mkdir(exist_ok=True)
+        (out / EXCLUDE_FILE).write_text(f"{killed}  # drill: device gone\n")
+        os.kill(rank_pid(out, killed), signal.SIGKILL)
+        shrunk_from = progress(out, 0)
+        wait_for_step(out, shrunk_from + 1, proc, attempt=1, timeout=240)  # trains on the smaller group
+        (out / EXCLUDE_FILE).write_text("")  # the device is back
+        assert wait_exit(proc, 400) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    got = losses(out)
+    assert sorted(got) == list(range(1, steps + 1)), text[-3000:]
+    for step, loss in reference.items():
+        assert abs(got[step] - loss) <= 1e-4 * loss, (step, got[step], loss)
+    shrink, grow = events(out, "restart")
+    assert shrink["ranks"] == [killed] and shrink["previous_layout"]["world_size"] == nproc
+    small = shrink["layout"]
+    assert small["world_size"] < nproc and small["dp"] == small["world_size"]
+    assert small["micro_batches"] * small["micro_batch_size"] * small["dp"] == small["global_batch_size"]
+    assert shrink["elastic"].startswith(f"shrink: slot {killed} excluded")
+    assert grow["previous_layout"] == small and grow["layout"]["world_size"] == nproc
+    assert grow["elastic"].startswith("grow:") and grow["steps_lost"] == 0
+    print(f"elastic drill: killed rank {killed} at step {shrunk_from}, {nproc} -> {small['world_size']} -> {nproc} "
+          f"workers, resumed from steps {shrink['resumed_from']} and {grow['resumed_from']}")
+
+
+def test_two_workers_shrink_to_one_and_grow_back(tmp_path: Path) -> None:
+    shrink_and_grow(tmp_path, 2, 1, 8)
+
+
+@pytest.mark.slow
+def test_four_workers_shrink_to_three_and_grow_back(tmp_path: Path) -> None:
+    shrink_and_grow(tmp_path, 4, random.randint(1, 3), 12, "train.global_batch_size=12", "train.micro_batch_size=1")
