@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,7 @@ def shrink_and_grow(tmp_path: Path, nproc: int, killed: int, steps: int, *overri
     assert small["micro_batches"] * small["micro_batch_size"] * small["dp"] == small["global_batch_size"]
     assert shrink["elastic"].startswith(f"shrink: slot {killed} excluded")
     assert grow["previous_layout"] == small and grow["layout"]["world_size"] == nproc
-    assert grow["elastic"].startswith("grow:") and grow["steps_lost"] == 0
+    assert grow["elastic"].startswith("grow:") and grow["cause"].startswith("elastic grow:") and grow["steps_lost"] == 0
     print(f"elastic drill: killed rank {killed} at step {shrunk_from}, {nproc} -> {small['world_size']} -> {nproc} "
           f"workers, resumed from steps {shrink['resumed_from']} and {grow['resumed_from']}")
 
@@ -124,3 +125,80 @@ def test_two_workers_shrink_to_one_and_grow_back(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_four_workers_shrink_to_three_and_grow_back(tmp_path: Path) -> None:
     shrink_and_grow(tmp_path, 4, random.randint(1, 3), 12, "train.global_batch_size=12", "train.micro_batch_size=1")
+
+
+
+def test_a_group_restarted_without_counting_takes_the_next_attempt_number(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun restarts workers on a membership change without raising TORCHELASTIC_RESTART_COUNT."""
+    import json
+
+    from megascale.training.fault.attempts import AttemptInfo
+    from megascale.training.fault.elastic import next_free_attempt
+
+    def record(attempt: int, launch: str, group: str) -> None:
+        path = tmp_path / "attempts" / str(attempt) / f"rank_{len(list(path_dir(attempt).glob('*')))}.json"
+        path.write_text(json.dumps({"launch_id": launch, "group": group}))
+
+    def path_dir(attempt: int) -> Path:
+        (tmp_path / "attempts" / str(attempt)).mkdir(parents=True, exist_ok=True)
+        return tmp_path / "attempts" / str(attempt)
+
+    monkeypatch.setenv("MASTER_ADDR", "node-a")
+    monkeypatch.setenv("MASTER_PORT", "4242")
+    info = AttemptInfo("job", 1, 0, 2)
+    assert next_free_attempt(tmp_path, info) == 1  # nothing recorded yet
+    record(0, "job", "node-a:1111")
+    record(1, "other-launch", "node-b:1")
+    record(1, "job", "node-a:4242")
+    assert next_free_attempt(tmp_path, info) == 1  # its own group's records, and another launch's
+    record(1, "job", "node-a:2222")
+    record(3, "job", "node-a:3333")
+    assert next_free_attempt(tmp_path, info) == 4  # a previous group of this launch holds 1: after the highest
+
+
+def torchrun_agent(out: Path, port: int, log: Path, *overrides: str) -> subprocess.Popen:
+    """One torchrun agent (a "node") of an elastic job with 1 to 2 nodes of one worker each, on this host."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-drill",
+            "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "3", "--monitor-interval", "0.1",
+            "-m", "megascale.train", *train_command(out, *overrides, "fault.elastic=dp")[4:]]
+    return start(args, log, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+
+@pytest.mark.slow
+def test_torchrun_nnodes_min_max_loses_a_node_and_regrows(tmp_path: Path) -> None:
+    """torchrun --nnodes 1:2: SIGKILL one node's agent and worker, the other continues alone (dp 2 -> 1, more
+    micro-batches), a node joins again and the group grows back (dp 1 -> 2); losses equal an uninterrupted run's."""
+    import socket
+
+    steps = 60
+    common = [f"train.steps={steps}", "checkpoint.interval=2", f"optim.decay_steps={steps}"]
+    reference = reference_losses(tmp_path / "reference", *common)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "run"
+    first = torchrun_agent(out, port, tmp_path / "a.log", *common)
+    second = torchrun_agent(out, port, tmp_path / "b.log", *common)
+    third = None
+    try:
+        wait_for_step(out, random.randint(3, 10), first)
+        os.killpg(second.pid, signal.SIGKILL)  # the node is gone: its agent and (through the parent-death signal) its worker
+        second.wait()
+        wait_for_step(out, progress(out, 0) + 1, first, attempt=1, timeout=240)
+        third = torchrun_agent(out, port, tmp_path / "c.log", *common)  # the node comes back
+        assert wait_exit(first, 400) == 0, (tmp_path / "a.log").read_text()[-4000:]
+        assert wait_exit(third, 60) == 0, (tmp_path / "c.log").read_text()[-4000:]
+    finally:
+        for proc in (first, second, third):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    got = losses(out)
+    for step, loss in reference.items():
+        assert abs(got[step] - loss) <= 1e-4 * loss, (step, got[step], loss)
+    shrink, grow = events(out, "restart")
+    assert (shrink["attempt"], grow["attempt"]) == (1, 2)
+    assert [shrink["previous_layout"]["dp"], shrink["layout"]["dp"], grow["layout"]["dp"]] == [2, 1, 2]
+    assert shrink["layout"]["micro_batches"] == 2 * shrink["previous_layout"]["micro_batches"]
+    assert grow["previous_layout"] == shrink["layout"] and grow["steps_lost"] == 0

@@ -78,6 +78,13 @@ def _read_json(path: Path) -> Optional[dict]:
         return None
 
 
+def worker_group_id(environ: Optional[dict[str, str]] = None) -> str:
+    """The worker group this process belongs to: its rendezvous store's address, new for every group the elastic
+    agent starts (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 puts each round's store on a free port)."""
+    env = os.environ if environ is None else environ
+    return f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+
+
 def process_start_time() -> float:
     """Wall-clock time this process started (Linux /proc), else now: startup counts in the wall time."""
     try:
@@ -98,7 +105,8 @@ class AttemptRecorder:
         self.dir = self.run_dir / ATTEMPTS_DIR / str(info.attempt)
         self.rank_file = self.dir / f"rank_{info.rank}.json"
         self.start_record = {"launch_id": info.launch_id, "attempt": info.attempt, "rank": info.rank,
-                             "pid": os.getpid(), "host": socket.gethostname(), "start_time": process_start_time()}
+                             "pid": os.getpid(), "host": socket.gethostname(), "start_time": process_start_time(),
+                             "group": worker_group_id()}
         self._exited = False
 
     def started(self) -> None:
@@ -164,8 +172,9 @@ class AttemptRecorder:
         layout = _read_json(prev_dir / "layout.json") or {}  # an elastic restart may change the world size
         previous_world = int(layout.get("world_size") or max(self.info.world_size, _recorded_ranks(prev_dir)))
         fields = describe_restart(previous, previous_world, resumed_step, time.time())
+        fields.update(extra or {})
         return append_event(self.run_dir, "restart", step=resumed_step, ranks=fields.pop("failed_ranks"),
-                            attempt=self.info.attempt, **fields, **(extra or {}))
+                            attempt=self.info.attempt, **fields)
 
 
 def _recorded_ranks(attempt_dir: Path) -> int:

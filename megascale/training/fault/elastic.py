@@ -22,13 +22,18 @@ it continues on.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+
 from megascale.config import Config, ConfigError
 from megascale.run_plan import RunPlan, resolve_plan
+from megascale.training.fault.attempts import ATTEMPTS_DIR, AttemptInfo, worker_group_id
 
 ATTEMPT_BASE_ENV = "MEGASCALE_ATTEMPT_BASE"
 """Attempts run by earlier worker groups of this launch (megascale's elastic launcher starts a new torch agent for
@@ -105,6 +110,42 @@ def read_layout(attempt_dir: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+def claimed_by_other_group(attempt_dir: Path, launch_id: str, group: str) -> bool:
+    """True when a worker group of this launch other than `group` already recorded ranks under this attempt."""
+    for path in attempt_dir.glob("rank_*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if record.get("launch_id") == launch_id and record.get("group", group) != group:
+            return True
+    return False
+
+
+def next_free_attempt(run_dir: Path, info: AttemptInfo) -> int:
+    """This group's attempt number: the agent's restart count, unless another group of the launch holds it.
+
+    torchrun's agents restart the workers without counting when a node joins or leaves (a membership change:
+    the way an elastic job grows back), so the count alone would send the grown group's records over the
+    previous group's. Such a group takes the next number after the highest one used.
+    """
+    attempts = Path(run_dir) / ATTEMPTS_DIR
+    if not claimed_by_other_group(attempts / str(info.attempt), info.launch_id, worker_group_id()):
+        return info.attempt
+    used = [int(p.name) for p in attempts.glob("*") if p.name.isdigit()]
+    return max([info.attempt, *used]) + 1
+
+
+def agree_attempt(run_dir: Path, info: AttemptInfo, device: torch.device) -> AttemptInfo:
+    """Rank 0 picks the attempt number (see next_free_attempt) and every rank takes it (one broadcast)."""
+    attempt = next_free_attempt(run_dir, info) if info.rank == 0 else 0
+    if info.world_size > 1 and dist.is_initialized():
+        value = torch.tensor([attempt], dtype=torch.int64, device=device)
+        dist.broadcast(value, src=0)
+        attempt = int(value.item())
+    return dataclasses.replace(info, attempt=attempt)
+
+
 def restart_fields(run_dir: Path, attempt: int, layout: dict[str, Any],
                    environ: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Fields the restart event of `attempt` adds: its layout, the previous attempt's, and why the size changed."""
@@ -114,8 +155,11 @@ def restart_fields(run_dir: Path, attempt: int, layout: dict[str, Any],
     reason = env.get(REASON_ENV)
     if reason:
         fields["elastic"] = reason
+        if reason.startswith("grow"):  # the group was stopped on purpose, with a checkpoint of its step
+            fields["cause"] = f"elastic {reason}"
     return fields
 
 
-__all__ = ["ATTEMPT_BASE_ENV", "REASON_ENV", "describe_layout", "elastic_config", "fits", "layout_record",
-           "read_layout", "restart_fields", "write_layout"]
+__all__ = ["ATTEMPT_BASE_ENV", "REASON_ENV", "agree_attempt", "claimed_by_other_group", "describe_layout",
+           "elastic_config", "fits", "layout_record", "next_free_attempt", "read_layout", "restart_fields",
+           "write_layout"]

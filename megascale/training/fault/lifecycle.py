@@ -51,7 +51,9 @@ class RunLifecycle:
         self.world_size = world_size
         self.log = log  # prints on the logging rank only
         self.step = resumed_step
-        self.info = AttemptInfo.from_env(rank, world_size)
+        from megascale.training.fault.elastic import agree_attempt
+
+        self.info = agree_attempt(run_dir, AttemptInfo.from_env(rank, world_size), device)
         self.recorder = AttemptRecorder(run_dir, self.info)
         self.recorder.started()
         fault_state = (resumed_extra or {}).get("fault", {})
