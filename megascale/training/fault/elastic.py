@@ -153,6 +153,11 @@ def restart_fields(run_dir: Path, attempt: int, layout: dict[str, Any],
     fields: dict[str, Any] = {"layout": layout,
                               "previous_layout": read_layout(Path(run_dir) / "attempts" / str(attempt - 1))}
     reason = env.get(REASON_ENV)
+    before = fields["previous_layout"]
+    if not reason and before is not None and before.get("world_size") != layout["world_size"]:
+        # torchrun: the rendezvous closed with fewer or more nodes than the previous group had
+        grew = layout["world_size"] > before["world_size"]
+        reason = f"{'grow' if grew else 'shrink'}: {before['world_size']} -> {layout['world_size']} ranks"
     if reason:
         fields["elastic"] = reason
         if reason.startswith("grow"):  # the group was stopped on purpose, with a checkpoint of its step
