@@ -54,8 +54,8 @@ def test_micro_batch_size_is_lowered_only_where_the_batch_would_not_split() -> N
         elastic_config(cfg, 10)
 
 
-def test_elastic_off_keeps_the_world_size_check() -> None:
-    cfg = load_config("configs/tiny.yaml", ["parallel.dp=4"])
+def test_elastic_none_keeps_the_world_size_check() -> None:
+    cfg = load_config("configs/tiny.yaml", ["parallel.dp=4", "fault.elastic=none"])  # the default
     assert elastic_config(cfg, 3) is cfg
     with pytest.raises(ConfigError, match="!= world size 3"):
         resolve_plan(elastic_config(cfg, 3), 3)
