@@ -222,3 +222,16 @@ def test_torchrun_nnodes_min_max_loses_a_node_and_regrows(tmp_path: Path) -> Non
     assert shrink["layout"]["micro_batches"] == 2 * shrink["previous_layout"]["micro_batches"]
     assert grow["previous_layout"] == shrink["layout"] and grow["steps_lost"] == 0
     assert shrink["elastic"] == "shrink: 2 -> 1 ranks" and grow["cause"] == "elastic grow: 1 -> 2 ranks"
+
+
+def test_run_lock_of_an_earlier_group_of_the_same_torchrun_job_is_stale() -> None:
+    """Rank 0's node lost: the new group's rank 0 (another host) takes the lock at once, not after
+    fault.run_lock_stale_s; a lock of another job stays held."""
+    from megascale.training.run_lock import stale_reason
+
+    holder = {"host": "node-that-died", "pid": 1234, "token": "t", "run_id": "job-7"}
+    assert stale_reason(holder, 3.0, 120.0, "job-7") == "it was taken by an earlier worker group of this job " \
+                                                         "(run id job-7)"
+    assert stale_reason(holder, 3.0, 120.0, "job-8") is None
+    assert stale_reason(holder, 3.0, 120.0, None) is None
+    assert stale_reason(dict(holder, run_id=None), 3.0, 120.0, "job-7") is None
