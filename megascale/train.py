@@ -129,6 +129,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megascale.training.fault.inject import ENV_VAR, parse_fault_spec
 
     parse_fault_spec(cfg.fault.inject or os.environ.get(ENV_VAR))  # a malformed spec fails here, once
+    if args.min_nproc is not None and args.nproc is None:
+        raise ConfigError(f"--min-nproc {args.min_nproc} needs --nproc N (the full number of local workers)")
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc} must be >= 1")

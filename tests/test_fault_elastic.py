@@ -235,3 +235,14 @@ def test_run_lock_of_an_earlier_group_of_the_same_torchrun_job_is_stale() -> Non
     assert stale_reason(holder, 3.0, 120.0, "job-8") is None
     assert stale_reason(holder, 3.0, 120.0, None) is None
     assert stale_reason(dict(holder, run_id=None), 3.0, 120.0, "job-7") is None
+
+
+def test_launcher_arguments_are_checked_before_anything_starts() -> None:
+    from megascale.training.fault.elastic_launch import check_elastic_args
+
+    cfg = load_config("configs/tiny.yaml", ["fault.elastic=dp", "train.micro_batch_size=4"])
+    check_elastic_args(cfg, 4, 2)
+    with pytest.raises(ConfigError, match="--min-nproc 5 must be between 1 and --nproc 4"):
+        check_elastic_args(cfg, 4, 5)
+    with pytest.raises(ConfigError, match=r"dp 2 = 2 != world size 4; launch 2 ranks"):
+        check_elastic_args(load_config("configs/tiny.yaml", ["fault.elastic=dp", "parallel.dp=2"]), 4, 2)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from megascale.config import Config, ConfigError
+from megascale.run_plan import resolve_plan
 from megascale.training.fault.elastic import ATTEMPT_BASE_ENV, REASON_ENV, elastic_config, fits
 from megascale.training.fault.events import append_event, read_events
 from megascale.training.fault.launcher import (
@@ -55,6 +56,8 @@ def check_elastic_args(cfg: Config, nproc: int, min_nproc: int) -> None:
     """--min-nproc within [1, --nproc], and the full group fits the layout; ConfigError otherwise."""
     if not 1 <= min_nproc <= nproc:
         raise ConfigError(f"--min-nproc {min_nproc} must be between 1 and --nproc {nproc}")
+    if cfg.parallel.dp is not None:
+        resolve_plan(cfg, nproc)  # an explicit parallel.dp is the full-size value: it must match --nproc
     elastic_config(cfg, nproc)  # the full-size layout error, if any, names the arithmetic
     if group_size(cfg, nproc, min_nproc) is None:
         raise ConfigError(f"no group size from --min-nproc {min_nproc} to --nproc {nproc} fits the layout")
