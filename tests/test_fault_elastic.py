@@ -20,6 +20,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,15 @@ def test_torchrun_nnodes_min_max_loses_a_node_and_regrows(tmp_path: Path) -> Non
         port = probe.getsockname()[1]
     out = tmp_path / "run"
     first = torchrun_agent(out, port, tmp_path / "a.log", *common)
+    # The first agent to bind the endpoint hosts the rendezvous store, which dies with its agent (a torchrun
+    # limitation: the endpoint's host must stay): make it the one that stays.
+    deadline = time.time() + 120
+    while True:
+        with socket.socket() as client:
+            if client.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert first.poll() is None and time.time() < deadline, (tmp_path / "a.log").read_text()[-2000:]
+        time.sleep(0.1)
     second = torchrun_agent(out, port, tmp_path / "b.log", *common)
     third = None
     try:
