@@ -45,6 +45,7 @@ NanPolicy = Literal["skip", "rollback", "stop"]
 SaveFailurePolicy = Literal["continue", "stop"]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2"]
 HeartbeatStore = Literal["auto", "store", "files"]
+ElasticMode = Literal["none", "dp"]
 WandbMode = Literal["online", "offline", "disabled"]
 
 
@@ -297,6 +298,12 @@ class FaultConfig:
     collective_timeout_s: float = _f(0.0, "process-group timeout for one collective; 0 = the longest phase timeout "
                                           "plus 60 s, so the watchdog names the hung rank before a collective "
                                           "times out")
+    elastic: ElasticMode = _f("none", "dp: a world size other than the configured one (an elastic restart on fewer "
+                                     "or more ranks) re-plans data parallelism: dp = world / (tp*pp*cp), tp/pp/cp "
+                                     "stay, and the global batch is kept by more or fewer micro-batches per step "
+                                     "(micro_batch_size lowered where it would not split); none: parallel.dp must "
+                                     "match the world size. `megascale train --min-nproc` sets dp",
+                              ElasticMode)
 
 
 @dataclass

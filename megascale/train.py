@@ -27,6 +27,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--nproc", type=int, default=None, help="start N local ranks through torch's elastic launcher")
     parser.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restart the worker group up to "
                         "K times after a worker dies; each restart resumes from the latest checkpoint")
+    parser.add_argument("--min-nproc", type=int, default=None, help="with --nproc N: elastic continuation; a "
+                        "restart may run on as few as M workers when slots are excluded (see docs/reliability.md), "
+                        "and grows back when they return; sets fault.elastic=dp")
     parser.add_argument("--backend", default=None, choices=["gloo", "nccl"], help="process-group backend (default: "
                         "nccl with CUDA, else gloo)")
     args, rest = parser.parse_known_args(argv)
@@ -45,6 +48,23 @@ def launch_local(argv: list[str], nproc: int, max_restarts: int, cfg: Config) ->
     # it; 3 makes a timed-out NCCL collective end the worker, so the group restarts.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     return run_elastic(worker_args, nproc, max_restarts, cfg)
+
+
+def launch_elastic_local(argv: list[str], args: argparse.Namespace, overrides: list[str], cfg: Config) -> int:
+    """`--nproc N --min-nproc M`: megascale's elastic launcher (one torch agent per group size)."""
+    from megascale.training.fault.elastic_launch import check_elastic_args, run_elastic_local
+    from megascale.training.run_dir import preflight
+    from megascale.training.run_lock import launcher_lock
+
+    if cfg.fault.elastic != "dp":
+        argv = [*argv, "fault.elastic=dp"]
+        cfg = load_config(args.config, [*overrides, "fault.elastic=dp"])
+    check_elastic_args(cfg, args.nproc, args.min_nproc)
+    preflight(cfg)
+    worker_args = without_options(argv, "--nproc", "--max-restarts", "--min-nproc")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    with launcher_lock(cfg.train.output_dir, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s):
+        return run_elastic_local(worker_args, args.nproc, args.min_nproc, args.max_restarts, cfg)
 
 
 def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
@@ -68,8 +88,12 @@ def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
         backend = "gloo"
     # Nothing is written to the run directory before these checks; an elastic restart (attempt > 0)
     # may find the run finished by the attempt before it.
-    preflight(cfg, first_attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+    from megascale.training.fault.elastic import elastic_config
+    from megascale.training.fault.inject import restart_attempt
+
+    preflight(cfg, first_attempt=restart_attempt() == 0)
     env = read_dist_env()
+    cfg = elastic_config(cfg, env.world_size)  # fault.elastic=dp: dp and micro-batches for the ranks this group got
     lock = run_lock(cfg.train.output_dir, env.rank, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s)
     with lock, worker_process(env.rank, cfg.train.output_dir, env.world_size) as fault_state:
         # Hang watchdog: from launch on, so a rank stuck before its first step is named too.
@@ -106,6 +130,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megascale.training.fault.inject import ENV_VAR, parse_fault_spec
 
     parse_fault_spec(cfg.fault.inject or os.environ.get(ENV_VAR))  # a malformed spec fails here, once
+    if args.min_nproc is not None and args.nproc is None:
+        raise ConfigError(f"--min-nproc {args.min_nproc} needs --nproc N (the full number of local workers)")
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc} must be >= 1")
@@ -114,6 +140,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         if args.max_restarts < 0:
             raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+        if args.min_nproc is not None:
+            return launch_elastic_local(argv, args, overrides, cfg)
         resolve_plan(cfg, args.nproc)  # a layout error fails here, once, before any worker starts
         preflight(cfg)  # so do the run directory's checks: the launcher writes there next
         from megascale.training.run_lock import launcher_lock

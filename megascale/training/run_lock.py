@@ -61,12 +61,25 @@ def read_holder(path: Path) -> Optional[dict]:
     return holder if isinstance(holder, dict) else None
 
 
-def stale_reason(holder: Optional[dict], age_s: float, stale_after_s: float) -> Optional[str]:
-    """Why a lock with this record and heartbeat age is stale, or None when its holder may be alive."""
+def elastic_run_id() -> Optional[str]:
+    """The elastic agent's run id (torchrun --rdzv-id) when this process is a worker it started, else None."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
+def stale_reason(holder: Optional[dict], age_s: float, stale_after_s: float,
+                 run_id: Optional[str] = None) -> Optional[str]:
+    """Why a lock with this record and heartbeat age is stale, or None when its holder may be alive.
+
+    `run_id`: this worker's elastic run id. A lock taken by rank 0 of an earlier worker group of the same
+    torchrun job is stale once a new group runs: the rendezvous admits one group at a time, and after a node
+    is lost (rank 0's among them) the new group must not wait fault.run_lock_stale_s for its heartbeat to stop.
+    """
     if age_s > stale_after_s:
         return f"no heartbeat for {age_s:.0f} s (fault.run_lock_stale_s={stale_after_s:g})"
     if holder is None:
         return None  # being written right now, or damaged: the heartbeat age decides
+    if run_id is not None and holder.get("run_id") == run_id:
+        return f"it was taken by an earlier worker group of this job (run id {run_id})"
     pid = holder.get("pid")
     if holder.get("host") == socket.gethostname() and isinstance(pid, int):
         if not _pid_alive(pid):
@@ -98,6 +111,7 @@ class RunLock:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._created_dir = False
+        self.run_id: Optional[str] = None  # set by run_lock for rank 0 under torchrun (see stale_reason)
 
     def acquire(self) -> None:
         """Take the lock, taking over a stale one; UserError naming the holder when another run has it."""
@@ -106,7 +120,7 @@ class RunLock:
             self._created_dir = True
         for _ in range(5):
             record = {"host": socket.gethostname(), "pid": os.getpid(), "start_time": time.time(),
-                      "process_start": _process_start(os.getpid()), "token": self.token}
+                      "process_start": _process_start(os.getpid()), "token": self.token, "run_id": self.run_id}
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
             except FileExistsError:
@@ -129,7 +143,7 @@ class RunLock:
             age = time.time() - self.path.stat().st_mtime
         except FileNotFoundError:
             return  # released meanwhile: try again
-        reason = stale_reason(holder, age, self.stale_after_s)
+        reason = stale_reason(holder, age, self.stale_after_s, self.run_id)
         if reason is None:
             raise UserError(f"train.output_dir {self.run_dir} is in use by another run ({describe(holder, age)}); "
                             f"wait for it to finish or pick another train.output_dir (if that run is dead, "
@@ -189,6 +203,7 @@ def run_lock(run_dir: str | Path, rank: int, heartbeat_s: float, stale_after_s: 
         yield
         return
     lock = RunLock(Path(run_dir), heartbeat_s, stale_after_s)
+    lock.run_id = elastic_run_id()
     lock.acquire()
     try:
         yield

@@ -157,10 +157,11 @@ class Trainer:
         return DistributedOptimizer(self.chunks, self.ctx, self.cfg, timers=self.timers)
 
     def _build_fault_lifecycle(self) -> RunLifecycle:
+        from megascale.training.fault.elastic import layout_record
         from megascale.training.fault.lifecycle import RunLifecycle
 
         return RunLifecycle(self.cfg, self.ctx.rank, self.ctx.world_size, self.device, self.run_dir, self.step,
-                            self.resumed_extra, self.sink.print)
+                            self.resumed_extra, self.sink.print, layout=layout_record(self.plan))
 
     def _build_checkpointing(self) -> CheckpointManager:
         from megascale.checkpoint.manager import CheckpointManager

@@ -58,7 +58,9 @@ class AttemptInfo:
         """Read the launch id (megascale launcher, else torchrun's run id) and TORCHELASTIC_RESTART_COUNT."""
         env = os.environ if environ is None else environ
         launch_id = env.get("MEGASCALE_LAUNCH_ID") or env.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
-        return AttemptInfo(launch_id, int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0), rank, world_size)
+        from megascale.training.fault.inject import restart_attempt
+
+        return AttemptInfo(launch_id, restart_attempt(env), rank, world_size)
 
 
 def _write_json(path: Path, record: dict) -> None:
@@ -74,6 +76,13 @@ def _read_json(path: Path) -> Optional[dict]:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def worker_group_id(environ: Optional[dict[str, str]] = None) -> str:
+    """The worker group this process belongs to: its rendezvous store's address, new for every group the elastic
+    agent starts (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 puts each round's store on a free port)."""
+    env = os.environ if environ is None else environ
+    return f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
 
 
 def process_start_time() -> float:
@@ -96,7 +105,8 @@ class AttemptRecorder:
         self.dir = self.run_dir / ATTEMPTS_DIR / str(info.attempt)
         self.rank_file = self.dir / f"rank_{info.rank}.json"
         self.start_record = {"launch_id": info.launch_id, "attempt": info.attempt, "rank": info.rank,
-                             "pid": os.getpid(), "host": socket.gethostname(), "start_time": process_start_time()}
+                             "pid": os.getpid(), "host": socket.gethostname(), "start_time": process_start_time(),
+                             "group": worker_group_id()}
         self._exited = False
 
     def started(self) -> None:
@@ -143,7 +153,8 @@ class AttemptRecorder:
         """Attempt A-1's records of this launch: {'ranks': {rank: record}, 'progress': record or None}."""
         prev = self.run_dir / ATTEMPTS_DIR / str(self.info.attempt - 1)
         ranks: dict[int, dict] = {}
-        for rank in range(self.info.world_size):
+        # An elastic restart may run on fewer ranks than the attempt before it: read every rank that was there.
+        for rank in range(max(self.info.world_size, _recorded_ranks(prev))):
             record = _read_json(prev / f"rank_{rank}.json")
             if record is not None and record.get("launch_id") == self.info.launch_id:
                 ranks[rank] = record
@@ -152,13 +163,24 @@ class AttemptRecorder:
             progress = None
         return {"ranks": ranks, "progress": progress}
 
-    def record_restart(self, resumed_step: int) -> Optional[dict]:
-        """Rank 0 of a restarted attempt: append the `restart` event describing what happened."""
+    def record_restart(self, resumed_step: int, extra: Optional[dict[str, Any]] = None) -> Optional[dict]:
+        """Rank 0 of a restarted attempt: append the `restart` event describing what happened (plus `extra`)."""
         if self.info.rank != 0 or self.info.attempt == 0:
             return None
-        fields = describe_restart(self.previous_attempt(), self.info.world_size, resumed_step, time.time())
+        previous = self.previous_attempt()
+        prev_dir = self.dir.parent / str(self.info.attempt - 1)
+        layout = _read_json(prev_dir / "layout.json") or {}  # an elastic restart may change the world size
+        previous_world = int(layout.get("world_size") or max(self.info.world_size, _recorded_ranks(prev_dir)))
+        fields = describe_restart(previous, previous_world, resumed_step, time.time())
+        fields.update(extra or {})
         return append_event(self.run_dir, "restart", step=resumed_step, ranks=fields.pop("failed_ranks"),
                             attempt=self.info.attempt, **fields)
+
+
+def _recorded_ranks(attempt_dir: Path) -> int:
+    """1 + the highest rank with a record in an attempt's directory (0 when it has none)."""
+    ranks = [int(p.stem.split("_", 1)[1]) for p in attempt_dir.glob("rank_*.json") if p.stem.split("_", 1)[1].isdigit()]
+    return max(ranks) + 1 if ranks else 0
 
 
 def describe_restart(previous: dict[str, Any], world_size: int, resumed_step: int, now: float) -> dict[str, Any]:

@@ -158,8 +158,8 @@ def parse_fault_spec(spec: Optional[str]) -> list[Fault]:
 def restart_attempt(environ: Optional[Mapping[str, str]] = None) -> int:
     """The elastic agent's restart count of this worker group (0 on the first attempt or without an agent)."""
     env = os.environ if environ is None else environ
-    try:
-        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    try:  # megascale's elastic launcher numbers on across the torch agents it starts, one per group size
+        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + int(env.get("MEGASCALE_ATTEMPT_BASE", "0") or 0)
     except ValueError:
         return 0
 

@@ -44,13 +44,16 @@ class RunLifecycle:
     """Per-rank fault-tolerance state of one attempt (see the module docstring for the call order)."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device, run_dir: Path,
-                 resumed_step: int, resumed_extra: Optional[dict], log: Callable[[str], None]) -> None:
+                 resumed_step: int, resumed_extra: Optional[dict], log: Callable[[str], None],
+                 layout: Optional[dict[str, Any]] = None) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.log = log  # prints on the logging rank only
         self.step = resumed_step
-        self.info = AttemptInfo.from_env(rank, world_size)
+        from megascale.training.fault.elastic import agree_attempt
+
+        self.info = agree_attempt(run_dir, AttemptInfo.from_env(rank, world_size), device)
         self.recorder = AttemptRecorder(run_dir, self.info)
         self.recorder.started()
         fault_state = (resumed_extra or {}).get("fault", {})
@@ -62,7 +65,13 @@ class RunLifecycle:
         self.preempt = PreemptionHandler(cfg.fault.preempt_signal, cfg.fault.preempt_grace_s, device, rank,
                                          on_deadline=self._deadline_passed)
         self.preempt.install()
-        event = self.recorder.record_restart(resumed_step)
+        extra = None
+        if layout is not None and rank == 0:  # the layout of each attempt: an elastic restart may change it
+            from megascale.training.fault.elastic import restart_fields, write_layout
+
+            extra = restart_fields(run_dir, self.info.attempt, layout) if self.info.attempt else None
+            write_layout(self.recorder.dir, layout)
+        event = self.recorder.record_restart(resumed_step, extra)
         if event is not None:  # rank 0 only
             print(restart_line(event), flush=True)
 
@@ -144,6 +153,12 @@ def restart_line(event: dict) -> str:
         return "?" if event.get(key) is None else f"{event[key]:.1f} s"
 
     lost = "?" if event.get("steps_lost") is None else str(event["steps_lost"])
-    return (f"megascale: restart attempt {event['attempt']} after {event['cause']}; resumed from step "
+    line = (f"megascale: restart attempt {event['attempt']} after {event['cause']}; resumed from step "
             f"{event['resumed_from']} ({lost} steps lost; detected in {seconds('detect_s')}, "
             f"recovered in {seconds('recover_s')})")
+    before, now = event.get("previous_layout"), event.get("layout")
+    if now is not None and before is not None and before != now:
+        from megascale.training.fault.elastic import describe_layout
+
+        line += f"; layout {describe_layout(before)} -> {describe_layout(now)}"
+    return line
