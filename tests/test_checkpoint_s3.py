@@ -7,13 +7,17 @@ byte ranges a rank needs, pruning, and a fresh output_dir that resumes from the 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from s3_server import SKIP_REASON, FlakyProxy, WeedServer, weed_binary
+from train_utils import ROOT, SMALL
 
 from megascale.checkpoint import CheckpointManager
 from megascale.checkpoint.simulate import SimLayout, SimModel, expected_tensor, rank_shards, reference_value
@@ -70,9 +74,9 @@ def _save_three(tmp_path: Path, url: str) -> CheckpointManager:
     return mgr
 
 
-def test_upload_commit_prune_and_resharded_resume_from_bucket(server: WeedServer, tmp_path: Path) -> None:
+def test_upload_commit_prune_resharded_and_ranged_resume_from_bucket(server: WeedServer, tmp_path: Path) -> None:
     url = "s3://ckpt/resume"
-    _save_three(tmp_path, url)
+    saver = _save_three(tmp_path, url)
     store = open_store(url)
     keys = store.listing("")
     # keep_last=2; a step still queued when a newer one commits is skipped (the newest upload wins)
@@ -87,19 +91,17 @@ def test_upload_commit_prune_and_resharded_resume_from_bucket(server: WeedServer
     assert extra == {"step": 3} and fresh.last_load_stats["tier"] == "remote"
     _assert_holds(target, seed=3)
     assert not (tmp_path / "fresh" / ".remote" / "rank_00000" / "step_00000003").exists()  # staging removed
-
-
-def test_ranged_reads_fetch_only_the_needed_pieces(server: WeedServer, tmp_path: Path) -> None:
-    url = "s3://ckpt/ranged"
-    _save_three(tmp_path, url)
-    total = sum(size for key, size in open_store(url).listing("step_00000003/").items() if key.endswith(".safetensors"))
-    fresh = _manager(tmp_path / "fresh", url)
-    one_rank = rank_shards(MODEL, SimLayout(tp=2, pp=2), 3, reference_value(0))  # one rank of four
-    fresh.load(one_rank)
+    # Ranged GETs: one rank of four fetches about a quarter of the data (plus replicated norms and headers).
+    total = sum(size for key, size in store.listing("step_00000003/").items() if key.endswith(".safetensors"))
+    one_rank = rank_shards(MODEL, SimLayout(tp=2, pp=2), 3, reference_value(0))
+    fetched = _manager(tmp_path / "fresh2", url)
+    fetched.load(one_rank)
     _assert_holds(one_rank, seed=3)
-    # about a quarter of the data (plus the replicated norms and every file's header)
     held = sum(s.tensor.numel() * s.tensor.element_size() for s in one_rank)
-    assert held <= fresh.last_load_stats["bytes_read"] < 0.4 * total, (fresh.last_load_stats["bytes_read"], total)
+    assert held <= fetched.last_load_stats["bytes_read"] < 0.4 * total, (fetched.last_load_stats, total)
+    # The local tier, where it holds the same step, is read first.
+    target = _shards(SimLayout(tp=2, pp=2), seed=0)
+    assert saver.load(target) == {"step": 3} and saver.last_load_stats["tier"] == "local"
 
 
 def test_corrupt_or_missing_object_falls_back_to_the_previous_commit(server: WeedServer, tmp_path: Path) -> None:
@@ -120,12 +122,6 @@ def test_corrupt_or_missing_object_falls_back_to_the_previous_commit(server: Wee
         _manager(tmp_path / "fresh2", url).load(_shards(SimLayout(tp=2, pp=2), seed=0))
 
 
-def test_local_tier_is_preferred_at_the_same_step(server: WeedServer, tmp_path: Path) -> None:
-    mgr = _save_three(tmp_path, "s3://ckpt/tiers")
-    target = _shards(SimLayout(tp=2, pp=2), seed=0)
-    assert mgr.load(target) == {"step": 3} and mgr.last_load_stats["tier"] == "local"
-
-
 def test_transient_500s_are_retried(server: WeedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     proxy = FlakyProxy(server.ports["s3"], failures=2)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
@@ -140,3 +136,31 @@ def test_transient_500s_are_retried(server: WeedServer, tmp_path: Path, monkeypa
         assert proxy.injected == 4
     finally:
         proxy.close()
+
+
+def _train(out: Path, server: WeedServer, *overrides: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
+            f"train.output_dir={out}", *SMALL, "train.micro_batch_size=1", "optim.warmup_steps=2",
+            "optim.decay_steps=4", *overrides]
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **server.env()))
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fresh_output_dir_resumes_from_the_bucket(server: WeedServer, tmp_path: Path) -> None:
+    url = "s3://ckpt/e2e"
+    full = _train(tmp_path / "full", server, "train.steps=6", "checkpoint.interval=3", f"checkpoint.dir={url}",
+                  "checkpoint.keep_last=0")
+    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
+    store = open_store(url)
+    assert {"step_00000003/COMMITTED", "step_00000006/COMMITTED"} <= set(store.listing(""))
+    store.delete_prefix("step_00000006/")  # as if the last upload never committed
+    # Another machine: an empty output_dir, the same bucket.
+    resumed = _train(tmp_path / "other", server, "train.steps=6", f"checkpoint.dir={url}")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from step 3 (24 samples consumed) from the remote tier: {url}/step_00000003" in resumed.stdout
+    assert _losses(tmp_path / "other") == _losses(tmp_path / "full")[3:]  # same layout: bit-exact
+    assert "step_00000006/COMMITTED" in store.listing("")  # and its own final checkpoint went up
