@@ -164,3 +164,18 @@ def test_fresh_output_dir_resumes_from_the_bucket(server: WeedServer, tmp_path: 
     assert f"resumed from step 3 (24 samples consumed) from the remote tier: {url}/step_00000003" in resumed.stdout
     assert _losses(tmp_path / "other") == _losses(tmp_path / "full")[3:]  # same layout: bit-exact
     assert "step_00000006/COMMITTED" in store.listing("")  # and its own final checkpoint went up
+
+
+def test_convert_merges_a_checkpoint_from_the_bucket(server: WeedServer, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from megascale.checkpoint.convert import main as convert
+
+    url = "s3://ckpt/convert"
+    _save_three(tmp_path, url)
+    assert convert(["--merge", url, str(tmp_path / "merged.safetensors")]) == 0
+    merged = load_file(str(tmp_path / "merged.safetensors"))
+    value = reference_value(3)
+    for name, tensor in merged.items():
+        assert torch.equal(tensor, value(name, tuple(tensor.shape), (0,) * tensor.dim(), tuple(tensor.shape))), name
+    assert convert(["--merge", f"{url}/step_00000003", str(tmp_path / "three.safetensors")]) == 0

@@ -22,6 +22,17 @@ def open_store(url: str) -> RemoteStore:
     return S3Store.from_url(url)
 
 
+def fetch_checkpoint(url: str, into: Path) -> Path:
+    """Download the checkpoint at ``s3://bucket/prefix[/step_N]`` (default: the newest committed) into `into`."""
+    from megascale.checkpoint.format import parse_step
+    from megascale.checkpoint.storage.tier import download_checkpoint
+
+    base, _, last = url.rstrip("/").rpartition("/")
+    if parse_step(Path(last)) is not None and base != "s3:/":
+        return download_checkpoint(open_store(base), into, last)
+    return download_checkpoint(open_store(url.rstrip("/")), into)
+
+
 def checkpoint_roots(checkpoint_dir: Optional[str], output_dir: str) -> tuple[Path, Optional[str]]:
     """(local checkpoint root, remote URL or None) of a run's `checkpoint.dir` and `train.output_dir`."""
     default = Path(output_dir) / "checkpoints"
@@ -32,4 +43,4 @@ def checkpoint_roots(checkpoint_dir: Optional[str], output_dir: str) -> tuple[Pa
     return Path(checkpoint_dir), None
 
 
-__all__ = ["RemoteStore", "checkpoint_roots", "is_remote_url", "open_store"]
+__all__ = ["RemoteStore", "checkpoint_roots", "fetch_checkpoint", "is_remote_url", "open_store"]

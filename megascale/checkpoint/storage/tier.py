@@ -137,7 +137,8 @@ class RemoteTier:
         return sorted((n for n in names if parse_step(Path(n)) is not None), key=lambda n: parse_step(Path(n)) or 0,
                       reverse=True)
 
-    def stage(self, name: str, staging_root: Path, shards: list[TensorShard], own_extra: str) -> tuple[Path, int]:
+    def stage(self, name: str, staging_root: Path, shards: list[TensorShard], own_extra: str,
+              everything: bool = False) -> tuple[Path, int]:
         """Stage remote step `name` under staging_root with only the bytes `shards` need.
 
         Returns the local dir and the data-file bytes fetched (the JSON files are read whole besides).
@@ -170,6 +171,8 @@ class RemoteTier:
                     wanted.setdefault(piece["file"], []).append((int(begin), int(end)))
         for file in meta.get("files", {}):
             remote_size = listing.get(f"{name}/{file}")
+            if everything and remote_size is not None:
+                wanted[file] = [(0, remote_size)]
             if remote_size is None:
                 raise CheckpointError(f"checkpoint object {self.store.uri(f'{name}/{file}')} is missing")
             with open(local / file, "wb") as out:
@@ -187,3 +190,19 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((begin, end))
     return out
+
+
+def download_checkpoint(store: RemoteStore, into: Path, name: Optional[str] = None) -> Path:
+    """Fetch a whole remote checkpoint (`name`, else the newest committed) into `into`; returns its step dir."""
+    tier = RemoteTier(store, keep_last=0)
+    if name is None:
+        committed = tier.committed()
+        if not committed:
+            raise CheckpointError(f"no committed checkpoint under {store.url}")
+        name = committed[0]
+    extras = [key.split("/", 1)[1] for key in store.listing(f"{name}/extra/")]
+    step_dir, _ = tier.stage(name, into, [], EXTRA_FILE, everything=True)
+    for extra in extras:
+        (step_dir / extra).parent.mkdir(parents=True, exist_ok=True)
+        (step_dir / extra).write_bytes(store.read(f"{name}/{extra}"))
+    return step_dir
