@@ -179,3 +179,11 @@ def test_convert_merges_a_checkpoint_from_the_bucket(server: WeedServer, tmp_pat
     for name, tensor in merged.items():
         assert torch.equal(tensor, value(name, tuple(tensor.shape), (0,) * tensor.dim(), tuple(tensor.shape))), name
     assert convert(["--merge", f"{url}/step_00000003", str(tmp_path / "three.safetensors")]) == 0
+
+
+def test_s3_url_without_boto3_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megascale.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
+    with pytest.raises(UserError, match=r"boto3 is not installed; `pip install 'megascale\[s3\]'`"):
+        open_store("s3://ckpt/x")
