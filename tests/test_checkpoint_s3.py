@@ -108,16 +108,19 @@ def test_corrupt_or_missing_object_falls_back_to_the_previous_commit(server: Wee
     url = "s3://ckpt/corrupt"
     _save_three(tmp_path, url)
     store = open_store(url)
-    key = next(k for k in store.listing("step_00000003/") if k.endswith(".safetensors"))
+    newest, previous = sorted({k.split("/")[0] for k in store.listing("") if k.endswith("/COMMITTED")},
+                              reverse=True)  # step 3 and step 2, or step 1 when step 2's upload was skipped
+    key = next(k for k in store.listing(f"{newest}/") if k.endswith(".safetensors"))
     blob = bytearray(store.read(key))
     blob[-3] ^= 0xFF  # one flipped byte inside a piece
     store.write(key, bytes(blob))
     fresh = _manager(tmp_path / "fresh", url)
     target = _shards(SimLayout(tp=2, pp=2), seed=0)
-    assert fresh.load(target) == {"step": 2}
+    step = int(previous.split("_")[1])
+    assert fresh.load(target) == {"step": step}
     assert "checksum mismatch" in fresh.last_load_stats["skipped"][0][1]
-    _assert_holds(target, seed=2)
-    store.delete_prefix("step_00000002/metadata.json")  # now step 2 lacks its index: nothing loads
+    _assert_holds(target, seed=step)
+    store.delete_prefix(f"{previous}/metadata.json")  # now the older step lacks its index: nothing loads
     with pytest.raises(Exception, match=r"metadata\.json is missing"):
         _manager(tmp_path / "fresh2", url).load(_shards(SimLayout(tp=2, pp=2), seed=0))
 
