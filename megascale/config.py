@@ -211,6 +211,10 @@ class CheckpointConfig:
     save_final: bool = _f(True, "save a checkpoint after the last step")
     async_save: bool = _f(True, "snapshot to host memory, then write in the background", alias="async")
     keep_last: int = _f(3, "complete checkpoints to keep; 0 = keep all")
+    dir: Optional[str] = _f(None, "where checkpoints are kept: a local or NAS path, or s3://bucket/prefix (saved to "
+                                  "<output_dir>/checkpoints first, then uploaded in the background; endpoint and "
+                                  "credentials from the AWS_* variables or ~/.aws, never this file); "
+                                  "null = <output_dir>/checkpoints")
     load: Optional[str] = _f(None, "checkpoint directory to start from; null = resume from output_dir if present")
     resume: bool = _f(True, "resume automatically from the latest checkpoint in output_dir")
     broadcast_load: bool = _f(False, "one data-parallel replica reads, then broadcasts to the others")

@@ -268,7 +268,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ranks", type=int, default=4, help="gloo processes (tp2 x dp2 needs 4)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="measurements of each kind, alternating which system goes first (medians are shown)")
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory); an "
+                        "s3://bucket/prefix URL benchmarks the tiered save and remote loads against that store")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.ranks != SAVED.world:
@@ -279,6 +280,18 @@ def main(argv: list[str]) -> int:
         from megascale.errors import UserError
 
         raise UserError("--rounds must be at least 1")
+    if args.dir is not None and args.dir.startswith("s3://"):
+        from megascale.bench.checkpoint_s3 import print_table, run
+
+        scratch = Path(tempfile.mkdtemp(prefix="megascale-bench-ckpt-"))
+        try:
+            res = run(args.dir, args.ranks, args.total_gb, args.rounds, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        print_table(res, args.dir)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        return 0
     if args.dir is not None and not Path(args.dir).is_dir():
         from megascale.errors import UserError
 

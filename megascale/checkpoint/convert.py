@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +39,7 @@ from megascale.checkpoint.hf_tokenizer_files import (
 )
 from megascale.checkpoint.manager import CheckpointManager, resolve_checkpoint
 from megascale.checkpoint.reader import load_metadata, load_shards
+from megascale.checkpoint.storage import fetch_checkpoint, is_remote_url
 from megascale.checkpoint.validate import check_coverage
 from megascale.config import Config, config_from_dict, load_config
 from megascale.distributed.sharding import TensorShard
@@ -163,7 +165,8 @@ def main(argv: list[str]) -> int:
     mode.add_argument("--to-hf", action="store_true", help="megascale checkpoint -> HuggingFace model directory")
     mode.add_argument("--from-hf", action="store_true", help="HuggingFace model directory -> megascale checkpoint")
     mode.add_argument("--merge", action="store_true", help="megascale checkpoint -> one unsharded safetensors file")
-    parser.add_argument("src", help="source: checkpoint (step dir, checkpoints root or run dir) or HF directory")
+    parser.add_argument("src", help="source: checkpoint (step dir, checkpoints root, run dir, or "
+                        "s3://bucket/prefix[/step_N]) or HF directory")
     parser.add_argument("dst", help="destination directory or file")
     parser.add_argument("--arch", default="auto", choices=("auto", "llama", "gpt2"), help="--to-hf: target family")
     parser.add_argument("--config", default=None, help="--to-hf: config YAML, when the checkpoint stores none")
@@ -174,6 +177,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, default=0, help="--from-hf: step number of the written checkpoint")
     parser.add_argument("--include-optim", action="store_true", help="--merge: include optimizer state")
     args = parser.parse_args(argv)
+    if is_remote_url(args.src) and not args.from_hf:  # the whole checkpoint is read anyway: fetch it first
+        with tempfile.TemporaryDirectory(prefix="megascale-convert-") as tmp:
+            args.src = str(fetch_checkpoint(args.src, Path(tmp)))
+            return _convert(args)
+    return _convert(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists():
         raise UserError(f"{src} does not exist")

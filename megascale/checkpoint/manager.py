@@ -55,6 +55,8 @@ from megascale.checkpoint.format import (
 )
 from megascale.checkpoint.planner import SavePlanner, json_all_gather, json_broadcast, json_gather
 from megascale.checkpoint.reader import load_metadata, load_shards
+from megascale.checkpoint.storage import is_remote_url, open_store
+from megascale.checkpoint.storage.tier import STAGING_DIR, RemoteTier
 from megascale.checkpoint.validate import (
     check_counters,
     corrupt,
@@ -128,8 +130,10 @@ class CheckpointManager:
     checkpoints are marked verified, and pruning never removes the newest verified one.
     """
 
-    def __init__(self, root: Path, ctx: ParallelContext, cfg: Config) -> None:
+    def __init__(self, root: Path, ctx: ParallelContext, cfg: Config, remote_url: Optional[str] = None) -> None:
         self.root = Path(root)
+        # The remote tier (checkpoint.dir = s3://...): committed local steps are uploaded in the background.
+        self.remote = RemoteTier(open_store(remote_url), cfg.checkpoint.keep_last) if remote_url else None
         self.ctx = ctx
         self.cfg = cfg
         self.rank = ctx.rank
@@ -357,6 +361,8 @@ class CheckpointManager:
             os.replace(partial, final)
             fsync_dir(self.root)
             atomic_write_text(self.root / LATEST_FILE, final.name + "\n")
+            if self.remote is not None:
+                self.remote.submit(final)  # uploaded in the background; training never waits for it
             if self.cfg.checkpoint.async_save:
                 self._prune(step)  # already off the training thread: done before every rank hears "committed"
             else:
@@ -389,7 +395,8 @@ class CheckpointManager:
         doomed = complete[keep:] if keep > 0 else []
         # Never prune the newest checkpoint whose state was verified (finite) before its commit.
         verified = next((p for p in complete if _verified(p)), None)
-        doomed = [p for p in doomed if p != verified and p.name not in self.protected]
+        uploading = self.remote.busy() if self.remote is not None else set()
+        doomed = [p for p in doomed if p != verified and p.name not in self.protected | uploading]
         for path in self.root.iterdir():
             # partial dirs of older steps are leftovers of crashed saves
             if path.name.startswith(".step_") and path.name.endswith(".partial"):
@@ -423,7 +430,7 @@ class CheckpointManager:
             scan = [[str(resolve_checkpoint(Path(path)))], []]
         elif self.rank == 0:
             complete, unusable = scan_checkpoints(self.root)
-            scan = [[str(p) for p in complete], [[p.name, reason] for p, reason in unusable.items()]]
+            scan = [self._with_remote([str(p) for p in complete]), [[p.name, reason] for p, reason in unusable.items()]]
         # Rank 0 decides the candidates so every rank tries the same ones in the same order.
         candidates, unusable_list = json_broadcast(scan, self._group, self.world, self.rank)
         skipped: list[tuple[str, str]] = [(name, reason) for name, reason in unusable_list]
@@ -432,14 +439,15 @@ class CheckpointManager:
                 log.warning("checkpoint %s skipped: %s", self.root / name, reason)
         mask = self._broadcast_mask(shards) if self._use_broadcast() and candidates else None
         for cand in candidates:
-            step_dir = Path(cand)
+            step_dir = Path(cand) if not is_remote_url(cand) else Path(cand.rsplit("/", 1)[1])
             start = time.perf_counter()
-            extra, bytes_read, bad = self._try_read(step_dir, shards, mask, optional)
+            extra, bytes_read, bad = self._try_read(cand if is_remote_url(cand) else step_dir, shards, mask, optional)
             if not bad:
                 if mask is not None:
                     self._broadcast_replicas(shards, mask)
                 self.protected |= {name for name, _ in skipped}
-                self.last_load_stats = {"path": str(step_dir), "load_s": time.perf_counter() - start,
+                self.last_load_stats = {"path": str(cand), "load_s": time.perf_counter() - start,
+                                        "tier": "remote" if is_remote_url(cand) else "local",
                                         "bytes_read": bytes_read, "fallbacks": [r for _, r in skipped],
                                         "skipped": skipped, "names": self._stored_names,
                                         "own_extra": self._own_extra, "layout": self._stored_layout,
@@ -457,14 +465,17 @@ class CheckpointManager:
         self._nothing_loaded(skipped)
         return None
 
-    def _try_read(self, step_dir: Path, shards: list[TensorShard], mask: Optional[list[bool]],
+    def _try_read(self, step_dir: Path | str, shards: list[TensorShard], mask: Optional[list[bool]],
                   optional: Optional[Callable[[str], bool]]) -> tuple[Optional[dict], int, list[list]]:
         """Read one candidate on every rank: (extra state, bytes read, [[kind, message] of each failed rank])."""
         status: Optional[list] = None
         extra: Optional[dict] = None
         bytes_read = 0
         try:
-            extra, bytes_read = self._read(step_dir, shards, mask, optional)
+            if isinstance(step_dir, str):  # a remote step: stage the byte ranges this rank needs, then read
+                extra, bytes_read = self._read_remote(step_dir, shards, mask, optional)
+            else:
+                extra, bytes_read = self._read(step_dir, shards, mask, optional)
         except CheckpointMismatch as err:
             status = ["layout", str(err)]
         except CheckpointError as err:
@@ -475,6 +486,33 @@ class CheckpointManager:
             status = ["corrupt", f"rank {self.rank}: reading {step_dir}: {err}"]
         statuses = json_all_gather(status, self._group, self.world)
         return extra, bytes_read, [s for s in statuses if s is not None]
+
+    def _with_remote(self, local: list[str]) -> list[str]:
+        """Local candidates merged with the remote tier's committed steps: newest step first, local first at a tie
+        (faster, and the remote copy of the same step stays as its fallback)."""
+        if self.remote is None:
+            return local
+        remote = [self.remote.store.uri(name) for name in self.remote.committed()]
+        tier = {c: i for i, c in enumerate(local)}
+        return sorted(local + remote, key=lambda c: (-(parse_step(Path(c.rsplit("/", 1)[-1])) or 0),
+                                                     tier.get(c, len(local))))
+
+    def _read_remote(self, url: str, shards: list[TensorShard], mask: Optional[list[bool]],
+                     optional: Optional[Callable[[str], bool]]) -> tuple[dict, int]:
+        """Stage a remote step's needed byte ranges into this rank's sparse local copy, read it, remove it."""
+        assert self.remote is not None
+        staging = self.root / STAGING_DIR / f"rank_{self.rank:05d}"
+        name = url.rsplit("/", 1)[1]
+        try:
+            step_dir, fetched = self.remote.stage(name, staging, shards, f"extra/rank_{self.rank:05d}.json")
+            extra, _ = self._read(step_dir, shards, mask, optional)
+            return extra, fetched
+        finally:
+            shutil.rmtree(staging / name, ignore_errors=True)
+
+    def wait_uploads(self) -> Optional[str]:
+        """Block until the remote tier has uploaded every committed step; the last upload's error, or None."""
+        return self.remote.wait() if self.remote is not None else None
 
     def _nothing_loaded(self, skipped: list[tuple[str, str]]) -> None:
         """No checkpoint loaded: fine when there were none; else refuse, or start fresh when allowed."""

@@ -54,7 +54,9 @@ def stored_checkpoint(cfg: Config) -> Optional[Path]:
         return resolve_checkpoint(Path(c.load))
     if not c.resume:
         return None
-    found = complete_checkpoints(Path(cfg.train.output_dir) / "checkpoints")
+    from megascale.checkpoint.storage import checkpoint_roots
+
+    found = complete_checkpoints(checkpoint_roots(c.dir, cfg.train.output_dir)[0])
     return found[0] if found else None
 
 

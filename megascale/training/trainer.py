@@ -165,8 +165,10 @@ class Trainer:
 
     def _build_checkpointing(self) -> CheckpointManager:
         from megascale.checkpoint.manager import CheckpointManager
+        from megascale.checkpoint.storage import checkpoint_roots
 
-        manager = CheckpointManager(self.run_dir / "checkpoints", self.ctx, self.cfg)
+        local, remote = checkpoint_roots(self.cfg.checkpoint.dir, str(self.run_dir))
+        manager = CheckpointManager(local, self.ctx, self.cfg, remote_url=remote)
         if self.faults.active:
             manager.fault_hook = self.faults.checkpoint_hook(lambda: manager.last_save_stats.get("step", 0))
         return manager
@@ -212,7 +214,10 @@ class Trainer:
             if weights_only:
                 self.sink.print(f"loaded model weights from {path or self.ckpt.latest()}; optimizer starts fresh")
             else:
-                self.sink.print(f"resumed from step {self.step} ({self.consumed_samples} samples consumed)")
+                where = self.ckpt.last_load_stats.get("path")
+                tier = self.ckpt.last_load_stats.get("tier", "local")
+                self.sink.print(f"resumed from step {self.step} ({self.consumed_samples} samples consumed) "
+                                f"from the {tier} tier: {where}")
 
     def _note_skipped(self, name: str, reason: str) -> None:
         """A checkpoint passed over on resume: one log line and a `checkpoint_skipped` event (rank 0)."""
@@ -315,6 +320,7 @@ class Trainer:
                 break
         self.progress.enter("checkpoint_save")
         self.ckpt.wait()
+        self._wait_uploads()
         self.progress.enter("done")
         self._report_checkpoint()
         self.timer_log.add(self.timers.flush())
@@ -337,6 +343,17 @@ class Trainer:
                             f"total {stats['total_s']:.2f} s, {stats.get('bytes', 0) / 2**20:.1f} MiB")
         if not stats.get("ok") and numerics.NONFINITE_TAG not in (stats.get("error") or ""):
             self._save_failed(stats)
+
+    def _wait_uploads(self) -> None:
+        """The remote tier must hold the final checkpoint before the run reports success."""
+        error = self.ckpt.wait_uploads()
+        if error is None or self.ckpt.remote is None:
+            return
+        from megascale.checkpoint.format import CheckpointSaveFailed
+
+        raise CheckpointSaveFailed(f"{error}; the checkpoints stay in the local tier {self.ckpt.root}: fix the store, "
+                                   "then run again (it resumes from the newest checkpoint in either tier and "
+                                   "uploads the next one)")
 
     def _save_failed(self, stats: dict) -> None:
         """A failed save (disk full, failing file system): the final one, or any with on_save_failure=stop, ends

@@ -1,0 +1,177 @@
+"""`megascale bench checkpoint --dir s3://bucket/prefix`: the tiered save and the remote load.
+
+The same synthetic state and layout as the local benchmark (tp2 x dp2 ZeRO-1 on 4 gloo ranks).
+Each round, alternating which goes first:
+  - megascale's tiered async save: training blocked (save call + the wait for the snapshot
+    before the update, with the stand-in compute between), the local-tier commit, then the
+    background upload to the bucket (its time until the remote commit);
+  - DCP's async save, to the same bucket when DCP can write there (its fsspec writer needs
+    the `s3fs` package), else to local disk, which the output says;
+  - a load from the bucket into an empty local tier, same layout and resharded (tp1 x dp4),
+    which fetches only each rank's byte ranges.
+Medians of --rounds; the JSON keeps every run. Credentials and endpoint: the AWS_* variables.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from megascale.bench.checkpoint import (
+    RESHARDED,
+    SAVED,
+    _calibrate_step,
+    _check,
+    _constant_value,
+    _max,
+    _median,
+    _sim_model,
+    _train_step,
+)
+from megascale.checkpoint.simulate import rank_shards
+from megascale.config import Config
+
+
+def dcp_target_note() -> str:
+    """Where DCP writes in this benchmark, and why."""
+    if importlib.util.find_spec("s3fs") is None:
+        return ("DCP cannot write to s3:// here (its fsspec writer needs the s3fs package, not installed): "
+                "DCP is measured saving to local disk")
+    return "DCP is measured saving to local disk (its s3fs path is not benchmarked)"
+
+
+def worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, out: str, url: str) -> None:
+    """One benchmark rank (spawned); rank 0 writes the medians to `out`."""
+    from torch.distributed import checkpoint as dcp
+
+    from megascale.checkpoint.manager import CheckpointManager
+    from megascale.distributed.topology import build_context
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=1800))
+    work = Path(workdir)
+    model = _sim_model(total_gb)
+    shards = rank_shards(model, SAVED, rank, _constant_value)
+    target = rank_shards(model, RESHARDED, rank, lambda name, shape, offsets, lengths: torch.zeros(lengths))
+    ctx = build_context(tp=2, dp=2)
+    cfg = Config()
+    cfg.checkpoint.keep_last = 1
+    cfg.checkpoint.async_save = True
+    mgr = CheckpointManager(work / "local", ctx, cfg, remote_url=url)
+    state = {f"{s.name}|{s.offsets}|{s.local_shape}|{s.flat_range}": s.tensor for s in shards}
+    runs: dict[str, list[float]] = {}
+
+    def record(key: str, value: float) -> None:
+        runs.setdefault(key, []).append(_max(value))
+
+    mgr.prepare(shards)
+    mgr.wait()
+    step_work = _calibrate_step()
+    step_alone = _max(_train_step(step_work))
+    step = 0
+
+    def ours() -> None:
+        nonlocal step
+        step += 1
+        dist.barrier()
+        begin = time.perf_counter()
+        mgr.save(step, shards, {"step": step})
+        call = time.perf_counter() - begin
+        _train_step(step_work)
+        wait_start = time.perf_counter()
+        mgr.before_update()
+        blocked = call + time.perf_counter() - wait_start
+        mgr.wait()
+        local = time.perf_counter() - begin
+        error = mgr.wait_uploads()
+        total = time.perf_counter() - begin
+        if not mgr.last_save_stats["ok"] or error:
+            raise RuntimeError(mgr.last_save_stats["error"] or error)
+        record("tiered_blocking_s", blocked)
+        record("tiered_local_commit_s", local)
+        record("tiered_upload_s", total - local)
+        record("tiered_total_s", total)
+
+    def theirs() -> None:
+        dist.barrier()
+        shutil.rmtree(work / "dcp", ignore_errors=True) if rank == 0 else None
+        dist.barrier()
+        begin = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(work / "dcp"))
+        call = time.perf_counter() - begin
+        _train_step(step_work)
+        cast(Future, future).result()
+        record("dcp_async_blocking_s", call)
+        record("dcp_async_total_s", time.perf_counter() - begin)
+
+    def remote_loads() -> None:
+        fresh = CheckpointManager(work / f"fresh_{rank}", ctx, cfg, remote_url=url)
+        for shard in shards:
+            shard.tensor.zero_()
+        begin = time.perf_counter()
+        fresh.load(shards)
+        record("remote_load_s", time.perf_counter() - begin)
+        _check(shards)
+        for shard in target:
+            shard.tensor.zero_()
+        begin = time.perf_counter()
+        fresh.load(target)
+        record("remote_reshard_load_s", time.perf_counter() - begin)
+        _check(target)
+        record("remote_bytes_fetched_mb", fresh.last_load_stats["bytes_read"] / 1e6)
+
+    for turn in range(rounds):
+        for run in ((ours, theirs) if turn % 2 == 0 else (theirs, ours)):
+            run()
+        remote_loads()
+    res: dict = {key: _median(values) for key, values in runs.items()}
+    res.update(runs=runs, rounds=rounds, step_alone_s=step_alone, checkpoint_gb=mgr.last_save_stats["bytes"] / 1e9)
+    if rank == 0:
+        assert mgr.remote is not None
+        mgr.remote.store.delete_prefix("")
+        Path(out).write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(url: str, ranks: int, total_gb: float, rounds: int, workdir: Path) -> dict:
+    """Spawn the ranks against a fresh prefix under `url`; returns rank 0's results."""
+    import torch.multiprocessing as mp
+
+    from megascale.checkpoint.storage import open_store
+
+    bench_url = f"{url.rstrip('/')}/megascale-bench-{uuid.uuid4().hex[:8]}"
+    open_store(bench_url).listing("")  # fails early, with one line, on a missing bucket or credentials
+    out = workdir / "results.json"
+    mp.spawn(worker, args=(ranks, total_gb, rounds, str(workdir), str(out), bench_url), nprocs=ranks, join=True)
+    return dict(json.loads(out.read_text()))
+
+
+def print_table(res: dict, url: str) -> None:
+    """The medians, megascale beside DCP."""
+    print(f"checkpoint benchmark against {url}: tp2 x dp2 ZeRO-1, {res['checkpoint_gb']:.2f} GB unique state; "
+          f"{dcp_target_note()}")
+    nan = float("nan")
+    rows = [("async save: training blocked", res["tiered_blocking_s"], res["dcp_async_blocking_s"]),
+            ("async save: local commit / DCP total", res["tiered_local_commit_s"], res["dcp_async_total_s"]),
+            ("background upload to the bucket", res["tiered_upload_s"], nan),
+            ("save to remote commit, total", res["tiered_total_s"], nan),
+            ("load from the bucket, same layout", res["remote_load_s"], nan),
+            ("load from the bucket, tp2dp2 -> tp1dp4", res["remote_reshard_load_s"], nan)]
+    print(f"{'median of ' + str(res['rounds']) + ' rounds':40} {'megascale s':>12} {'DCP s':>10}")
+    for label, ours, theirs in rows:
+        print(f"{label:40} {ours:12.3f} {theirs:10.3f}")
+    print(f"(a training step alone: {res['step_alone_s']:.3f} s; resharded load fetched "
+          f"{res['remote_bytes_fetched_mb']:.1f} MB on the busiest rank)")

@@ -1,0 +1,208 @@
+"""The remote tier: committed local checkpoints uploaded in the background, remote ones staged for loading.
+
+Upload of one step, in an order that keeps the remote commit atomic: the data files (multipart,
+parallel, streamed from the local tier so memory stays bounded), the extra state, metadata.json;
+then every object's stored size is checked against the local file; only then the COMMITTED
+marker, and last `latest`. A crash or a store failure before the marker leaves an uncommitted
+prefix that is never loaded and is deleted by the next successful upload; older committed
+steps are untouched until pruning, which runs only after a newer commit.
+
+Loading a remote step stages it into a sparse local file per data file holding only the byte
+ranges this rank needs (each safetensors header and the pieces that overlap its shards),
+fetched with parallel ranged GETs; the local reader then checks them exactly as it checks a
+local checkpoint, so a missing or corrupt object falls back to the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from megascale.checkpoint.format import (
+    COMMIT_MARKER,
+    EXTRA_FILE,
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    parse_step,
+)
+from megascale.checkpoint.storage.base import RemoteStore
+from megascale.distributed.sharding import TensorShard
+
+log = logging.getLogger("megascale.checkpoint")
+STAGING_DIR = ".remote"
+
+
+def _overlaps(piece: dict, shard: TensorShard) -> bool:
+    """Whether a stored piece's box meets the shard's box (flat ranges ignored: a superset is fetched)."""
+    return all(p < s + n and s < p + m for p, m, s, n in
+               zip(piece["offsets"], piece["lengths"], shard.offsets, shard.local_shape))
+
+
+class RemoteTier:
+    """Uploads committed local step dirs to `store` (one at a time, newest wins) and stages remote ones."""
+
+    def __init__(self, store: RemoteStore, keep_last: int) -> None:
+        self.store = store
+        self.keep_last = keep_last
+        self.last_error: Optional[str] = None
+        self.uploaded: list[dict] = []
+        self._lock = threading.Lock()
+        self._pending: Optional[Path] = None
+        self._busy: set[str] = set()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------------------------- upload
+    def submit(self, step_dir: Path) -> None:
+        """Queue a committed local step dir for upload; an older one still queued is dropped (newest wins)."""
+        with self._lock:
+            self._pending = step_dir
+            self._busy.add(step_dir.name)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="checkpoint-upload", daemon=True)
+                self._thread.start()
+
+    def busy(self) -> set[str]:
+        """Step dir names queued or uploading (the local tier must not prune them yet)."""
+        with self._lock:
+            return set(self._busy)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                step_dir, self._pending = self._pending, None
+                if step_dir is None:
+                    self._busy.clear()
+                    return
+                self._busy = {step_dir.name}
+            start = time.perf_counter()
+            try:
+                size = self.upload(step_dir)
+            except Exception as err:  # noqa: BLE001 - an upload failure keeps the remote on its last commit
+                self.last_error = f"upload of {step_dir.name} to {self.store.url} failed: {type(err).__name__}: {err}"
+                log.error("checkpoint %s NOT uploaded (the remote tier stays on its last commit; the local tier has "
+                          "it): %s", step_dir.name, err)
+            else:
+                self.last_error = None
+                self.uploaded.append({"step": parse_step(step_dir), "bytes": size,
+                                      "upload_s": time.perf_counter() - start})
+
+    def wait(self) -> Optional[str]:
+        """Block until every queued upload has finished; returns the last upload's error, or None."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        return self.last_error
+
+    def upload(self, step_dir: Path) -> int:
+        """Upload one committed step dir and commit it remotely (see the module docstring); returns its bytes."""
+        name = step_dir.name
+        files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != COMMIT_MARKER)
+        data = [p for p in files if p.suffix == ".safetensors"]
+        rest = [p for p in files if p.suffix != ".safetensors" and p.name != METADATA_FILE]
+        self.store.delete_prefix(f"{name}/")  # a half-uploaded attempt of the same step
+        for path in data + rest + [step_dir / METADATA_FILE]:
+            self.store.upload(path, f"{name}/{path.relative_to(step_dir).as_posix()}")
+        stored = self.store.listing(f"{name}/")
+        for path in files:
+            key = f"{name}/{path.relative_to(step_dir).as_posix()}"
+            if stored.get(key) != path.stat().st_size:
+                raise CheckpointError(f"{self.store.uri(key)} holds {stored.get(key)} bytes after upload, "
+                                      f"not {path.stat().st_size}")
+        self.store.write(f"{name}/{COMMIT_MARKER}", (step_dir / COMMIT_MARKER).read_bytes())
+        self.store.write(LATEST_FILE, (name + "\n").encode())
+        self.prune(parse_step(step_dir) or 0)
+        return sum(p.stat().st_size for p in files)
+
+    def prune(self, step: int) -> None:
+        """Keep the newest `keep_last` committed remote steps; drop uncommitted leftovers older than `step`."""
+        committed = self.committed()
+        doomed = committed[self.keep_last:] if self.keep_last > 0 else []
+        listing = self.store.listing("step_")
+        names = {key.split("/", 1)[0] for key in listing}
+        doomed += [n for n in names if n not in committed and (parse_step(Path(n)) or 0) < step]
+        for name in doomed:
+            self.store.delete_prefix(f"{name}/")
+
+    # --------------------------------------------------------------------------------------- load
+    def committed(self) -> list[str]:
+        """Remote step dir names carrying a commit marker, newest first."""
+        keys = self.store.listing("step_")
+        names = [key.split("/", 1)[0] for key in keys if key.endswith(f"/{COMMIT_MARKER}")]
+        return sorted((n for n in names if parse_step(Path(n)) is not None), key=lambda n: parse_step(Path(n)) or 0,
+                      reverse=True)
+
+    def stage(self, name: str, staging_root: Path, shards: list[TensorShard], own_extra: str,
+              everything: bool = False) -> tuple[Path, int]:
+        """Stage remote step `name` under staging_root with only the bytes `shards` need.
+
+        Returns the local dir and the data-file bytes fetched (the JSON files are read whole besides).
+        """
+        local = staging_root / name
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True)
+        fetched = 0
+        for small in (COMMIT_MARKER, METADATA_FILE):
+            blob = self.store.read(f"{name}/{small}")
+            (local / small).write_bytes(blob)
+        meta = json.loads((local / METADATA_FILE).read_bytes())
+        listing = self.store.listing(f"{name}/")
+        for extra in {EXTRA_FILE, own_extra}:
+            if f"{name}/{extra}" in listing:
+                (local / extra).parent.mkdir(parents=True, exist_ok=True)
+                blob = self.store.read(f"{name}/{extra}")
+                (local / extra).write_bytes(blob)
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        headers = meta.get("headers", {})
+        for file in meta.get("files", {}):
+            wanted[file] = [(0, int(headers.get(file, {}).get("length", 8)))]
+        by_name: dict[str, list[TensorShard]] = {}
+        for shard in shards:  # one process may hold several boxes of a tensor
+            by_name.setdefault(shard.name, []).append(shard)
+        for tname, entry in meta.get("tensors", {}).items():
+            for piece in entry["pieces"]:
+                if any(_overlaps(piece, shard) for shard in by_name.get(tname, [])):
+                    begin, end = piece["byte_range"]
+                    wanted.setdefault(piece["file"], []).append((int(begin), int(end)))
+        for file in meta.get("files", {}):
+            remote_size = listing.get(f"{name}/{file}")
+            if everything and remote_size is not None:
+                wanted[file] = [(0, remote_size)]
+            if remote_size is None:
+                raise CheckpointError(f"checkpoint object {self.store.uri(f'{name}/{file}')} is missing")
+            with open(local / file, "wb") as out:
+                out.truncate(remote_size)  # sparse: only the fetched ranges take space
+            fetched += self.store.read_ranges(f"{name}/{file}", _merge(wanted.get(file, [])), local / file)
+        return local, fetched
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ranges with overlapping or touching ones joined (fewer, larger GETs)."""
+    out: list[tuple[int, int]] = []
+    for begin, end in sorted(ranges):
+        if out and begin <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((begin, end))
+    return out
+
+
+def download_checkpoint(store: RemoteStore, into: Path, name: Optional[str] = None) -> Path:
+    """Fetch a whole remote checkpoint (`name`, else the newest committed) into `into`; returns its step dir."""
+    tier = RemoteTier(store, keep_last=0)
+    if name is None:
+        committed = tier.committed()
+        if not committed:
+            raise CheckpointError(f"no committed checkpoint under {store.url}")
+        name = committed[0]
+    extras = [key.split("/", 1)[1] for key in store.listing(f"{name}/extra/")]
+    step_dir, _ = tier.stage(name, into, [], EXTRA_FILE, everything=True)
+    for extra in extras:
+        (step_dir / extra).parent.mkdir(parents=True, exist_ok=True)
+        (step_dir / extra).write_bytes(store.read(f"{name}/{extra}"))
+    return step_dir
