@@ -89,6 +89,8 @@ class ModelConfig:
     lfa: bool = _f(False, "Yuan 2.0 Localized Filtering-based Attention: q and k come from the attention input "
                           "after two causal kernel-2 convolutions along the sequence (h -> h/2 -> h) and "
                           "RMSNorm(conv_out + x); v from the unfiltered input")
+    lfa_norm_eps: float = _f(1e-6, "epsilon of LFA's filter RMSNorm (model.lfa); Yuan 2.0 uses 1e-6 there "
+                                   "whatever the other norms use")
     parallel_block: bool = _f(False, "PaLM parallel block: y = x + attn(ln(x)) + mlp(ln(x))")
     bias: bool = _f(True, "biases in linear layers and norms")
     tie_embeddings: bool = _f(True, "share input embedding and output projection")
