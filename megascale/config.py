@@ -19,10 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user error in the configuration: the message names the key and the fix."""
-
+from megascale.errors import ConfigError
 
 # The values a choice field accepts. Each alias is the one source of its choices: the field is
 # annotated with it, `_coerce` validates against it, and code that takes the value uses it too.
@@ -498,6 +495,82 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+CP_MODES = ("ulysses", "ring", "hybrid")
+AXES = ("tp", "cp", "dp", "pp")
+
+
+def parse_profile_steps(spec: Optional[str]) -> Optional[tuple[int, int]]:
+    """'N-M' or 'N' -> (N, M) with 1 <= N <= M; None for no profiling; ConfigError otherwise."""
+    if spec is None or not str(spec).strip():
+        return None
+    first, sep, last = str(spec).strip().partition("-")
+    try:
+        start, end = int(first), int(last if sep else first)
+    except ValueError:
+        raise ConfigError(f"log.profile_steps={spec!r} must be 'N-M' or 'N' (steps as the log numbers them), "
+                          "e.g. log.profile_steps=5-7") from None
+    if not 1 <= start <= end:
+        raise ConfigError(f"log.profile_steps={spec!r}: need 1 <= N <= M, e.g. log.profile_steps=5-7")
+    return start, end
+
+
+def check_order(order: str) -> tuple[str, ...]:
+    """The axes of a parallel.order string, fastest first; ConfigError unless each axis appears once."""
+    axes = tuple(part.strip() for part in order.split("-"))
+    if sorted(axes) != sorted(AXES):
+        raise ConfigError(f"parallel.order={order!r} must name each of tp, cp, dp, pp exactly once, "
+                          f"e.g. 'tp-cp-dp-pp'")
+    return axes
+
+
+def check_context_parallel(cfg: Config, cp: int, tp: int) -> int:
+    """Check the model against context parallelism of size cp; returns the Ulysses size."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp_mode not in CP_MODES:
+        raise ConfigError(f"parallel.cp_mode={p.cp_mode!r} must be one of {', '.join(CP_MODES)}")
+    ulysses = _ulysses_size(cfg, cp)
+    heads = m.num_heads // tp
+    if heads % ulysses:
+        raise ConfigError(f"query heads per tp rank num_heads/tp = {m.num_heads}/{tp} = {heads} are not divisible by "
+                          f"the Ulysses size {ulysses}; use cp_mode=ring or hybrid with a parallel.ulysses_size "
+                          f"dividing {heads}")
+    if m.seq_length % (2 * cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * cp} (zigzag split)")
+    return ulysses
+
+
+def _ulysses_size(cfg: Config, cp: int) -> int:
+    mode, requested = cfg.parallel.cp_mode, cfg.parallel.ulysses_size
+    if mode == "ulysses":
+        return cp
+    if mode == "ring":
+        return 1
+    if requested is None:
+        raise ConfigError(f"parallel.cp_mode=hybrid needs parallel.ulysses_size, a divisor of parallel.cp={cp} "
+                          "(ranks per Ulysses group; the rest of cp forms the ring)")
+    if requested < 1 or cp % requested:
+        raise ConfigError(f"parallel.ulysses_size={requested} must divide parallel.cp={cp}")
+    return requested
+
+
+def check_layout(cfg: Config) -> int:
+    """Layout checks that need no world size (tp, sequence and context parallelism); returns the Ulysses size."""
+    m, p = cfg.model, cfg.parallel
+    check_order(p.order)
+    if p.tp > 1:
+        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
+                           ("model.ffn_hidden_size", m.ffn_size)):
+            if value % p.tp:
+                raise ConfigError(f"{key}={value} is not divisible by parallel.tp={p.tp}; choose tp dividing it")
+        if m.padded_vocab_size % p.tp:
+            raise ConfigError(f"padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}; "
+                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
+    if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
+                          "with parallel.sequence_parallel")
+    return check_context_parallel(cfg, p.cp, p.tp) if p.cp > 1 else 1
+
+
 def _positive(key: str, value: int) -> None:
     if value is None or value < 1:
         raise ConfigError(f"{key}={value} must be >= 1")
@@ -527,10 +600,8 @@ def validate(cfg: Config) -> None:
                           f"model.hidden_size={m.hidden_size} must be even")
     if not 0.0 <= m.dropout < 1.0 or not 0.0 <= m.attention_dropout < 1.0:
         raise ConfigError("model.dropout and model.attention_dropout must be in [0, 1)")
-    # The layout checks (tp, sequence and context parallelism) live with the run plan, which repeats
-    # them with the world size; running the world-free part here reports them as soon as the file is read.
-    from megascale.run_plan import check_layout
-
+    # The world-free layout checks (tp, sequence and context parallelism); the run plan repeats
+    # them with the world size. Running them here reports them as soon as the file is read.
     check_layout(cfg)
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
@@ -545,7 +616,5 @@ def validate(cfg: Config) -> None:
     if cfg.log.straggler_threshold < 0:
         raise ConfigError(f"log.straggler_threshold={cfg.log.straggler_threshold} must be >= 0 (0 = off)")
     if cfg.log.profile_steps is not None:
-        from megascale.training.profiling import parse_profile_steps
-
         parse_profile_steps(cfg.log.profile_steps)
 

@@ -18,8 +18,9 @@ from megascale.distributed.random import seed_everything
 from megascale.distributed.sequence import attention_kernels_for, build_sequence_layout
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext
+from megascale.model.flops import causal_halved_train_flops_per_token, train_flops_per_token
 from megascale.model.gpt import build_model
-from megascale.perf.flops import causal_halved_train_flops_per_token, device_peak, train_flops_per_token
+from megascale.perf.flops import device_peak
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.timers import PhaseTimers
 from megascale.training.fault import numerics
