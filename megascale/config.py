@@ -134,7 +134,8 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")
     tp_overlap: bool = _f(False, "chunk and pipeline tp all-gather/reduce-scatter with the GEMMs")
     cp_mode: CpMode = _f("ulysses", "context-parallel algorithm", CpMode)
-    ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring)")
+    ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring); null = "
+                                                   "the largest divisor of cp dividing the kv heads per tp rank")
     zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 distributed optimizer", ZeroStage)
     pipeline_schedule: PipelineScheduleName = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else 1f1b",
                                                  PipelineScheduleName)
@@ -528,7 +529,7 @@ def check_context_parallel(cfg: Config, cp: int, tp: int) -> int:
     m, p = cfg.model, cfg.parallel
     if p.cp_mode not in CP_MODES:
         raise ConfigError(f"parallel.cp_mode={p.cp_mode!r} must be one of {', '.join(CP_MODES)}")
-    ulysses = _ulysses_size(cfg, cp)
+    ulysses = _ulysses_size(cfg, cp, tp)
     heads = m.num_heads // tp
     if heads % ulysses:
         raise ConfigError(f"query heads per tp rank num_heads/tp = {m.num_heads}/{tp} = {heads} are not divisible by "
@@ -539,15 +540,20 @@ def check_context_parallel(cfg: Config, cp: int, tp: int) -> int:
     return ulysses
 
 
-def _ulysses_size(cfg: Config, cp: int) -> int:
+def picked_ulysses_size(cp: int, kv_heads_per_tp_rank: int) -> int:
+    """The Ulysses size hybrid cp uses without parallel.ulysses_size: the largest divisor of cp that
+    divides the kv heads of a tp rank (so no kv head is repeated; the rest of cp forms the ring)."""
+    return max(d for d in range(1, cp + 1) if cp % d == 0 and kv_heads_per_tp_rank % d == 0)
+
+
+def _ulysses_size(cfg: Config, cp: int, tp: int) -> int:
     mode, requested = cfg.parallel.cp_mode, cfg.parallel.ulysses_size
     if mode == "ulysses":
         return cp
     if mode == "ring":
         return 1
     if requested is None:
-        raise ConfigError(f"parallel.cp_mode=hybrid needs parallel.ulysses_size, a divisor of parallel.cp={cp} "
-                          "(ranks per Ulysses group; the rest of cp forms the ring)")
+        return picked_ulysses_size(cp, max(cfg.model.kv_heads // tp, 1))
     if requested < 1 or cp % requested:
         raise ConfigError(f"parallel.ulysses_size={requested} must divide parallel.cp={cp}")
     return requested

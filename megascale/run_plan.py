@@ -142,7 +142,10 @@ class RunPlan:
 
     def describe(self) -> str:
         """One line for logs: the layout, micro-batches and schedule."""
-        cp = f" x cp {self.cp} ({self.cp_mode})" if self.cp > 1 else ""
+        mode = self.cp_mode
+        if mode == "hybrid":  # the split, picked or given, so a run shows what it uses
+            mode = f"hybrid: ulysses {self.ulysses_size} x ring {self.ring_size}"
+        cp = f" x cp {self.cp} ({mode})" if self.cp > 1 else ""
         sp = ", sequence parallel" if self.sequence_parallel else ""
         counts = self.stage_layer_counts
         split = (f"{len(counts)} stages of {counts[0]} layers" if len(set(counts)) == 1

@@ -9,6 +9,7 @@ are left out.
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
     return [(name, line) for name, line in found if name == "megascale" or name.startswith("megascale.")]
 
 
+@functools.cache  # both tests read the same parse
 def all_imports() -> dict[str, list[tuple[str, int]]]:
     """Module -> its megascale imports, for every module in the package."""
     return {module_name(path): imports_of(path) for path in sorted(ROOT.rglob("*.py"))}
