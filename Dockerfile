@@ -25,8 +25,9 @@ RUN python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /workspace/megascale
 # Dependencies first (a code change does not re-install them), then the package itself.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY megascale ./megascale
+COPY csrc ./csrc
 # The project's own version ranges (pyproject.toml) are the pins here.
 # hadolint ignore=DL3013
 RUN python -m pip install ".[hf,tensorboard]"

@@ -8,12 +8,10 @@ with no traceback and exit code 2.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-from collections.abc import Callable
 from typing import Optional
 
-from megascale.errors import UserError
+from megascale.errors import run_user_command
 
 COMMANDS = {
     "train": ("megascale.train", "train a model from a YAML config"),
@@ -48,23 +46,6 @@ def _usage() -> str:
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "megascale <command> --help shows a command's options"]
     return "\n".join(lines)
-
-
-def run_user_command(fn: Callable[[list[str]], Optional[int]], argv: list[str]) -> int:
-    """Run fn(argv) and turn user errors into one clear line and exit code 2."""
-    from megascale.config import ConfigError
-
-    try:
-        return int(fn(argv) or 0)
-    except (ConfigError, UserError) as err:
-        print(f"megascale: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("megascale: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # output piped into `head` and the like: the reader took what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -19,10 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user error in the configuration: the message names the key and the fix."""
-
+from megascale.errors import ConfigError
 
 # The values a choice field accepts. Each alias is the one source of its choices: the field is
 # annotated with it, `_coerce` validates against it, and code that takes the value uses it too.
@@ -90,6 +87,8 @@ class ModelConfig:
     lfa: bool = _f(False, "Yuan 2.0 Localized Filtering-based Attention: q and k come from the attention input "
                           "after two causal kernel-2 convolutions along the sequence (h -> h/2 -> h) and "
                           "RMSNorm(conv_out + x); v from the unfiltered input")
+    lfa_norm_eps: float = _f(1e-6, "epsilon of LFA's filter RMSNorm (model.lfa); Yuan 2.0 uses 1e-6 there "
+                                   "whatever the other norms use")
     parallel_block: bool = _f(False, "PaLM parallel block: y = x + attn(ln(x)) + mlp(ln(x))")
     bias: bool = _f(True, "biases in linear layers and norms")
     tie_embeddings: bool = _f(True, "share input embedding and output projection")
@@ -136,7 +135,8 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")
     tp_overlap: bool = _f(False, "chunk and pipeline tp all-gather/reduce-scatter with the GEMMs")
     cp_mode: CpMode = _f("ulysses", "context-parallel algorithm", CpMode)
-    ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring)")
+    ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring); null = "
+                                                   "the largest divisor of cp dividing the kv heads per tp rank")
     zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 distributed optimizer", ZeroStage)
     pipeline_schedule: PipelineScheduleName = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else 1f1b",
                                                  PipelineScheduleName)
@@ -507,6 +507,87 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+CP_MODES = ("ulysses", "ring", "hybrid")
+AXES = ("tp", "cp", "dp", "pp")
+
+
+def parse_profile_steps(spec: Optional[str]) -> Optional[tuple[int, int]]:
+    """'N-M' or 'N' -> (N, M) with 1 <= N <= M; None for no profiling; ConfigError otherwise."""
+    if spec is None or not str(spec).strip():
+        return None
+    first, sep, last = str(spec).strip().partition("-")
+    try:
+        start, end = int(first), int(last if sep else first)
+    except ValueError:
+        raise ConfigError(f"log.profile_steps={spec!r} must be 'N-M' or 'N' (steps as the log numbers them), "
+                          "e.g. log.profile_steps=5-7") from None
+    if not 1 <= start <= end:
+        raise ConfigError(f"log.profile_steps={spec!r}: need 1 <= N <= M, e.g. log.profile_steps=5-7")
+    return start, end
+
+
+def check_order(order: str) -> tuple[str, ...]:
+    """The axes of a parallel.order string, fastest first; ConfigError unless each axis appears once."""
+    axes = tuple(part.strip() for part in order.split("-"))
+    if sorted(axes) != sorted(AXES):
+        raise ConfigError(f"parallel.order={order!r} must name each of tp, cp, dp, pp exactly once, "
+                          f"e.g. 'tp-cp-dp-pp'")
+    return axes
+
+
+def check_context_parallel(cfg: Config, cp: int, tp: int) -> int:
+    """Check the model against context parallelism of size cp; returns the Ulysses size."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp_mode not in CP_MODES:
+        raise ConfigError(f"parallel.cp_mode={p.cp_mode!r} must be one of {', '.join(CP_MODES)}")
+    ulysses = _ulysses_size(cfg, cp, tp)
+    heads = m.num_heads // tp
+    if heads % ulysses:
+        raise ConfigError(f"query heads per tp rank num_heads/tp = {m.num_heads}/{tp} = {heads} are not divisible by "
+                          f"the Ulysses size {ulysses}; use cp_mode=ring or hybrid with a parallel.ulysses_size "
+                          f"dividing {heads}")
+    if m.seq_length % (2 * cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * cp} (zigzag split)")
+    return ulysses
+
+
+def picked_ulysses_size(cp: int, kv_heads_per_tp_rank: int) -> int:
+    """The Ulysses size hybrid cp uses without parallel.ulysses_size: the largest divisor of cp that
+    divides the kv heads of a tp rank (so no kv head is repeated; the rest of cp forms the ring)."""
+    return max(d for d in range(1, cp + 1) if cp % d == 0 and kv_heads_per_tp_rank % d == 0)
+
+
+def _ulysses_size(cfg: Config, cp: int, tp: int) -> int:
+    mode, requested = cfg.parallel.cp_mode, cfg.parallel.ulysses_size
+    if mode == "ulysses":
+        return cp
+    if mode == "ring":
+        return 1
+    if requested is None:
+        return picked_ulysses_size(cp, max(cfg.model.kv_heads // tp, 1))
+    if requested < 1 or cp % requested:
+        raise ConfigError(f"parallel.ulysses_size={requested} must divide parallel.cp={cp}")
+    return requested
+
+
+def check_layout(cfg: Config) -> int:
+    """Layout checks that need no world size (tp, sequence and context parallelism); returns the Ulysses size."""
+    m, p = cfg.model, cfg.parallel
+    check_order(p.order)
+    if p.tp > 1:
+        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
+                           ("model.ffn_hidden_size", m.ffn_size)):
+            if value % p.tp:
+                raise ConfigError(f"{key}={value} is not divisible by parallel.tp={p.tp}; choose tp dividing it")
+        if m.padded_vocab_size % p.tp:
+            raise ConfigError(f"padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}; "
+                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
+    if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
+                          "with parallel.sequence_parallel")
+    return check_context_parallel(cfg, p.cp, p.tp) if p.cp > 1 else 1
+
+
 def _positive(key: str, value: int) -> None:
     if value is None or value < 1:
         raise ConfigError(f"{key}={value} must be >= 1")
@@ -536,10 +617,8 @@ def validate(cfg: Config) -> None:
                           f"model.hidden_size={m.hidden_size} must be even")
     if not 0.0 <= m.dropout < 1.0 or not 0.0 <= m.attention_dropout < 1.0:
         raise ConfigError("model.dropout and model.attention_dropout must be in [0, 1)")
-    # The layout checks (tp, sequence and context parallelism) live with the run plan, which repeats
-    # them with the world size; running the world-free part here reports them as soon as the file is read.
-    from megascale.run_plan import check_layout
-
+    # The world-free layout checks (tp, sequence and context parallelism); the run plan repeats
+    # them with the world size. Running them here reports them as soon as the file is read.
     check_layout(cfg)
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
@@ -554,7 +633,5 @@ def validate(cfg: Config) -> None:
     if cfg.log.straggler_threshold < 0:
         raise ConfigError(f"log.straggler_threshold={cfg.log.straggler_threshold} must be >= 0 (0 = off)")
     if cfg.log.profile_steps is not None:
-        from megascale.training.profiling import parse_profile_steps
-
         parse_profile_steps(cfg.log.profile_steps)
 

@@ -24,7 +24,7 @@ from megascale.diagnostics.checks import DoctorOptions
 from megascale.diagnostics.report import format_table, write_json
 from megascale.diagnostics.runner import STORE_ENV, LayoutRequest, launch_local, run_rank
 from megascale.distributed.topology import LayoutError, read_dist_env
-from megascale.errors import UserError
+from megascale.errors import UserError, run_user_command
 
 
 def _has(module: str) -> bool:
@@ -156,6 +156,4 @@ def _print_environment() -> None:
 
 
 if __name__ == "__main__":
-    from megascale.cli import run_user_command
-
     sys.exit(run_user_command(main, sys.argv[1:]))

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megascale.config import Config, load_config
+from megascale.data.run_tokenizer import resolve_tokenizer
 from megascale.errors import UserError
 
 if TYPE_CHECKING:  # imported where used: `megascale generate --help` stays fast
-    from megascale.data.tokenizer import Tokenizer
     from megascale.model.gpt import GPTChunk
 
 
@@ -67,26 +67,6 @@ def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None,
                         "checkpoint.save_final=true or pass --checkpoint")
     chunk.eval()
     return cfg, chunk, int(extra.get("step", 0))
-
-
-def resolve_tokenizer(cfg: Config, run_dir: Optional[Path] = None) -> Tokenizer:
-    """The run's tokenizer: data.tokenizer, else run_dir/tokenizer (a `convert --from-hf` output),
-    else the demo corpus's when the run used data.demo."""
-    from megascale.checkpoint.hf_tokenizer_files import TOKENIZER_DIR
-    from megascale.data.tokenizer import load_tokenizer
-
-    if cfg.data.tokenizer:
-        return load_tokenizer(cfg.data.tokenizer)
-    if run_dir is not None and (run_dir / TOKENIZER_DIR).is_dir():
-        return load_tokenizer(run_dir / TOKENIZER_DIR)
-    if cfg.data.demo:
-        from megascale.data.demo import build_demo_corpus
-        from megascale.data.loader import DEMO_VOCAB, demo_cache_dir
-
-        _, model_path = build_demo_corpus(demo_cache_dir(cfg), min(DEMO_VOCAB, cfg.model.vocab_size))
-        return load_tokenizer(model_path)
-    raise UserError("the run has no data.tokenizer; pass --tokenizer (a SentencePiece .model, an HF "
-                    "tokenizer.json or a directory holding either)")
 
 
 @torch.no_grad()

@@ -14,19 +14,21 @@ is one line, printed once) and every worker resolves it again from its own world
 size; the trainer, step, data loader, memory estimate, `megascale plan` and the
 benchmarks take the resulting `RunPlan` instead of re-deriving its parts.
 
-`check_layout(cfg)` is the world-size-free part; `load_config` runs it so those
-errors surface as soon as the file is read.
+`check_layout(cfg)` (in `megascale.config`) is the world-size-free part; `load_config`
+runs it so those errors surface as soon as the file is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
-import torch
-
-from megascale.config import Config, ConfigError
+from megascale.config import (
+    Config,
+    ConfigError,
+    check_context_parallel,
+    check_layout,
+    check_order,
+)
 from megascale.distributed.pipeline.partition import (
     chunk_layer_ids,
     global_stage,
@@ -38,63 +40,9 @@ from megascale.distributed.pipeline.schedules import (
     validate_schedule,
 )
 from megascale.distributed.topology import RankLayout
+from megascale.precision import DTYPES, PRECISIONS, Precision, precision_of
 
-CP_MODES = ("ulysses", "ring", "hybrid")
-AXES = ("tp", "cp", "dp", "pp")
 NO_PIPELINE = "none"
-
-
-@dataclass(frozen=True)
-class Precision:
-    """The torch dtypes one `train.dtype` setting stands for.
-
-    param_dtype: dtype the model parameters are built in.
-    compute_dtype: dtype of activations, including those sent between pipeline stages.
-    grad_reduce_dtype: dtype gradients accumulate and are reduced in (the data-parallel
-      grad buffers are fp32 whatever the model dtype, so 16-bit runs lose nothing).
-    master_weights: the optimizer keeps an fp32 master copy (16-bit parameters).
-    loss_scaling: fp16 needs a dynamic loss scale to keep small gradients representable.
-    """
-
-    name: str
-    param_dtype: torch.dtype
-    compute_dtype: torch.dtype
-    grad_reduce_dtype: torch.dtype
-    master_weights: bool
-    loss_scaling: bool
-
-    @property
-    def param_bytes(self) -> int:
-        """Bytes per parameter element."""
-        return torch.finfo(self.param_dtype).bits // 8
-
-    @property
-    def compute_bytes(self) -> int:
-        """Bytes per activation element."""
-        return torch.finfo(self.compute_dtype).bits // 8
-
-
-def _precision(name: str, dtype: torch.dtype) -> Precision:
-    return Precision(name=name, param_dtype=dtype, compute_dtype=dtype, grad_reduce_dtype=torch.float32,
-                     master_weights=dtype != torch.float32, loss_scaling=dtype == torch.float16)
-
-
-PRECISIONS: Mapping[str, Precision] = MappingProxyType({
-    "fp32": _precision("fp32", torch.float32),
-    "bf16": _precision("bf16", torch.bfloat16),
-    "fp16": _precision("fp16", torch.float16),
-})
-"""`train.dtype` (and every `--dtype` flag) -> its dtypes; the one such map in the project."""
-
-DTYPES: Mapping[str, torch.dtype] = MappingProxyType({name: p.param_dtype for name, p in PRECISIONS.items()})
-"""`fp32|bf16|fp16` -> torch dtype (the parameter/compute dtype of that precision)."""
-
-
-def precision_of(name: str) -> Precision:
-    """The Precision of a `train.dtype` value; ConfigError naming the choices otherwise."""
-    if name not in PRECISIONS:
-        raise ConfigError(f"train.dtype={name!r} is not one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[name]
 
 
 @dataclass(frozen=True)
@@ -194,7 +142,10 @@ class RunPlan:
 
     def describe(self) -> str:
         """One line for logs: the layout, micro-batches and schedule."""
-        cp = f" x cp {self.cp} ({self.cp_mode})" if self.cp > 1 else ""
+        mode = self.cp_mode
+        if mode == "hybrid":  # the split, picked or given, so a run shows what it uses
+            mode = f"hybrid: ulysses {self.ulysses_size} x ring {self.ring_size}"
+        cp = f" x cp {self.cp} ({mode})" if self.cp > 1 else ""
         sp = ", sequence parallel" if self.sequence_parallel else ""
         counts = self.stage_layer_counts
         split = (f"{len(counts)} stages of {counts[0]} layers" if len(set(counts)) == 1
@@ -205,63 +156,6 @@ class RunPlan:
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def check_order(order: str) -> tuple[str, ...]:
-    """The axes of a parallel.order string, fastest first; ConfigError unless each axis appears once."""
-    axes = tuple(part.strip() for part in order.split("-"))
-    if sorted(axes) != sorted(AXES):
-        raise ConfigError(f"parallel.order={order!r} must name each of tp, cp, dp, pp exactly once, "
-                          f"e.g. 'tp-cp-dp-pp'")
-    return axes
-
-
-def check_context_parallel(cfg: Config, cp: int, tp: int) -> int:
-    """Check the model against context parallelism of size cp; returns the Ulysses size."""
-    m, p = cfg.model, cfg.parallel
-    if p.cp_mode not in CP_MODES:
-        raise ConfigError(f"parallel.cp_mode={p.cp_mode!r} must be one of {', '.join(CP_MODES)}")
-    ulysses = _ulysses_size(cfg, cp)
-    heads = m.num_heads // tp
-    if heads % ulysses:
-        raise ConfigError(f"query heads per tp rank num_heads/tp = {m.num_heads}/{tp} = {heads} are not divisible by "
-                          f"the Ulysses size {ulysses}; use cp_mode=ring or hybrid with a parallel.ulysses_size "
-                          f"dividing {heads}")
-    if m.seq_length % (2 * cp):
-        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * cp} (zigzag split)")
-    return ulysses
-
-
-def _ulysses_size(cfg: Config, cp: int) -> int:
-    mode, requested = cfg.parallel.cp_mode, cfg.parallel.ulysses_size
-    if mode == "ulysses":
-        return cp
-    if mode == "ring":
-        return 1
-    if requested is None:
-        raise ConfigError(f"parallel.cp_mode=hybrid needs parallel.ulysses_size, a divisor of parallel.cp={cp} "
-                          "(ranks per Ulysses group; the rest of cp forms the ring)")
-    if requested < 1 or cp % requested:
-        raise ConfigError(f"parallel.ulysses_size={requested} must divide parallel.cp={cp}")
-    return requested
-
-
-def check_layout(cfg: Config) -> int:
-    """Layout checks that need no world size (tp, sequence and context parallelism); returns the Ulysses size."""
-    m, p = cfg.model, cfg.parallel
-    check_order(p.order)
-    if p.tp > 1:
-        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
-                           ("model.ffn_hidden_size", m.ffn_size)):
-            if value % p.tp:
-                raise ConfigError(f"{key}={value} is not divisible by parallel.tp={p.tp}; choose tp dividing it")
-        if m.padded_vocab_size % p.tp:
-            raise ConfigError(f"padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}; "
-                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
-    if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
-        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
-                          "with parallel.sequence_parallel")
-    return check_context_parallel(cfg, p.cp, p.tp) if p.cp > 1 else 1
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:

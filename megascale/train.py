@@ -17,6 +17,7 @@ from typing import Optional
 
 from megascale.cli import without_options
 from megascale.config import Config, ConfigError, load_config
+from megascale.errors import run_user_command
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -153,6 +154,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from megascale.cli import run_user_command
-
     sys.exit(run_user_command(main, sys.argv[1:]))

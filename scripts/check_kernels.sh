@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Compile-check megascale's CUDA kernels without a GPU.
 #
-#   scripts/check_kernels.sh            # every megascale/csrc/*.cu for sm_80 and sm_90
-#   CHECK_BINDINGS=1 scripts/check_kernels.sh   # also syntax-check megascale/csrc/bindings.cpp
+#   scripts/check_kernels.sh            # every csrc/*.cu for sm_80 and sm_90
+#   CHECK_BINDINGS=1 scripts/check_kernels.sh   # also syntax-check csrc/bindings.cpp
 #
 # The .cu files include only CUDA headers, so `nvcc -c` works wherever the CUDA
 # toolkit is installed. The bindings need torch headers; a CPU build of torch
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-CSRC="$ROOT/megascale/csrc"
+CSRC="$ROOT/csrc"
 NVCC="${NVCC:-nvcc}"
 ARCHS="${ARCHS:-80 90}"
 JOBS="${JOBS:-2}"

@@ -72,7 +72,6 @@ def test_zigzag_balances_causal_work() -> None:
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["parallel.cp_mode=hybrid"], "needs parallel.ulysses_size"),
     (["parallel.cp_mode=hybrid", "parallel.ulysses_size=3"], "must divide parallel.cp"),
     (["parallel.cp_mode=ulysses", "model.num_heads=6", "model.hidden_size=48"], "not divisible by the Ulysses size"),
 ])

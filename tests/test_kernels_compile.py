@@ -1,4 +1,4 @@
-"""Compile check of megascale/csrc/*.cu for sm_80 and sm_90 through scripts/check_kernels.sh (needs nvcc, no GPU)."""
+"""Compile check of csrc/*.cu for sm_80 and sm_90 through scripts/check_kernels.sh (needs nvcc, no GPU)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from megascale.kernels.build import csrc_dir
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_kernels.sh"
 
@@ -23,7 +25,7 @@ def test_cuda_sources_compile_for_sm80_and_sm90() -> None:
     result = _run({"ARCHS": "80 90"})
     assert result.returncode == 0, result.stdout + result.stderr
     compiled = sorted(line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok"))
-    assert compiled == sorted(p.name for p in SCRIPT.parents[1].joinpath("megascale", "csrc").glob("*.cu"))
+    assert compiled == sorted(p.name for p in csrc_dir().glob("*.cu"))
 
 
 @pytest.mark.slow

@@ -89,6 +89,21 @@ def test_filter_matches_published_structure_forward_and_backward() -> None:
         assert (p.grad - ref.grad).abs().max() < 1e-4 * max(1.0, float(ref.grad.abs().max())), p.shape
 
 
+def test_filter_norm_uses_yuan_eps_whatever_norm_eps_is() -> None:
+    """Yuan 2.0's filter RMSNorm has eps 1e-6 even when the model's other norms use another one."""
+    lfa = _lfa_module(_chunk([*VARIANTS["gqa_rope_rmsnorm"], "model.norm_eps=1e-2"]))
+    x = torch.randn(9, 2, 32, generator=torch.Generator().manual_seed(4)) * 1e-2  # small: eps matters
+    with torch.no_grad():
+        for conv in (lfa.conv1, lfa.conv2):  # zero filter: the norm sees x alone, where 1e-2 vs 1e-6 is visible
+            conv.weight.zero_()
+            conv.bias.zero_()
+        out = lfa(x, LocalSequence().preceding(x, 2))
+        refs = [lfa.conv1.weight, lfa.conv1.bias, lfa.conv2.weight, lfa.conv2.bias, lfa.norm.weight]
+        want = yuan_filter(x, *refs, 1e-6)
+    assert (out - want).abs().max() < 1e-4 * float(want.abs().max())
+    assert load_config(None, BASE).model.lfa_norm_eps == 1e-6
+
+
 def test_filter_reads_only_itself_and_two_tokens_back() -> None:
     lfa = _lfa_module(_chunk(VARIANTS["gqa_rope_rmsnorm"]))
     x = torch.randn(10, 2, 32, generator=torch.Generator().manual_seed(4))

@@ -94,10 +94,10 @@ def test_yuan_2b_preset_counts_lfa_parameters() -> None:
     # per layer: conv1 [h/2, h, 2] + [h/2], conv2 [h, h/2, 2] + [h], norm [h]
     lfa = 2 * h * h + h // 2 + 2 * h
     assert with_lfa - plain == 24 * lfa
-    # padded vocabulary 135,040 (multiple of 128), untied embedding and output; per layer two RMSNorm
+    # padded vocabulary 135,040 (multiple of 128), one embedding tied to the output; per layer two RMSNorm
     # weights, qkv 3h x h, projection h x h, SwiGLU fc1 2 x 8192 x h and fc2 h x 8192; the final norm
     layer = 2 * h + 3 * h * h + h * h + 3 * 8192 * h + lfa
-    assert with_lfa == 2 * 135_040 * h + 24 * layer + h
+    assert with_lfa == 135_040 * h + 24 * layer + h
 
 
 def test_yuan_non_uniform_split_lowers_the_first_stage_peak() -> None:

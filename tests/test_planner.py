@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 import pytest
@@ -29,7 +30,9 @@ PRESET_GPUS = {
     "yuan-2b.yaml": 64, "yuan-51b.yaml": 1024, "yuan-102b.yaml": 2048, "long-context-32k.yaml": 8,
 }
 # Presets whose header promises they fit the GPUs they are planned on (the memory model's peak <= usable memory).
-FITTING_PRESETS = ("yuan-2b.yaml", "yuan-51b.yaml", "yuan-102b.yaml", "long-context-32k.yaml")
+FITTING_PRESETS = ("yuan-2b.yaml", "yuan-51b.yaml", "yuan-102b.yaml", "long-context-32k.yaml", "llama3-405b.yaml")
+# Presets whose published layout must also keep the pipeline busy: the largest bubble the plan may report.
+PRESET_MAX_BUBBLE = {"yuan-51b.yaml": 0.25, "yuan-102b.yaml": 0.55}
 
 
 def test_every_gpu_spec_ships_the_named_parts() -> None:
@@ -140,6 +143,8 @@ def test_every_preset_plans(name: str, capsys) -> None:
     assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1 and out["gpus"] == PRESET_GPUS[name]
     if name in FITTING_PRESETS:
         assert out["fits"] and out["memory_gib"] <= out["usable_memory_gib"], (name, out["memory_gib"])
+    if name in PRESET_MAX_BUBBLE:
+        assert out["bubble_fraction"] < PRESET_MAX_BUBBLE[name], (name, out["bubble_fraction"])
     assert len(out["stages"]) == resolve_plan(load_config(os.path.join(CONFIGS, name), []),
                                               PRESET_GPUS[name]).pp
 
@@ -184,3 +189,12 @@ def test_search_175b_on_12288_a100s_beats_megascale() -> None:
     cfg = load_config(os.path.join(CONFIGS, "megascale-175b.yaml"), [])
     result = search(cfg, 12288, builtin_gpu("a100"))
     assert result.ranked[0].prediction.mfu >= 0.552
+
+
+def test_yuan_2b_preset_counts_the_published_parameters() -> None:
+    """Yuan 2.0 2B ties its input and output embeddings: ~2.1B parameters, not 2.37B."""
+    from megascale.model.params import param_table
+
+    cfg = load_config(os.path.join(CONFIGS, "yuan-2b.yaml"), [])
+    total = sum(math.prod(shape) for shape in param_table(cfg).shapes().values())
+    assert cfg.model.tie_embeddings and 2.05e9 < total < 2.15e9, total

@@ -193,7 +193,6 @@ ERRORS = [
      "padded vocabulary 255 is not divisible by parallel.tp=2"),
     (["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_length=18"], 4,
      r"must be divisible by tp\*cp=4 with parallel.sequence_parallel"),
-    (["parallel.cp=4", "parallel.cp_mode=hybrid"], 4, "needs parallel.ulysses_size"),
     (["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.ulysses_size=3"], 4, "must divide parallel.cp"),
     (["parallel.cp=8", "model.seq_length=32"], 8, "not divisible by the Ulysses size"),
     (["parallel.cp=2", "model.seq_length=18"], 2, r"must be divisible by 2\*cp=4 \(zigzag split\)"),
@@ -237,3 +236,16 @@ def test_pipeline_errors_stop_the_launcher_before_any_worker() -> None:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "multiple of parallel.pp=2" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and "workers failed" not in proc.stderr
+
+
+@pytest.mark.parametrize("overrides,ulysses", [
+    (["model.num_heads=8", "model.num_kv_heads=2", "model.hidden_size=64"], 2),  # kv 2: ulysses 2 x ring 4
+    (["model.num_heads=8", "model.num_kv_heads=8", "model.hidden_size=64"], 8),  # every head: all-to-all only
+    (["model.num_heads=6", "model.num_kv_heads=3", "model.hidden_size=48"], 1),  # kv 3 shares no divisor with 8
+    (["model.num_heads=8", "model.num_kv_heads=4", "model.hidden_size=64", "parallel.tp=2"], 2),  # 2 kv per tp rank
+])
+def test_hybrid_without_ulysses_size_picks_the_largest_divisor_of_cp_dividing_kv_heads(overrides, ulysses) -> None:
+    cfg = load_config(None, ["parallel.cp=8", "parallel.cp_mode=hybrid", "model.seq_length=64", *overrides])
+    plan = resolve_plan(cfg, 8 * cfg.parallel.tp)
+    assert (plan.ulysses_size, plan.ring_size) == (ulysses, 8 // ulysses)
+    assert f"cp 8 (hybrid: ulysses {ulysses} x ring {8 // ulysses})" in plan.describe()

@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megascale.perf.flops import device_peak, gpt_train_flops_per_token
+from megascale.model.flops import gpt_train_flops_per_token
+from megascale.perf.flops import device_peak
 
 
 @dataclass(frozen=True)

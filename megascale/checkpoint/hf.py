@@ -19,6 +19,7 @@ import torch
 from megascale.config import ModelConfig
 from megascale.distributed.sharding import OUTPUT_WEIGHT, TIED_EMBEDDING
 from megascale.errors import UserError
+from megascale.model.params import param_table
 
 ARCHES = ("llama", "gpt2")
 _LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False}
@@ -219,8 +220,6 @@ def rename_coverage(model: ModelConfig, arch: str) -> list[str]:
     writes must be read back by `from_hf`, and the round trip must give back the
     table's names and global shapes.
     """
-    from megascale.model.params import param_table
-
     shapes = param_table(model).shapes()
     ours = _Recorder({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
     problems: list[str] = []

@@ -34,7 +34,7 @@ class FieldRule:
 
 
 def _default_rope(value: Any, config: dict) -> bool:
-    rope = value or config.get("rope_scaling") or {}
+    rope = value or {}
     return rope.get("rope_type", rope.get("type", "default")) in ("default", None)
 
 
@@ -57,6 +57,10 @@ LLAMA_RULES = (
     FieldRule("mlp_bias", False, _falsy, "megascale's Llama has no MLP biases"),
     FieldRule("head_dim", None, _plain_head_dim, "megascale's head width is hidden_size / num_attention_heads"),
     FieldRule("rope_parameters", None, _default_rope,
+              "only the default rotary embedding is implemented (no linear/dynamic/yarn/llama3 scaling)"),
+    # The older transformers spelling of the same setting: checked on its own so the refusal names
+    # the field the file actually has.
+    FieldRule("rope_scaling", None, _default_rope,
               "only the default rotary embedding is implemented (no linear/dynamic/yarn/llama3 scaling)"),
 )
 GPT2_RULES = (

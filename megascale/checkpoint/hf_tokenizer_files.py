@@ -10,16 +10,15 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from megascale.config import Config, config_from_dict
+from megascale.data.run_tokenizer import TOKENIZER_DIR, resolve_tokenizer
+from megascale.data.tokenizer import Tokenizer, load_tokenizer
+from megascale.data.tokenizer_export import generation_config, save_hf_tokenizer
 from megascale.errors import UserError
 
-if TYPE_CHECKING:
-    from megascale.data.tokenizer import Tokenizer
-
 FILE_MODE = 0o644  # what save_pretrained leaves: readable by the group serving the model
-TOKENIZER_DIR = "tokenizer"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -31,15 +30,11 @@ def normal_permissions(paths: list[Path]) -> None:
 
 def run_tokenizer(run_config: dict, explicit: Optional[str]) -> Optional[Tokenizer]:
     """The tokenizer to export: `explicit`, else the run's data.tokenizer (or demo corpus), else None."""
-    from megascale.data.tokenizer import load_tokenizer
-
     if explicit:
         return load_tokenizer(explicit)
     data = run_config.get("data") or {}
     if not data.get("tokenizer") and not data.get("demo"):
         return None
-    from megascale.generate import resolve_tokenizer
-
     cfg: Config = config_from_dict({"model": run_config["model"], "data": data,
                                     "train": run_config.get("train") or {}})
     try:
@@ -51,8 +46,6 @@ def run_tokenizer(run_config: dict, explicit: Optional[str]) -> Optional[Tokeniz
 
 def export_tokenizer(tok: Tokenizer, out_dir: Path, model_vocab: int, seq_length: int) -> dict[str, Any]:
     """Write the HF tokenizer files into out_dir; returns the special-token ids for config.json."""
-    from megascale.data.tokenizer_export import generation_config, save_hf_tokenizer
-
     if tok.vocab_size > model_vocab:
         raise UserError(f"tokenizer {tok.path} has {tok.vocab_size} ids but the model's vocab_size is "
                         f"{model_vocab}; pass the tokenizer the run was trained with (--tokenizer)")

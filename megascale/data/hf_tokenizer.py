@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional
 
-from megascale.data.tokenizer import Tokenizer
+from megascale.data.tokenizer_base import Tokenizer
 from megascale.errors import UserError
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|end|>")

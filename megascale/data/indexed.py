@@ -8,7 +8,7 @@ megascale's format (little-endian):
 
 ``PREFIX.bin``
     every document's token ids, concatenated, as uint16 when the vocabulary is
-    smaller than 65536, else int32.
+    smaller than 65,500 (Megatron-LM's threshold), else int32.
 
 ``PREFIX.idx``
     ======  =====================  =============================================
@@ -56,9 +56,14 @@ def _check_format(fmt: str) -> None:
         raise UserError(f"dataset format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
 
 
+# Megatron-LM writes uint16 only below 65,500 (not 65,536); the same threshold keeps our files for a
+# vocabulary of 65,500-65,535 byte-identical to Megatron's.
+UINT16_VOCAB_LIMIT = 65_500
+
+
 def dtype_for_vocab(vocab_size: int) -> type:
-    """Smallest token dtype that holds ids < vocab_size: uint16 below 65536, else int32."""
-    return np.uint16 if vocab_size < 65536 else np.int32
+    """Token dtype Megatron-LM picks for ids < vocab_size: uint16 below 65,500, else int32."""
+    return np.uint16 if vocab_size < UINT16_VOCAB_LIMIT else np.int32
 
 
 def data_file_paths(prefix: PathLike) -> tuple[Path, Path]:

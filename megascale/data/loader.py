@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from megascale.data.blended import SampleDataset, build_split_datasets, parse_data_paths
+from megascale.data.demo import build_demo_corpus, default_demo_dir
 from megascale.errors import UserError
+from megascale.run_plan import resolve_plan
 
 if TYPE_CHECKING:
     from megascale.config import Config
@@ -248,8 +250,6 @@ class BatchIterator:
 
 def demo_cache_dir(cfg: Config) -> Path:
     """Where the demo corpus lives: data.cache_dir/demo, else ~/.cache/megascale/demo."""
-    from megascale.data.demo import default_demo_dir
-
     return Path(cfg.data.cache_dir) / "demo" if cfg.data.cache_dir else default_demo_dir()
 
 
@@ -269,8 +269,6 @@ def dataset_prefixes(cfg: Config) -> tuple[list[str], Optional[list[float]]]:
     if not cfg.data.demo:
         raise UserError("no training data: data.paths is empty; set data.paths=[PREFIX] to a dataset made with "
                         "`megascale preprocess`, or data.demo=true for the built-in demo corpus")
-    from megascale.data.demo import build_demo_corpus
-
     prefix, _ = build_demo_corpus(demo_cache_dir(cfg), vocab_size=min(DEMO_VOCAB, cfg.model.vocab_size))
     return [prefix], None
 
@@ -331,8 +329,6 @@ def build_data(cfg: Config, ctx: ParallelContext, consumed_samples: int = 0, *,
     each tp group reads nothing. A data error on a source is reported on every rank.
     """
     if plan is None:
-        from megascale.run_plan import resolve_plan
-
         plan = resolve_plan(cfg, ctx.world_size)
     if plan.dp != ctx.dp_size:
         raise ValueError(f"the run plan has dp {plan.dp} but the ParallelContext dp {ctx.dp_size}")

@@ -26,7 +26,7 @@ import numpy as np
 
 from megascale.data.indexed import FORMATS, IndexedDatasetBuilder, dtype_for_vocab
 from megascale.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
-from megascale.errors import UserError
+from megascale.errors import UserError, run_user_command
 
 INPUT_SUFFIXES = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".json": "jsonl"}
 SKIP_HINT = "fix the line or pass --skip-bad-lines to skip such lines"
@@ -394,6 +394,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from megascale.cli import run_user_command
-
     sys.exit(run_user_command(main, sys.argv[1:]))

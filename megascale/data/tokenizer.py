@@ -15,12 +15,13 @@ kept, so ``decode(encode(text)) == text`` for ordinary text and source code.
 from __future__ import annotations
 
 import io
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Optional, Union
 
+from megascale.data.hf_tokenizer import load_hf_tokenizer
+from megascale.data.tokenizer_base import Tokenizer
 from megascale.errors import UserError
 
 PathLike = Union[str, Path]
@@ -32,59 +33,6 @@ def _sentencepiece() -> ModuleType:
     except ImportError:  # pragma: no cover - it is a declared dependency
         raise UserError("the sentencepiece package is missing; install it with `pip install sentencepiece`") from None
     return sentencepiece
-
-
-class Tokenizer(ABC):
-    """Encode/decode text; ids are plain Python ints. Special ids are -1 when the tokenizer has none."""
-
-    path: Optional[str]
-    kind: str  # "sentencepiece" or "huggingface"
-
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int:
-        """Number of token ids."""
-
-    @property
-    @abstractmethod
-    def eos_id(self) -> int:
-        """End-of-document id (-1 when the tokenizer has none)."""
-
-    @property
-    @abstractmethod
-    def bos_id(self) -> int:
-        """Beginning-of-sequence id (-1 when the tokenizer has none)."""
-
-    @property
-    @abstractmethod
-    def pad_id(self) -> int:
-        """Padding id (-1 when the tokenizer has none)."""
-
-    @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text, no special tokens added."""
-
-    @abstractmethod
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of several texts at once (faster than a Python loop)."""
-
-    @abstractmethod
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of token ids."""
-
-    @abstractmethod
-    def id_to_piece(self, token_id: int) -> str:
-        """The piece string of one id (for debugging)."""
-
-    def special_id(self, which: str, flag: str) -> int:
-        """The 'eos' or 'bos' id; UserError naming the missing piece and `flag` when the tokenizer has none."""
-        token_id = self.eos_id if which == "eos" else self.bos_id
-        if token_id < 0:
-            raise UserError(f"tokenizer {self.path or ''} has no {which.upper()} token; {flag}")
-        return token_id
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.path!r}, vocab_size={self.vocab_size})"
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -153,8 +101,6 @@ def load_tokenizer(path: PathLike) -> Tokenizer:
     path = Path(path)
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
-            from megascale.data.hf_tokenizer import load_hf_tokenizer
-
             return load_hf_tokenizer(path / "tokenizer.json")
         if not (path / "tokenizer.model").is_file():
             raise UserError(f"tokenizer directory '{path}' holds neither tokenizer.json nor tokenizer.model; "
@@ -163,8 +109,6 @@ def load_tokenizer(path: PathLike) -> Tokenizer:
     if not path.is_file():
         raise UserError(f"tokenizer '{path}' not found; {_NOT_FOUND}")
     if path.suffix == ".json":
-        from megascale.data.hf_tokenizer import load_hf_tokenizer
-
         return load_hf_tokenizer(path)
     proto = path.read_bytes()
     try:

@@ -28,6 +28,7 @@ import torch
 
 from megascale.distributed.halo import Halo, exchange_preceding
 from megascale.kernels.attention import AttentionKernels, build_attention_kernels, default_attention_kernels
+from megascale.precision import precision_of
 
 if TYPE_CHECKING:
     from megascale.config import Config
@@ -150,7 +151,5 @@ def build_sequence_layout(ctx: ParallelContext, cfg: Config, timers: Optional[An
 
 def attention_kernels_for(cfg: Config, device: torch.device) -> AttentionKernels:
     """The run's AttentionKernels; ConfigError when an explicit kernels.attention cannot serve on `device`."""
-    from megascale.run_plan import precision_of
-
     return build_attention_kernels(cfg.kernels.attention, device, precision_of(cfg.train.dtype).param_dtype,
                                    cfg.model.attention_dropout)

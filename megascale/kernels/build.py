@@ -23,8 +23,13 @@ class KernelBuildError(RuntimeError):
 
 
 def csrc_dir() -> Path:
-    """Directory holding the CUDA sources (megascale/csrc/, shipped inside the package)."""
-    return Path(__file__).resolve().parents[1] / "csrc"
+    """Directory holding the CUDA sources: megascale/csrc/ in an installed wheel (setup.py maps the
+    top-level csrc/ there), else csrc/ beside the package in a source checkout."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "csrc", package.parent / "csrc"):
+        if (candidate / "kernels.h").is_file():
+            return candidate
+    return package.parent / "csrc"  # neither: the build reports it missing under the checkout's path
 
 
 def sources() -> list[Path]:
@@ -53,7 +58,7 @@ def _compile(build_dir: Optional[str], verbose: bool) -> ModuleType:
     missing = [str(p) for p in sources() if not p.is_file()]
     if missing or not list(csrc_dir().glob("*.cu")):
         raise KernelBuildError(f"CUDA sources not found under {csrc_dir()} (missing: {missing or '*.cu'}); "
-                               "run from a source checkout (pip install -e .)")
+                               "reinstall megascale (pip install .) or run from a source checkout")
     from torch.utils.cpp_extension import load
 
     if build_dir is not None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from megascale.config import Config
 from megascale.distributed import comm
+from megascale.distributed.pipeline.partition import gpt_stage_cost, layers_for_rank
 from megascale.distributed.random import RNGTracker
 from megascale.distributed.sequence import SequenceLayout, build_sequence_layout
 from megascale.distributed.sharding import OUTPUT_WEIGHT, WORD_EMBEDDING_MODULE
@@ -29,6 +30,7 @@ from megascale.distributed.tensor_parallel.layers import (
     split_spec,
 )
 from megascale.distributed.topology import ParallelContext
+from megascale.kernels import get_ops
 from megascale.model.block import TransformerBlock
 from megascale.model.kv_cache import InferenceCache
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
@@ -196,8 +198,6 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     leaves them on meta (shapes and shard specs only, no storage: a parameter table).
     timers: the rank's phase timers, on which the tensor- and context-parallel collectives are timed.
     """
-    from megascale.kernels import get_ops
-
     p = cfg.parallel
     precision = plan.precision if plan is not None else precision_of(cfg.train.dtype)
     if rng is None:
@@ -225,7 +225,5 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
 def stage_layers(cfg: Config, ctx: ParallelContext) -> list[list[int]]:
     """Global layer ids per chunk of this rank (uniform, explicit or automatic split)."""
     p = cfg.parallel
-    from megascale.distributed.pipeline.partition import gpt_stage_cost, layers_for_rank
-
     return layers_for_rank(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank, p.pipeline_layers,
                            cost=gpt_stage_cost(cfg.model))

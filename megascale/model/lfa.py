@@ -68,7 +68,7 @@ class LocalizedFiltering(nn.Module):
         super().__init__()
         m = bc.model
         half = m.hidden_size // 2
-        self.ops, self.eps = bc.ops, m.norm_eps
+        self.ops, self.eps = bc.ops, m.lfa_norm_eps
         self.conv1 = CausalConv(f"{name}.conv1", m.hidden_size, half, bc)
         self.conv2 = CausalConv(f"{name}.conv2", half, m.hidden_size, bc)
         self.norm = nn.Module()  # an RMSNorm whatever model.norm is (the published structure)

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 
 from megascale.config import Config, ModelConfig
-from megascale.distributed.pipeline.partition import chunk_layer_ids
+from megascale.distributed.pipeline.partition import chunk_layer_ids, gpt_stage_cost, layers_for_rank
+from megascale.distributed.random import RNGTracker
 from megascale.distributed.sharding import (
     OUTPUT_WEIGHT,
     TIED_EMBEDDING,
@@ -33,6 +34,7 @@ from megascale.distributed.sharding import (
     split_spec,
 )
 from megascale.distributed.topology import ParallelContext, RankLayout
+from megascale.model.gpt import build_model
 
 if TYPE_CHECKING:
     from megascale.distributed.pipeline.partition import StageCost
@@ -80,8 +82,6 @@ class ModelLayout:
     def chunk_layers(self, num_layers: int, pp_rank: int, cost: Optional[StageCost] = None) -> list[list[int]]:
         """Global layer ids of each chunk of pipeline rank pp_rank (chunk v is global stage v * pp + pp_rank)."""
         if self.stage_layers is None:
-            from megascale.distributed.pipeline.partition import layers_for_rank
-
             return layers_for_rank(num_layers, self.pp, self.vpp, pp_rank, self.pipeline_layers, cost=cost)
         counts = list(self.stage_layers)
         if len(counts) != self.pp * self.vpp or sum(counts) != num_layers or min(counts) < 0:
@@ -221,10 +221,6 @@ def param_table(model_or_cfg: Union[Config, ModelConfig],
     without `layout`, cfg.parallel the layout) or just a ModelConfig (fp32, and
     tp = pp = 1 unless `layout` says otherwise). A RankLayout contributes tp and pp.
     """
-    from megascale.distributed.pipeline.partition import gpt_stage_cost
-    from megascale.distributed.random import RNGTracker
-    from megascale.model.gpt import build_model
-
     model_layout = _resolve_layout(model_or_cfg, layout)
     cfg = _as_config(model_or_cfg, model_layout)
     rank_layout = RankLayout(tp=model_layout.tp, pp=model_layout.pp)

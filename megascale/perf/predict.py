@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megascale.config import Config
+from megascale.model.flops import train_flops_per_token
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
-from megascale.perf.flops import train_flops_per_token
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.memory import GIB, MemoryEstimate, stage_estimates
 from megascale.perf.timing import StepTime, step_time

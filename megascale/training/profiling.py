@@ -12,22 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from megascale.config import ConfigError
-
-
-def parse_profile_steps(spec: Optional[str]) -> Optional[tuple[int, int]]:
-    """'N-M' or 'N' -> (N, M) with 1 <= N <= M; None for no profiling; ConfigError otherwise."""
-    if spec is None or not str(spec).strip():
-        return None
-    first, sep, last = str(spec).strip().partition("-")
-    try:
-        start, end = int(first), int(last if sep else first)
-    except ValueError:
-        raise ConfigError(f"log.profile_steps={spec!r} must be 'N-M' or 'N' (steps as the log numbers them), "
-                          "e.g. log.profile_steps=5-7") from None
-    if not 1 <= start <= end:
-        raise ConfigError(f"log.profile_steps={spec!r}: need 1 <= N <= M, e.g. log.profile_steps=5-7")
-    return start, end
+from megascale.config import parse_profile_steps
 
 
 class StepProfiler:

@@ -18,8 +18,9 @@ from megascale.distributed.random import seed_everything
 from megascale.distributed.sequence import attention_kernels_for, build_sequence_layout
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext
+from megascale.model.flops import causal_halved_train_flops_per_token, train_flops_per_token
 from megascale.model.gpt import build_model
-from megascale.perf.flops import causal_halved_train_flops_per_token, device_peak, train_flops_per_token
+from megascale.perf.flops import device_peak
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.timers import PhaseTimers
 from megascale.training.fault import numerics
@@ -237,6 +238,10 @@ class Trainer:
                  f"{params / 1e6:.2f}M params on this rank | {self.plan.num_microbatches} micro-batches/step | "
                  f"{self.flops_per_token / 1e9:.3f} GFLOP/token",
                  self.attention.choice.describe(ring=self.ctx.cp_size > 1 and self.cfg.parallel.cp_mode != "ulysses")]
+        if self.plan.cp_mode == "hybrid" and self.cfg.parallel.ulysses_size is None:
+            lines.append(f"parallel.cp_mode=hybrid: picked ulysses_size {self.plan.ulysses_size} x ring "
+                         f"{self.plan.ring_size} (the largest divisor of cp {self.plan.cp} dividing the kv heads "
+                         f"per tp rank); set parallel.ulysses_size to choose")
         from megascale.perf.memory import estimate_memory, format_memory, kernel_profile
 
         estimate = estimate_memory(self.cfg, self.plan, kernel_profile(self.device.type, self.cfg.kernels.backend))

@@ -208,12 +208,13 @@ class DistributedOptimizer:
         share = self._loss_share(loss)
         with timed(self.timers, "grad_norm_all_reduce"):
             if share is None:
-                return global_norm(local, groups), torch.zeros((), device=self.ctx.device)
-            packed = torch.stack([local, share])
+                return global_norm(local, groups).float(), torch.zeros((), device=self.ctx.device)
+            # fp64 like the local sums; the loss survives fp32 -> fp64 -> fp32 exactly.
+            packed = torch.stack([local, share.double()])
             for group in groups:
                 if group is not None:
                     torch.distributed.all_reduce(packed, group=group)
-            return packed[0].sqrt(), packed[1]
+            return packed[0].sqrt().float(), packed[1].float()
 
     def _loss_share(self, loss: Optional[Tensor]) -> Optional[Tensor]:
         """This rank's term of the global loss in the norm's all-reduce: the loss on exactly one

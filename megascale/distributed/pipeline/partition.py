@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 from megascale.config import ConfigError
-from megascale.perf.flops import LayerDims, layer_forward_flops, logits_forward_flops
+from megascale.model.flops import LayerDims, layer_forward_flops, logits_forward_flops
 
 if TYPE_CHECKING:
     from megascale.config import ModelConfig
@@ -62,7 +62,7 @@ class StageCost:
 def gpt_stage_cost(model: ModelConfig) -> StageCost:
     """Forward matmul FLOPs per token of one GPT layer, the embedding (a lookup: 0) and the head.
 
-    The same per-layer count as MFU (`megascale.perf.flops`). The output layer costs
+    The same per-layer count as MFU (`megascale.model.flops`). The output layer costs
     2*h*Vp per token: for GPT-2 small (h 768, V 50k) that is about four layers, which
     is why the last stage should hold fewer layers.
     """
