@@ -4,7 +4,10 @@ Two processes, one thread each, join a gloo group by `file://` rendezvous and
 time every collective the trainer issues on CPU over a range of message sizes:
 all-reduce (tp without SP, data-parallel gradients), all-gather and
 reduce-scatter (SP, ZeRO-1), all-to-all (Ulysses) and p2p (pipeline, ring).
-Each kind's times are fitted to `a + b * bytes` and converted to the
+Each collective is timed the way a training step issues it: after a block of
+compute, with no barrier, so it pays for the ranks arriving apart and for waking
+gloo's threads (on a CPU host that costs more than the transfer of a small
+message). Each kind's times are fitted to `a + b * bytes` and converted to the
 (bus GB/s, latency us) pair `megascale.perf.costs.collective_seconds` reads:
 with n = 2 ranks an all-reduce costs 2 latency + bytes / bus, an all-gather,
 reduce-scatter or all-to-all latency + bytes / (2 bus), a p2p latency + bytes / bus.
@@ -57,28 +60,43 @@ def _op(kind: str, nbytes: int, rank: int) -> Callable[[], None]:
     return ping_pong
 
 
-def _time_op(fn: Callable[[], None], nbytes: int) -> float:
-    """Median seconds of fn after a warm-up, synchronised by a barrier before each call."""
-    reps = 9 if nbytes < 2**20 else 5
+def _time_op(fn: Callable[[], None], nbytes: int, compute: Callable[[], None]) -> float:
+    """Median seconds a collective adds after a block of compute, the way training issues it.
+
+    Each repeat runs the same GEMM block on both ranks and then the collective, with no barrier
+    between: the collective pays for the ranks arriving apart and for waking gloo's threads after
+    compute, as in a training step. The same block alone, timed in alternation, is subtracted.
+    """
+    reps = 11 if nbytes < 2**20 else 7
     fn()
-    times = []
+    dist.barrier()
+    with_op, alone = [], []
     for _ in range(reps):
-        dist.barrier()
         start = time.perf_counter()
+        compute()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        middle = time.perf_counter()
+        compute()
+        with_op.append(middle - start)
+        alone.append(time.perf_counter() - middle)
+    return max(statistics.median(with_op) - statistics.median(alone), 1e-6)
 
 
 def _worker(rank: int, init_file: str, out: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     results: dict[str, list[tuple[int, float]]] = {}
+    a, b = torch.randn(256, 256), torch.randn(256, 512)
+
+    def compute() -> None:  # a few milliseconds of one-thread GEMM, like a layer's pass
+        for _ in range(4):
+            torch.matmul(a, b)
+
     for kind in KINDS:
         points = []
         for nbytes in PROBE_BYTES:
             try:
-                seconds = _time_op(_op(kind, nbytes, rank), nbytes)
+                seconds = _time_op(_op(kind, nbytes, rank), nbytes, compute)
             except (RuntimeError, NotImplementedError):  # a gloo build without this collective
                 points = []
                 break
@@ -93,13 +111,18 @@ def _worker(rank: int, init_file: str, out: Any) -> None:
 
 
 def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares (intercept seconds, seconds per byte) of t = a + b * bytes, both kept >= 0."""
-    xs, ys = [float(p[0]) for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else my / mx
-    slope = max(slope, 1e-15)
-    return max(my - slope * mx, 0.0), slope
+    """(intercept seconds, seconds per byte) of t = a + b * bytes, robust to the spikes of a shared host.
+
+    The line is anchored at the faster of the two smallest messages (a spike only adds time); the
+    slope is the median slope from there to each of the larger half. Exact for points on a line.
+    """
+    points = sorted(points)
+    n0, t0 = min(points[:2], key=lambda p: p[1])
+    large = [p for p in points[len(points) // 2:] if p[0] > n0]
+    slope = statistics.median(max(t - t0, 0.0) / (n - n0) for n, t in large)
+    if slope <= 0:
+        slope = max(t for _, t in points) / points[-1][0]
+    return max(t0 - slope * n0, 0.0), slope
 
 
 def to_bus(kind: str, intercept: float, slope: float) -> tuple[float, float]:

@@ -262,5 +262,5 @@ def resolve_gpu(name: str | None, spec_file: str | None) -> GpuSpec:
     return builtin_gpu(name or "h100")
 
 
-__all__ = ["BUILTIN_GPUS", "COLLECTIVE_KINDS", "GpuSpec", "builtin_gpu", "dtype_bytes", "interpolate_log", "load_gpu_spec",
-           "resolve_gpu", "spec_from_dict", "write_gpu_spec"]
+__all__ = ["BUILTIN_GPUS", "COLLECTIVE_KINDS", "GpuSpec", "builtin_gpu", "dtype_bytes", "interpolate_log",
+           "load_gpu_spec", "resolve_gpu", "spec_from_dict", "write_gpu_spec"]
