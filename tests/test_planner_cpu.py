@@ -4,7 +4,6 @@ cores, and the prediction against real CPU runs (one tiny run here; the multi-ra
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import replace
 
@@ -74,9 +73,11 @@ def _step(overrides: list[str], ranks: int, spec):
 def test_ranks_beyond_the_cores_share_them() -> None:
     two_cores = spec_from_dict(CPU_FIELDS, "test")
     many_cores = replace(two_cores, host_cores=64.0)
-    # pp 4 on 2 cores: the step is at least all four ranks' work over two cores, above the critical path.
-    shared, own = _step(["parallel.pp=4"], 4, two_cores), _step(["parallel.pp=4"], 4, many_cores)
-    microbatches = 8 // 4  # global batch / micro-batch (dp 1): every pipeline rank runs each one
+    # pp 4 on 2 cores, 4 micro-batches: all four ranks' work over two cores (8 passes' time) exceeds the
+    # schedule's critical path (4 + 3 passes), so the cores, not the schedule, bound the step.
+    pp4 = ["parallel.pp=4", "train.global_batch_size=16", "model.vocab_size=512"]  # stages near even
+    shared, own = _step(pp4, 4, two_cores), _step(pp4, 4, many_cores)
+    microbatches = 16 // 4  # global batch / micro-batch (dp 1): every pipeline rank runs each one
     total_work = sum(microbatches * sum(f + b for f, b in chunks) for chunks in own.chunk_times)
     assert own.exposed.get("core_sharing", 0.0) == 0.0
     assert shared.breakdown()["core_sharing"] > 0
@@ -84,6 +85,9 @@ def test_ranks_beyond_the_cores_share_them() -> None:
     assert shared.step_time_s == pytest.approx(sum(shared.breakdown().values()))
     # The bubble of the schedule is the same either way: sharing is reported as its own part.
     assert shared.bubble_s == pytest.approx(own.bubble_s)
+    assert shared.step_time_s > own.step_time_s
+    # Two micro-batches: at most two ranks are busy at once, so two cores suffice and nothing is shared.
+    assert _step(["parallel.pp=4", "model.vocab_size=512"], 4, two_cores).exposed["core_sharing"] == pytest.approx(0.0)
     # As many ranks as cores: nothing to share.
     assert "core_sharing" not in _step(["parallel.pp=2"], 2, two_cores).exposed
 
@@ -95,6 +99,7 @@ def test_calibrate_cpu_refuses_a_bad_attention_shape(tmp_path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_calibrated_spec_predicts_a_real_cpu_run(tmp_path) -> None:
     """Calibrate (one thread), plan the config, train it for real: the prediction holds within a shared host's
     noise. The multi-rank table with a 15% bound is the slow test below and `megascale bench planner`."""
@@ -104,14 +109,14 @@ def test_calibrated_spec_predicts_a_real_cpu_run(tmp_path) -> None:
     copy = cal.copy_bandwidth(64 * 2**20)
     fields = {**CPU_FIELDS, "peak_tflops": {"fp32": peak, "bf16": peak, "fp16": peak}, "gemm_efficiency": curve,
               "attention_fwd_efficiency": attn[0], "attention_bwd_efficiency": attn[1], "hbm_gbps": copy,
-              "hbm_efficiency": cal.memory_op_efficiency(copy), "host_cores": float(os.cpu_count() or 1)}
+              "hbm_efficiency": cal.memory_op_efficiency(copy), "host_cores": cal.host_cores(seconds=1.0)}
     spec_path = tmp_path / "cpu.yaml"
     write_gpu_spec(spec_from_dict(fields, "test"), str(spec_path))
     predicted = predict(cfg, resolve_plan(cfg, 1), load_gpu_spec(str(spec_path))).step_time_s
     records = train(tmp_path / "run", "train.steps=5", base=BENCH_BASE)
     measured = statistics.median(r["step_time_s"] for r in records[2:])
-    # Alone on the host this is within ~15%; other jobs on the cores slow the run more than the calibration.
-    assert 0.4 < predicted / measured < 1.6, (predicted, measured)
+    # Alone on the host this is within ~15%; other jobs' load changes between calibration and run.
+    assert 0.5 < predicted / measured < 2.0, (predicted, measured)
 
 
 @pytest.mark.slow
@@ -123,3 +128,23 @@ def test_planner_predicts_real_multi_rank_cpu_runs_within_15_percent(capsys, mon
     rows = json.loads(capsys.readouterr().out)
     within = [row["run"] for row in rows if abs(row["error"]) <= 0.15]
     assert len(within) >= 8, rows
+
+
+def test_calibrated_cpu_spec_goes_through_megascale_plan(tmp_path, capsys) -> None:
+    """The measuring functions of `bench calibrate --device cpu` -> a spec file -> `megascale plan --gpu-spec`."""
+    from megascale.perf.plan import main as plan_main
+
+    peak, curve = cal.gemm_curve((64, 256))
+    copy = cal.copy_bandwidth(16 * 2**20)
+    assert 0 < peak < 10 and max(e for _, e in curve) == 1.0 and copy > 0.1
+    spec = spec_from_dict({**CPU_FIELDS, "peak_tflops": {"fp32": peak, "bf16": peak, "fp16": peak},
+                           "gemm_efficiency": curve, "hbm_gbps": copy,
+                           "hbm_efficiency": cal.memory_op_efficiency(copy, tokens=256)}, "test")
+    path = tmp_path / "cpu.yaml"
+    write_gpu_spec(spec, str(path))
+    assert plan_main(["--config", str(ROOT / "configs/tiny.yaml"), "--gpus", "2", "--gpu-spec", str(path), "--json",
+                      *BENCH_BASE, "parallel.tp=2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpu"] == "cpu-test" and out["step_time_s"] == pytest.approx(sum(out["breakdown"].values()))
+    # tp 2 on the measured all-reduce: the exposed tp time is the model's count of 2-rank all-reduces.
+    assert out["breakdown"]["tp_comm"] > 0

@@ -11,8 +11,8 @@ launcher), so everything is measured on one thread of one process:
   add + RMSNorm and SwiGLU, forward and backward, on the bytes the time model
   counts for them);
 - the cores the ranks of this host share (`host_cores`): the aggregate GEMM rate
-  of one worker per core against one worker alone, so a host other jobs load
-  reports the share it really gives;
+  of one worker per core over the best one-thread rate, so a host other jobs
+  load reports the share it really gives (fewer cores than it has);
 - gloo collectives between real process groups of two ranks
   (`megascale.bench._gloo_probe`): all-reduce, all-gather, reduce-scatter,
   all-to-all and p2p, each fitted to latency + bytes / bus bandwidth over a
@@ -139,14 +139,16 @@ def _concurrent_rate(workers: int, seconds: float) -> float:
     return sum(rates)
 
 
-def host_cores(seconds: float = 1.5) -> float:
-    """Cores the ranks of this host get together: the aggregate GEMM rate of one worker per core over one alone."""
+def host_cores(seconds: float = 2.0) -> float:
+    """Cores' worth of undisturbed one-thread GEMM the host gives one worker per core running at once.
+
+    The aggregate rate of the workers over the best one-thread rate of the same GEMM: 2.0 on an idle
+    2-core host, less when other jobs share the cores (then the ranks of a run get that share too).
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cores == 1:
-        return 1.0
-    alone = _concurrent_rate(1, seconds)
+    undisturbed = _gemm_rate(256)
     together = _concurrent_rate(cores, seconds)
-    return round(min(float(cores), max(1.0, together / alone)), 2)
+    return round(min(float(cores), max(0.05, together / undisturbed)), 2)
 
 
 def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, int, int, int],

@@ -93,7 +93,7 @@ def _worker(rank: int, init_file: str, out: Any) -> None:
             torch.matmul(a, b)
 
     for kind in KINDS:
-        points = []
+        points: list[tuple[int, float]] = []
         for nbytes in PROBE_BYTES:
             try:
                 seconds = _time_op(_op(kind, nbytes, rank), nbytes, compute)

@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=8, help="steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     parser.add_argument("--runs", default=None, help="comma-separated indices into the run list (default: all)")
-    parser.add_argument("--recalibrate-every", type=int, default=4, help="runs between calibrations")
+    parser.add_argument("--recalibrate-every", type=int, default=2, help="runs between calibrations")
     parser.add_argument("--spec-out", default=None, help="also write the last calibrated spec here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
