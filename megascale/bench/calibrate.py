@@ -1,4 +1,8 @@
-"""`megascale bench calibrate`: measure this machine's GPU and write a `--gpu-spec` file for `megascale plan`.
+"""`megascale bench calibrate`: measure this machine's GPU (or, with `--device cpu`, its CPU) and write a
+`--gpu-spec` file for `megascale plan`.
+
+`--device cpu` measures what a CPU run of `megascale train` uses: one thread per
+rank, gloo between local processes (megascale/bench/_calibrate_cpu.py).
 
 Measured here, on the first visible GPU (and its peers for NVLink):
 - the bf16 GEMM efficiency curve: square and transformer-shaped GEMMs over a
@@ -99,7 +103,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--base", default="h100", help="shipped spec for what is not measured here (the NIC)")
     parser.add_argument("--name", default=None, help="name of the spec (default: the device name)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: the base's)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda: the first GPU; cpu: this host's CPU, one thread per rank, gloo between ranks")
+    parser.add_argument("--attention-shape", default="256,4,64,4", metavar="SEQ,HEADS,HEAD_DIM,BATCH",
+                        help="--device cpu: the SDPA shape to time (a CPU's attention efficiency depends on it)")
+    parser.add_argument("--no-gloo", action="store_true", help="--device cpu: skip the gloo collectives")
     args = parser.parse_args(argv)
+    if args.device == "cpu":
+        return _main_cpu(args)
     if not torch.cuda.is_available():
         raise UserError("bench calibrate measures a CUDA GPU and none is visible; run it on the GPU machine")
     base = builtin_gpu(args.base)
@@ -128,6 +139,24 @@ def main(argv: list[str]) -> int:
           + f"; attention fwd {attn_fwd:.0%} bwd {attn_bwd:.0%}; HBM {hbm:.0f} GB/s"
           + (f"; NVLink {nvlink:.0f} GB/s" if nvlink else "") + f"\nwrote {args.out} (megascale plan --gpu-spec "
           f"{args.out})")
+    return 0
+
+
+def _main_cpu(args: argparse.Namespace) -> int:
+    """`--device cpu`: measure this host and write its spec."""
+    from megascale.bench._calibrate_cpu import measure_cpu_spec, summary, total_memory_gib
+
+    try:
+        shape = tuple(int(v) for v in args.attention_shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise UserError(f"--attention-shape {args.attention_shape!r}: give four positive integers "
+                        "SEQ,HEADS,HEAD_DIM,BATCH, for example 256,4,64,4")
+    spec = measure_cpu_spec(args.name or "cpu", total_memory_gib(), (shape[0], shape[1], shape[2], shape[3]),
+                            gloo=not args.no_gloo)
+    write_gpu_spec(spec, args.out)
+    print(summary(spec) + f"\nwrote {args.out} (megascale plan --gpu-spec {args.out})")
     return 0
 
 

@@ -125,6 +125,8 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inte
         return 0.0
     if inter_node:
         bandwidth, latency = spec.nic_gbps * 1e9 * spec.nic_efficiency, spec.inter_latency_us * 1e-6
+    elif kind in spec.collectives:  # measured for this kind (a CPU host's gloo: each kind differs)
+        bandwidth, latency = spec.collectives[kind][0] * 1e9, spec.collectives[kind][1] * 1e-6
     else:
         bandwidth, latency = spec.nvlink_gbps * 1e9 * spec.nvlink_efficiency, spec.intra_latency_us * 1e-6
     share = (ranks - 1) / ranks

@@ -28,6 +28,7 @@ import yaml
 from megascale.errors import UserError
 
 GB = 1e9
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class GpuSpec:
     """Per-hop latency of an inter-node collective step, microseconds."""
     memory_reserve_gib: float = 2.5
     """Device memory not available to tensors: CUDA context, NCCL and cuBLAS workspaces."""
+    host_cores: float = 0.0
+    """CPU specs: cores the ranks of one host share (one thread per rank); more ranks than cores
+    time-share them. 0 = every rank has a device of its own (GPUs)."""
+    collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    """Measured (bus GB/s, latency us) per collective kind (all_reduce, all_gather, reduce_scatter,
+    all_to_all, p2p) inside a node; a kind listed here replaces nvlink_gbps/intra_latency_us for it."""
     source: str = "built-in"
     """Where the numbers came from (built-in table, a file, or a calibration run)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -112,6 +119,7 @@ class GpuSpec:
         out["peak_tflops"] = dict(self.peak_tflops)
         out["gemm_efficiency"] = [list(p) for p in self.gemm_efficiency]
         out["extra"] = dict(self.extra)
+        out["collectives"] = {kind: list(pair) for kind, pair in self.collectives.items()}
         return out
 
 
@@ -190,6 +198,8 @@ def spec_from_dict(data: Mapping[str, Any], source: str) -> GpuSpec:
     try:
         merged["gemm_efficiency"] = tuple(sorted((float(s), float(e)) for s, e in merged["gemm_efficiency"]))
         merged["peak_tflops"] = {str(k): float(v) for k, v in dict(merged["peak_tflops"]).items()}
+        merged["collectives"] = {str(kind): (float(bw), float(lat))
+                                 for kind, (bw, lat) in dict(merged.get("collectives") or {}).items()}
         spec = GpuSpec(**merged)
     except (TypeError, ValueError) as err:
         raise UserError(f"GPU spec {source}: {err}") from None
@@ -211,6 +221,12 @@ def _check_spec(spec: GpuSpec, source: str) -> None:
     for name, value in fractions:
         if not 0 < value <= 1:
             raise UserError(f"GPU spec {source}: {name}={value} must be a fraction in (0, 1]")
+    for kind, (bandwidth, latency) in spec.collectives.items():
+        if kind not in COLLECTIVE_KINDS or not bandwidth > 0 or latency < 0:
+            raise UserError(f"GPU spec {source}: collectives.{kind}=[{bandwidth}, {latency}] needs a kind of "
+                            f"{', '.join(COLLECTIVE_KINDS)}, bus GB/s > 0 and latency us >= 0")
+    if spec.host_cores < 0:
+        raise UserError(f"GPU spec {source}: host_cores={spec.host_cores} must be >= 0")
     if not spec.gemm_efficiency:
         raise UserError(f"GPU spec {source}: gemm_efficiency needs at least one (size, fraction) point")
 
@@ -246,5 +262,5 @@ def resolve_gpu(name: str | None, spec_file: str | None) -> GpuSpec:
     return builtin_gpu(name or "h100")
 
 
-__all__ = ["BUILTIN_GPUS", "GpuSpec", "builtin_gpu", "dtype_bytes", "interpolate_log", "load_gpu_spec",
-           "resolve_gpu", "spec_from_dict", "write_gpu_spec"]
+__all__ = ["BUILTIN_GPUS", "COLLECTIVE_KINDS", "GpuSpec", "builtin_gpu", "dtype_bytes", "interpolate_log",
+           "load_gpu_spec", "resolve_gpu", "spec_from_dict", "write_gpu_spec"]

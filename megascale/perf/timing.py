@@ -37,6 +37,7 @@ from megascale.perf.costs import (
     layer_costs,
 )
 from megascale.perf.gpus import GpuSpec
+from megascale.perf.host import ranks_per_core, shared_makespan
 from megascale.run_plan import RunPlan
 
 # Optimizer bytes per parameter it updates: read the fp32 gradient (4), read and write the two fp32
@@ -170,6 +171,9 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         makespan, busy = _pipeline(plan, times, p2p, rendezvous=not traits.async_p2p)
     else:
         makespan, busy = _analytic_pipeline(plan, times, p2p)
+    # CPU hosts: ranks beyond the cores time-share them (zero for GPU specs); reported as its own part.
+    core_sharing = shared_makespan(plan, spec, makespan, busy) - makespan
+    sharing = ranks_per_core(plan, spec)
     m = plan.num_microbatches
     step_parts = []
     for rank in range(plan.pp):
@@ -177,6 +181,9 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank])
         exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local)
         exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
+        if sharing > 1.0:
+            exposed = {name: value * sharing for name, value in exposed.items()}
+            exposed["core_sharing"] = core_sharing
         step_parts.append((makespan + sum(exposed.values()), rank, exposed, hidden))
     total, rank, exposed, hidden = max(step_parts, key=lambda part: part[0])
     compute = Cost()

@@ -1,0 +1,175 @@
+"""`megascale bench planner --device cpu`: the planner's prediction against real multi-rank CPU runs.
+
+Calibrates this host (`bench calibrate --device cpu`), then trains each layout
+of `RUNS` for real through `megascale train --nproc N` (gloo, one thread per
+rank, the small model of configs/tiny.yaml), reads `step_time_s` from the run's
+metrics.jsonl (median of the steps after the warm-up), and predicts the same
+config with that spec exactly as `megascale plan --config ... --gpu-spec SPEC`
+does. Calibration is repeated between runs so a host whose load changes is
+measured near each run; each run is predicted with the latest spec. Prints
+measured against predicted per run, as a markdown table.
+
+Nothing here is fitted to the runs: every constant comes from the calibration's
+micro-benchmarks (GEMM curve, SDPA, copy bandwidth, gloo collectives, cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from megascale.config import load_config
+from megascale.errors import UserError
+from megascale.perf.gpus import GpuSpec, write_gpu_spec
+from megascale.perf.predict import Prediction, predict
+from megascale.run_plan import resolve_plan
+
+BASE_CONFIG = "configs/tiny.yaml"
+# Small enough that a run takes seconds on one thread per rank; four micro-batches so pipelines have a bubble.
+BASE_OVERRIDES = ("train.global_batch_size=16", "train.micro_batch_size=4", "train.eval_interval=0",
+                  "checkpoint.save_final=false", "log.interval=1", "log.tensorboard=false")
+
+
+@dataclass(frozen=True)
+class CpuRun:
+    """One real run: a label, its number of ranks and its layout overrides."""
+
+    label: str
+    ranks: int
+    overrides: tuple[str, ...]
+
+
+RUNS: tuple[CpuRun, ...] = (
+    CpuRun("tp 2", 2, ("parallel.tp=2",)),
+    CpuRun("tp 2 + SP", 2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
+    CpuRun("pp 2, 1F1B", 2, ("parallel.pp=2",)),
+    CpuRun("pp 2, interleaved vpp 2", 2, ("parallel.pp=2", "parallel.vpp=2")),
+    CpuRun("dp 2", 2, ("parallel.dp=2",)),
+    CpuRun("dp 2 + ZeRO-1", 2, ("parallel.dp=2", "parallel.zero=1")),
+    CpuRun("cp 2 ulysses", 2, ("parallel.cp=2", "parallel.cp_mode=ulysses")),
+    CpuRun("cp 2 ring", 2, ("parallel.cp=2", "parallel.cp_mode=ring")),
+    CpuRun("pp 4, 1F1B (4 ranks on the cores)", 4, ("parallel.pp=4",)),
+    CpuRun("tp 2 x pp 2 (4 ranks)", 4, ("parallel.tp=2", "parallel.pp=2")),
+    CpuRun("tp 2 x dp 2 + ZeRO-1 (4 ranks)", 4, ("parallel.tp=2", "parallel.dp=2", "parallel.zero=1")),
+)
+"""The layouts checked: tp, SP, pp 1F1B and interleaved, dp, ZeRO-1, cp both ways, and oversubscribed mixes."""
+
+
+@dataclass
+class RunResult:
+    """A run's measured and predicted step time."""
+
+    run: CpuRun
+    measured_s: float
+    steps: list[float]
+    prediction: Prediction
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured, minus one."""
+        return self.prediction.step_time_s / self.measured_s - 1.0
+
+
+def run_overrides(run: CpuRun, steps: int, output_dir: str) -> list[str]:
+    """The full override list of a run."""
+    return [*BASE_OVERRIDES, f"train.steps={steps}", f"train.output_dir={output_dir}", *run.overrides]
+
+
+def train_and_measure(run: CpuRun, steps: int, warmup: int, workdir: str, config: str) -> list[float]:
+    """Train `run` for real with --nproc and return the step times after the warm-up steps."""
+    out = os.path.join(workdir, run.label.split(" (")[0].replace(" ", "_").replace(",", ""))
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "megascale.cli", "train", "--config", config, "--nproc", str(run.ranks),
+           *run_overrides(run, steps, out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"run {run.label!r} failed ({done.returncode}):\n" + "\n".join(tail))
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r["step_time_s"] for r in records if r["step"] > warmup]
+
+
+def predict_run(run: CpuRun, spec: GpuSpec, steps: int, config: str) -> Prediction:
+    """The planner's prediction of `run` on `spec` (what `megascale plan --gpu-spec` computes)."""
+    cfg = load_config(config, run_overrides(run, steps, "unused"))
+    return predict(cfg, resolve_plan(cfg, run.ranks), spec)
+
+
+def format_table(results: list[RunResult], spec: GpuSpec) -> str:
+    """Markdown: one row per run, measured and predicted side by side, then the summary."""
+    lines = ["| run | ranks | measured s/step (median) | predicted s/step | error | predicted bubble |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r.run.label} | {r.run.ranks} | {r.measured_s:.3f} | {r.prediction.step_time_s:.3f} | "
+                     f"{r.error:+.1%} | {r.prediction.step.bubble_fraction:.1%} |")
+    errors = [abs(r.error) for r in results]
+    within = sum(e <= 0.15 for e in errors)
+    lines.append("")
+    lines.append(f"{within} of {len(results)} runs within 15%; mean absolute error {statistics.fmean(errors):.1%}, "
+                 f"worst {max(errors):.1%}. Spec: {spec.description}, fp32 GEMM peak "
+                 f"{spec.peak('fp32') * 1e3:.1f} GFLOP/s, {spec.host_cores:g} cores.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """Entry of `megascale bench planner`."""
+    parser = argparse.ArgumentParser(prog="megascale bench planner",
+                                     description="Check the planner's step time against real multi-rank CPU runs.")
+    parser.add_argument("--device", choices=("cpu",), default="cpu", help="only cpu: real gloo runs on this host")
+    parser.add_argument("--config", default=BASE_CONFIG, help="model config the runs train (default configs/tiny.yaml)")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    parser.add_argument("--runs", default=None, help="comma-separated indices into the run list (default: all)")
+    parser.add_argument("--recalibrate-every", type=int, default=2, help="runs between calibrations")
+    parser.add_argument("--spec-out", default=None, help="also write the last calibrated spec here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        raise UserError(f"--steps {args.steps} must exceed --warmup {args.warmup} (the median needs measured steps)")
+    if not os.path.isfile(args.config):
+        raise UserError(f"--config {args.config}: no such file (run from the repository root, or pass --config)")
+    runs = list(RUNS) if args.runs is None else [RUNS[int(i)] for i in args.runs.split(",")]
+    from megascale.bench._calibrate_cpu import measure_cpu_spec, summary, total_memory_gib
+
+    def calibrate() -> GpuSpec:
+        cfg = load_config(args.config, [])
+        shape = (cfg.model.seq_length, cfg.model.num_heads // 2, cfg.model.head_dim, 4)
+        return measure_cpu_spec("cpu", total_memory_gib(), shape)
+
+    results: list[RunResult] = []
+    started = time.time()
+    spec = calibrate()
+    print(summary(spec), file=sys.stderr)
+    with tempfile.TemporaryDirectory() as workdir:
+        for index, run in enumerate(runs):
+            if index and index % args.recalibrate_every == 0:
+                spec = calibrate()
+                print(summary(spec), file=sys.stderr)
+            steps = train_and_measure(run, args.steps, args.warmup, workdir, args.config)
+            pred = predict_run(run, spec, args.steps, args.config)
+            result = RunResult(run, statistics.median(steps), steps, pred)
+            results.append(result)
+            print(f"{run.label}: measured {result.measured_s:.3f} s, predicted {pred.step_time_s:.3f} s "
+                  f"({result.error:+.1%}) [{time.time() - started:.0f} s]", file=sys.stderr)
+    if args.spec_out:
+        write_gpu_spec(spec, args.spec_out)
+    if args.json:
+        print(json.dumps([{"run": r.run.label, "ranks": r.run.ranks, "overrides": list(r.run.overrides),
+                           "measured_s": r.measured_s, "steps_s": r.steps, "predicted_s": r.prediction.step_time_s,
+                           "error": r.error, "breakdown": r.prediction.step.breakdown()} for r in results], indent=2))
+    else:
+        print(format_table(results, spec))
+    return 0
+
+
+__all__ = ["RUNS", "CpuRun", "RunResult", "format_table", "main", "predict_run", "train_and_measure"]

@@ -1,0 +1,39 @@
+"""Ranks that share a host's cores (CPU specs): the time-sharing bound on a step.
+
+A CPU run starts one single-threaded process per rank on one host. With more
+ranks than cores (`GpuSpec.host_cores`, measured by `bench calibrate --device
+cpu` as the cores the host really gives), the ranks time-share the cores: a
+step can finish no sooner than the work of all ranks spread over the cores,
+whatever the schedule's critical path says. A pipeline's idle ranks free their
+core for the busy ones, so the bound applies to the summed busy time, not to the
+makespan scaled up; the step's tail (gradient reduction, optimizer), which every
+rank runs at once, is stretched by ranks / cores.
+"""
+
+from __future__ import annotations
+
+from megascale.perf.gpus import GpuSpec
+from megascale.run_plan import RunPlan
+
+
+def ranks_per_core(plan: RunPlan, spec: GpuSpec) -> float:
+    """Ranks per core on one host (>= 1), or 1 for a spec with a device per rank."""
+    if spec.host_cores <= 0:
+        return 1.0
+    ranks_on_host = min(plan.world_size, spec.gpus_per_node)
+    return max(1.0, ranks_on_host / spec.host_cores)
+
+
+def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[float]) -> float:
+    """The pipeline makespan under core sharing: at least every rank's busy time spread over the cores.
+
+    `busy` is per pipeline rank; each stands for world / pp ranks (its tp, cp and dp peers) doing the same work.
+    """
+    share = ranks_per_core(plan, spec)
+    if share <= 1.0:
+        return makespan
+    peers = plan.world_size / plan.pp
+    return max(makespan, sum(busy) * peers / min(plan.world_size, spec.host_cores))
+
+
+__all__ = ["ranks_per_core", "shared_makespan"]
