@@ -119,7 +119,8 @@ def _from_tokens(tokens: list[str]) -> Optional[Launch]:
     config_at = tokens.index("--config") + 1
     config, overrides = tokens[config_at], _overrides_after(tokens, config_at + 1)
     if "torchrun" in tokens:
-        nodes = int(_option(tokens, "--nnodes", "1") or 1)
+        # an elastic range MIN:MAX is planned at its full size, the layout the config describes
+        nodes = int((_option(tokens, "--nnodes", "1") or "1").split(":")[-1])
         return Launch(nodes * int(_option(tokens, "--nproc-per-node", "1") or 1), config, overrides)
     if "megascale" in tokens and "train" in tokens:
         return Launch(int(_option(tokens, "--nproc", "1") or 1), config, overrides)
