@@ -121,13 +121,15 @@ def test_overlaps_and_recompute_move_time_the_right_way() -> None:
 
 
 def test_megascale_175b_table_is_reproduced_within_ten_percent() -> None:
-    table, results = reproduce("megascale-175b")
-    assert len(results) == 8 and [c.name for c in table.columns] == ["Megatron-LM", "MegaScale"]
+    # Held out: the constants come from the other published tables (megascale.perf.uncertainty.HELD_OUT).
+    _, _, results = reproduce("megascale-175b")
+    assert len(results) == 16 and {r.row.system for r in results} == {"megascale", "megatron-megascale-baseline"}
+    errors = [abs(r.time_error) for r in results]
+    assert sum(errors) / len(errors) < 0.10
     for result in results:
-        assert set(result.step_times) == {"Megatron-LM", "MegaScale"}
-        for name, (time_error, mfu_error) in result.relative_errors().items():
-            assert abs(time_error) < 0.10, (result.row, name, time_error)
-            assert abs(mfu_error) < 0.10, (result.row, name, mfu_error)
+        if result.row.system == "megascale":  # MegaScale's own column: every row within 10%
+            assert abs(result.time_error) < 0.10, (result.row.label(), result.time_error)
+            assert abs(result.mfu / result.row.published_mfu - 1) < 0.10, (result.row.label(), result.mfu)
 
 
 @pytest.mark.parametrize("name", sorted(os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS, "*.yaml"))))
@@ -148,9 +150,10 @@ def test_plan_json_has_the_documented_fields(capsys) -> None:
     assert cli_main(["plan", "--config", os.path.join(CONFIGS, "gpt3-175b.yaml"), "--gpus", "1024", "--gpu", "a100",
                      "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib", "fits", "bubble_fraction",
-                "stages", "breakdown"):
+    for key in ("step_time_s", "step_time_s_low", "step_time_s_high", "tokens_per_s", "tflops_per_gpu", "mfu",
+                "memory_gib", "fits", "bubble_fraction", "stages", "breakdown"):
         assert key in out
+    assert out["step_time_s_low"] < out["step_time_s"] < out["step_time_s_high"]
     assert out["tokens_per_s"] == pytest.approx(768 * 2048 / out["step_time_s"])
 
 
