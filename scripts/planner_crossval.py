@@ -12,6 +12,7 @@ A few minutes of CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -33,14 +34,12 @@ def main() -> int:
     times = all_row_times()
     held = cross_validate(times)
     everything = fit(times)
-    report = {"all": {"a100_gemm_scale": everything.a100_gemm_scale, "host_step_s": everything.host_step_s},
-              "tables": {}}
+    report: dict = {"all": dataclasses.asdict(everything), "tables": {}}
     ratios: list[float] = []
     for name, result in held.items():
         ratios += [r.published_time_s / p for r, p in zip(result.rows, result.predicted)]
         report["tables"][name] = {
-            "fitted_on_others": {"a100_gemm_scale": result.calibration.a100_gemm_scale,
-                                 "host_step_s": result.calibration.host_step_s},
+            "fitted_on_others": dataclasses.asdict(result.calibration),
             "mape": result.mape, "max_abs_error": max(abs(e) for e in result.errors),
             "spearman_by_model": result.spearman_by_model(), "pairs_ordered": list(result.pairs_ordered()),
             "rows": [{"layout": r.label(), "system": r.system, "published_time_s": r.published_time_s,

@@ -10,6 +10,7 @@ error (MAPE) and the rank correlation of the layouts of each model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,15 +65,16 @@ def _held_out(name: str, calibration: Calibration, results: list[RowResult]) -> 
 
 def format_table(name: str, calibration: Calibration, results: list[RowResult]) -> str:
     """Predicted beside published, one line per row, then MAPE and rank correlation."""
-    lines = [f"{name}: predicted (published) iteration time, error; constants fitted on the other tables "
-             f"(A100 GEMM level x{calibration.a100_gemm_scale:.2f}, Megatron-LM host {calibration.host_step_s:.2f} "
-             "s/step)", ""]
-    header = f"{'layout':<50} {'system':<28} {'predicted s':>18} {'published':>10} {'error':>7}  {'MFU':>6}"
+    lines = [f"{name}: predicted iteration time with its band, published, error; constants fitted on the other "
+             f"tables (A100 GEMM level x{calibration.a100_gemm_scale:.2f}, host s/step: Megatron-LM 2021-22 "
+             f"{calibration.host_step_s:.2f}, MegaScale's Megatron-LM baseline {calibration.baseline_host_step_s:.2f})",
+             ""]
+    header = f"{'layout':<50} {'system':<28} {'predicted s':>22} {'published':>10} {'error':>7}  {'MFU':>6}"
     lines += [header, "-" * len(header)]
     for r in results:
         low, high = band(r.step_time_s)
-        spread = (high - low) / 2
-        lines.append(f"{r.row.label():<50} {r.row.system:<28} {r.step_time_s:9.2f} +-{spread:6.2f} "
+        lines.append(f"{r.row.label():<50} {r.row.system:<28} {r.step_time_s:9.2f} +{high - r.step_time_s:5.2f}"
+                     f"/-{r.step_time_s - low:5.2f} "
                      f"{r.row.published_time_s:10.2f} {r.time_error:+7.1%}  {r.mfu:6.1%}")
     held = _held_out(name, calibration, results)
     lines += ["", f"{len(results)} rows: MAPE {held.mape:.1%}, max |error| {max(abs(e) for e in held.errors):.1%}"]
@@ -96,8 +98,7 @@ def to_json(name: str, calibration: Calibration, results: list[RowResult]) -> di
                      "published_time_s": r.row.published_time_s, "predicted_time_s": r.step_time_s,
                      "step_time_s_low": low, "step_time_s_high": high, "time_error": r.time_error,
                      "predicted_mfu": r.mfu, "published_mfu": r.row.published_mfu})
-    return {"table": name, "calibration": {"a100_gemm_scale": calibration.a100_gemm_scale,
-                                           "host_step_s": calibration.host_step_s},
+    return {"table": name, "calibration": dataclasses.asdict(calibration),
             "rows": rows, "mape": held.mape, "spearman_by_model": held.spearman_by_model(),
             "pairs_ordered": list(held.pairs_ordered())}
 
