@@ -12,7 +12,7 @@ from megascale.cli import main as cli_main
 from megascale.config import load_config
 from megascale.errors import UserError
 from megascale.model.params import ModelLayout, param_table
-from megascale.perf.costs import collective_seconds, layer_costs
+from megascale.perf.costs import collective_seconds, group_node_ranks, layer_costs
 from megascale.perf.gpus import BUILTIN_GPUS, builtin_gpu, interpolate_log, load_gpu_spec, write_gpu_spec
 from megascale.perf.predict import predict
 from megascale.perf.reproduce import reproduce
@@ -187,3 +187,55 @@ def test_search_175b_on_12288_a100s_beats_megascale() -> None:
     cfg = load_config(os.path.join(CONFIGS, "megascale-175b.yaml"), [])
     result = search(cfg, 12288, builtin_gpu("a100"))
     assert result.ranked[0].prediction.mfu >= 0.552
+
+
+def test_cross_node_collectives_leave_on_every_member_nic() -> None:
+    spec = builtin_gpu("a100")
+    size = 1e9
+    one_nic = collective_seconds("all_reduce", size, 16, spec, inter_node=True)
+    eight_nics = collective_seconds("all_reduce", size, 16, spec, inter_node=True, node_ranks=8)
+    # A tp 16 group spanning two nodes rings through 8 GPUs per node and leaves on their 8 NICs: 8 x 21 GB/s
+    # (170 GB/s) against one NIC, still slower than NVLink's 240 GB/s.
+    assert one_nic / eight_nics == pytest.approx(8, rel=0.06)  # the ring latency terms are the same
+    assert eight_nics > collective_seconds("all_reduce", size, 16, spec, inter_node=False)
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["parallel.tp=16", "parallel.pp=8", "parallel.vpp=1",
+                                                               "train.global_batch_size=768"])
+    plan = resolve_plan(cfg, 1024)
+    assert group_node_ranks(plan, ("tp",), 8) == 8 and group_node_ranks(plan, ("dp",), 8) == 1
+
+
+def test_unfused_attention_streams_the_score_matrix() -> None:
+    from megascale.perf.costs import SystemTraits
+
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["train.global_batch_size=768", "model.dropout=0.1",
+                                                               "model.attention_dropout=0.1"])
+    plan = resolve_plan(cfg, 1024)
+    spec = builtin_gpu("a100")
+    flash = layer_costs(cfg, plan, spec, SystemTraits())
+    unfused = layer_costs(cfg, plan, spec, SystemTraits(flash_attention=False))
+    s, heads = 2048, 96 // plan.tp
+    # Forward: two full [s, s] GEMMs per head (the causal mask saves nothing) and the softmax + dropout bytes.
+    gemms = 2 * heads * spec.gemm_seconds(s, s, 128, "bf16")
+    softmax = spec.memory_seconds(heads * s * s * (2 * 2 + 2 * 2 + 1))
+    assert unfused.forward.attention == pytest.approx(gemms + softmax)
+    assert unfused.forward.attention > 2 * flash.forward.attention
+    assert unfused.recompute_selective > flash.recompute_selective
+
+
+def test_megatron_traits_shorten_pipeline_messages_and_hide_grad_reduces() -> None:
+    from megascale.perf.costs import SystemTraits
+    from megascale.perf.timing import p2p_seconds
+
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["train.global_batch_size=768",
+                                                               "parallel.sequence_parallel=false",
+                                                               "parallel.tp_overlap=false"])
+    plan = resolve_plan(cfg, 1024)
+    spec = builtin_gpu("a100")
+    plain = p2p_seconds(plan, spec, SystemTraits())
+    scattered = p2p_seconds(plan, spec, SystemTraits(pp_scatter_gather=True))
+    assert scattered < plain / 4  # 1/8 of the bytes per NIC plus an NVLink all-gather
+    base = layer_costs(cfg, plan, spec, SystemTraits())
+    overlapped = layer_costs(cfg, plan, spec, SystemTraits(tp_async_grad_reduce=True))
+    assert overlapped.backward.tp_comm < base.backward.tp_comm
+    assert overlapped.backward.hidden["tp"] == pytest.approx(base.backward.tp_comm - overlapped.backward.tp_comm)
+    assert overlapped.forward.tp_comm == base.forward.tp_comm
