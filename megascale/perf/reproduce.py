@@ -80,6 +80,7 @@ def format_table(name: str, calibration: Calibration, results: list[RowResult]) 
     lines += ["", f"{len(results)} rows: MAPE {held.mape:.1%}, max |error| {max(abs(e) for e in held.errors):.1%}"]
     for model, rho in held.spearman_by_model().items():
         lines.append(f"Spearman rank correlation of the {model} layouts: {rho:+.2f}")
+    lines.append(f"Spearman rank correlation over all {len(results)} rows: {held.spearman_all():+.2f}")
     good, total = held.pairs_ordered()
     if total:
         lines.append(f"pairs of layouts of one model ordered as published: {good} of {total}")
@@ -100,6 +101,7 @@ def to_json(name: str, calibration: Calibration, results: list[RowResult]) -> di
                      "predicted_mfu": r.mfu, "published_mfu": r.row.published_mfu})
     return {"table": name, "calibration": dataclasses.asdict(calibration),
             "rows": rows, "mape": held.mape, "spearman_by_model": held.spearman_by_model(),
+            "spearman_all": held.spearman_all(),
             "pairs_ordered": list(held.pairs_ordered())}
 
 

@@ -149,6 +149,10 @@ class HeldOut:
                 out[model] = spearman([self.predicted[i] for i in idx], [self.rows[i].published_time_s for i in idx])
         return out
 
+    def spearman_all(self) -> float:
+        """Rank correlation of predicted and published times over every row of the table."""
+        return spearman(self.predicted, [r.published_time_s for r in self.rows])
+
     def pairs_ordered(self) -> tuple[int, int]:
         """(correctly ordered, all) pairs of rows of the same model: the rank check for models with two rows."""
         good = total = 0
