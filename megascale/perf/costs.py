@@ -61,9 +61,10 @@ class SystemTraits:
       stage output; Megatron-LM sends 1/tp of it from each rank (each over its own
       NIC) and all-gathers it on NVLink at the receiver, where megascale's executor
       sends the whole tensor from every rank.
-    tp_async_grad_reduce: without sequence parallelism Megatron-LM (2022) starts
-      the all-reduce of a column-parallel layer's input gradient and computes that
-      layer's weight gradient while it runs.
+    tp_async_grad_reduce: Megatron-LM's (2022) column-parallel layers run their
+      backward collectives asynchronously: the input gradient's all-reduce (no
+      SP) or reduce-scatter (SP) under the weight-gradient GEMM, and the SP
+      re-gather of the input under the input-gradient GEMM.
     """
 
     async_p2p: bool = True
@@ -390,6 +391,31 @@ def _lfa_costs(shape: LayerShape, spec: GpuSpec, tp_inter: bool, cp_inter: bool)
     return fwd, bwd
 
 
+def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, gemms: list[tuple[str, int, int]],
+                           inter_node: bool) -> float:
+    """Seconds of backward tp collectives Megatron-LM's asynchronous column layers hide under their GEMMs.
+
+    Without SP the input gradient's all-reduce runs under the weight-gradient
+    GEMM; with SP the input's re-gather runs under the input-gradient GEMM and the
+    input gradient's reduce-scatter under the weight-gradient GEMM. The row
+    layers' gathers of the output gradient precede their GEMMs and stay exposed.
+    """
+    msg = shape.tokens * shape.hidden * shape.bytes
+    node_ranks = min(shape.tp, spec.gpus_per_node)
+    inputs = 2 if not (shape.parallel_block and traits.shared_block_comm) else 1
+    inputs += 1 if shape.lfa else 0
+    if shape.sp:
+        kinds = ["reduce_scatter"] + (["all_gather"] if traits.tp_regather_backward else [])
+    else:
+        kinds = ["all_reduce"]
+    hideable = inputs * sum(collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks) for kind in kinds)
+    columns = [(n, k) for role, n, k in gemms if role == "column"]
+    window = sum(spec.gemm_seconds(n, k, shape.tokens, shape.dtype) for n, k in columns)  # weight gradients
+    if shape.sp and traits.tp_regather_backward:
+        window += sum(spec.gemm_seconds(shape.tokens, k, n, shape.dtype) for n, k in columns)  # input gradients
+    return min(hideable, window)
+
+
 def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> LayerCosts:
     """Forward/backward seconds of one transformer layer for one micro-batch on one GPU."""
     shape = LayerShape.of(cfg, plan)
@@ -410,11 +436,9 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     gemm_f, gemm_b = sum(fwd_gemm.values()), sum(bwd_gemm.values())
     tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter)
     tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter)
-    if traits.tp_async_grad_reduce and not shape.sp and not tp_overlap:
-        # The input-gradient all-reduces run under the column layers' weight-gradient GEMMs.
-        window = sum(spec.gemm_seconds(n, k, t, dtype) for role, n, k in gemms if role == "column")
-        tp_b_hidden = min(tp_b, window)
-        tp_b -= tp_b_hidden
+    if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1:
+        hidden_b = _async_backward_hidden(shape, spec, traits, gemms, tp_inter)
+        tp_b, tp_b_hidden = tp_b - hidden_b, tp_b_hidden + hidden_b
     cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter, backward=False)
     cp_b, cp_b_hidden = _cp_pass(shape, spec, attn_bwd, cp_inter, backward=True)
     forward = Cost(gemm=gemm_f, attention=attn_fwd, memory=mem_fwd, tp_comm=tp_f, cp_comm=cp_f,
