@@ -163,6 +163,7 @@ def test_plan_says_does_not_fit_instead_of_failing(capsys) -> None:
                      "train.recompute=none", "train.global_batch_size=64"])
     out = capsys.readouterr().out
     assert code == 0 and "DOES NOT FIT" in out and "does not fit: the largest stage needs" in out
+    assert " s/step (+" in out  # the cross-validation band beside the step time
 
 
 def test_plan_unknown_gpu_lists_the_known_ones(capsys) -> None:
