@@ -2,7 +2,7 @@
 
 Default tests: every table parses, names its source, and every row is a layout
 the trainer accepts; transcriptions agree with the published MFU where both are
-given; two tables reproduced with their held-out constants stay under the
+given; three tables reproduced with their held-out constants stay under the
 documented error bounds; the CLI. Slow tests: the other tables, and the whole
 leave-one-table-out cross-validation, which must reproduce the constants and
 band recorded in megascale/perf/uncertainty.py.
@@ -26,10 +26,13 @@ from megascale.run_plan import resolve_plan
 # Held-out bounds (docs/planner.md, "How well it holds"): MAPE of the iteration time per table, and the
 # largest single-row error. A change to the time model that makes a table worse than this fails.
 MAPE_BOUND = {"korthikanti2022-recompute": 0.10, "megascale-175b": 0.10, "narayanan2021-weak-scaling": 0.10,
-              "narayanan2021-ptdp": 0.10, "llama3-405b": 0.20}
+              "narayanan2021-ptdp": 0.10, "llama3-405b": 0.20, "nvidia-dgxc-llama3.1-h100": 0.15}
 MAX_ERROR_BOUND = {"korthikanti2022-recompute": 0.10, "megascale-175b": 0.15, "narayanan2021-weak-scaling": 0.10,
-                   "narayanan2021-ptdp": 0.10, "llama3-405b": 0.35}
+                   "narayanan2021-ptdp": 0.10, "llama3-405b": 0.35, "nvidia-dgxc-llama3.1-h100": 0.18}
 SPEARMAN_BOUND = 0.8  # within each model with three or more published layouts
+# Rank correlation says nothing where a model's published times differ by less than run-to-run noise (the
+# weak-scaling rows of the H100 recipe table span 0.2-0.5%); it is checked where they span more than 5%.
+RANKED_SPREAD = 1.05
 
 
 def test_five_tables_with_sources() -> None:
@@ -75,6 +78,22 @@ def test_transcribed_times_agree_with_the_published_mfu() -> None:
             assert mfu == pytest.approx(row.published_mfu, rel=tolerance), (name, row.label(), mfu)
 
 
+def test_h100_recipe_times_agree_with_their_published_mfu_and_flops() -> None:
+    # The recipe's own model-FLOPs formula, per sequence: 8192 (12 l h^2 (1 + kv/heads + s/h) + 18 l ffn h + 6 V h).
+    # It reproduces the README's printed 4.74e14 (8B) and 3.94e15 (70B), so the shapes are the measured ones; with
+    # the printed per-sequence FLOPs, global batch / step time / GPUs / 989 TFLOP/s gives the published MFU.
+    printed = {"8B": 4.74e14, "70B": 3.94e15, "405B": 2.17e16}
+    for row in load_table("nvidia-dgxc-llama3.1-h100"):
+        s, h, layers = row.seq, row.hidden, row.layers
+        formula = s * (12 * layers * h * h * (1 + row.kv_heads / row.heads + s / h) + 18 * layers * row.ffn * h
+                       + 6 * row.vocab * h)
+        if row.model != "405B":  # the README prints 2.17e16, 1% above its own formula, and uses that
+            assert formula == pytest.approx(printed[row.model], rel=0.005), row.label()
+        mfu = row.global_batch * printed[row.model] / row.published_time_s / row.gpus / 989e12
+        assert mfu == pytest.approx(row.published_mfu, abs=0.0006), (row.label(), mfu)
+        assert row.dp * row.tp * row.pp * row.cp == row.gpus
+
+
 def test_narayanan_times_follow_from_the_published_tflops() -> None:
     # Table 1 publishes TFLOP/s with the recomputed forward counted (96 B s l h^2 (1 + s/6h + V/16lh)).
     for row in load_table("narayanan2021-weak-scaling"):
@@ -94,14 +113,15 @@ def _check_held_out(name: str) -> None:
     assert max(abs(e) for e in errors) <= MAX_ERROR_BOUND[name], (name, errors)
     for model in {r.row.model for r in results}:
         idx = [i for i, r in enumerate(results) if r.row.model == model]
-        if len(idx) >= 3:
+        published = [results[i].row.published_time_s for i in idx]
+        if len(idx) >= 3 and max(published) > RANKED_SPREAD * min(published):
             from megascale.perf.validation import spearman
 
             rho = spearman([results[i].step_time_s for i in idx], [results[i].row.published_time_s for i in idx])
             assert rho >= SPEARMAN_BOUND, (name, model, rho)
 
 
-@pytest.mark.parametrize("name", ["korthikanti2022-recompute", "llama3-405b"])
+@pytest.mark.parametrize("name", ["korthikanti2022-recompute", "llama3-405b", "nvidia-dgxc-llama3.1-h100"])
 def test_held_out_errors(name: str) -> None:
     _check_held_out(name)
 

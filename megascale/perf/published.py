@@ -92,6 +92,15 @@ SYSTEMS: Mapping[str, System] = MappingProxyType({
         "megascale",
         "Meta's Llama 3 trainer, described by megascale's own defaults (flash attention, asynchronous p2p, "
         "overlapped ZeRO-1 reduction; no tp overlap assumed)"),
+    "megatron-core-nemo": System(
+        "megatron-core-nemo", SystemTraits(async_p2p=True, tp_regather_backward=True, tp_async_grad_reduce=True),
+        {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False,
+         "parallel_block": False, "attention": "causal"},
+        {"tp_overlap": True, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1,
+         "cp_mode": "ring"}, "adamw", "megatron-core",
+        "Megatron-Core through NeMo (2024-25 performance recipes): flash attention, tp communication overlapped "
+        "with the GEMMs, sequence parallelism re-gathering in the backward, distributed optimizer with "
+        "overlapped reduction and parameter gather, overlapped p2p, ring context parallelism"),
 })
 """The implementations the published tables name, by the `system` column."""
 
