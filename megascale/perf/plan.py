@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 from megascale.config import Config, load_config
 from megascale.perf.gpus import BUILTIN_GPUS, GpuSpec, resolve_gpu
@@ -19,9 +20,16 @@ from megascale.perf.predict import Prediction, memory_parts, predict
 from megascale.run_plan import resolve_plan
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps help text without breaking the table names (which contain hyphens) across lines."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="megascale plan",
+        prog="megascale plan", formatter_class=_HelpFormatter,
         description="Predict a layout's memory per pipeline stage, step time, tokens/s and MFU on a GPU cluster.")
     parser.add_argument("--config", help="YAML config (model, batch and layout)")
     parser.add_argument("--gpus", "--world", dest="gpus", type=int, help="number of GPUs (ranks)")

@@ -101,6 +101,14 @@ SYSTEMS: Mapping[str, System] = MappingProxyType({
         "Megatron-Core through NeMo (2024-25 performance recipes): flash attention, tp communication overlapped "
         "with the GEMMs, sequence parallelism re-gathering in the backward, distributed optimizer with "
         "overlapped reduction and parameter gather, overlapped p2p, ring context parallelism"),
+    "nemo-megatron-gpt3": System(
+        "nemo-megatron-gpt3", SystemTraits(async_p2p=True, tp_regather_backward=True, tp_async_grad_reduce=True),
+        {**_GPT_2021, "position": "learned"},
+        {"tp_overlap": True, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1}, "adamw",
+        "megatron-core",
+        "NeMo Megatron's GPT-3 175B benchmark (Megatron-Core): GPT-3 layers (LayerNorm, GeLU, learned positions, "
+        "biases, tied embeddings), flash attention, tp communication overlapped with the GEMMs, sequence "
+        "parallelism re-gathering in the backward, distributed optimizer with overlapped reduction and gather"),
 })
 """The implementations the published tables name, by the `system` column."""
 
