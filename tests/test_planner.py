@@ -13,7 +13,7 @@ from megascale.cli import main as cli_main
 from megascale.config import load_config
 from megascale.errors import UserError
 from megascale.model.params import ModelLayout, param_table
-from megascale.perf.costs import collective_seconds, layer_costs
+from megascale.perf.costs import collective_seconds, group_node_ranks, layer_costs
 from megascale.perf.gpus import BUILTIN_GPUS, builtin_gpu, interpolate_log, load_gpu_spec, write_gpu_spec
 from megascale.perf.predict import predict
 from megascale.perf.reproduce import reproduce
@@ -124,13 +124,15 @@ def test_overlaps_and_recompute_move_time_the_right_way() -> None:
 
 
 def test_megascale_175b_table_is_reproduced_within_ten_percent() -> None:
-    table, results = reproduce("megascale-175b")
-    assert len(results) == 8 and [c.name for c in table.columns] == ["Megatron-LM", "MegaScale"]
+    # Held out: the constants come from the other published tables (megascale.perf.uncertainty.HELD_OUT).
+    _, _, results = reproduce("megascale-175b")
+    assert len(results) == 16 and {r.row.system for r in results} == {"megascale", "megatron-megascale-baseline"}
+    errors = [abs(r.time_error) for r in results]
+    assert sum(errors) / len(errors) < 0.10
     for result in results:
-        assert set(result.step_times) == {"Megatron-LM", "MegaScale"}
-        for name, (time_error, mfu_error) in result.relative_errors().items():
-            assert abs(time_error) < 0.10, (result.row, name, time_error)
-            assert abs(mfu_error) < 0.10, (result.row, name, mfu_error)
+        if result.row.system == "megascale":  # MegaScale's own column: every row within 10%
+            assert abs(result.time_error) < 0.10, (result.row.label(), result.time_error)
+            assert abs(result.mfu / result.row.published_mfu - 1) < 0.10, (result.row.label(), result.mfu)
 
 
 @pytest.mark.parametrize("name", sorted(os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS, "*.yaml"))))
@@ -153,9 +155,10 @@ def test_plan_json_has_the_documented_fields(capsys) -> None:
     assert cli_main(["plan", "--config", os.path.join(CONFIGS, "gpt3-175b.yaml"), "--gpus", "1024", "--gpu", "a100",
                      "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib", "fits", "bubble_fraction",
-                "stages", "breakdown"):
+    for key in ("step_time_s", "step_time_s_low", "step_time_s_high", "tokens_per_s", "tflops_per_gpu", "mfu",
+                "memory_gib", "fits", "bubble_fraction", "stages", "breakdown"):
         assert key in out
+    assert out["step_time_s_low"] < out["step_time_s"] < out["step_time_s_high"]
     assert out["tokens_per_s"] == pytest.approx(768 * 2048 / out["step_time_s"])
 
 
@@ -165,6 +168,7 @@ def test_plan_says_does_not_fit_instead_of_failing(capsys) -> None:
                      "train.recompute=none", "train.global_batch_size=64"])
     out = capsys.readouterr().out
     assert code == 0 and "DOES NOT FIT" in out and "does not fit: the largest stage needs" in out
+    assert " s/step (+" in out  # the cross-validation band beside the step time
 
 
 def test_plan_unknown_gpu_lists_the_known_ones(capsys) -> None:
@@ -198,3 +202,55 @@ def test_yuan_2b_preset_counts_the_published_parameters() -> None:
     cfg = load_config(os.path.join(CONFIGS, "yuan-2b.yaml"), [])
     total = sum(math.prod(shape) for shape in param_table(cfg).shapes().values())
     assert cfg.model.tie_embeddings and 2.05e9 < total < 2.15e9, total
+
+
+def test_cross_node_collectives_leave_on_every_member_nic() -> None:
+    spec = builtin_gpu("a100")
+    size = 1e9
+    one_nic = collective_seconds("all_reduce", size, 16, spec, inter_node=True)
+    eight_nics = collective_seconds("all_reduce", size, 16, spec, inter_node=True, node_ranks=8)
+    # A tp 16 group spanning two nodes rings through 8 GPUs per node and leaves on their 8 NICs: 8 x 21 GB/s
+    # (170 GB/s) against one NIC, still slower than NVLink's 240 GB/s.
+    assert one_nic / eight_nics == pytest.approx(8, rel=0.06)  # the ring latency terms are the same
+    assert eight_nics > collective_seconds("all_reduce", size, 16, spec, inter_node=False)
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["parallel.tp=16", "parallel.pp=8", "parallel.vpp=1",
+                                                               "train.global_batch_size=768"])
+    plan = resolve_plan(cfg, 1024)
+    assert group_node_ranks(plan, ("tp",), 8) == 8 and group_node_ranks(plan, ("dp",), 8) == 1
+
+
+def test_unfused_attention_streams_the_score_matrix() -> None:
+    from megascale.perf.costs import SystemTraits
+
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["train.global_batch_size=768", "model.dropout=0.1",
+                                                               "model.attention_dropout=0.1"])
+    plan = resolve_plan(cfg, 1024)
+    spec = builtin_gpu("a100")
+    flash = layer_costs(cfg, plan, spec, SystemTraits())
+    unfused = layer_costs(cfg, plan, spec, SystemTraits(flash_attention=False))
+    s, heads = 2048, 96 // plan.tp
+    # Forward: two full [s, s] GEMMs per head (the causal mask saves nothing) and the softmax + dropout bytes.
+    gemms = 2 * heads * spec.gemm_seconds(s, s, 128, "bf16")
+    softmax = spec.memory_seconds(heads * s * s * (2 * 2 + 2 * 2 + 1))
+    assert unfused.forward.attention == pytest.approx(gemms + softmax)
+    assert unfused.forward.attention > 2 * flash.forward.attention
+    assert unfused.recompute_selective > flash.recompute_selective
+
+
+def test_megatron_traits_shorten_pipeline_messages_and_hide_grad_reduces() -> None:
+    from megascale.perf.costs import SystemTraits
+    from megascale.perf.timing import p2p_seconds
+
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["train.global_batch_size=768",
+                                                               "parallel.sequence_parallel=false",
+                                                               "parallel.tp_overlap=false"])
+    plan = resolve_plan(cfg, 1024)
+    spec = builtin_gpu("a100")
+    plain = p2p_seconds(plan, spec, SystemTraits())
+    scattered = p2p_seconds(plan, spec, SystemTraits(pp_scatter_gather=True))
+    assert scattered < plain / 4  # 1/8 of the bytes per NIC plus an NVLink all-gather
+    base = layer_costs(cfg, plan, spec, SystemTraits())
+    overlapped = layer_costs(cfg, plan, spec, SystemTraits(tp_async_grad_reduce=True))
+    assert overlapped.backward.tp_comm < base.backward.tp_comm
+    assert overlapped.backward.hidden["tp"] == pytest.approx(base.backward.tp_comm - overlapped.backward.tp_comm)
+    assert overlapped.forward.tp_comm == base.forward.tp_comm

@@ -53,12 +53,27 @@ class SystemTraits:
       once per branch (megascale's parallel block runs the two branches as
       separate tp layers).
     fused_block_gemm: the parallel block's qkv and fc1 GEMMs run as one GEMM.
+    flash_attention: the attention core is one fused kernel that skips masked
+      blocks (flash); False models the pre-flash path of Megatron-LM 2021-22:
+      two batched GEMMs over the full [s, s] scores per head and a fused
+      scale-mask-softmax (and dropout) that streams the scores through HBM.
+    pp_scatter_gather: without sequence parallelism every tp rank holds the same
+      stage output; Megatron-LM sends 1/tp of it from each rank (each over its own
+      NIC) and all-gathers it on NVLink at the receiver, where megascale's executor
+      sends the whole tensor from every rank.
+    tp_async_grad_reduce: Megatron-LM's (2022) column-parallel layers run their
+      backward collectives asynchronously: the input gradient's all-reduce (no
+      SP) or reduce-scatter (SP) under the weight-gradient GEMM, and the SP
+      re-gather of the input under the input-gradient GEMM.
     """
 
     async_p2p: bool = True
     tp_regather_backward: bool = False
     shared_block_comm: bool = False
     fused_block_gemm: bool = False
+    flash_attention: bool = True
+    pp_scatter_gather: bool = False
+    tp_async_grad_reduce: bool = False
 
 
 MEGASCALE = SystemTraits()
@@ -113,18 +128,34 @@ def group_spans_nodes(plan: RunPlan, axes: tuple[str, ...], gpus_per_node: int) 
     return members[-1] // gpus_per_node != members[0] // gpus_per_node
 
 
-def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool) -> float:
+def group_node_ranks(plan: RunPlan, axes: tuple[str, ...], gpus_per_node: int) -> int:
+    """Members of the group varying `axes` that share the first member's node (their NICs share its traffic)."""
+    members = plan.rank_layout().group_ranks(0, axes)
+    node = members[0] // gpus_per_node
+    return sum(1 for rank in members if rank // gpus_per_node == node)
+
+
+def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool,
+                       node_ranks: int = 1) -> float:
     """Time of one collective on `nbytes` (the whole tensor) over `ranks` GPUs.
 
     Bus-bandwidth model: all-gather, reduce-scatter and all-to-all move (n-1)/n of
     the tensor through each GPU's link, all-reduce twice that. Latency is the ring's
     n-1 (twice for all-reduce) steps, or the tree's 2 log2(n) for all-reduce when
     that is faster; p2p moves the tensor once.
+
+    Across nodes, `node_ranks` members of the group sit in each node, each with its
+    own NIC (one per GPU, rail-aligned): the ring runs through them on NVLink and
+    leaves the node on all of their NICs at once, so the bus bandwidth is the
+    smaller of NVLink and node_ranks NICs (a tp 16 group spanning two nodes runs at
+    8 NICs' speed, a dp group of one GPU per node at one NIC's).
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     if inter_node:
-        bandwidth, latency = spec.nic_gbps * 1e9 * spec.nic_efficiency, spec.inter_latency_us * 1e-6
+        bandwidth = min(spec.nvlink_gbps * spec.nvlink_efficiency,
+                        max(node_ranks, 1) * spec.nic_gbps * spec.nic_efficiency) * 1e9
+        latency = spec.inter_latency_us * 1e-6
     elif kind in spec.collectives:  # measured for this kind (a CPU host's gloo: each kind differs)
         bandwidth, latency = spec.collectives[kind][0] * 1e9, spec.collectives[kind][1] * 1e-6
     else:
@@ -241,8 +272,28 @@ def _gemm_time(spec: GpuSpec, m: int, n: int, k: int, dtype: str, pieces: int = 
     return pieces * spec.gemm_seconds(max(m // pieces, 1), n, k, dtype)
 
 
-def _attention_seconds(shape: LayerShape, spec: GpuSpec) -> tuple[float, float]:
+def _unfused_attention_seconds(shape: LayerShape, spec: GpuSpec) -> tuple[float, float]:
+    """Forward/backward of the pre-flash attention core: batched GEMMs over full [s, s] scores plus the softmax.
+
+    Scores and probabilities are materialised per (sequence, head): QK^T and PV are
+    two [s, d] x [d, s]-sized GEMMs forward (nothing skipped under the causal mask),
+    four backward. The fused scale-mask-softmax reads the scores and writes the
+    probabilities; attention dropout writes a one-byte mask and the dropped
+    probabilities. Backward streams the probabilities, the mask and the gradients.
+    """
+    s, d, e = shape.seq, shape.head_dim, shape.bytes
+    matrices = shape.batch * shape.heads  # [s, s] score matrices on this rank
+    gemm = matrices * spec.gemm_seconds(s, s, d, shape.dtype)
+    elements = matrices * s * s
+    forward_bytes = elements * (2 * e + ((2 * e + 1) if shape.dropout else 0))
+    backward_bytes = elements * (3 * e + ((2 * e + 1) if shape.dropout else 0))
+    return 2 * gemm + spec.memory_seconds(forward_bytes), 4 * gemm + spec.memory_seconds(backward_bytes)
+
+
+def _attention_seconds(shape: LayerShape, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> tuple[float, float]:
     """Forward and backward seconds of the attention core on this rank (its share of heads and queries)."""
+    if not traits.flash_attention and shape.cp == 1:
+        return _unfused_attention_seconds(shape, spec)
     flops = 4.0 * shape.attention_pairs() * shape.heads * shape.head_dim * (shape.tokens * shape.cp / shape.seq)
     flops /= shape.cp  # Ulysses: heads / cp of whole sequences; ring: queries / cp of all keys
     peak = spec.peak(shape.dtype) * 1e12
@@ -290,7 +341,9 @@ def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dic
     or follows: the first step is never hidden, the rest hide behind that GEMM.
     """
     msg = shape.tokens * shape.hidden * shape.bytes
-    total = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node) for kind, n in counts.items())
+    node_ranks = min(shape.tp, spec.gpus_per_node)  # tp varies fastest: a spanning group fills whole nodes
+    total = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
+                for kind, n in counts.items())
     if not tp_overlap or total == 0:
         return total, 0.0
     first = total / shape.tp
@@ -340,6 +393,31 @@ def _lfa_costs(shape: LayerShape, spec: GpuSpec, tp_inter: bool, cp_inter: bool)
     return fwd, bwd
 
 
+def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, gemms: list[tuple[str, int, int]],
+                           inter_node: bool) -> float:
+    """Seconds of backward tp collectives Megatron-LM's asynchronous column layers hide under their GEMMs.
+
+    Without SP the input gradient's all-reduce runs under the weight-gradient
+    GEMM; with SP the input's re-gather runs under the input-gradient GEMM and the
+    input gradient's reduce-scatter under the weight-gradient GEMM. The row
+    layers' gathers of the output gradient precede their GEMMs and stay exposed.
+    """
+    msg = shape.tokens * shape.hidden * shape.bytes
+    node_ranks = min(shape.tp, spec.gpus_per_node)
+    inputs = 2 if not (shape.parallel_block and traits.shared_block_comm) else 1
+    inputs += 1 if shape.lfa else 0
+    if shape.sp:
+        kinds = ["reduce_scatter"] + (["all_gather"] if traits.tp_regather_backward else [])
+    else:
+        kinds = ["all_reduce"]
+    hideable = inputs * sum(collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks) for kind in kinds)
+    columns = [(n, k) for role, n, k in gemms if role == "column"]
+    window = sum(spec.gemm_seconds(n, k, shape.tokens, shape.dtype) for n, k in columns)  # weight gradients
+    if shape.sp and traits.tp_regather_backward:
+        window += sum(spec.gemm_seconds(shape.tokens, k, n, shape.dtype) for n, k in columns)  # input gradients
+    return min(hideable, window)
+
+
 def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> LayerCosts:
     """Forward/backward seconds of one transformer layer for one micro-batch on one GPU."""
     shape = LayerShape.of(cfg, plan)
@@ -352,7 +430,7 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     for role, n, k in gemms:
         fwd_gemm[role] += _gemm_time(spec, t, n, k, dtype, pieces)
         bwd_gemm[role] += _gemm_time(spec, t, k, n, dtype, pieces) + spec.gemm_seconds(n, k, t, dtype)
-    attn_fwd, attn_bwd = _attention_seconds(shape, spec)
+    attn_fwd, attn_bwd = _attention_seconds(shape, spec, traits)
     mem_fwd = spec.memory_seconds(_memory_bytes(shape))
     tp_inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
     cp_inter = group_spans_nodes(plan, ("cp",), spec.gpus_per_node)
@@ -360,6 +438,9 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     gemm_f, gemm_b = sum(fwd_gemm.values()), sum(bwd_gemm.values())
     tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter)
     tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter)
+    if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1:
+        hidden_b = _async_backward_hidden(shape, spec, traits, gemms, tp_inter)
+        tp_b, tp_b_hidden = tp_b - hidden_b, tp_b_hidden + hidden_b
     cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter, backward=False)
     cp_b, cp_b_hidden = _cp_pass(shape, spec, attn_bwd, cp_inter, backward=True)
     forward = Cost(gemm=gemm_f, attention=attn_fwd, memory=mem_fwd, tp_comm=tp_f, cp_comm=cp_f,
@@ -442,4 +523,5 @@ def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], 
 
 
 __all__ = ["MEGASCALE", "ChunkCost", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "chunk_cost",
-           "collective_seconds", "embedding_costs", "group_spans_nodes", "head_costs", "layer_costs"]
+           "collective_seconds", "embedding_costs", "group_node_ranks", "group_spans_nodes", "head_costs",
+           "layer_costs"]

@@ -1,7 +1,7 @@
 """`megascale plan`: predicted memory per stage, step time, throughput and MFU of a layout, without running it.
 
     megascale plan --config F --gpus N [--gpu NAME | --gpu-spec FILE] [key=value ...] [--json] [--search]
-    megascale plan --reproduce megascale-175b [--json]
+    megascale plan --reproduce TABLE [--json]       (TABLE: a published table of tests/data/planner)
 
 The prediction reads the same run plan and parameter table the trainer builds
 (docs/planner.md explains the model and every constant).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 from megascale.config import Config, load_config
 from megascale.perf.gpus import BUILTIN_GPUS, GpuSpec, resolve_gpu
@@ -19,9 +20,16 @@ from megascale.perf.predict import Prediction, memory_parts, predict
 from megascale.run_plan import resolve_plan
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps help text without breaking the table names (which contain hyphens) across lines."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="megascale plan",
+        prog="megascale plan", formatter_class=_HelpFormatter,
         description="Predict a layout's memory per pipeline stage, step time, tokens/s and MFU on a GPU cluster.")
     parser.add_argument("--config", help="YAML config (model, batch and layout)")
     parser.add_argument("--gpus", "--world", dest="gpus", type=int, help="number of GPUs (ranks)")
@@ -34,8 +42,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="search tp, pp, vpp, cp, micro-batch, SP, ZeRO and recompute; rank by predicted MFU")
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument("--reproduce", default=None, metavar="TABLE",
-                        help="predict a published table beside its numbers (megascale-175b)")
+                        help="predict a published table beside its numbers, with constants fitted on the other "
+                             f"tables: {', '.join(_tables())}")
     return parser
+
+
+def _tables() -> list[str]:
+    from megascale.perf.published import table_names
+
+    return table_names()
 
 
 def main(argv: list[str]) -> int:
@@ -63,8 +78,9 @@ def main(argv: list[str]) -> int:
 def _reproduce(name: str, as_json: bool) -> int:
     from megascale.perf.reproduce import format_table, reproduce, to_json
 
-    table, results = reproduce(name)
-    print(json.dumps(to_json(table, results), indent=2) if as_json else format_table(table, results))
+    table, calibration, results = reproduce(name)
+    print(json.dumps(to_json(table, calibration, results), indent=2) if as_json
+          else format_table(table, calibration, results))
     return 0
 
 
@@ -124,7 +140,10 @@ def format_prediction(pred: Prediction) -> str:
     hidden = {n: v for n, v in step.hidden.items() if v > 0}
     if hidden:
         lines.append("  hidden by overlap: " + ", ".join(f"{n} {v:.3f} s" for n, v in hidden.items()))
-    lines.append(f"predicted: {total:.3f} s/step, {pred.tokens_per_s:,.0f} tokens/s, "
+    low, high = pred.step_time_band
+    lines.append(f"predicted: {total:.3f} s/step (+{high - total:.3f}/-{total - low:.3f} s: the band nine in ten "
+                 "published times fell in, docs/planner.md), "
+                 f"{pred.tokens_per_s:,.0f} tokens/s, "
                  f"{pred.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {pred.mfu:.1%} "
                  f"(pipeline bubble {step.bubble_fraction:.1%} of the pipeline time)")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.memory import GIB, MemoryEstimate, stage_estimates
 from megascale.perf.timing import StepTime, step_time
+from megascale.perf.uncertainty import band
 from megascale.run_plan import RunPlan
 
 # MFU is always against the dense 16-bit tensor-core peak, whatever train.dtype says (docs/architecture.md).
@@ -38,6 +39,11 @@ class Prediction:
     def step_time_s(self) -> float:
         """Predicted seconds per optimizer step."""
         return self.step.step_time_s
+
+    @property
+    def step_time_band(self) -> tuple[float, float]:
+        """(low, high) step seconds: the band published times fell in around held-out predictions."""
+        return band(self.step_time_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,6 +86,8 @@ class Prediction:
             "gpu": self.spec.name,
             "gpus": self.plan.world_size,
             "step_time_s": self.step_time_s,
+            "step_time_s_low": self.step_time_band[0],
+            "step_time_s_high": self.step_time_band[1],
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,

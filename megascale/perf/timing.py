@@ -33,6 +33,7 @@ from megascale.perf.costs import (
     SystemTraits,
     chunk_cost,
     collective_seconds,
+    group_node_ranks,
     group_spans_nodes,
     layer_costs,
 )
@@ -80,13 +81,17 @@ def chunk_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     return costs
 
 
-def p2p_seconds(plan: RunPlan, spec: GpuSpec) -> float:
+def p2p_seconds(plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> float:
     """Transfer time of one activation (or its gradient) between neighbouring pipeline stages."""
     if plan.pp == 1:
         return 0.0
     seq, batch, hidden = plan.activation_shape
     nbytes = seq * batch * hidden * plan.precision.compute_bytes
     inter = group_spans_nodes(plan, ("pp",), spec.gpus_per_node)
+    if traits.pp_scatter_gather and plan.tp > 1 and not plan.sequence_parallel:
+        # Each tp rank sends its 1/tp slice; the receivers all-gather the slices on NVLink.
+        return (collective_seconds("p2p", nbytes / plan.tp, 2, spec, inter)
+                + collective_seconds("all_gather", nbytes, plan.tp, spec, False))
     return collective_seconds("p2p", nbytes, 2, spec, inter)
 
 
@@ -113,16 +118,18 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
         return {}, {}
     p = cfg.parallel
     inter = group_spans_nodes(plan, ("dp", "cp"), spec.gpus_per_node)
+    node_ranks = group_node_ranks(plan, ("dp", "cp"), spec.gpus_per_node)
     grad_bytes = local_params * 4  # fp32 gradient buckets
     buckets = max(1.0, grad_bytes / (p.grad_bucket_mb * 2**20))
     exposed, hidden = {}, {}
     reduce_kind = "reduce_scatter" if plan.zero == 1 else "all_reduce"
-    reduce = collective_seconds(reduce_kind, grad_bytes, ranks, spec, inter)
+    reduce = collective_seconds(reduce_kind, grad_bytes, ranks, spec, inter, node_ranks)
     window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce else 0.0
     exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
     hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
     if plan.zero == 1:
-        gather = collective_seconds("all_gather", local_params * plan.precision.param_bytes, ranks, spec, inter)
+        gather = collective_seconds("all_gather", local_params * plan.precision.param_bytes, ranks, spec, inter,
+                                    node_ranks)
         window = sum(c.forward.total for c in chunks) if p.overlap_param_gather else 0.0
         exposed["dp_param_gather"] = max(gather / buckets, gather - window) if window else gather
         hidden["dp_param_gather"] = gather - exposed["dp_param_gather"]
@@ -164,7 +171,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     (the layout search's first pass, where thousands of layouts are timed).
     """
     costs = chunk_costs(cfg, plan, spec, traits)
-    p2p = p2p_seconds(plan, spec)
+    p2p = p2p_seconds(plan, spec, traits)
     blocking = 0.0 if traits.async_p2p else p2p
     times = [[(c.forward.total + blocking, c.backward.total + blocking) for c in chunks] for chunks in costs]
     if simulate_pipeline:
