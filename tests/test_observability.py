@@ -30,7 +30,7 @@ from megascale.report.timeline import check_trace
 from megascale.training.fault.events import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 10
+STEPS = 16  # enough steps for the sign test: at the step-15 log line, slower in 13 of 15 steps names a rank
 SLOW_RANK = 2
 MODEL = ["model.num_layers=2", "model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2",
          "model.seq_length=64", "train.global_batch_size=16", "train.micro_batch_size=4",
