@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -124,20 +124,27 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, out: str) -> None:
-    from torch.distributed import checkpoint as dcp
-
-    from megascale.checkpoint.manager import CheckpointManager
+def start_rank(rank: int, world: int, total_gb: float, workdir: str) -> tuple[list, list, Any]:
+    """Join the benchmark's gloo group and build this rank's saved shards (tp2 x dp2 ZeRO-1), the
+    resharded target shards (tp1 x dp4) and the parallel context the checkpoint manager runs in."""
     from megascale.distributed.topology import build_context
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
-    work = Path(workdir)
     model = _sim_model(total_gb)
     shards = rank_shards(model, SAVED, rank, _constant_value)
     target = rank_shards(model, RESHARDED, rank, lambda name, shape, offsets, lengths: torch.zeros(lengths))
-    ctx = build_context(tp=2, dp=2)
+    return shards, target, build_context(tp=2, dp=2)
+
+
+def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, out: str) -> None:
+    from torch.distributed import checkpoint as dcp
+
+    from megascale.checkpoint.manager import CheckpointManager
+
+    work = Path(workdir)
+    shards, target, ctx = start_rank(rank, world, total_gb, workdir)
     cfg = Config()
     cfg.checkpoint.keep_last = 0  # the benchmark deletes between saves itself (see _clean)
     cfg.checkpoint.async_save = False
@@ -254,7 +261,7 @@ def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, o
     res["step_alone_s"] = step_alone
     res["checkpoint_gb"] = async_mgr.last_save_stats["bytes"] / 1e9
     if rank == 0:
-        res["params_m"] = model.numel() / 1e6
+        res["params_m"] = _sim_model(total_gb).numel() / 1e6
         Path(out).write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()

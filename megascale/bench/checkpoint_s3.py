@@ -16,30 +16,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import time
 import uuid
 from concurrent.futures import Future
-from datetime import timedelta
 from pathlib import Path
 from typing import cast
 
-import torch
 import torch.distributed as dist
 
 from megascale.bench.checkpoint import (
-    RESHARDED,
-    SAVED,
     _calibrate_step,
     _check,
-    _constant_value,
     _max,
     _median,
-    _sim_model,
     _train_step,
+    start_rank,
 )
-from megascale.checkpoint.simulate import rank_shards
 from megascale.config import Config
 
 
@@ -56,16 +49,9 @@ def worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, ou
     from torch.distributed import checkpoint as dcp
 
     from megascale.checkpoint.manager import CheckpointManager
-    from megascale.distributed.topology import build_context
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=1800))
     work = Path(workdir)
-    model = _sim_model(total_gb)
-    shards = rank_shards(model, SAVED, rank, _constant_value)
-    target = rank_shards(model, RESHARDED, rank, lambda name, shape, offsets, lengths: torch.zeros(lengths))
-    ctx = build_context(tp=2, dp=2)
+    shards, target, ctx = start_rank(rank, world, total_gb, workdir)
     cfg = Config()
     cfg.checkpoint.keep_last = 1
     cfg.checkpoint.async_save = True
