@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from megascale.errors import ConfigError
+from megascale.layout_rules import check_layout
 
 # The values a choice field accepts. Each alias is the one source of its choices: the field is
 # annotated with it, `_coerce` validates against it, and code that takes the value uses it too.
@@ -507,10 +508,6 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
-CP_MODES = ("ulysses", "ring", "hybrid")
-AXES = ("tp", "cp", "dp", "pp")
-
-
 def parse_profile_steps(spec: Optional[str]) -> Optional[tuple[int, int]]:
     """'N-M' or 'N' -> (N, M) with 1 <= N <= M; None for no profiling; ConfigError otherwise."""
     if spec is None or not str(spec).strip():
@@ -524,68 +521,6 @@ def parse_profile_steps(spec: Optional[str]) -> Optional[tuple[int, int]]:
     if not 1 <= start <= end:
         raise ConfigError(f"log.profile_steps={spec!r}: need 1 <= N <= M, e.g. log.profile_steps=5-7")
     return start, end
-
-
-def check_order(order: str) -> tuple[str, ...]:
-    """The axes of a parallel.order string, fastest first; ConfigError unless each axis appears once."""
-    axes = tuple(part.strip() for part in order.split("-"))
-    if sorted(axes) != sorted(AXES):
-        raise ConfigError(f"parallel.order={order!r} must name each of tp, cp, dp, pp exactly once, "
-                          f"e.g. 'tp-cp-dp-pp'")
-    return axes
-
-
-def check_context_parallel(cfg: Config, cp: int, tp: int) -> int:
-    """Check the model against context parallelism of size cp; returns the Ulysses size."""
-    m, p = cfg.model, cfg.parallel
-    if p.cp_mode not in CP_MODES:
-        raise ConfigError(f"parallel.cp_mode={p.cp_mode!r} must be one of {', '.join(CP_MODES)}")
-    ulysses = _ulysses_size(cfg, cp, tp)
-    heads = m.num_heads // tp
-    if heads % ulysses:
-        raise ConfigError(f"query heads per tp rank num_heads/tp = {m.num_heads}/{tp} = {heads} are not divisible by "
-                          f"the Ulysses size {ulysses}; use cp_mode=ring or hybrid with a parallel.ulysses_size "
-                          f"dividing {heads}")
-    if m.seq_length % (2 * cp):
-        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2*cp={2 * cp} (zigzag split)")
-    return ulysses
-
-
-def picked_ulysses_size(cp: int, kv_heads_per_tp_rank: int) -> int:
-    """The Ulysses size hybrid cp uses without parallel.ulysses_size: the largest divisor of cp that
-    divides the kv heads of a tp rank (so no kv head is repeated; the rest of cp forms the ring)."""
-    return max(d for d in range(1, cp + 1) if cp % d == 0 and kv_heads_per_tp_rank % d == 0)
-
-
-def _ulysses_size(cfg: Config, cp: int, tp: int) -> int:
-    mode, requested = cfg.parallel.cp_mode, cfg.parallel.ulysses_size
-    if mode == "ulysses":
-        return cp
-    if mode == "ring":
-        return 1
-    if requested is None:
-        return picked_ulysses_size(cp, max(cfg.model.kv_heads // tp, 1))
-    if requested < 1 or cp % requested:
-        raise ConfigError(f"parallel.ulysses_size={requested} must divide parallel.cp={cp}")
-    return requested
-
-
-def check_layout(cfg: Config) -> int:
-    """Layout checks that need no world size (tp, sequence and context parallelism); returns the Ulysses size."""
-    m, p = cfg.model, cfg.parallel
-    check_order(p.order)
-    if p.tp > 1:
-        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
-                           ("model.ffn_hidden_size", m.ffn_size)):
-            if value % p.tp:
-                raise ConfigError(f"{key}={value} is not divisible by parallel.tp={p.tp}; choose tp dividing it")
-        if m.padded_vocab_size % p.tp:
-            raise ConfigError(f"padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}; "
-                              f"set model.vocab_pad_multiple to a multiple of {p.tp}")
-    if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
-        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
-                          "with parallel.sequence_parallel")
-    return check_context_parallel(cfg, p.cp, p.tp) if p.cp > 1 else 1
 
 
 def _positive(key: str, value: int) -> None:

@@ -14,7 +14,7 @@ is one line, printed once) and every worker resolves it again from its own world
 size; the trainer, step, data loader, memory estimate, `megascale plan` and the
 benchmarks take the resulting `RunPlan` instead of re-deriving its parts.
 
-`check_layout(cfg)` (in `megascale.config`) is the world-size-free part; `load_config`
+`check_layout(cfg)` (in `megascale.layout_rules`) is the world-size-free part; `load_config`
 runs it so those errors surface as soon as the file is read.
 """
 
@@ -22,13 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megascale.config import (
-    Config,
-    ConfigError,
-    check_context_parallel,
-    check_layout,
-    check_order,
-)
+from megascale.config import Config, ConfigError
 from megascale.distributed.pipeline.partition import (
     chunk_layer_ids,
     global_stage,
@@ -40,6 +34,7 @@ from megascale.distributed.pipeline.schedules import (
     validate_schedule,
 )
 from megascale.distributed.topology import RankLayout
+from megascale.layout_rules import check_context_parallel, check_layout, check_order
 from megascale.precision import DTYPES, PRECISIONS, Precision, precision_of
 
 NO_PIPELINE = "none"

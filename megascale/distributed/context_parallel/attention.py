@@ -34,13 +34,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megascale.config import Config, ConfigError, check_context_parallel
+from megascale.config import Config, ConfigError
 from megascale.distributed import comm
 from megascale.distributed.context_parallel.ring import RingSpec, ring_attention, zigzag_positions
 from megascale.distributed.sequence import attention_kernels_for
 from megascale.distributed.topology import ParallelContext
 from megascale.kernels.attention import AttentionKernels, default_attention_kernels
 from megascale.kernels.attention_blockwise import Dropout, draw_dropout
+from megascale.layout_rules import check_context_parallel
 
 # Batch entries laid out [b, s] that follow the tokens; every other key passes through.
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
