@@ -59,6 +59,12 @@ def env_of() -> Iterator[callable]:  # type: ignore[valid-type]
     os.environ.update(saved)
 
 
+def _save_and_upload(mgr, step: int, mib: int) -> None:  # type: ignore[no-untyped-def]
+    """Save `step` (seeded by its number, `mib` MiB) and wait for the local commit."""
+    mgr.save(step, _state(step, mib), {"step": step})
+    mgr.wait()
+
+
 def test_server_killed_mid_upload(tmp_path: Path, env_of) -> None:  # type: ignore[no-untyped-def]
     server = WeedServer(tmp_path / "weed", volume_size_mb=256, volume_max=8)
     server.start()
@@ -67,11 +73,9 @@ def test_server_killed_mid_upload(tmp_path: Path, env_of) -> None:  # type: igno
     try:
         server.make_bucket("ckpt")
         mgr = _manager(tmp_path / "local", url)
-        mgr.save(1, _state(1, 1), {"step": 1})
-        mgr.wait()
+        _save_and_upload(mgr, 1, 1)
         assert mgr.wait_uploads() is None
-        mgr.save(2, _state(2, 96), {"step": 2})  # large: the upload takes a while
-        mgr.wait()
+        _save_and_upload(mgr, 2, 96)  # large: the upload takes a while
         deadline = time.monotonic() + 60
         while not open_store(url).listing("step_00000002/") and time.monotonic() < deadline:
             time.sleep(0.05)  # the first parts are arriving
@@ -82,8 +86,7 @@ def test_server_killed_mid_upload(tmp_path: Path, env_of) -> None:  # type: igno
         server.start()
         assert open_store(url).listing("latest") and open_store(url).read("latest") == b"step_00000001\n"
         _loads_as(tmp_path / "fresh", url, seed=1, mib=1)  # the remote stays on its last commit
-        mgr.save(3, _state(3, 1), {"step": 3})  # the next save commits and clears the half upload
-        mgr.wait()
+        _save_and_upload(mgr, 3, 1)  # the next save commits and clears the half upload
         assert mgr.wait_uploads() is None
         assert not open_store(url).listing("step_00000002/")
         _loads_as(tmp_path / "fresh2", url, seed=3, mib=1)
@@ -99,11 +102,9 @@ def test_server_full(tmp_path: Path, env_of) -> None:  # type: ignore[no-untyped
     try:
         server.make_bucket("ckpt")
         mgr = _manager(tmp_path / "local", url)
-        mgr.save(1, _state(1, 1), {"step": 1})
-        mgr.wait()
+        _save_and_upload(mgr, 1, 1)
         assert mgr.wait_uploads() is None
-        mgr.save(2, _state(2, 64), {"step": 2})  # far more than the server's volumes hold
-        mgr.wait()
+        _save_and_upload(mgr, 2, 64)  # far more than the server's volumes hold
         error = mgr.wait_uploads()
         assert error is not None and "upload of step_00000002" in error, error
         assert "\n" not in error
