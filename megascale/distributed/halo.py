@@ -15,13 +15,13 @@ to the same number of slots on every rank) to an all-gather over the sequence
 group (tp when sequence-parallel, then the layout's group). Each rank then
 picks, for each of its run starts p, the gathered rows holding positions
 p-n .. p-1, and zeros for positions before 0. The gathered tails are tiny
-(a few tokens per rank).
+(a few tokens per rank). The backward of the all-gather is a reduce-scatter,
+so each rank receives the summed gradient of the tokens others borrowed.
 
 Which rows a rank contributes and picks (the plan) is host bookkeeping over
 every rank's positions; it depends only on the layout, so it is built once per
 layout and sequence length (`HaloPlans`, owned by the sequence layout) and
-every layer of every forward reuses it, index tensors already on the device. The backward of the all-gather is a reduce-scatter,
-so each rank receives the summed gradient of the tokens others borrowed.
+every layer of every forward reuses it, index tensors already on the device.
 """
 
 from __future__ import annotations
