@@ -35,6 +35,9 @@ CASES = [
     ("ulysses", 4, None, "mqa", 5), ("ulysses", 4, None, "mha", 3),
     ("ring", 2, None, "mha", 0), ("ring", 2, None, "gqa", 5), ("ring", 4, None, "mha", 0),
     ("ring", 4, None, "gqa", 0), ("ring", 4, None, "mqa", 3), ("ring", 4, None, "mha", 6),
+    # Windows that stop the ring early: 2 and 3 reach one zigzag chunk (2 tokens) back, so blocks go one
+    # hop each way instead of three; 1 (each token sees itself) needs no block of another rank at all.
+    ("ring", 4, None, "gqa", 2), ("ring", 4, None, "mha", 1),
     ("hybrid", 4, 2, "mha", 0), ("hybrid", 4, 2, "gqa", 0), ("hybrid", 4, 2, "gqa", 5),
 ]
 TOL = 2e-5
@@ -72,12 +75,13 @@ def _gather_global(local: torch.Tensor, positions: torch.Tensor, group, seq: int
 
 
 def _run(rank: int, world: int) -> dict:
+    from megascale.bench._comm_count import P2P, CommCounter
     from megascale.config import load_config
     from megascale.distributed.context_parallel import attention as cpmod
     from megascale.distributed.topology import ParallelContext, RankLayout
 
     contexts = {2: ParallelContext(RankLayout(cp=2, dp=2), rank=rank), 4: ParallelContext(RankLayout(cp=4), rank=rank)}
-    results = {}
+    results, ring_bytes = {}, {}
     for index, (mode, cp, ulysses, heads, window) in enumerate(CASES):
         nq, nkv = HEADS[heads]
         overrides = [f"parallel.cp={cp}", f"parallel.cp_mode={mode}", f"model.num_heads={nq}",
@@ -94,12 +98,16 @@ def _run(rank: int, world: int) -> dict:
         ref = _reference(q, k, v, grad_out, window)
         pos = cpmod.local_positions(SEQ, settings)
         local = [t[pos].clone().requires_grad_(True) for t in (q, k, v)]
-        out = cpmod.attention(*local, settings, window=window, dropout_p=0.0)
-        out.backward(grad_out[pos])
+        counter = CommCounter()
+        with counter.counting():
+            out = cpmod.attention(*local, settings, window=window, dropout_p=0.0)
+            counter.phase = "backward"
+            out.backward(grad_out[pos])
         got = [_gather_global(t, pos, settings.group) for t in (out.detach(), local[0].grad, local[1].grad,
                                                                   local[2].grad)]
         results[(mode, cp, ulysses, heads, window)] = [float((a - b).abs().max()) for a, b in zip(got, ref)]
-    return {"plain": results, "dropout": _run_dropout(contexts[4])}
+        ring_bytes[(mode, cp, ulysses, heads, window)] = (counter.total("forward", P2P), counter.total("backward", P2P))
+    return {"plain": results, "ring_bytes": ring_bytes, "dropout": _run_dropout(contexts[4])}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +122,33 @@ def test_matches_full_sequence_sdpa(errors: dict, mode: str, cp: int, ulysses, h
     assert dq_err < TOL, f"dq differs by {dq_err}"
     assert dk_err < TOL, f"dk differs by {dk_err}"
     assert dv_err < TOL, f"dv differs by {dv_err}"
+
+
+RING_CASES = [c for c in CASES if c[0] != "ulysses"]
+
+
+@pytest.mark.parametrize("mode,cp,ulysses,heads,window", RING_CASES)
+def test_ring_bytes_counted_equal_the_formula(errors: dict, mode: str, cp: int, ulysses, heads: str,
+                                              window: int) -> None:
+    """The k/v blocks and dk/dv sums counted on the wire (gloo, rank 0) equal `cp_layer_traffic`'s ring bytes,
+    windows that stop the ring early included."""
+    from megascale.perf.cp_traffic import cp_layer_traffic
+
+    nq, nkv = HEADS[heads]
+    u = ulysses or 1
+    traffic = cp_layer_traffic(SEQ // cp * BATCH, nq, nkv, HEAD_DIM, u, cp // u, 4, batch=BATCH, window=window)
+    assert errors["ring_bytes"][(mode, cp, ulysses, heads, window)] == (traffic.ring_forward_sent,
+                                                                        traffic.ring_backward_sent)
+
+
+def test_window_stops_the_ring_early(errors: dict) -> None:
+    """cp 4, chunks of 2 tokens: a window of 2 needs the blocks of the neighbours only, 2 hops instead of 3;
+    a window of 1 needs no other rank's block; the full causal ring sends 3 hops of k/v and 3 of sums."""
+    block = 2 * (SEQ // 4) * BATCH * 2 * HEAD_DIM * 4  # k and v of 2 kv heads, fp32
+    sent = errors["ring_bytes"]
+    assert sent[("ring", 4, None, "gqa", 2)] == (2 * block, 2 * block + 2 * block)
+    assert sent[("ring", 4, None, "gqa", 0)] == (3 * block, 3 * block + 3 * block)
+    assert sent[("ring", 4, None, "mha", 1)] == (0, 0)
 
 
 DROP_SEQ, P = 32, 0.3

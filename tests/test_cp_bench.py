@@ -29,14 +29,14 @@ LFA_ARGS = [*ARGS, "--lfa"]
 # all-to-all'd, 256 * (4 + 2 + 2 + 4) * 16 * 4 B = 196,608 B, half of it leaves the rank: 98,304 B;
 # backward the same on the gradients.
 # Ring R=2: one k/v block is 2 * 256 * 1 * 16 = 8,192 elements. Forward: one hop in fp32, 32,768 B.
-# Backward: k/v again (32,768 B) and the fp32 dk/dv sums twice (2 * 32,768 B): 98,304 B.
+# Backward: k/v again (32,768 B) and the fp32 dk/dv sums of the visiting block sent home (32,768 B): 65,536 B.
 # LFA's halo: the 2 tokens before each run, h = 64, fp32: 512 B per run, to the other rank (all-gather
 # forward, reduce-scatter backward); Ulysses ranks hold one run, ring ranks two (the zigzag pair).
-EXPECTED = {"ulysses": (98_304 + 512, 98_304 + 512), "ring": (32_768 + 1_024, 98_304 + 1_024)}
-# Calls per layer: Ulysses 4 all-to-alls per pass; ring 1 hop forward, 1 + 2 backward; one halo exchange.
+EXPECTED = {"ulysses": (98_304 + 512, 98_304 + 512), "ring": (32_768 + 1_024, 65_536 + 1_024)}
+# Calls per layer: Ulysses 4 all-to-alls per pass; ring 1 hop forward, 1 + 1 backward; one halo exchange.
 HALO_CALLS = {"forward all_gather": 1, "backward reduce_scatter": 1}
 CALLS = {"ulysses": {"forward all_to_all": 4, "backward all_to_all": 4, **HALO_CALLS},
-         "ring": {"forward p2p": 1, "backward p2p": 3, **HALO_CALLS}}
+         "ring": {"forward p2p": 1, "backward p2p": 2, **HALO_CALLS}}
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +67,13 @@ def test_counted_bytes_equal_the_formula(bench: tuple[argparse.Namespace, list[c
 # - ulysses U=4: 2 kv heads are repeated to 4; 128 * (8 + 4 + 4) * 16 * 4 B = 131,072 B, 3/4 leaves: 98,304 B.
 # - hybrid U=2 x R=2: 2 kv heads split as they are; all-to-alls 128 * (8 + 2 + 2) * 16 * 4 / 2 = 49,152 B;
 #   the ring's k/v block 2 * 128 * 2 * 16 * 4 B = 32,768 B: forward 49,152 + 32,768; backward
-#   49,152 + 32,768 + 2 hops of fp32 sums (65,536).
-# - ring R=4: k/v block 32,768 B; forward 3 hops, backward 3 + 4 hops.
-EXPECTED_CP4 = {"ulysses": (98_304, 98_304), "ring": (98_304, 229_376), "hybrid": (81_920, 147_456)}
+#   49,152 + 32,768 + one message of fp32 sums (32,768).
+# - ring R=4: k/v block 32,768 B; forward 3 hops, backward 3 hops of k/v + 3 messages of sums (two handed
+#   on beside the block, the completed one sent home).
+EXPECTED_CP4 = {"ulysses": (98_304, 98_304), "ring": (98_304, 196_608), "hybrid": (81_920, 114_688)}
 CALLS_CP4 = {"ulysses": {"forward all_to_all": 4, "backward all_to_all": 4},
-             "ring": {"forward p2p": 3, "backward p2p": 7},
-             "hybrid": {"forward all_to_all": 4, "forward p2p": 1, "backward all_to_all": 4, "backward p2p": 3}}
+             "ring": {"forward p2p": 3, "backward p2p": 6},
+             "hybrid": {"forward all_to_all": 4, "forward p2p": 1, "backward all_to_all": 4, "backward p2p": 2}}
 
 
 @pytest.mark.slow
@@ -80,6 +81,20 @@ def test_counted_bytes_cp4_all_modes_gqa() -> None:
     argv = [*ARGS, "--kv-heads", "2", "--cps", "4", "--modes", "ulysses,ring,hybrid", "--ulysses-size", "2"]
     args = cp_bench._parse(argv)
     _check_bytes(args, cp_bench.run(args), EXPECTED_CP4, CALLS_CP4)
+
+
+# Ring R=4 with a window of 65 tokens: zigzag chunks of 512 / 8 = 64 tokens, so the window reaches one
+# chunk back and each rank needs only its two neighbours' blocks: one hop each way, 2 messages of the
+# 32,768 B k/v block forward; backward 2 of k/v and 2 of sums (each sent home from the neighbour).
+EXPECTED_CP4_WINDOW = {"ring": (65_536, 131_072)}
+CALLS_CP4_WINDOW = {"ring": {"forward p2p": 2, "backward p2p": 4}}
+
+
+@pytest.mark.slow
+def test_counted_bytes_cp4_windowed_ring_stops_early() -> None:
+    argv = [*ARGS, "--kv-heads", "2", "--cps", "4", "--modes", "ring", "--window", "65"]
+    args = cp_bench._parse(argv)
+    _check_bytes(args, cp_bench.run(args), EXPECTED_CP4_WINDOW, CALLS_CP4_WINDOW)
 
 
 def test_table_prints_every_case(bench: tuple[argparse.Namespace, list[cp_bench.Result]]) -> None:
@@ -99,7 +114,14 @@ def test_formula_cases() -> None:
     assert hybrid.alltoall_sent == t * 4 * heads * d * 2 // 2
     assert hybrid.ring_kv_message == 2 * t * heads * d * 2
     assert hybrid.ring_grad_message == 2 * t * heads * d * 4
-    assert hybrid.backward_sent == hybrid.alltoall_sent + hybrid.ring_kv_message + 2 * hybrid.ring_grad_message
+    assert hybrid.backward_sent == hybrid.alltoall_sent + hybrid.ring_kv_message + hybrid.ring_grad_message
+    # A ring of 8 with 1024 tokens per rank and sequence (chunks of 512): a window of 500 reaches one chunk
+    # back (the next chunk's first token sees the previous chunk's last), so blocks go one hop each way
+    # (2 messages) instead of 7; 1,000 reaches two chunks (4 messages); 1,100 three (6); 1,600 four: 2 x 4
+    # is not below 7, so the one-way ring again.
+    ring8 = [cp_layer_traffic(t, heads, heads, d, ulysses=1, ring=8, element_bytes=2, window=w).ring_forward_sent
+             for w in (0, 500, 1000, 1100, 1600)]
+    assert ring8 == [n * hybrid.ring_kv_message for n in (7, 2, 4, 6, 7)]
     none = cp_layer_traffic(t, heads, heads, d, ulysses=1, ring=1, element_bytes=2, lfa_hidden=256)
     assert none.forward_sent == none.backward_sent == 0
     # LFA under hybrid 2x2: the even Ulysses split cuts between the zigzag chunks, one run per rank,

@@ -60,6 +60,27 @@ def test_ring_plan_covers_exactly_the_mask(world: int, window: int) -> None:
             assert torch.equal(covered, full[pos_q][:, pos_k]), (q_rank, k_rank)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_ring_hops_reach_every_tile_with_work(world: int, chunk: int) -> None:
+    """For every window, the hop schedule reaches each step where some rank's plan has a tile, and no step
+    where none has (the closed form of `hop_has_work` agrees with the plan's tiles); a two-way schedule
+    is strictly shorter than the one-way ring, and never visits a block twice."""
+    from megascale.distributed.context_parallel.ring_hops import hop_has_work, ring_hops
+
+    for window in [0, *range(1, 2 * world * chunk + 2)]:
+        hops = ring_hops(world, chunk, window)
+        assert hops.forward + hops.backward <= world - 1
+        for step in range(1, world):
+            work = any(plan_step(chunk, world, r, (r - step) % world, window) for r in range(world))
+            assert hop_has_work(world, step, chunk, window) == work, (window, step)
+            reached = step <= hops.forward or world - step <= hops.backward
+            assert reached or not work, (window, step, hops)
+        if hops.backward:
+            assert hops.forward + hops.backward < world - 1
+    assert ring_hops(world, chunk, 0).forward == world - 1
+
+
 def test_zigzag_balances_causal_work() -> None:
     """Causal, no window: every non-local step computes the same number of score entries (half the pair x pair)."""
     chunk, world = 4, 4

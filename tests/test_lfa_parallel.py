@@ -23,6 +23,7 @@ from __future__ import annotations
 import zlib
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import parity
 import pytest
@@ -148,11 +149,15 @@ def _losses(chunks: list, cfg, ctx) -> list[float]:
     return out
 
 
-def _loss_and_grads(overrides: list[str], rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _loss_and_grads(overrides: list[str], rank: int, world: int,
+                    halo_builds: Optional[list[int]] = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and global gradients; halo_builds, when given, receives each chunk's count of halo plans built."""
     cfg = parity.make_config(overrides)
     ctx = parity.layout_context(cfg, rank, world)
     chunks = parity.build_chunks(cfg, ctx)
     losses = _losses(chunks, cfg, ctx)
+    if halo_builds is not None:
+        halo_builds.extend(chunk.bc.sequence.halo_plans.builds for chunk in chunks)
     params = parity.parameters(chunks)
     parity.reduce_grads(params, ctx, over_cp=True, tied=cfg.parallel.pp > 1 and cfg.model.tie_embeddings)
     grads = parity.gather_global(params, ctx)
@@ -171,8 +176,12 @@ def _parity_case(layout: list[str], variant: str, rank: int, world: int, shared:
         ref_losses, ref_grads = shared[variant]
     else:  # the layout also changes the model: its own single-process reference
         ref_losses, ref_grads = _loss_and_grads(parity.reference_overrides(overrides), rank, world)
-    losses, grads = _loss_and_grads(overrides, rank, world)
+    builds: list[int] = []
+    losses, grads = _loss_and_grads(overrides, rank, world, builds)
     problems = parity.loss_mismatch(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    # Every LFA layer of every micro-batch (forward, backward, recompute) shares one halo plan.
+    if builds != [1] * len(builds):
+        problems.append(f"halo plans built {builds} times per chunk, want once")
     problems += parity.mismatches(grads, ref_grads, rtol=1e-4, atol=1e-5)
     if not any(".lfa." in name for name in grads):
         problems.append("no LFA parameters in the model")

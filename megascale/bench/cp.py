@@ -184,7 +184,7 @@ def traffic_of(args: argparse.Namespace, case: Case) -> CPTraffic:
     """The formula's bytes for one layer of this case."""
     return cp_layer_traffic(args.seq // case.cp, args.heads, args.kv_heads, args.hidden // args.heads,
                             case.ulysses, case.ring, PRECISIONS[args.dtype].compute_bytes,
-                            lfa_hidden=args.hidden if args.lfa else 0)
+                            lfa_hidden=args.hidden if args.lfa else 0, window=args.window)
 
 
 def _validate_configs(args: argparse.Namespace) -> None:

@@ -17,10 +17,16 @@ picks, for each of its run starts p, the gathered rows holding positions
 p-n .. p-1, and zeros for positions before 0. The gathered tails are tiny
 (a few tokens per rank). The backward of the all-gather is a reduce-scatter,
 so each rank receives the summed gradient of the tokens others borrowed.
+
+Which rows a rank contributes and picks (the plan) is host bookkeeping over
+every rank's positions; it depends only on the layout, so it is built once per
+layout and sequence length (`HaloPlans`, owned by the sequence layout) and
+every layer of every forward reuses it, index tensors already on the device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -110,6 +116,7 @@ class HaloPlan:
     tail_rows: list[int]
     picks: list[int]
     zero_row: int
+    width: int  # n: the tokens each run borrows
 
 
 def plan_halo(members: list[list[Run]], me: int, n: int) -> HaloPlan:
@@ -124,29 +131,76 @@ def plan_halo(members: list[list[Run]], me: int, n: int) -> HaloPlan:
     except KeyError as missing:
         raise ValueError(f"no rank holds position {missing} before a run of this rank: "
                          "the layout's positions do not cover the sequence") from None
-    return HaloPlan(runs, _tail_rows(runs, n, slots), picks, zero_row)
+    return HaloPlan(runs, _tail_rows(runs, n, slots), picks, zero_row, n)
 
 
-# Eager under torch.compile: the run bookkeeping is host-side Python over the layout's positions.
+def sp_share(tp: Optional[TPSettings]) -> tuple[int, int]:
+    """(parts, index): how many sequence-parallel shards the layout's tokens are cut into, and which is ours."""
+    return (tp.size, tp.rank) if tp is not None and tp.sp else (1, 0)
+
+
+def halo_plan(layout_positions: list[torch.Tensor], layout_rank: int, n: int, tp: Optional[TPSettings]) -> HaloPlan:
+    """This rank's plan: layout_positions of every member of the layout group (see `member_runs`),
+    layout_rank its index there; under sequence parallelism the tp rank picks its share."""
+    parts, part = sp_share(tp)
+    return plan_halo(member_runs(layout_positions, tp), layout_rank * parts + part, n)
+
+
+@dataclass(frozen=True)
+class PreparedHalo:
+    """A plan with its index tensors on the device the exchange runs on."""
+
+    plan: HaloPlan
+    tail_rows: torch.Tensor
+    picks: torch.Tensor
+
+
+class HaloPlans:
+    """The halo plans of one sequence layout, each built once and reused by every layer and forward.
+
+    A plan depends only on the layout's facts: the tokens of a sample the layout
+    group holds, n, and this rank's sequence-parallel share, all in the key. The
+    layout object owns one of these (`SequenceLayout.halo_plans`), so plans live as
+    long as the run's layout and no longer. `builds` counts the plans built.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, HaloPlan] = {}
+        self._prepared: dict[tuple[tuple, str], PreparedHalo] = {}
+        self.builds = 0
+
+    def get(self, key: tuple, device: torch.device, build: Callable[[], HaloPlan]) -> PreparedHalo:
+        """The prepared plan of `key` on `device`; `build()` makes it the first time the key is seen."""
+        prepared = self._prepared.get((key, str(device)))
+        if prepared is not None:
+            return prepared
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build()
+            self.builds += 1
+        prepared = PreparedHalo(plan, torch.tensor(plan.tail_rows, dtype=torch.long, device=device),
+                                torch.tensor(plan.picks, dtype=torch.long, device=device))
+        self._prepared[key, str(device)] = prepared
+        return prepared
+
+
+# Eager under torch.compile: the run bookkeeping is host-side Python.
 @torch.compiler.disable
-def exchange_preceding(x: torch.Tensor, n: int, layout_positions: list[torch.Tensor], layout_rank: int,
-                       layout_group: Optional[Any], tp: Optional[TPSettings]) -> Halo:
+def exchange_preceding(x: torch.Tensor, prepared: PreparedHalo, layout_group: Optional[Any],
+                       tp: Optional[TPSettings]) -> Halo:
     """The n tokens before each of this rank's runs, gathered from whichever ranks hold them.
 
     x: this rank's tokens [s_local, b, h] (s_local = its share / tp under sequence
-    parallelism). layout_positions: the positions of every member of the layout
-    group (see `member_runs`); layout_rank: this rank's index in it. Differentiable:
-    gradients of borrowed tokens flow back to their owners.
+    parallelism). prepared: this rank's plan (`halo_plan`, kept by `HaloPlans`).
+    Differentiable: gradients of borrowed tokens flow back to their owners.
     """
-    sp_tp = tp if tp is not None and tp.sp else None
-    me = layout_rank * (sp_tp.size if sp_tp else 1) + (sp_tp.rank if sp_tp else 0)
-    plan = plan_halo(member_runs(layout_positions, tp), me, n)
-    tails = x.index_select(0, torch.tensor(plan.tail_rows, device=x.device))
-    if sp_tp is not None:
-        tails = comm.gather_sequence(tails, sp_tp.group)
+    plan, n = prepared.plan, prepared.plan.width
+    tails = x.index_select(0, prepared.tail_rows)
+    if tp is not None and tp.sp:
+        tails = comm.gather_sequence(tails, tp.group)
     tails = comm.gather_sequence(tails, layout_group)
     padded = torch.cat([tails, tails.new_zeros((1, *tails.shape[1:]))])
-    tokens = padded.index_select(0, torch.tensor(plan.picks, device=x.device, dtype=torch.long))
+    tokens = padded.index_select(0, prepared.picks)
     return Halo(plan.runs, tokens.view(len(plan.runs), n, *x.shape[1:]))
 
 

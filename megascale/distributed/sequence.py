@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from megascale.distributed.halo import Halo, exchange_preceding
+from megascale.distributed.halo import Halo, HaloPlans, exchange_preceding, halo_plan, sp_share
 from megascale.kernels.attention import AttentionKernels, build_attention_kernels, default_attention_kernels
 from megascale.precision import precision_of
 
@@ -61,6 +61,8 @@ class SequenceLayout(ABC):
     size: int
     #: The run's attention kernels (resolved once from kernels.attention and the device).
     kernels: AttentionKernels
+    #: The halo plans of `preceding`, built once per sequence length and reused by every layer.
+    halo_plans: HaloPlans
 
     @abstractmethod
     def shard_batch(self, batch: dict) -> dict:
@@ -108,6 +110,7 @@ class LocalSequence(SequenceLayout):
 
     def __init__(self, kernels: Optional[AttentionKernels] = None) -> None:
         self.kernels = kernels or default_attention_kernels()
+        self.halo_plans = HaloPlans()
 
     def shard_batch(self, batch: dict) -> dict:
         """The batch itself: this rank holds every token."""
@@ -124,8 +127,11 @@ class LocalSequence(SequenceLayout):
 
     def preceding(self, x: torch.Tensor, n: int, tp: Optional[TPSettings] = None) -> Halo:
         """Zeros for the one run from position 0, or the previous tp rank's last tokens under SP."""
-        tokens = x.shape[0] * (tp.size if tp is not None and tp.sp else 1)
-        return exchange_preceding(x, n, [torch.arange(tokens)], 0, None, tp)
+        parts, part = sp_share(tp)
+        tokens = x.shape[0] * parts
+        key = (tokens, n, parts, part)
+        prepared = self.halo_plans.get(key, x.device, lambda: halo_plan([torch.arange(tokens)], 0, n, tp))
+        return exchange_preceding(x, prepared, None, tp)
 
     def __repr__(self) -> str:
         return f"LocalSequence({self.kernels!r})"

@@ -357,19 +357,21 @@ def _cp_pass(shape: LayerShape, spec: GpuSpec, attention: float, inter_node: boo
     if shape.cp == 1:
         return 0.0, 0.0
     traffic = cp_layer_traffic(shape.tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.ulysses,
-                               shape.ring, shape.bytes)
+                               shape.ring, shape.bytes, batch=shape.batch, window=shape.window)
     exposed = hidden = 0.0
     if shape.ulysses > 1:
         # q, k, v in and the output back (their gradients backward): all-to-alls, not overlapped.
         exposed += collective_seconds("all_to_all", traffic.alltoall_tensor_bytes, shape.ulysses, spec, inter_node)
-    if shape.ring > 1:
-        # Each hop's transfer hides behind the attention of the block before it; backward sends the
-        # dk/dv sums beside k/v, and their last hop lands after the last block.
+    steps = max(traffic.hops.forward, traffic.hops.backward)
+    if steps:
+        # Each hop's transfer hides behind the attention of the blocks before it; backward sends the
+        # dk/dv sums beside k/v, and the last ones land after the last block. A window's two-way ring
+        # sends both directions at once, on the two links of each rank, and stops after `steps`.
         kv = collective_seconds("p2p", traffic.ring_kv_message, 2, spec, inter_node)
         grads = collective_seconds("p2p", traffic.ring_grad_message, 2, spec, inter_node) if backward else 0.0
-        step, per_block = kv + grads, attention / shape.ring
-        exposed += (shape.ring - 1) * max(0.0, step - per_block) + grads
-        hidden += (shape.ring - 1) * min(step, per_block)
+        step, per_block = kv + grads, attention / (steps + 1)
+        exposed += steps * max(0.0, step - per_block) + grads
+        hidden += steps * min(step, per_block)
     return exposed, hidden
 
 

@@ -31,8 +31,9 @@ What the filter keeps for backward (`activations.layer_bytes` adds it unless the
 whole layer is recomputed; selective recomputation does not cover it): each
 run's input with its halo prepended, conv1's output with the token before the
 run, the RMSNorm's own saved tensors, the filtered input the q/k GEMM reads (the
-all-gathered one under sequence parallelism), the halo's row indices, and the
-q/k and v weight slices when they are copies. The q/k and v projection outputs
+all-gathered one under sequence parallelism), and the q/k and v weight slices
+when they are copies (the halo's row indices are the layout's, shared by every
+layer). The q/k and v projection outputs
 are then two tensors instead of one fused one, which changes what a kept view
 keeps alive (`activations._qkv_kept_bytes`).
 """
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 # Tokens before each run that the two kernel-2 convolutions read.
 HALO_TOKENS = 2
-INDEX = 8  # int64 row indices
 
 
 def halo_runs(ring: int, split: int) -> int:
@@ -59,13 +59,15 @@ def halo_runs(ring: int, split: int) -> int:
 def filter_saved_bytes(rows: int, batch: int, hidden: int, element_bytes: int, runs: int) -> float:
     """Bytes the two convolutions keep for backward on `rows` tokens (batch sequences, `runs` runs each).
 
-    Each run's input with its two halo tokens prepended (conv1's GEMMs keep it),
-    conv1's output including the token before the run (conv2's GEMMs keep it),
-    and the int64 row indices the halo's gather and pick keep.
+    Each run's input with its two halo tokens prepended (conv1's GEMMs keep it)
+    and conv1's output including the token before the run (conv2's GEMMs keep it).
+    The int64 row indices the halo's gather and pick keep belong to the layout's
+    halo plan, built once per run and shared by every layer and micro-batch: not
+    activation memory.
     """
     conv1_in = (rows + HALO_TOKENS * runs * batch) * hidden
     conv2_in = (rows + runs * batch) * (hidden // 2)
-    return float((conv1_in + conv2_in) * element_bytes + 2 * HALO_TOKENS * runs * INDEX)
+    return float((conv1_in + conv2_in) * element_bytes)
 
 
 def weight_copy_elements(local_kv_heads: int, group: int, head_dim: int, hidden: int) -> int:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megascale.config import Config
+from megascale.distributed.context_parallel.ring_hops import ring_hops
 from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, ActionKind, compute_order
 from megascale.distributed.pipeline.simulator import peak_live
 from megascale.model.params import ModelLayout, ParamTable, param_table
@@ -156,8 +157,9 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
     return tuple(out)
 
 
-def _comm_buffers(plan: RunPlan, sh: Shapes) -> float:
-    """Buffers of the collectives in flight beside the saved activations (see the module docstring)."""
+def _comm_buffers(plan: RunPlan, sh: Shapes, window: int = 0) -> float:
+    """Buffers of the collectives in flight beside the saved activations (see the module docstring);
+    window: the sliding window in tokens (0 = full causal), which may make the ring two-way."""
     total = 0.0
     if plan.tp > 1:
         total += sh.tokens * sh.hidden * sh.act  # one gathered / all-reduced [s, b, h] in flight
@@ -166,8 +168,10 @@ def _comm_buffers(plan: RunPlan, sh: Shapes) -> float:
     if sh.ring > 1:
         kv_heads = act.spread_kv_heads(sh) if sh.ulysses > 1 else sh.kv_heads
         kv_block = 2 * sh.per_token(kv_heads * sh.head_dim, sh.act)  # k and v stacked into one message
-        # The block being sent, the one arriving, and the fp32 copy each step computes on (16-bit runs).
-        total += 2 * kv_block + (kv_block * act.FP32 / sh.act if sh.act != act.FP32 else 0.0)
+        # Per direction the block being sent, the one arriving, and the fp32 copy each step computes on
+        # (16-bit runs); a window that needs only nearby blocks sends them both ways at once.
+        directions = 2 if ring_hops(sh.ring, sh.seq * sh.ulysses // 2, window).backward else 1
+        total += directions * (2 * kv_block + (kv_block * act.FP32 / sh.act if sh.act != act.FP32 else 0.0))
     if plan.pp > 1:
         total += 2 * sh.residual_tokens * sh.hidden * sh.act  # a posted forward and a posted backward receive
     return total
@@ -193,6 +197,7 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
         table = param_table(cfg, ModelLayout.from_plan(plan))
     kernels = _profile(cfg, kernels)
     sh = Shapes.of(cfg, plan)
+    window = cfg.model.window_size if cfg.model.attention == "sliding_window" else 0
     count = table.local_numel(stage)
     optimizer: float = count * (8 + (4 if plan.precision.master_weights else 0))
     if plan.zero == 1:
@@ -211,7 +216,7 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
     return MemoryEstimate(
         params_bytes=float(count * plan.precision.param_bytes), grads_bytes=count * 4.0,
         optimizer_bytes=float(optimizer), activations_bytes=saved - head,
-        logits_bytes=head + (work if loss_work else 0.0), comm_buffers_bytes=_comm_buffers(plan, sh),
+        logits_bytes=head + (work if loss_work else 0.0), comm_buffers_bytes=_comm_buffers(plan, sh, window),
         transient_bytes=0.0 if loss_work else work,
         num_params=count, stage=stage, inflight_microbatches=sum(live) / plan.vpp,
         layers=plan.rank_layer_counts[stage], kernels=kernels, description=desc)

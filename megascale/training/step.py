@@ -35,12 +35,33 @@ def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, 
                      timers: Optional[PhaseTimers] = None) -> torch.Tensor:
     """Run every micro-batch of this step; returns the global mean loss (valid on the last stage).
 
+    The same as `forward_backward_voting` without a stop vote.
+    """
+    loss, _ = forward_backward_voting(chunks, batches, plan=plan, ctx=ctx, optimizer=optimizer, progress=progress,
+                                      loss_hook=loss_hook, timers=timers)
+    return loss
+
+
+def forward_backward_voting(chunks: Sequence[torch.nn.Module], batches: list[dict], *, plan: RunPlan,
+                            ctx: ParallelContext, optimizer: DistributedOptimizer,
+                            progress: Optional[Progress] = None,
+                            loss_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                            timers: Optional[PhaseTimers] = None,
+                            stop_vote: Optional[Callable[[], bool]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run every micro-batch of this step; returns (global mean loss, stop votes of the dp x cp group).
+
     Micro-batch losses are scaled by 1 / tokens of the global batch, so they sum to the global
     mean and gradients are summed (not averaged) over data/context-parallel ranks. `progress`
     (the hang watchdog's phase marks) learns which collective the step is in. loss_hook, when
     given, maps this rank's loss share before the data/context-parallel sum (fault drills poison
     it there, so the whole group sees the NaN as a real fault would spread). `timers`, when given,
     times the forward, backward and communication phases.
+
+    stop_vote, when given, is asked once, just before the loss all-reduce, whether this rank
+    wants the run to stop (preemption); its answer travels as a second element of that
+    all-reduce, so the returned votes (a count, > 0 when any rank of the group voted) cost no
+    collective of their own. Pass them to the optimizer step, whose gradient-norm all-reduce
+    spreads them over the model-parallel ranks: dp x cp times tp x pp is every rank.
     """
     batches = [_to_device(b, ctx.device, plan.loss_scale_per_token) for b in batches]
     optimizer.zero_grad()
@@ -64,10 +85,14 @@ def forward_backward(chunks: Sequence[torch.nn.Module], batches: list[dict], *, 
     if loss_hook is not None:
         total = loss_hook(total)
     progress.collective = "dp_cp all_reduce (loss)"
+    vote = float(stop_vote()) if stop_vote is not None else 0.0
     # Each dp x cp rank holds its share of the global mean; the sum over them is the global mean.
+    # The stop votes ride along (a sum of 0/1 votes: exact in fp32 for any group size).
+    # new_full fills on the device from a host scalar: no copy that would wait for the stream.
+    packed = torch.stack([total.float(), total.new_full((), vote, dtype=torch.float32)])
     with timed(timers, "loss_all_reduce"):
-        comm.all_reduce(total, ctx.group("dp_cp"))
-    return total
+        comm.all_reduce(packed, ctx.group("dp_cp"))
+    return packed[0], packed[1]
 
 
 def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: RunPlan, ctx: ParallelContext,

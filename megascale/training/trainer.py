@@ -29,7 +29,7 @@ from megascale.training.fault.progress import Progress
 from megascale.training.metrics import MetricsSink, elapsed_and_eta, format_line
 from megascale.training.profiling import StepProfiler
 from megascale.training.run_dir import write_run_config
-from megascale.training.step import evaluate, forward_backward
+from megascale.training.step import evaluate, forward_backward_voting
 from megascale.training.timer_log import TimerLog
 
 if TYPE_CHECKING:  # built lazily below: these pull in the heavy optimizer/checkpoint stacks
@@ -272,15 +272,16 @@ class Trainer:
                     self.train_data.skip_step()
                     batches = [{} for _ in range(self.plan.num_microbatches)]
             self.faults.at("step_start", self.step + 1)
-            loss = forward_backward(self.chunks, batches, plan=self.plan, ctx=self.ctx, optimizer=self.optimizer,
-                                    progress=self.progress, loss_hook=self.faults.loss_hook(self.step + 1),
-                                    timers=self.timers)
+            loss, votes = forward_backward_voting(
+                self.chunks, batches, plan=self.plan, ctx=self.ctx, optimizer=self.optimizer,
+                progress=self.progress, loss_hook=self.faults.loss_hook(self.step + 1), timers=self.timers,
+                stop_vote=self.lifecycle.stop_vote)
             self.faults.at("after_forward", self.step + 1)
             self.progress.collective = "optimizer"
             with self.timers.phase("checkpoint_blocking"):
                 self.ckpt.before_update()  # an async checkpoint's snapshot ran under this forward/backward
             with self.timers.phase("optimizer"):
-                stats = self.optimizer.step(self.step, loss=loss, guard=self.numerics.check)
+                stats = self.optimizer.step(self.step, loss=loss, guard=self.numerics.check, stop_votes=votes)
             self._report_checkpoint()
             self.step += 1
             self.consumed_samples += cfg.train.global_batch_size
@@ -319,7 +320,7 @@ class Trainer:
                     self.save()
             self.timer_log.step_done(self.timers.end_step(), self.step, self.step % cfg.log.interval == 0)
             self.profiler.end_step(self.step)
-            if self.lifecycle.stop_requested():  # preemption: every rank stops after this same step
+            if self.lifecycle.stop_requested(stats.stop_votes):  # preemption: every rank stops after this same step
                 self.progress.enter("checkpoint_save")
                 self.lifecycle.preempt_save(self)
                 break

@@ -20,7 +20,7 @@ from megascale.distributed.context_parallel.attention import (
     local_positions,
     shard_batch,
 )
-from megascale.distributed.halo import Halo, exchange_preceding
+from megascale.distributed.halo import Halo, HaloPlan, HaloPlans, exchange_preceding, halo_plan, sp_share
 from megascale.distributed.sequence import SequenceLayout
 from megascale.distributed.topology import ParallelContext
 from megascale.kernels.attention import AttentionKernels
@@ -36,6 +36,7 @@ class ContextParallelSequence(SequenceLayout):
         self.settings = settings
         self.size = settings.size
         self.kernels = settings.kernels
+        self.halo_plans = HaloPlans()
 
     @classmethod
     def build(cls, ctx: ParallelContext, cfg: Config, kernels: AttentionKernels,
@@ -61,9 +62,16 @@ class ContextParallelSequence(SequenceLayout):
         """The n tokens before each of this rank's runs (zigzag chunks, hybrid parts), from the cp ranks
         (and, under sequence parallelism, the tp ranks) holding them."""
         s = self.settings
-        seq = x.shape[0] * (tp.size if tp is not None and tp.sp else 1) * s.size
-        members = [local_positions(seq, self._settings_of(c)) for c in range(s.size)]  # on the host: no device sync
-        return exchange_preceding(x, n, members, s.rank, s.group, tp)
+        parts, part = sp_share(tp)
+        seq = x.shape[0] * parts * s.size
+        key = (seq, n, parts, part)
+        prepared = self.halo_plans.get(key, x.device, lambda: self._halo_plan(seq, n, tp))
+        return exchange_preceding(x, prepared, s.group, tp)
+
+    def _halo_plan(self, seq: int, n: int, tp: Optional[TPSettings]) -> HaloPlan:
+        """This rank's halo plan for sequences of `seq` tokens, from every cp rank's positions (host only)."""
+        members = [local_positions(seq, self._settings_of(c)) for c in range(self.settings.size)]
+        return halo_plan(members, self.settings.rank, n, tp)
 
     def _settings_of(self, cp_rank: int) -> CPSettings:
         """The settings cp rank `cp_rank` holds: enough to compute its positions."""

@@ -8,9 +8,16 @@ results are merged with the log-sum-exp rule in fp32:
     lse' = log(exp(lse) + exp(lse_b))
     out' = out * exp(lse - lse') + out_b * exp(lse_b - lse')
 
-Backward re-circulates k/v the same way, accumulates dq locally, and sends each
-block's dk/dv partial sum along with it, so after a full turn (one hop more than
-k/v travel) every rank receives the complete gradient of its own k/v.
+Blocks travel only as far as some rank has work for them (`ring_hops`): full
+causal attention needs the whole ring (R-1 hops); a sliding window that reaches
+G zigzag chunks back needs only the blocks of the G ranks on either side, so when
+2G < R-1 blocks go G hops each way (to the next and to the previous rank) and
+the ring stops there.
+
+Backward re-circulates k/v the same way and accumulates dq locally. Each visiting
+block's dk/dv partial sum travels beside it (fp32), and at the block's last hop
+the completed sum goes straight home to its owner, which adds it to the gradient
+of its own tiles: per direction of h hops, h fp32 messages.
 
 Zigzag: the ring-local sequence of ring rank j is chunks j and 2W-1-j of 2W
 (see `zigzag_positions`). With a causal mask, a k/v block from an earlier rank is
@@ -45,6 +52,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megascale.distributed.context_parallel.ring_hops import RingHops, ring_hops
 from megascale.kernels.attention import AttentionKernels
 from megascale.kernels.attention_blockwise import Dropout, Tile, compute_dtype, row_delta
 from megascale.kernels.attention_tiles import TileState
@@ -124,23 +132,35 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
     acc_lse.copy_(new_lse)
 
 
+# p2p tags: k/v blocks and the dk/dv partial sums beside them, per direction, and the completed sums' way home.
+TAG_KV_FORWARD, TAG_KV_BACKWARD, TAG_GRAD_FORWARD, TAG_GRAD_BACKWARD, TAG_HOME_FORWARD, TAG_HOME_BACKWARD = range(6)
+
+
 class RingComm:
-    """Async send-to-next / receive-from-previous over a ring of global ranks."""
+    """Async exchanges between ring ranks (global ranks in ring order; this rank at `index`)."""
 
     def __init__(self, group: Any, ranks: tuple[int, ...], index: int, timers: Any = None) -> None:
-        self.group, self.timers = group, timers
-        self.next = ranks[(index + 1) % len(ranks)]
-        self.prev = ranks[(index - 1) % len(ranks)]
+        self.group, self.timers, self.ranks, self.index = group, timers, ranks, index
 
-    def start(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
-        """Send `send` to the next rank and receive a tensor like it from the previous; returns (buffer, works)."""
-        recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
-        return recv, dist.batch_isend_irecv(ops)
+    def peer(self, offset: int) -> int:
+        """Global rank `offset` places after this one around the ring (negative: before)."""
+        return self.ranks[(self.index + offset) % len(self.ranks)]
+
+    def start(self, sends: list[tuple[torch.Tensor, int, int]]) -> tuple[list[torch.Tensor], list]:
+        """For each (tensor, offset, tag): send it to the rank `offset` ahead and receive one like it from the
+        rank `offset` behind; returns (the receive buffers in order, works). Every rank issues the same list."""
+        ops, buffers = [], []
+        for send, offset, tag in sends:
+            recv = torch.empty_like(send)
+            ops += [dist.P2POp(dist.isend, send, self.peer(offset), self.group, tag),
+                    dist.P2POp(dist.irecv, recv, self.peer(-offset), self.group, tag)]
+            buffers.append(recv)
+        return buffers, (dist.batch_isend_irecv(ops) if ops else [])
 
     def wait(self, works: list) -> None:
         """Block until a started exchange is complete (timed as cp_ring)."""
+        if not works:
+            return
         with timed(self.timers, "cp_ring"):
             for work in works:
                 work.wait()
@@ -175,24 +195,24 @@ class RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         comm = RingComm(ring.group, ring.ranks, ring.index, ring.timers)
         chunk = q.shape[3] // 2
+        hops = ring_hops(ring.size, chunk, ring.window)
         # Allocated sequence-major ([s, b, hk, g, d] memory) like the tensors around it: the caller's
         # [s, b, heads * d] view of the result is then free, and in fp32 the projection reads this kept tensor.
         b, hk, g, s, d = q.shape
         out = torch.zeros((s, b, hk, g, d), dtype=compute_dtype(q), device=q.device).permute(1, 2, 3, 0, 4)
         lse = torch.full(q.shape[:4], float("-inf"), dtype=out.dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()  # one message per hop
+        behind = ahead = torch.stack([k, v]).contiguous()  # one message per hop
         states: list[TileState] = []  # per tile, in plan order: what a fused kernel's backward needs (philox)
-        for step in range(ring.size):
-            pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
-            src = (ring.index - step) % ring.size
-            for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, merge=dropout is None):
-                out_b, lse_b, state = kernels.tile_forward(q[..., blk.q, :], kv[0][..., blk.k, :],
-                                                           kv[1][..., blk.k, :], blk.tile, scale, dropout)
-                merge_into(out, lse, out_b, lse_b, blk.q)
-                states.append(state)
-            if pending is not None:
-                comm.wait(pending[1])
-                kv = pending[0]
+        for step in range(max(hops.forward, hops.backward) + 1):
+            received, works = comm.start(_kv_sends(step, hops, behind, ahead))  # the next hop, under this one
+            for src, kv, _ in _held(step, hops, ring, behind, ahead):
+                for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, merge=dropout is None):
+                    out_b, lse_b, state = kernels.tile_forward(q[..., blk.q, :], kv[0][..., blk.k, :],
+                                                               kv[1][..., blk.k, :], blk.tile, scale, dropout)
+                    merge_into(out, lse, out_b, lse_b, blk.q)
+                    states.append(state)
+            comm.wait(works)
+            behind, ahead = _arrived(step, hops, received, behind, ahead)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.kernels, ctx.dropout, ctx.tile_states = ring, kernels, dropout, states
         return out.to(q.dtype)
@@ -205,35 +225,91 @@ class RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         comm = RingComm(ring.group, ring.ranks, ring.index, ring.timers)
         chunk = q.shape[3] // 2
+        hops = ring_hops(ring.size, chunk, ring.window)
         delta = row_delta(grad_out, out)
         grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        grad_in_flight: Optional[tuple[torch.Tensor, list]] = None
+        behind = ahead = torch.stack([k, v]).contiguous()
+        # fp32: the gradient of our own k/v, summed here from every rank that used it.
+        grad_own = torch.zeros(behind.shape, dtype=out.dtype, device=q.device)
+        chains: dict[int, Optional[tuple[list[torch.Tensor], list]]] = {1: None, -1: None}
+        homes: list[tuple[list[torch.Tensor], list]] = []
         states = iter(ctx.tile_states)  # the same plan, in the same order, as forward
-        for step in range(ring.size):
-            pending = comm.start(kv, tag=0) if step < ring.size - 1 else None
-            src = (ring.index - step) % ring.size
-            grad_kv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)
-            for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, merge=ctx.dropout is None):
-                rows = blk.q
-                dq, dk, dv = kernels.tile_backward(q[..., rows, :], kv[0][..., blk.k, :], kv[1][..., blk.k, :],
-                                                   grad_out[..., rows, :], out[..., rows, :], lse[..., rows],
-                                                   delta[..., rows], blk.tile, scale, ctx.dropout, next(states))
-                grad_q[..., rows, :] += dq
-                grad_kv[0][..., blk.k, :] += dk
-                grad_kv[1][..., blk.k, :] += dv
-            if grad_in_flight is not None:  # the partial sum for this same kv block from the ranks before us
-                comm.wait(grad_in_flight[1])
-                grad_kv += grad_in_flight[0]
-            # fp32 on the wire: these partial sums are accumulated over the whole ring.
-            grad_in_flight = comm.start(grad_kv, tag=1) if ring.size > 1 else (grad_kv, [])
-            if pending is not None:
-                comm.wait(pending[1])
-                kv = pending[0]
-        assert grad_in_flight is not None  # the loop above ran at least once (ring.size >= 1)
-        comm.wait(grad_in_flight[1])
-        grad_kv = grad_in_flight[0]  # after a full turn: the gradient of our own k/v
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+        for step in range(max(hops.forward, hops.backward) + 1):
+            received, works = comm.start(_kv_sends(step, hops, behind, ahead))
+            for src, kv, direction in _held(step, hops, ring, behind, ahead):
+                grad_kv = grad_own if direction == 0 else torch.zeros(kv.shape, dtype=out.dtype, device=q.device)
+                for blk in plan_step(chunk, ring.size, ring.index, src, ring.window, merge=ctx.dropout is None):
+                    rows = blk.q
+                    dq, dk, dv = kernels.tile_backward(q[..., rows, :], kv[0][..., blk.k, :], kv[1][..., blk.k, :],
+                                                       grad_out[..., rows, :], out[..., rows, :], lse[..., rows],
+                                                       delta[..., rows], blk.tile, scale, ctx.dropout, next(states))
+                    grad_q[..., rows, :] += dq
+                    grad_kv[0][..., blk.k, :] += dk
+                    grad_kv[1][..., blk.k, :] += dv
+                if direction != 0:
+                    _hand_on(comm, step, hops, direction, grad_kv, chains, homes)
+            comm.wait(works)
+            behind, ahead = _arrived(step, hops, received, behind, ahead)
+        for sums, works in homes:  # the completed sums of our own block, from each direction's last rank
+            comm.wait(works)
+            grad_own += sums[0]
+        return grad_q.to(q.dtype), grad_own[0].to(k.dtype), grad_own[1].to(v.dtype), None, None, None
+
+
+def _kv_sends(step: int, hops: RingHops, behind: torch.Tensor,
+              ahead: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+    """The k/v blocks handed on after hop `step`: to the next rank while forward hops remain (the block
+    that came from behind), to the previous rank while backward hops remain (the one from ahead)."""
+    sends = []
+    if step < hops.forward:
+        sends.append((behind, 1, TAG_KV_FORWARD))
+    if step < hops.backward:
+        sends.append((ahead, -1, TAG_KV_BACKWARD))
+    return sends
+
+
+def _arrived(step: int, hops: RingHops, received: list[torch.Tensor], behind: torch.Tensor,
+             ahead: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks held at hop step + 1, from the buffers of `_kv_sends(step, ...)` (in its order)."""
+    arrived = iter(received)
+    if step < hops.forward:
+        behind = next(arrived)
+    if step < hops.backward:
+        ahead = next(arrived)
+    return behind, ahead
+
+
+def _held(step: int, hops: RingHops, ring: RingSpec, behind: torch.Tensor,
+          ahead: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
+    """(source ring rank, k/v block, direction) of the blocks computed at hop `step`, in a fixed order:
+    our own at hop 0 (direction 0); then the block from `step` ranks behind (+1), from `step` ahead (-1)."""
+    if step == 0:
+        return [(ring.index, behind, 0)]
+    held = []
+    if step <= hops.forward:
+        held.append(((ring.index - step) % ring.size, behind, 1))
+    if step <= hops.backward:
+        held.append(((ring.index + step) % ring.size, ahead, -1))
+    return held
+
+
+def _hand_on(comm: RingComm, step: int, hops: RingHops, direction: int, grad_kv: torch.Tensor,
+             chains: dict[int, Optional[tuple[list[torch.Tensor], list]]],
+             homes: list[tuple[list[torch.Tensor], list]]) -> None:
+    """Add the partial dk/dv sum of the block from the rank before us on its way, then send it on beside
+    the block, or, at the block's last hop, home to its owner `step` ranks away (fp32 on the wire)."""
+    incoming = chains[direction]
+    if incoming is not None:  # the same block's sum from the ranks it visited before us
+        comm.wait(incoming[1])
+        grad_kv += incoming[0][0]
+    last = hops.forward if direction > 0 else hops.backward
+    if step < last:
+        tag = TAG_GRAD_FORWARD if direction > 0 else TAG_GRAD_BACKWARD
+        chains[direction] = comm.start([(grad_kv, direction, tag)])
+    else:
+        chains[direction] = None
+        tag = TAG_HOME_FORWARD if direction > 0 else TAG_HOME_BACKWARD
+        homes.append(comm.start([(grad_kv, -direction * step, tag)]))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec, kernels: AttentionKernels,

@@ -50,7 +50,8 @@ from megascale.timers import PhaseTimers, timed
 @dataclass
 class StepStats:
     """What one optimizer step did: learning rate, global grad norm (before clipping), skipped (fp16
-    overflow), loss scale; the global loss when one was passed, and the guard's fault (update withheld)."""
+    overflow), loss scale; the global loss when one was passed, the guard's fault (update withheld), and
+    the stop votes summed over every rank (> 0 when any rank asked to stop; 0 when none were passed)."""
 
     lr: float
     grad_norm: float
@@ -58,6 +59,7 @@ class StepStats:
     loss_scale: float
     loss: Optional[float] = None
     fault: Optional[Any] = None
+    stop_votes: float = 0.0
 
 
 def default_no_decay(param: nn.Parameter, spec: ShardSpec) -> bool:
@@ -196,8 +198,10 @@ class DistributedOptimizer:
         return self.scaler.scale_loss(loss)
 
     # ------------------------------------------------------------------ update side
-    def _grad_norm(self, loss: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """(global grad norm, global loss) in one all-reduce per group; the loss is 0 when not given."""
+    def _grad_norm(self, loss: Optional[Tensor] = None,
+                   stop_votes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(global grad norm, global loss, stop votes) in one all-reduce per group; loss and votes are 0
+        when not given."""
         pieces = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments
                   if seg.slot.spec.counts_for_norm]
         local = sum_of_squares(pieces, self.ctx.device)
@@ -206,15 +210,19 @@ class DistributedOptimizer:
         # are identical and summing them would count them twice.
         groups = [self.ctx.group("mp")] + ([self.comm.group] if self.zero == 1 else [])
         share = self._loss_share(loss)
+        zero = torch.zeros((), device=self.ctx.device)
         with timed(self.timers, "grad_norm_all_reduce"):
-            if share is None:
-                return global_norm(local, groups).float(), torch.zeros((), device=self.ctx.device)
-            # fp64 like the local sums; the loss survives fp32 -> fp64 -> fp32 exactly.
-            packed = torch.stack([local, share.double()])
+            if share is None and stop_votes is None:
+                return global_norm(local, groups).float(), zero, zero
+            # fp64 like the local sums; the loss survives fp32 -> fp64 -> fp32 exactly. The votes
+            # (already summed over dp x cp) only need to stay > 0 when any rank voted: summing them
+            # again over the groups here keeps that, and every rank ends with the same count.
+            extras = [zero if share is None else share, zero if stop_votes is None else stop_votes.reshape(())]
+            packed = torch.stack([local, *(t.double() for t in extras)])
             for group in groups:
                 if group is not None:
                     torch.distributed.all_reduce(packed, group=group)
-            return packed[0].sqrt().float(), packed[1].float()
+            return packed[0].sqrt().float(), packed[1].float(), packed[2].float()
 
     def _loss_share(self, loss: Optional[Tensor]) -> Optional[Tensor]:
         """This rank's term of the global loss in the norm's all-reduce: the loss on exactly one
@@ -227,7 +235,8 @@ class DistributedOptimizer:
         return loss if owner else loss * 0.0
 
     def step(self, step: int, loss: Optional[Tensor] = None,
-             guard: Optional[Callable[[int, Optional[float], float, bool], Any]] = None) -> StepStats:
+             guard: Optional[Callable[[int, Optional[float], float, bool], Any]] = None,
+             stop_votes: Optional[Tensor] = None) -> StepStats:
         """Unscale (fp16), clip, update; ZeRO-1: all-gather the params.
 
         step: optimizer steps completed before this one (0 for the first); the learning rate is
@@ -237,22 +246,24 @@ class DistributedOptimizer:
         guard: called on every rank as guard(step + 1, loss, grad_norm, fp16_overflow_skips) with the
         identical global values; a non-None result (a numerical fault) withholds the update and is
         returned in StepStats.fault.
+        stop_votes: this rank's stop votes of the step (`forward_backward_voting`), summed into the same
+        all-reduce; StepStats.stop_votes is then the total over every rank, read in the same host sync.
         """
         self.wait_params()
         grads = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments]
         if self.scaler.dynamic:
             scale_(grads, torch.tensor(1.0 / self.scaler.scale, device=self.ctx.device))
-        norm_t, loss_t = self._grad_norm(loss)
-        # The one host sync per step: skip decisions and logging need both values.
-        grad_norm, loss_value = torch.stack([norm_t, loss_t]).tolist()
+        norm_t, loss_t, votes_t = self._grad_norm(loss, stop_votes)
+        # The one host sync per step: skip and stop decisions and logging need these values.
+        grad_norm, loss_value, votes = torch.stack([norm_t, loss_t, votes_t]).tolist()
         global_loss = loss_value if loss is not None else None
         lr = lr_at(step + 1, self.cfg.optim, self.cfg.train.steps)
         fault = guard(step + 1, global_loss, grad_norm, self.scaler.dynamic) if guard is not None else None
         if fault is not None:
-            return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss, fault)
+            return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss, fault, votes)
         if self.scaler.dynamic and not math.isfinite(grad_norm):
             self.scaler.update(found_inf=True)
-            return StepStats(lr, grad_norm, True, self.scaler.scale, global_loss)
+            return StepStats(lr, grad_norm, True, self.scaler.scale, global_loss, stop_votes=votes)
         if self.cfg.optim.grad_clip > 0:
             scale_(grads, clip_coefficient(norm_t, self.cfg.optim.grad_clip))
         self.num_updates += 1
@@ -260,7 +271,7 @@ class DistributedOptimizer:
             self.math.update(lr, self.num_updates)
         self.scaler.update(found_inf=False)
         self._gather_params()
-        return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss)
+        return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss, stop_votes=votes)
 
     def _gather_params(self) -> None:
         if self.zero != 1 or self.comm.group is None:

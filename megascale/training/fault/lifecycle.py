@@ -1,7 +1,8 @@
 """The trainer's fault-tolerance companion: attempt records, effective training time and preemption.
 
-The trainer calls, in order: `RunLifecycle(...)` after resuming, `step_done()`
-after each step, `stop_requested()` at each step boundary (collective),
+The trainer calls, in order: `RunLifecycle(...)` after resuming, `stop_vote`
+handed to the step (its vote rides in the step's own all-reduces), `step_done()`
+after each step, `stop_requested(votes)` at each step boundary,
 `preempt()` when it says so, `checkpoint_state()` when saving, and `finish()`
 at the end. Everything else (records, events, signal handling) lives here.
 
@@ -83,9 +84,13 @@ class RunLifecycle:
         self.preempt.note_step_time(seconds)
         self.recorder.progress(step)
 
-    def stop_requested(self) -> bool:
-        """Collective: did any rank receive the preemption signal? Same answer on every rank."""
-        return self.preempt.requested(self.world_size)
+    def stop_vote(self) -> bool:
+        """This rank's preemption vote for the step's loss all-reduce (`forward_backward_voting`)."""
+        return self.preempt.vote()
+
+    def stop_requested(self, votes: float) -> bool:
+        """Did any rank vote to stop in this step (votes: `StepStats.stop_votes`)? Same answer on every rank."""
+        return self.preempt.requested(self.world_size, votes)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint carries for this module: the useful seconds up to its step."""

@@ -5,15 +5,19 @@ code, where Python signal handlers do not run). So the handler is the C-level
 wakeup fd of the `signal` module: the byte it writes wakes a watcher thread
 at once, which timestamps the request and enforces two deadlines:
 
-- the main thread must reach a step boundary within `boundary_s` (two recent
-  step times, at least 5 s): a rank that cannot is stuck in a collective with a
-  rank that is gone (the agent tearing the group down after a failure), and it
-  exits with code 143 instead of waiting;
+- the main thread must reach the step boundary where the ranks agree to stop
+  within `boundary_s` (three recent step times, at least 5 s: a signal that
+  arrives just after a step's vote is counted in the next step's): a rank that
+  cannot is stuck in a collective with a rank that is gone (the agent tearing
+  the group down after a failure), and it exits with code 143 instead of waiting;
 - everything, final checkpoint included, must end within `fault.preempt_grace_s`.
 
-At each step boundary the ranks agree with one tiny all-reduce (MAX of the
-flag) whether any of them was asked to stop, so they all stop after the same
-step and write one consistent checkpoint.
+The ranks agree whether any of them was asked to stop without a collective of
+their own: each rank's vote (1 once it has received the signal) rides as an
+extra element in the step's loss all-reduce over dp x cp and then in the
+gradient norm's all-reduce over tp x pp, which together reach every rank, and
+is read in the step's one host sync. Every rank sees the same sum, so they all
+stop after the same step and write one consistent checkpoint.
 """
 
 from __future__ import annotations
@@ -50,7 +54,6 @@ class PreemptionHandler:
         self.boundary_s = 5.0
         self._at_boundary = threading.Event()
         self._finished = threading.Event()
-        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
         self._previous_handler: Union[Callable[[int, Optional[FrameType]], Any], int, None] = None
         self._previous_wakeup = -1
         self._sockets: Optional[tuple[socket.socket, socket.socket]] = None
@@ -112,18 +115,22 @@ class PreemptionHandler:
 
     # ------------------------------------------------------------------ in the loop
     def note_step_time(self, seconds: float) -> None:
-        """Keep the boundary deadline at two step times (at least 5 s)."""
-        self.boundary_s = max(5.0, 2.0 * seconds)
+        """Keep the boundary deadline at three step times (at least 5 s): the vote of a signal that just
+        missed one step's reduction is counted in the next step's."""
+        self.boundary_s = max(5.0, 3.0 * seconds)
 
-    def requested(self, world_size: int) -> bool:
-        """Collective: True on every rank if any rank has received the signal (call on all ranks each step)."""
+    def vote(self) -> bool:
+        """This rank's stop vote: True once it has received the signal (sent in the step's loss all-reduce)."""
+        return self.signal_time is not None
+
+    def requested(self, world_size: int, votes: float) -> bool:
+        """True on every rank if any rank voted to stop in this step (call at each step boundary).
+
+        votes: the step's stop votes summed over every rank (`StepStats.stop_votes`), the same number on
+        every rank. A single process needs no agreement and stops on its own signal at once.
+        """
         local = self.signal_time is not None
-        if world_size <= 1 or not dist.is_initialized():
-            agreed = local
-        else:
-            self._flag.fill_(int(local))
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-            agreed = bool(self._flag.item())
+        agreed = local if world_size <= 1 or not dist.is_initialized() else votes > 0
         if agreed:
             self._at_boundary.set()
             if self.signal_time is None:
