@@ -45,14 +45,11 @@ class SystemTraits:
 
     async_p2p: pipeline sends/receives are posted without blocking the compute
       (megascale's executor); False models a blocking exchange before each compute.
-    tp_regather_backward: sequence parallelism re-gathers a column-parallel
-      layer's input in the backward instead of saving the gathered tensor
-      (Megatron-LM saves memory that way; megascale saves the gathered input).
     shared_block_comm: the parallel block gathers its one input once and
-      reduce-scatters the sum of attention and MLP once (MegaScale), instead of
-      once per branch (megascale's parallel block runs the two branches as
-      separate tp layers).
-    fused_block_gemm: the parallel block's qkv and fc1 GEMMs run as one GEMM.
+      reduce-scatters the sum of attention and MLP once (MegaScale, and megascale
+      without LFA), instead of once per branch.
+    fused_block_gemm: the parallel block's qkv and fc1 GEMMs run as one GEMM
+      (MegaScale, and megascale without LFA).
     flash_attention: the attention core is one fused kernel that skips masked
       blocks (flash); False models the pre-flash path of Megatron-LM 2021-22:
       two batched GEMMs over the full [s, s] scores per head and a fused
@@ -61,14 +58,17 @@ class SystemTraits:
       stage output; Megatron-LM sends 1/tp of it from each rank (each over its own
       NIC) and all-gathers it on NVLink at the receiver, where megascale's executor
       sends the whole tensor from every rank.
-    tp_async_grad_reduce: Megatron-LM's (2022) column-parallel layers run their
-      backward collectives asynchronously: the input gradient's all-reduce (no
-      SP) or reduce-scatter (SP) under the weight-gradient GEMM, and the SP
-      re-gather of the input under the input-gradient GEMM.
+    tp_async_grad_reduce: column-parallel layers run their backward collectives
+      asynchronously (Megatron-LM 2022, megascale): the input gradient's
+      all-reduce (no SP) or reduce-scatter (SP) under the weight-gradient GEMM,
+      and the SP re-gather of the input under the input-gradient GEMM.
+
+    Whether sequence parallelism re-gathers a column-parallel GEMM's input in the
+    backward (instead of saving the gathered input) is the config key
+    `parallel.sp_regather_input`, which both the memory and the time model follow.
     """
 
     async_p2p: bool = True
-    tp_regather_backward: bool = False
     shared_block_comm: bool = False
     fused_block_gemm: bool = False
     flash_attention: bool = True
@@ -76,7 +76,9 @@ class SystemTraits:
     tp_async_grad_reduce: bool = False
 
 
-MEGASCALE = SystemTraits()
+MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True)
+"""What megascale's trainer does: one gather and one reduce-scatter per parallel block around one
+fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives."""
 
 
 @dataclass
@@ -198,6 +200,7 @@ class LayerShape:
     dropout: bool
     batch: int = 1  # sequences per micro-batch
     lfa: bool = False  # Yuan's localized filtering before the q/k projection
+    regather: bool = False  # SP: column GEMMs re-gather their input in backward (parallel.sp_regather_input)
 
     @classmethod
     def of(cls, cfg: Config, plan: RunPlan) -> LayerShape:
@@ -210,7 +213,8 @@ class LayerShape:
                    window=m.window_size if m.attention == "sliding_window" else 0, cp=plan.cp,
                    ulysses=plan.ulysses_size, ring=plan.ring_size, dtype=plan.precision.name,
                    parallel_block=m.parallel_block, dropout=m.dropout > 0 or m.attention_dropout > 0,
-                   batch=plan.micro_batch_size, lfa=m.lfa)
+                   batch=plan.micro_batch_size, lfa=m.lfa,
+                   regather=plan.sequence_parallel and cfg.parallel.sp_regather_input)
 
     @property
     def bytes(self) -> int:
@@ -226,6 +230,10 @@ class LayerShape:
     def region(self) -> int:
         """Rows of the residual stream on this rank (norms, residual adds, LFA's filter): tokens / tp under SP."""
         return self.tokens // self.tp if self.sp else self.tokens
+
+    def shared_block(self, traits: SystemTraits) -> bool:
+        """The parallel block's branches share one tp entry and exit (LFA's filtered q/k input keeps them apart)."""
+        return self.parallel_block and not self.lfa and traits.shared_block_comm
 
     @property
     def fc1_width(self) -> int:
@@ -253,13 +261,10 @@ class LayerCosts:
 def _gemms(shape: LayerShape, traits: SystemTraits) -> list[tuple[str, int, int]]:
     """(role, N, K) of each forward GEMM with M = tokens; role pairs a GEMM with its collective."""
     h = shape.hidden
-    fused = shape.parallel_block and traits.fused_block_gemm
-    if shape.lfa:  # q/k read the filtered input, v the unfiltered one (which may share fc1's GEMM)
+    fused = shape.parallel_block and not shape.lfa and traits.fused_block_gemm
+    if shape.lfa:  # q/k read the filtered input, v the unfiltered one
         v_width = shape.kv_heads * shape.head_dim
-        qk = ("column", shape.qkv_width - v_width, h)
-        rest = [("column", v_width + shape.fc1_width, h)] if fused else [("column", v_width, h),
-                                                                          ("column", shape.fc1_width, h)]
-        column = [qk, *rest]
+        column = [("column", shape.qkv_width - v_width, h), ("column", v_width, h), ("column", shape.fc1_width, h)]
     elif fused:
         column = [("column", shape.qkv_width + shape.fc1_width, h)]
     else:
@@ -324,11 +329,12 @@ def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, 
     """
     if shape.tp == 1:
         return {}, {}
-    outputs = 1 if (shape.parallel_block and traits.shared_block_comm) else 2
+    outputs = 1 if shape.shared_block(traits) else 2
     inputs = outputs + (1 if shape.lfa else 0)
     if not shape.sp:
         return {"all_reduce": outputs}, {"all_reduce": inputs}
-    regathers = inputs if traits.tp_regather_backward else 0
+    # LFA's two-input projection keeps its gathered inputs: only fc1 re-gathers.
+    regathers = (1 if shape.lfa else inputs) if shape.regather else 0
     backward = {"reduce_scatter": inputs, "all_gather": outputs + regathers}
     return {"all_gather": inputs, "reduce_scatter": outputs}, backward
 
@@ -404,16 +410,15 @@ def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTrait
     """
     msg = shape.tokens * shape.hidden * shape.bytes
     node_ranks = min(shape.tp, spec.gpus_per_node)
-    inputs = 2 if not (shape.parallel_block and traits.shared_block_comm) else 1
+    inputs = 1 if shape.shared_block(traits) else 2
     inputs += 1 if shape.lfa else 0
-    if shape.sp:
-        kinds = ["reduce_scatter"] + (["all_gather"] if traits.tp_regather_backward else [])
-    else:
-        kinds = ["all_reduce"]
-    hideable = inputs * sum(collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks) for kind in kinds)
+    kind = "reduce_scatter" if shape.sp else "all_reduce"
+    regathers = ((1 if shape.lfa else inputs) if shape.regather else 0)
+    hideable = (inputs * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
+                + regathers * collective_seconds("all_gather", msg, shape.tp, spec, inter_node, node_ranks))
     columns = [(n, k) for role, n, k in gemms if role == "column"]
     window = sum(spec.gemm_seconds(n, k, shape.tokens, shape.dtype) for n, k in columns)  # weight gradients
-    if shape.sp and traits.tp_regather_backward:
+    if shape.regather:
         window += sum(spec.gemm_seconds(shape.tokens, k, n, shape.dtype) for n, k in columns)  # input gradients
     return min(hideable, window)
 
