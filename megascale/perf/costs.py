@@ -325,7 +325,8 @@ def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, 
 
     Each distinct column-parallel input is gathered (SP) or has its gradient reduced;
     each row-parallel output is reduce-scattered (SP) or all-reduced. LFA's filtered
-    input is one more column input: the q/k projection reads it, v reads x.
+    input is one more column input: the q/k projection reads it, v reads x. The
+    backward's re-gathers of column inputs are counted apart (`_regathers`).
     """
     if shape.tp == 1:
         return {}, {}
@@ -333,26 +334,41 @@ def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, 
     inputs = outputs + (1 if shape.lfa else 0)
     if not shape.sp:
         return {"all_reduce": outputs}, {"all_reduce": inputs}
-    # LFA's two-input projection keeps its gathered inputs: only fc1 re-gathers.
-    regathers = (1 if shape.lfa else inputs) if shape.regather else 0
-    backward = {"reduce_scatter": inputs, "all_gather": outputs + regathers}
+    backward = {"reduce_scatter": inputs, "all_gather": outputs}
     return {"all_gather": inputs, "reduce_scatter": outputs}, backward
 
 
+def _regathers(shape: LayerShape, traits: SystemTraits) -> int:
+    """All-gathers of saved input shards in one layer's backward (`parallel.sp_regather_input` under SP).
+
+    One per column-parallel input: one for the parallel block's shared input, two
+    for the sequential block's; with LFA only fc1's (LFA's two-input projection
+    keeps its gathered inputs).
+    """
+    if shape.tp == 1 or not shape.regather:
+        return 0
+    if shape.lfa:
+        return 1
+    return 1 if shape.shared_block(traits) else 2
+
+
 def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dict[str, int],
-             paired_gemm: float, tp_overlap: bool, inter_node: bool) -> tuple[float, float]:
-    """(exposed, hidden) seconds of one pass's tp collectives.
+             paired_gemm: float, tp_overlap: bool, inter_node: bool, regathers: int = 0) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one pass's tp collectives (and `regathers` input re-gathers).
 
     With overlap, each collective is cut into tp ring steps under the GEMM it feeds
-    or follows: the first step is never hidden, the rest hide behind that GEMM.
+    or follows: the first step is never hidden, the rest hide behind that GEMM. A
+    re-gather is issued whole before the input-gradient GEMMs, so it has no
+    unhidden first step; it shares their time with the ring steps.
     """
     msg = shape.tokens * shape.hidden * shape.bytes
     node_ranks = min(shape.tp, spec.gpus_per_node)  # tp varies fastest: a spanning group fills whole nodes
-    total = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
+    rings = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
                 for kind, n in counts.items())
+    total = rings + regathers * collective_seconds("all_gather", msg, shape.tp, spec, inter_node, node_ranks)
     if not tp_overlap or total == 0:
         return total, 0.0
-    first = total / shape.tp
+    first = rings / shape.tp
     exposed = first + max(0.0, total - first - paired_gemm)
     return exposed, total - exposed
 
@@ -413,9 +429,9 @@ def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTrait
     inputs = 1 if shape.shared_block(traits) else 2
     inputs += 1 if shape.lfa else 0
     kind = "reduce_scatter" if shape.sp else "all_reduce"
-    regathers = ((1 if shape.lfa else inputs) if shape.regather else 0)
     hideable = (inputs * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
-                + regathers * collective_seconds("all_gather", msg, shape.tp, spec, inter_node, node_ranks))
+                + _regathers(shape, traits) * collective_seconds("all_gather", msg, shape.tp, spec, inter_node,
+                                                                 node_ranks))
     columns = [(n, k) for role, n, k in gemms if role == "column"]
     window = sum(spec.gemm_seconds(n, k, shape.tokens, shape.dtype) for n, k in columns)  # weight gradients
     if shape.regather:
@@ -442,7 +458,8 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     counts_fwd, counts_bwd = _tp_collectives(shape, traits)
     gemm_f, gemm_b = sum(fwd_gemm.values()), sum(bwd_gemm.values())
     tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter)
-    tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter)
+    tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter,
+                                 regathers=_regathers(shape, traits))
     if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1:
         hidden_b = _async_backward_hidden(shape, spec, traits, gemms, tp_inter)
         tp_b, tp_b_hidden = tp_b - hidden_b, tp_b_hidden + hidden_b
