@@ -352,6 +352,31 @@ def _regathers(shape: LayerShape, traits: SystemTraits) -> int:
     return 1 if shape.shared_block(traits) else 2
 
 
+@dataclass(frozen=True)
+class TpLayerTraffic:
+    """The tensor-parallel collectives one layer issues per micro-batch (LFA's halo exchange aside).
+
+    Counts by kind (all_gather, reduce_scatter, all_reduce) for the forward and the
+    backward (input re-gathers included); every one moves a [s/cp, b, h] tensor of
+    `message_bytes` (the gathered input, the summed output or their gradients). With
+    tp overlap each runs as tp - 1 ring steps of 1/tp of it.
+    """
+
+    forward: dict[str, int]
+    backward: dict[str, int]
+    message_bytes: int
+
+
+def tp_layer_traffic(cfg: Config, plan: RunPlan, traits: SystemTraits = MEGASCALE) -> TpLayerTraffic:
+    """What one layer of cfg under plan sends over its tp group, as the time model counts it."""
+    shape = LayerShape.of(cfg, plan)
+    forward, backward = _tp_collectives(shape, traits)
+    backward = dict(backward)
+    if _regathers(shape, traits):
+        backward["all_gather"] = backward.get("all_gather", 0) + _regathers(shape, traits)
+    return TpLayerTraffic(forward, backward, shape.tokens * shape.hidden * shape.bytes)
+
+
 def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dict[str, int],
              paired_gemm: float, tp_overlap: bool, inter_node: bool, regathers: int = 0) -> tuple[float, float]:
     """(exposed, hidden) seconds of one pass's tp collectives (and `regathers` input re-gathers).
@@ -544,6 +569,6 @@ def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], 
     return ChunkCost(forward, backward, n)
 
 
-__all__ = ["MEGASCALE", "ChunkCost", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "chunk_cost",
-           "collective_seconds", "embedding_costs", "group_node_ranks", "group_spans_nodes", "head_costs",
-           "layer_costs"]
+__all__ = ["MEGASCALE", "ChunkCost", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "TpLayerTraffic",
+           "chunk_cost", "collective_seconds", "embedding_costs", "group_node_ranks", "group_spans_nodes",
+           "head_costs", "layer_costs", "tp_layer_traffic"]

@@ -1,0 +1,89 @@
+"""The planner follows parallel.sp_regather_input and describes megascale's own parallel block.
+
+- memory: under SP a column-parallel GEMM keeps its input shard (1/tp of the
+  gathered [s, b, h] input) instead of the gathered input: for GPT-3 175B at tp 8
+  two such inputs per layer drop from 48 MiB to 6 MiB each;
+- time: the re-gathers are backward all-gathers that hide under the
+  input-gradient GEMMs (tp overlap or not), so the step time does not move while
+  the backward carries more hidden traffic;
+- megascale's traits: one all-gather and one reduce-scatter per parallel block
+  forward, two each for the sequential block (the model's real counts are checked
+  against this in tests/test_tp_block_comm.py);
+- the search tries both SP memory modes and keeps the gathered one only where it fits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megascale.config import load_config
+from megascale.perf import activations as act
+from megascale.perf.costs import MEGASCALE, layer_costs, tp_layer_traffic
+from megascale.perf.gpus import builtin_gpu
+from megascale.run_plan import resolve_plan
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+MIB = 2 ** 20
+
+
+def _gpt3(*overrides: str):
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"),
+                      ["parallel.sequence_parallel=true", "train.recompute=none", *overrides])
+    return cfg, resolve_plan(cfg, 1024)
+
+
+def test_regather_keeps_the_input_shard() -> None:
+    (cfg_shard, plan), (cfg_full, _) = _gpt3(), _gpt3("parallel.sp_regather_input=false")
+    assert plan.tp == 8 and plan.micro_batch_size == 1
+    shard = act.layer_bytes(cfg_shard, act.Shapes.of(cfg_shard, plan), "fused", "none")
+    full = act.layer_bytes(cfg_full, act.Shapes.of(cfg_full, plan), "fused", "none")
+    gathered_input = 2048 * 12288 * 2  # [s, b, h] in bf16: 48 MiB
+    assert full - shard == 2 * gathered_input * (1 - 1 / 8)  # qkv's and fc1's inputs, 7/8 of each
+    assert (round(full / MIB), round(shard / MIB)) == (180, 96)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_regather_hides_under_the_input_gradient_gemms(overlap: bool) -> None:
+    spec = builtin_gpu("a100")
+    costs = {mode: layer_costs(*_gpt3(f"parallel.sp_regather_input={mode}", f"parallel.tp_overlap={overlap}"), spec)
+             for mode in (True, False)}
+    assert costs[True].backward.total == pytest.approx(costs[False].backward.total)
+    assert costs[True].backward.hidden["tp"] > costs[False].backward.hidden["tp"]
+    assert costs[True].forward.total == costs[False].forward.total
+
+
+@pytest.mark.parametrize("parallel_block,per_pass", [(True, 1), (False, 2)])
+@pytest.mark.parametrize("regather", [True, False])
+def test_megascale_collectives_per_layer(parallel_block: bool, per_pass: int, regather: bool) -> None:
+    cfg, plan = _gpt3(f"model.parallel_block={parallel_block}", f"parallel.sp_regather_input={regather}")
+    traffic = tp_layer_traffic(cfg, plan, MEGASCALE)
+    assert traffic.forward == {"all_gather": per_pass, "reduce_scatter": per_pass}
+    assert traffic.backward == {"all_gather": per_pass * (2 if regather else 1), "reduce_scatter": per_pass}
+    assert traffic.message_bytes == 2048 * 12288 * 2
+
+
+def test_megascale_parallel_block_with_lfa_keeps_two_branches() -> None:
+    cfg, plan = _gpt3("model.parallel_block=true", "model.lfa=true")
+    traffic = tp_layer_traffic(cfg, plan, MEGASCALE)
+    # The filtered q/k input is one more gathered input; only fc1's input is re-gathered.
+    assert traffic.forward == {"all_gather": 3, "reduce_scatter": 2}
+    assert traffic.backward == {"all_gather": 3, "reduce_scatter": 3}
+
+
+def test_search_tries_both_sp_memory_modes_and_keeps_what_fits() -> None:
+    from megascale.model.params import ModelLayout, param_table
+    from megascale.perf.search import Choice, _apply, _layouts, _quick
+
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["train.global_batch_size=1536"])
+    spec = builtin_gpu("a100")
+    modes = {(c.sequence_parallel, c.sp_regather) for c in _layouts(cfg, 1024, spec) if c.tp == 8}
+    assert modes == {(True, True), (True, False), (False, True)}
+    # tp 8, pp 8, no recomputation, 4 sequences per micro-batch: only the shard-keeping mode fits in 80 GB.
+    fits = {}
+    for regather in (True, False):
+        candidate = _apply(cfg, Choice(8, 1, 8, 1, 4, True, 1, "none", regather))
+        plan = resolve_plan(candidate, 1024)
+        fits[regather] = _quick(candidate, plan, spec, MEGASCALE, param_table(candidate, ModelLayout.from_plan(plan)))
+    assert fits[True] is not None and fits[False] is None
