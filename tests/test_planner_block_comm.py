@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -87,3 +88,34 @@ def test_search_tries_both_sp_memory_modes_and_keeps_what_fits() -> None:
         plan = resolve_plan(candidate, 1024)
         fits[regather] = _quick(candidate, plan, spec, MEGASCALE, param_table(candidate, ModelLayout.from_plan(plan)))
     assert fits[True] is not None and fits[False] is None
+
+
+def test_search_drops_gathered_sp_layouts_that_gain_nothing() -> None:
+    from types import SimpleNamespace
+
+    from megascale.perf.search import Choice, _drop_dominated
+
+    def candidate(seconds: float) -> Any:
+        return SimpleNamespace(prediction=SimpleNamespace(step_time_s=seconds))
+
+    shard, gathered = Choice(8, 1, 8, 1, 1, True, 1, "none", True), Choice(8, 1, 8, 1, 1, True, 1, "none", False)
+    other_shard, other_gathered = (Choice(4, 1, 8, 1, 1, True, 1, "none", regather) for regather in (True, False))
+    no_sp = Choice(8, 1, 8, 1, 1, False, 1, "none", True)
+    fitting = [(shard, candidate(1.0)), (gathered, candidate(1.0)),  # a tie: the shard-keeping one stays
+               (other_shard, candidate(2.0)), (other_gathered, candidate(1.9)),  # faster: both stay
+               (Choice(2, 1, 8, 1, 1, True, 1, "none", False), candidate(3.0)),  # no twin fits: stays
+               (no_sp, candidate(1.5))]
+    kept = _drop_dominated(fitting)  # type: ignore[arg-type]
+    assert kept == [c for i, (_, c) in enumerate(fitting) if i != 1]
+
+
+def test_small_search_keeps_a_gathered_sp_layout_only_when_faster() -> None:
+    from megascale.perf.search import search
+
+    cfg = load_config(os.path.join(CONFIGS, "gpt2-124m.yaml"), ["train.global_batch_size=64"])
+    result = search(cfg, 16, builtin_gpu("h100"), top=20)
+    times = {c.label(): c.prediction.step_time_s for c in result.ranked}
+    for label, seconds in times.items():
+        twin = label.replace("+sp(gathered)", "+sp")
+        if twin != label and twin in times:
+            assert seconds < times[twin], (label, seconds, times[twin])

@@ -16,6 +16,7 @@ simulator, which decides the final order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
     """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator."""
     tables: dict[ModelLayout, ParamTable] = {}
     dropped: Counter[str] = Counter()
-    fitting: list[Candidate] = []
+    fitting: list[tuple[Choice, Candidate]] = []
     considered = 0
     for choice in _layouts(cfg, gpus, spec):
         considered += 1
@@ -141,12 +142,32 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
         if pred is None:
             dropped["does not fit in memory"] += 1
             continue
-        fitting.append(Candidate(candidate_cfg, plan, pred))
-    fitting.sort(key=lambda c: -c.prediction.mfu)
+        fitting.append((choice, Candidate(candidate_cfg, plan, pred)))
+    kept = _drop_dominated(fitting)
+    dropped[DOMINATED] += len(fitting) - len(kept)
+    kept.sort(key=lambda c: -c.prediction.mfu)
     refined = [Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)]))
-               for c in fitting[:refine]]
+               for c in kept[:refine]]
     refined.sort(key=lambda c: -c.prediction.mfu)
     return SearchResult(refined[:top], dropped, considered)
+
+
+DOMINATED = "SP keeping the gathered input gains no time"
+
+
+def _drop_dominated(fitting: list[tuple[Choice, Candidate]]) -> list[Candidate]:
+    """The candidates, less each gathered-input SP layout whose shard-keeping twin fits and is no slower
+    (the same time for more memory: the search would otherwise list both of every such pair)."""
+    shard_times = {choice: c.prediction.step_time_s for choice, c in fitting
+                   if choice.sequence_parallel and choice.sp_regather}
+
+    def dominated(choice: Choice, candidate: Candidate) -> bool:
+        if not choice.sequence_parallel or choice.sp_regather:
+            return False
+        twin = shard_times.get(dataclasses.replace(choice, sp_regather=True))
+        return twin is not None and twin <= candidate.prediction.step_time_s * (1 + 1e-9)
+
+    return [c for choice, c in fitting if not dominated(choice, c)]
 
 
 def _reason(message: str) -> str:
