@@ -383,17 +383,19 @@ def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dic
 
     With overlap, each collective is cut into tp ring steps under the GEMM it feeds
     or follows: the first step is never hidden, the rest hide behind that GEMM. A
-    re-gather is issued whole before the input-gradient GEMMs, so it has no
-    unhidden first step; it shares their time with the ring steps.
+    re-gather is issued before the input-gradient GEMMs on the same communicator
+    as the ring steps, which queue behind it, so it counts as one more collective.
     """
     msg = shape.tokens * shape.hidden * shape.bytes
     node_ranks = min(shape.tp, spec.gpus_per_node)  # tp varies fastest: a spanning group fills whole nodes
-    rings = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
-                for kind, n in counts.items())
-    total = rings + regathers * collective_seconds("all_gather", msg, shape.tp, spec, inter_node, node_ranks)
+    kinds = {**counts}
+    if regathers:
+        kinds["all_gather"] = kinds.get("all_gather", 0) + regathers
+    total = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
+                for kind, n in kinds.items())
     if not tp_overlap or total == 0:
         return total, 0.0
-    first = rings / shape.tp
+    first = total / shape.tp
     exposed = first + max(0.0, total - first - paired_gemm)
     return exposed, total - exposed
 
