@@ -273,7 +273,7 @@ def main(argv: list[str]) -> int:
     print(f"  fwd+bwd per layer: overlap off {result['off'] * 1e3:.2f} ms, on {result['on'] * 1e3:.2f} ms, "
           f"speedup {result['off'] / result['on']:.3f}x (median of {args.rounds} rounds x {args.iters} steps)")
     print(f"  collectives per layer: {len(collectives)} (forward: 2 all-gather + 2 reduce-scatter of [s,b,h]; "
-          f"backward: the duals)")
+          f"backward: the duals{' and 2 input re-gathers' if args.sp_regather else ''})")
     print(f"  elements all-gathered per layer {gathered:,} (= 4 s*b*h), reduce-scattered {scattered:,} "
           f"(= 4 s*b*h), {(gathered + scattered) * elem / 2**20:.2f} MiB of full tensors")
     print(f"  bytes sent per rank per layer: {sent:,} (= 8 (tp-1)/tp s*b*h * {elem} B) analytic; "
