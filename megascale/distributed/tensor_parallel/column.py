@@ -72,19 +72,19 @@ class _ColumnLinear(torch.autograd.Function):
             saved = saved.contiguous()
             full = saved.new_empty((channel.size * saved.shape[0], *saved.shape[1:]))
             gathering = channel.all_gather(full, saved)
-        dx, reducing = _input_grad(grad_y, weights, settings, channel) if need_dx else (None, None)
+        dx_full = mm(grad_y, fuse_weights(weights)) if need_dx else None  # under the gather
         if gathering is not None:
             gathering.wait()
-        dweights = weight_grads(grad_y, full, weights, need_dw)
+        dx, reducing = _reduce_input_grad(dx_full, settings, channel) if dx_full is not None else (None, None)
+        dweights = weight_grads(grad_y, full, weights, need_dw)  # under the reduction of dx
         if reducing is not None:
             reducing.wait()
         return (dx, None, *dweights)
 
 
-def _input_grad(grad_y: torch.Tensor, weights: Sequence[torch.Tensor], settings: TPSettings,
-                channel: Optional[Channel]) -> tuple[torch.Tensor, Optional[InFlight]]:
-    """dx = grad_y @ W, with its reduction over tp (reduce-scatter under SP, else all-reduce) issued."""
-    dx_full = mm(grad_y, fuse_weights(weights))
+def _reduce_input_grad(dx_full: torch.Tensor, settings: TPSettings,
+                       channel: Optional[Channel]) -> tuple[torch.Tensor, Optional[InFlight]]:
+    """dx with its reduction over tp issued: reduce-scatter under SP, else an in-place all-reduce."""
     if channel is None:
         return dx_full, None
     if not settings.sp:
