@@ -144,7 +144,8 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
             continue
         fitting.append((choice, Candidate(candidate_cfg, plan, pred)))
     kept = _drop_dominated(fitting)
-    dropped[DOMINATED] += len(fitting) - len(kept)
+    if len(kept) < len(fitting):
+        dropped[DOMINATED] += len(fitting) - len(kept)
     kept.sort(key=lambda c: -c.prediction.mfu)
     refined = [Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)]))
                for c in kept[:refine]]
