@@ -135,6 +135,9 @@ class ParallelConfig:
     order: str = _f("tp-cp-dp-pp", "rank order, fastest-varying axis first")
     sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")
     tp_overlap: bool = _f(False, "chunk and pipeline tp all-gather/reduce-scatter with the GEMMs")
+    sp_regather_input: bool = _f(True, "sequence parallel: column-parallel GEMMs save only this rank's 1/tp of "
+                                       "their input and re-gather it in the backward under the input-gradient "
+                                       "GEMM; false saves the whole gathered input")
     cp_mode: CpMode = _f("ulysses", "context-parallel algorithm", CpMode)
     ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring); null = "
                                                    "the largest divisor of cp dividing the kv heads per tp rank")

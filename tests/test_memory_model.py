@@ -12,9 +12,10 @@ save an extra small tensor).
 Grid: single-process chunks as first / middle / last / whole pipeline stage (the
 chunk's first/last flags), recompute none / selective / full / first layer only,
 fp32 and bf16, MHA and GQA, GeLU and SwiGLU, LayerNorm and RMSNorm, learned and
-rotary positions, dropout 0 and > 0, parallel block, sliding window, LFA; and on two
-gloo ranks (one spawn) tp 2 with and without sequence parallelism and cp 2
-Ulysses and ring. The "reference" profile is what these CPU runs execute; the
+rotary positions, dropout 0 and > 0, parallel block (its qkv and fc1 GEMM fused),
+sliding window, LFA; and on two gloo ranks (one spawn) tp 2 without sequence
+parallelism and with it, its column GEMMs keeping their input shard (the default)
+or the gathered input (parallel.sp_regather_input=false), and cp 2 Ulysses and ring. The "reference" profile is what these CPU runs execute; the
 "fused" profile is checked by driving the csrc autograd fronts through the
 plain-torch stand-in of the extension (megascale.kernels.emulate) with dropout 0
 (on CPU, dropout masks and attention dropout take CPU-only paths).
@@ -43,6 +44,8 @@ VARIANTS = {
     "dropout": ["model.dropout=0.1", "model.attention_dropout=0.1"],
     "llama_dropout": [*LLAMA, "model.dropout=0.1"],
     "parallel_window": ["model.parallel_block=true", "model.attention=sliding_window", "model.window_size=8"],
+    "parallel_llama": [*LLAMA, "model.parallel_block=true"],
+    "parallel_lfa": [*LLAMA, "model.parallel_block=true", "model.lfa=true"],
     "lfa": [*LLAMA, "model.lfa=true"],
     "lfa_mha_window": ["model.lfa=true", "model.attention=sliding_window", "model.window_size=8"],
 }
@@ -124,8 +127,9 @@ def _failures(results: list[tuple[str, int, float]]) -> list[str]:
 SINGLE = (_grid(list(VARIANTS), ("fp32", "bf16"), ["none"], ["whole", "middle"], "reference")
           + _grid(["gpt", "llama", "dropout"], ("bf16",), ["selective"], ["first", "last"], "reference")
           + _grid(["gpt", "llama"], ("fp32",), ["full", "full_first1"], ["first", "middle"], "reference")
-          + _grid(["gpt", "llama", "gqa1_learned", "parallel_window"], ("bf16",), ["none"], ["whole", "middle"],
-                  "fused")
+          + _grid(["gpt", "llama", "gqa1_learned", "parallel_window", "parallel_llama"], ("bf16",), ["none"],
+                  ["whole", "middle"], "fused")
+          + _grid(["parallel_llama"], ("bf16",), ["selective"], ["middle"], "fused")
           + _grid(["llama"], ("fp32",), ["selective", "full_first1"], ["first", "last"], "fused")
           + _grid(["lfa", "lfa_mha_window"], ("fp32", "bf16"), ["none", "selective"], ["middle"], "reference")
           + _grid(["lfa", "lfa_mha_window"], ("bf16",), ["none"], ["whole"], "fused"))
@@ -153,11 +157,14 @@ def test_saved_bytes_single_process_full_grid() -> None:
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2_sp_saved": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_regather_input=false"],
     "cp2_ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses"],
     "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
 }
 SLOW_LAYOUTS = {
     "tp2_sp_overlap": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"],
+    "tp2_sp_overlap_saved": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true",
+                             "parallel.sp_regather_input=false"],
     "hybrid_2x2": ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.ulysses_size=2"],
     "tp2_sp_cp2_ring": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
                         "parallel.cp_mode=ring"],
@@ -168,9 +175,10 @@ SLOW_LAYOUTS = {
 def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str]]:
     dropout = "llama_dropout" if "ring" in layout or "hybrid" in layout else "dropout"
     if full:
-        cases = _grid(["gpt", "llama", dropout, "lfa", "lfa_mha_window"], ("fp32", "bf16"), list(RECOMPUTE),
-                      ["whole", "middle"], "reference")
-        cases += _grid(["gpt", "llama", "lfa"], ("bf16",), ["none", "selective"], ["first", "last"], "fused")
+        cases = _grid(["gpt", "llama", dropout, "lfa", "lfa_mha_window", "parallel_window", "parallel_llama"],
+                      ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
+        cases += _grid(["gpt", "llama", "lfa", "parallel_llama"], ("bf16",), ["none", "selective"], ["first", "last"],
+                       "fused")
     else:  # one case per setting: dtype, recompute mode, MHA/GQA, dropout, stage position, profile
         cases = (_grid(["gpt"], ("fp32",), ["none"], ["whole"], "reference")
                  + _grid(["llama"], ("bf16",), ["none"], ["whole"], "reference")
@@ -180,7 +188,10 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
                  + _grid(["llama"], ("bf16",), ["none"], ["first"], "fused")
                  + _grid(["gpt"], ("bf16",), ["none"], ["last"], "fused")
                  + _grid(["lfa"], ("bf16",), ["none"], ["middle"], "reference")
-                 + _grid(["lfa_mha_window"], ("fp32",), ["selective"], ["middle"], "fused"))
+                 + _grid(["lfa_mha_window"], ("fp32",), ["selective"], ["middle"], "fused")
+                 + _grid(["parallel_window"], ("bf16",), ["none"], ["whole"], "reference")
+                 + _grid(["parallel_llama"], ("fp32",), ["selective"], ["middle"], "fused")
+                 + _grid(["parallel_lfa"], ("bf16",), ["none"], ["middle"], "reference"))
     layouts = {**LAYOUTS, **SLOW_LAYOUTS}
     return [(f"{layout}-{case}", [*overrides, *layouts[layout]], kernels, stage)
             for case, overrides, kernels, stage in cases]

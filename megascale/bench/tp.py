@@ -39,19 +39,22 @@ class Collective:
     full_elements: int
 
 
-def layer_collectives(seq: int, micro_batch: int, hidden: int) -> list[Collective]:
+def layer_collectives(seq: int, micro_batch: int, hidden: int, regather: bool = False) -> list[Collective]:
     """The collectives one sequence-parallel layer issues (same list with and without overlap).
 
     The two column-parallel GEMMs (qkv, fc1) all-gather their [s, b, h] input
     forward and reduce-scatter its gradient backward; the two row-parallel
     GEMMs (proj, fc2) reduce-scatter their [s, b, h] output forward and
-    all-gather its gradient backward. The gathered input is kept for the weight
-    gradient, so backward does not gather it again.
+    all-gather its gradient backward. With `regather` (parallel.sp_regather_input)
+    the column GEMMs keep only their input shard and all-gather it again in the
+    backward for the weight gradient; otherwise they keep the gathered input.
     """
     n = seq * micro_batch * hidden
     out = []
     for site in ("attention.qkv", "mlp.fc1"):
         out += [Collective(site, "all-gather", "forward", n), Collective(site, "reduce-scatter", "backward", n)]
+        if regather:
+            out.append(Collective(site, "re-gather", "backward", n))
     for site in ("attention.proj", "mlp.fc2"):
         out += [Collective(site, "reduce-scatter", "forward", n), Collective(site, "all-gather", "backward", n)]
     return out
@@ -77,7 +80,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="default bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default cores/nproc)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--sp-regather", choices=("true", "false"), default="true",
+                        help="parallel.sp_regather_input: column GEMMs keep their input shard and re-gather it in "
+                             "the backward (true) or keep the gathered input (false)")
     args = parser.parse_args(argv)
+    args.sp_regather = args.sp_regather == "true"
     if args.nproc is None:
         args.nproc = int(os.environ.get("WORLD_SIZE", "2"))
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -106,6 +113,7 @@ def _bench_config(args: argparse.Namespace, overlap: bool) -> Any:
     return load_config(None, [f"model.hidden_size={args.hidden}", f"model.num_heads={args.heads}",
                               f"model.seq_length={args.seq}", "model.num_layers=1", f"parallel.tp={args.nproc}",
                               "parallel.sequence_parallel=true", f"parallel.tp_overlap={overlap}",
+                              f"parallel.sp_regather_input={args.sp_regather}",
                               f"train.dtype={args.dtype}", f"train.micro_batch_size={args.micro_batch}",
                               f"train.global_batch_size={args.micro_batch}"])
 
@@ -120,7 +128,8 @@ def _build_layer(args: argparse.Namespace, ctx: Any, plan: Any, overlap: bool) -
 
     cfg = _bench_config(args, overlap)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size, sequence_parallel=True,
-                    overlap=overlap, seed=cfg.train.seed, device=ctx.device, dtype=plan.precision.param_dtype)
+                    overlap=overlap, sp_regather=cfg.parallel.sp_regather_input, seed=cfg.train.seed,
+                    device=ctx.device, dtype=plan.precision.param_dtype)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend),
                       rng=RNGTracker(tensor_parallel_seed(cfg.train.seed, ctx.tp_rank), ctx.device))
     return TransformerBlock(0, bc, "none")
@@ -145,23 +154,29 @@ def _time_steps(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, ste
     return float(elapsed)
 
 
-def _count_ring_bytes(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> int:
-    """Bytes this rank sends through the overlapped path in one forward+backward."""
+def _count_ring_bytes(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:
+    """(bytes this rank sends on the overlapped path's rings, elements it re-gathers) in one forward+backward."""
     from megascale.distributed.tensor_parallel import overlap as tp_overlap
 
-    sent = [0]
-    original = tp_overlap._Channel.ring_exchange
+    sent, regathered = [0], [0]
+    ring, gather = tp_overlap._Channel.ring_exchange, tp_overlap._Channel.all_gather
 
     def counting(self: Any, send: torch.Tensor, recv: torch.Tensor) -> Any:
         sent[0] += send.numel() * send.element_size()
-        return original(self, send, recv)
+        return ring(self, send, recv)
+
+    def counting_gather(self: Any, out: torch.Tensor, shard: torch.Tensor) -> Any:
+        regathered[0] += out.numel()
+        return gather(self, out, shard)
 
     tp_overlap._Channel.ring_exchange = counting  # type: ignore[method-assign]
+    tp_overlap._Channel.all_gather = counting_gather  # type: ignore[method-assign]
     try:
         layer(x, None).backward(grad)
     finally:
-        tp_overlap._Channel.ring_exchange = original  # type: ignore[method-assign]
-    return sent[0]
+        tp_overlap._Channel.ring_exchange = ring  # type: ignore[method-assign]
+        tp_overlap._Channel.all_gather = gather  # type: ignore[method-assign]
+    return sent[0], regathered[0]
 
 
 def _run_rank(args: argparse.Namespace, rank: int) -> Optional[dict]:
@@ -189,11 +204,12 @@ def _run_rank(args: argparse.Namespace, rank: int) -> Optional[dict]:
     for _ in range(args.rounds):
         for overlap in (False, True):
             times[overlap].append(_time_steps(layers[overlap], x, grad, args.iters))
-    counted = _count_ring_bytes(layers[True], x, grad)
+    counted, regathered = _count_ring_bytes(layers[True], x, grad)
     if rank != 0:
         return None
     return {"off": statistics.median(times[False]), "on": statistics.median(times[True]),
-            "max_diff": float(max_diff), "counted_bytes": counted, "device": _device_name(device),
+            "max_diff": float(max_diff), "counted_bytes": counted,
+            "regathered_elements": regathered, "device": _device_name(device),
             "backend": dist.get_backend()}
 
 
@@ -245,9 +261,11 @@ def main(argv: list[str]) -> int:
         return 0  # a non-zero rank under torchrun
     tp, s, b, h = args.nproc, args.seq, args.micro_batch, args.hidden
     elem = PRECISIONS[args.dtype].compute_bytes
-    collectives = layer_collectives(s, b, h)
-    sent = bytes_sent_per_rank(collectives, tp, elem)
+    collectives = layer_collectives(s, b, h, args.sp_regather)
+    rings = [c for c in collectives if c.kind != "re-gather"]
+    sent = bytes_sent_per_rank(rings, tp, elem)
     gathered = sum(c.full_elements for c in collectives if c.kind == "all-gather")
+    regathers = sum(c.full_elements for c in collectives if c.kind == "re-gather")
     scattered = sum(c.full_elements for c in collectives if c.kind == "reduce-scatter")
     print(f"tp bench: {result['device']}, backend {result['backend']}, tp={tp} sequence-parallel, "
           f"h={h} heads={args.heads} s={s} b={b} {args.dtype}")
@@ -255,9 +273,12 @@ def main(argv: list[str]) -> int:
     print(f"  fwd+bwd per layer: overlap off {result['off'] * 1e3:.2f} ms, on {result['on'] * 1e3:.2f} ms, "
           f"speedup {result['off'] / result['on']:.3f}x (median of {args.rounds} rounds x {args.iters} steps)")
     print(f"  collectives per layer: {len(collectives)} (forward: 2 all-gather + 2 reduce-scatter of [s,b,h]; "
-          f"backward: the duals)")
+          f"backward: the duals{' and 2 input re-gathers' if args.sp_regather else ''})")
     print(f"  elements all-gathered per layer {gathered:,} (= 4 s*b*h), reduce-scattered {scattered:,} "
           f"(= 4 s*b*h), {(gathered + scattered) * elem / 2**20:.2f} MiB of full tensors")
     print(f"  bytes sent per rank per layer: {sent:,} (= 8 (tp-1)/tp s*b*h * {elem} B) analytic; "
           f"{result['counted_bytes']:,} counted on the overlapped ring")
+    print(f"  input re-gathers per layer (--sp-regather {str(args.sp_regather).lower()}): "
+          f"{regathers:,} elements analytic (= {regathers // (s * b * h)} s*b*h), "
+          f"{result['regathered_elements']:,} counted")
     return 0

@@ -9,6 +9,7 @@ With an inference cache (generation) the new tokens attend to the cached keys.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -54,7 +55,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]; with a cache, x holds the tokens after the cached ones."""
-        q, k, v = self._qkv(x) if self.lfa is None else self._lfa_qkv(x, cache)
+        q, k, v = self.split_qkv(self.qkv(x)) if self.lfa is None else self._lfa_qkv(x, cache)
+        return self.proj(self.attend(q, k, v, rope, cache))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rope: Optional[tuple[torch.Tensor, torch.Tensor]], cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """RoPE and attention of this rank's heads: the output projection's input [s, b, nq/tp * d]."""
         s, b = q.shape[:2]
         if rope is not None:
             q, k = self.bc.ops.apply_rotary(q.contiguous(), k.contiguous(), rope[0], rope[1])
@@ -64,11 +70,10 @@ class Attention(nn.Module):
             out = recompute(self._core, self.bc.rng, q, k, v)
         else:
             out = self._core(q, k, v)
-        return self.proj(out.reshape(s, b, -1))
+        return out.reshape(s, b, -1)
 
-    def _qkv(self, x: torch.Tensor) -> QKV:
-        """q [s, b, nq/tp, d], k and v [s, b, nkv/tp, d] from one fused GEMM."""
-        qkv = self.qkv(x)
+    def split_qkv(self, qkv: torch.Tensor) -> QKV:
+        """q [s, b, nq/tp, d], k and v [s, b, nkv/tp, d]: views of the fused qkv GEMM's output."""
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_kv, self.group + 2, self.head_dim)
         q = qkv[:, :, :, : self.group].reshape(s, b, self.local_kv * self.group, self.head_dim)
@@ -104,6 +109,9 @@ class Attention(nn.Module):
         w_qk = rows[:, : self.group + 1].reshape(-1, rows.shape[-1])
         w_v = rows[:, self.group + 1].reshape(-1, rows.shape[-1])
         if tp.overlap and tp.size > 1:
+            # Both paths keep the gathered inputs: the shard-saving mode (parallel.sp_regather_input)
+            # covers single-input column GEMMs only.
+            tp = dataclasses.replace(tp, sp_regather=False)
             return tp_overlap.column_linear(filtered, w_qk, tp), tp_overlap.column_linear(x, w_v, tp)
         if tp.size > 1:
             both = torch.cat([filtered, x], dim=-1)

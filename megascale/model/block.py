@@ -1,4 +1,11 @@
-"""Transformer block: pre-norm sequential (GPT) or parallel (PaLM) residual, with recomputation."""
+"""Transformer block: pre-norm sequential (GPT) or parallel (PaLM, MegaScale) residual, with recomputation.
+
+The parallel block runs its two branches as MegaScale does: one column-parallel
+GEMM computes qkv and fc1 from one gathered normed input, and the attention and
+MLP outputs are summed on each rank before one reduction, so a layer has one tp
+entry and one tp exit instead of two each. The parameters stay those of the
+separate layers (`attention.qkv`, `mlp.fc1`, ...): the fusion happens at compute time.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import torch
 from torch import nn
 
 from megascale.config import Recompute
+from megascale.distributed.tensor_parallel.layers import column_parallel_forward, row_parallel_sum
 from megascale.model.attention import Attention
 from megascale.model.kv_cache import LayerCache
 from megascale.model.layers import BuildContext, Norm, dropout
@@ -25,6 +33,9 @@ class TransformerBlock(nn.Module):
         self.index = index
         self.recompute = recompute
         self.parallel_block = bc.model.parallel_block
+        # MegaScale's parallel block: both branches share one gather and one reduce-scatter. LFA's
+        # q/k read a filtered input, so with LFA the branches enter and leave the tp region apart.
+        self.fused_branches = self.parallel_block and not bc.model.lfa
         self.input_norm = Norm(f"{name}.input_norm", bc)
         # Selective recomputation keeps only the attention core's inputs (its [b, heads, s, s] work is redone).
         self.attention = Attention(f"{name}.attention", bc, recompute_core=recompute == "selective")
@@ -46,8 +57,21 @@ class TransformerBlock(nn.Module):
         rng = self.bc.rng if self.bc.tp.sp else None
         if self.parallel_block:
             h = self.input_norm(x)
-            return x + dropout(self.attention(h, rope, cache) + self.mlp(h), p, self.training, rng)
+            if self.fused_branches:
+                branches = self._fused_branches(h, rope, cache)
+            else:
+                branches = self.attention(h, rope, cache) + self.mlp(h)
+            return x + dropout(branches, p, self.training, rng)
         attn = dropout(self.attention(self.input_norm(x), rope, cache), p, self.training, rng)
         h, x = self.post_attention_norm.add_forward(attn, x)  # residual add fused into the norm
         return x + dropout(self.mlp(h), p, self.training, rng)
+
+    def _fused_branches(self, h: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                        cache: Optional[LayerCache]) -> torch.Tensor:
+        """attn(h) + mlp(h) with one tp entry and one tp exit: qkv and fc1 as one column-parallel GEMM
+        on one gathered h, proj and fc2 summed on each rank before one reduce-scatter (all-reduce)."""
+        attention, mlp = self.attention, self.mlp
+        qkv, fc1 = column_parallel_forward(h, [attention.qkv, mlp.fc1], self.bc.tp)
+        attended = attention.attend(*attention.split_qkv(qkv), rope, cache)
+        return row_parallel_sum([(attended, attention.proj), (mlp.activate(fc1), mlp.fc2)], self.bc.tp)
 

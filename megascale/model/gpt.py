@@ -203,7 +203,8 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     if rng is None:
         rng = RNGTracker(tensor_parallel_seed(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.cp_rank), ctx.device)
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
-                    sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap, seed=cfg.train.seed,
+                    sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap,
+                    sp_regather=p.sp_regather_input, seed=cfg.train.seed,
                     device=ctx.device, dtype=precision.param_dtype, defer_init=True, timers=timers)
     if sequence is None:
         sequence = build_sequence_layout(ctx, cfg, timers=timers)

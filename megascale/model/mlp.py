@@ -30,11 +30,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
-        h = self.fc1(x)
+        return self.fc2(self.activate(self.fc1(x)))
+
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The activation of fc1's output [s, b, (2,) ffn/tp]: fc2's input [s, b, ffn/tp]."""
         if self.swiglu:
-            h = self.ops.swiglu_packed(h)
-        elif self.exact_gelu:
-            h = F.gelu(h)
-        else:
-            h = self.ops.bias_gelu(h, None)
-        return self.fc2(h)
+            return self.ops.swiglu_packed(h)
+        if self.exact_gelu:
+            return F.gelu(h)
+        return self.ops.bias_gelu(h, None)

@@ -18,7 +18,9 @@ counted once per storage, parameters excluded. Two saved-tensor profiles:
 Storage aliasing matters and is followed exactly: q/k/v slices of the fused qkv
 output are views, so saving one of them keeps the whole qkv output alive
 (grouped-query attention never copies k/v); a sequence-parallel
-column-parallel GEMM keeps the all-gathered (full local sequence) input.
+column-parallel GEMM keeps its input shard (re-gathered in backward) or, with
+parallel.sp_regather_input false, the all-gathered (full local sequence) input;
+the parallel block's qkv and fc1 outputs are views of one GEMM output.
 `tests/test_memory_model.py` checks these numbers against autograd's saved
 tensors on the real model for a grid of layouts.
 """
@@ -72,6 +74,8 @@ class Shapes:
     """Ranks of the Ulysses all-to-all (1 without context parallelism)."""
     ring: int
     """Ranks of the attention ring (1 without context parallelism)."""
+    regather: bool = False
+    """Sequence-parallel column GEMMs keep their input shard, re-gathered in backward (parallel.sp_regather_input)."""
 
     @staticmethod
     def of(cfg: Config, plan: RunPlan) -> Shapes:
@@ -83,7 +87,8 @@ class Shapes:
                       head_dim=m.head_dim, q_heads=m.num_heads // tp, kv_heads=m.kv_heads // tp, ffn=m.ffn_size // tp,
                       vocab=m.padded_vocab_size // tp, act=plan.precision.compute_bytes, tp=tp,
                       sp=plan.sequence_parallel, ulysses=plan.ulysses_size if plan.cp > 1 else 1,
-                      ring=plan.ring_size if plan.cp > 1 else 1)
+                      ring=plan.ring_size if plan.cp > 1 else 1,
+                      regather=plan.sequence_parallel and cfg.parallel.sp_regather_input)
 
     @property
     def group(self) -> int:
@@ -112,7 +117,15 @@ def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Optional[s
 
 
 def _linear_input_bytes(sh: Shapes) -> float:
-    """A column-parallel GEMM keeps its input: the norm output, or the all-gathered sequence under SP."""
+    """A column-parallel GEMM keeps its input: the norm output, under SP this rank's shard of it
+    (re-gathered in backward) or the all-gathered sequence (parallel.sp_regather_input false)."""
+    if sh.regather:
+        return sh.residual_tokens * sh.hidden * sh.act
+    return _gathered_input_bytes(sh)
+
+
+def _gathered_input_bytes(sh: Shapes) -> float:
+    """A [s, b, h] input of the tp region: the all-gathered sequence under SP."""
     return sh.per_token(sh.hidden, sh.act)
 
 
@@ -241,11 +254,29 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
     core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
     mask = dropout_mask_bytes(cfg, sh, kernels)
     linear_in = _linear_input_bytes(sh)
+    # LFA's q/k and v projections enter the tp region together and keep their gathered inputs.
+    attention_in = _gathered_input_bytes(sh) if m.lfa else linear_in
     if m.parallel_block:
-        # One norm feeds both GEMMs; under SP each column-parallel GEMM gathers its own copy.
-        inputs = linear_in * (2 if sh.sp else 1)
+        if not m.lfa:  # one GEMM for qkv and fc1: one kept input, one output both branches read
+            fused = _fused_block_output_bytes(cfg, sh, kernels, recompute)
+            return norm + linear_in + core + mlp_bytes(cfg, sh, kernels) + fused + mask
+        # One norm feeds both branches; under SP each gathers its own copy.
+        inputs = attention_in + linear_in if sh.sp else linear_in
         return norm + inputs + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + mask
-    return 2 * norm + 2 * linear_in + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+    return 2 * norm + attention_in + linear_in + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+
+
+def _fused_block_output_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
+    """The parallel block's qkv and fc1 outputs are views of one GEMM output: one branch keeping its part
+    keeps the other's alive too. Bytes that adds beyond what each branch's own accounting counts."""
+    qkv_kept = recompute == "selective" or sh.ulysses == 1  # Ulysses' all-to-alls make new q, k, v
+    # The fused activation kernels keep contiguous copies of their (here strided) input; torch's ops keep views.
+    fc1_kept = kernels == "reference" or cfg.model.activation == "gelu_exact"
+    if qkv_kept and not fc1_kept:
+        return sh.per_token(sh.ffn * (2 if cfg.model.activation == "swiglu" else 1), sh.act)
+    if fc1_kept and not qkv_kept:
+        return _qkv_bytes(sh)
+    return 0.0
 
 
 def _lfa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -255,7 +286,7 @@ def _lfa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     runs = lfa.halo_runs(sh.ring, split)
     filters = lfa.filter_saved_bytes(sh.residual_tokens, sh.batch, sh.hidden, sh.act, runs)
     weights = lfa.weight_copy_elements(sh.kv_heads, sh.group, sh.head_dim, sh.hidden) * sh.act
-    return filters + norm_bytes(cfg, sh, kernels, norm="rmsnorm") + _linear_input_bytes(sh) + weights
+    return filters + norm_bytes(cfg, sh, kernels, norm="rmsnorm") + _gathered_input_bytes(sh) + weights
 
 
 def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:

@@ -45,14 +45,11 @@ class SystemTraits:
 
     async_p2p: pipeline sends/receives are posted without blocking the compute
       (megascale's executor); False models a blocking exchange before each compute.
-    tp_regather_backward: sequence parallelism re-gathers a column-parallel
-      layer's input in the backward instead of saving the gathered tensor
-      (Megatron-LM saves memory that way; megascale saves the gathered input).
     shared_block_comm: the parallel block gathers its one input once and
-      reduce-scatters the sum of attention and MLP once (MegaScale), instead of
-      once per branch (megascale's parallel block runs the two branches as
-      separate tp layers).
-    fused_block_gemm: the parallel block's qkv and fc1 GEMMs run as one GEMM.
+      reduce-scatters the sum of attention and MLP once (MegaScale, and megascale
+      without LFA), instead of once per branch.
+    fused_block_gemm: the parallel block's qkv and fc1 GEMMs run as one GEMM
+      (MegaScale, and megascale without LFA).
     flash_attention: the attention core is one fused kernel that skips masked
       blocks (flash); False models the pre-flash path of Megatron-LM 2021-22:
       two batched GEMMs over the full [s, s] scores per head and a fused
@@ -61,14 +58,17 @@ class SystemTraits:
       stage output; Megatron-LM sends 1/tp of it from each rank (each over its own
       NIC) and all-gathers it on NVLink at the receiver, where megascale's executor
       sends the whole tensor from every rank.
-    tp_async_grad_reduce: Megatron-LM's (2022) column-parallel layers run their
-      backward collectives asynchronously: the input gradient's all-reduce (no
-      SP) or reduce-scatter (SP) under the weight-gradient GEMM, and the SP
-      re-gather of the input under the input-gradient GEMM.
+    tp_async_grad_reduce: column-parallel layers run their backward collectives
+      asynchronously (Megatron-LM 2022, megascale): the input gradient's
+      all-reduce (no SP) or reduce-scatter (SP) under the weight-gradient GEMM,
+      and the SP re-gather of the input under the input-gradient GEMM.
+
+    Whether sequence parallelism re-gathers a column-parallel GEMM's input in the
+    backward (instead of saving the gathered input) is the config key
+    `parallel.sp_regather_input`, which both the memory and the time model follow.
     """
 
     async_p2p: bool = True
-    tp_regather_backward: bool = False
     shared_block_comm: bool = False
     fused_block_gemm: bool = False
     flash_attention: bool = True
@@ -76,7 +76,9 @@ class SystemTraits:
     tp_async_grad_reduce: bool = False
 
 
-MEGASCALE = SystemTraits()
+MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True)
+"""What megascale's trainer does: one gather and one reduce-scatter per parallel block around one
+fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives."""
 
 
 @dataclass
@@ -198,6 +200,7 @@ class LayerShape:
     dropout: bool
     batch: int = 1  # sequences per micro-batch
     lfa: bool = False  # Yuan's localized filtering before the q/k projection
+    regather: bool = False  # SP: column GEMMs re-gather their input in backward (parallel.sp_regather_input)
 
     @classmethod
     def of(cls, cfg: Config, plan: RunPlan) -> LayerShape:
@@ -210,7 +213,8 @@ class LayerShape:
                    window=m.window_size if m.attention == "sliding_window" else 0, cp=plan.cp,
                    ulysses=plan.ulysses_size, ring=plan.ring_size, dtype=plan.precision.name,
                    parallel_block=m.parallel_block, dropout=m.dropout > 0 or m.attention_dropout > 0,
-                   batch=plan.micro_batch_size, lfa=m.lfa)
+                   batch=plan.micro_batch_size, lfa=m.lfa,
+                   regather=plan.sequence_parallel and cfg.parallel.sp_regather_input)
 
     @property
     def bytes(self) -> int:
@@ -226,6 +230,10 @@ class LayerShape:
     def region(self) -> int:
         """Rows of the residual stream on this rank (norms, residual adds, LFA's filter): tokens / tp under SP."""
         return self.tokens // self.tp if self.sp else self.tokens
+
+    def shared_block(self, traits: SystemTraits) -> bool:
+        """The parallel block's branches share one tp entry and exit (LFA's filtered q/k input keeps them apart)."""
+        return self.parallel_block and not self.lfa and traits.shared_block_comm
 
     @property
     def fc1_width(self) -> int:
@@ -253,13 +261,10 @@ class LayerCosts:
 def _gemms(shape: LayerShape, traits: SystemTraits) -> list[tuple[str, int, int]]:
     """(role, N, K) of each forward GEMM with M = tokens; role pairs a GEMM with its collective."""
     h = shape.hidden
-    fused = shape.parallel_block and traits.fused_block_gemm
-    if shape.lfa:  # q/k read the filtered input, v the unfiltered one (which may share fc1's GEMM)
+    fused = shape.parallel_block and not shape.lfa and traits.fused_block_gemm
+    if shape.lfa:  # q/k read the filtered input, v the unfiltered one
         v_width = shape.kv_heads * shape.head_dim
-        qk = ("column", shape.qkv_width - v_width, h)
-        rest = [("column", v_width + shape.fc1_width, h)] if fused else [("column", v_width, h),
-                                                                          ("column", shape.fc1_width, h)]
-        column = [qk, *rest]
+        column = [("column", shape.qkv_width - v_width, h), ("column", v_width, h), ("column", shape.fc1_width, h)]
     elif fused:
         column = [("column", shape.qkv_width + shape.fc1_width, h)]
     else:
@@ -320,30 +325,74 @@ def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, 
 
     Each distinct column-parallel input is gathered (SP) or has its gradient reduced;
     each row-parallel output is reduce-scattered (SP) or all-reduced. LFA's filtered
-    input is one more column input: the q/k projection reads it, v reads x.
+    input is one more column input: the q/k projection reads it, v reads x. The
+    backward's re-gathers of column inputs are counted apart (`_regathers`).
     """
     if shape.tp == 1:
         return {}, {}
-    outputs = 1 if (shape.parallel_block and traits.shared_block_comm) else 2
+    outputs = 1 if shape.shared_block(traits) else 2
     inputs = outputs + (1 if shape.lfa else 0)
     if not shape.sp:
         return {"all_reduce": outputs}, {"all_reduce": inputs}
-    regathers = inputs if traits.tp_regather_backward else 0
-    backward = {"reduce_scatter": inputs, "all_gather": outputs + regathers}
+    backward = {"reduce_scatter": inputs, "all_gather": outputs}
     return {"all_gather": inputs, "reduce_scatter": outputs}, backward
 
 
+def _regathers(shape: LayerShape, traits: SystemTraits) -> int:
+    """All-gathers of saved input shards in one layer's backward (`parallel.sp_regather_input` under SP).
+
+    One per column-parallel input: one for the parallel block's shared input, two
+    for the sequential block's; with LFA only fc1's (LFA's two-input projection
+    keeps its gathered inputs).
+    """
+    if shape.tp == 1 or not shape.regather:
+        return 0
+    if shape.lfa:
+        return 1
+    return 1 if shape.shared_block(traits) else 2
+
+
+@dataclass(frozen=True)
+class TpLayerTraffic:
+    """The tensor-parallel collectives one layer issues per micro-batch (LFA's halo exchange aside).
+
+    Counts by kind (all_gather, reduce_scatter, all_reduce) for the forward and the
+    backward (input re-gathers included); every one moves a [s/cp, b, h] tensor of
+    `message_bytes` (the gathered input, the summed output or their gradients). With
+    tp overlap each runs as tp - 1 ring steps of 1/tp of it.
+    """
+
+    forward: dict[str, int]
+    backward: dict[str, int]
+    message_bytes: int
+
+
+def tp_layer_traffic(cfg: Config, plan: RunPlan, traits: SystemTraits = MEGASCALE) -> TpLayerTraffic:
+    """What one layer of cfg under plan sends over its tp group, as the time model counts it."""
+    shape = LayerShape.of(cfg, plan)
+    forward, backward = _tp_collectives(shape, traits)
+    backward = dict(backward)
+    if _regathers(shape, traits):
+        backward["all_gather"] = backward.get("all_gather", 0) + _regathers(shape, traits)
+    return TpLayerTraffic(forward, backward, shape.tokens * shape.hidden * shape.bytes)
+
+
 def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dict[str, int],
-             paired_gemm: float, tp_overlap: bool, inter_node: bool) -> tuple[float, float]:
-    """(exposed, hidden) seconds of one pass's tp collectives.
+             paired_gemm: float, tp_overlap: bool, inter_node: bool, regathers: int = 0) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one pass's tp collectives (and `regathers` input re-gathers).
 
     With overlap, each collective is cut into tp ring steps under the GEMM it feeds
-    or follows: the first step is never hidden, the rest hide behind that GEMM.
+    or follows: the first step is never hidden, the rest hide behind that GEMM. A
+    re-gather is issued before the input-gradient GEMMs on the same communicator
+    as the ring steps, which queue behind it, so it counts as one more collective.
     """
     msg = shape.tokens * shape.hidden * shape.bytes
     node_ranks = min(shape.tp, spec.gpus_per_node)  # tp varies fastest: a spanning group fills whole nodes
+    kinds = {**counts}
+    if regathers:
+        kinds["all_gather"] = kinds.get("all_gather", 0) + regathers
     total = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
-                for kind, n in counts.items())
+                for kind, n in kinds.items())
     if not tp_overlap or total == 0:
         return total, 0.0
     first = total / shape.tp
@@ -406,16 +455,15 @@ def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTrait
     """
     msg = shape.tokens * shape.hidden * shape.bytes
     node_ranks = min(shape.tp, spec.gpus_per_node)
-    inputs = 2 if not (shape.parallel_block and traits.shared_block_comm) else 1
+    inputs = 1 if shape.shared_block(traits) else 2
     inputs += 1 if shape.lfa else 0
-    if shape.sp:
-        kinds = ["reduce_scatter"] + (["all_gather"] if traits.tp_regather_backward else [])
-    else:
-        kinds = ["all_reduce"]
-    hideable = inputs * sum(collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks) for kind in kinds)
+    kind = "reduce_scatter" if shape.sp else "all_reduce"
+    hideable = (inputs * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
+                + _regathers(shape, traits) * collective_seconds("all_gather", msg, shape.tp, spec, inter_node,
+                                                                 node_ranks))
     columns = [(n, k) for role, n, k in gemms if role == "column"]
     window = sum(spec.gemm_seconds(n, k, shape.tokens, shape.dtype) for n, k in columns)  # weight gradients
-    if shape.sp and traits.tp_regather_backward:
+    if shape.regather:
         window += sum(spec.gemm_seconds(shape.tokens, k, n, shape.dtype) for n, k in columns)  # input gradients
     return min(hideable, window)
 
@@ -439,7 +487,8 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     counts_fwd, counts_bwd = _tp_collectives(shape, traits)
     gemm_f, gemm_b = sum(fwd_gemm.values()), sum(bwd_gemm.values())
     tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter)
-    tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter)
+    tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter,
+                                 regathers=_regathers(shape, traits))
     if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1:
         hidden_b = _async_backward_hidden(shape, spec, traits, gemms, tp_inter)
         tp_b, tp_b_hidden = tp_b - hidden_b, tp_b_hidden + hidden_b
@@ -524,6 +573,6 @@ def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], 
     return ChunkCost(forward, backward, n)
 
 
-__all__ = ["MEGASCALE", "ChunkCost", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "chunk_cost",
-           "collective_seconds", "embedding_costs", "group_node_ranks", "group_spans_nodes", "head_costs",
-           "layer_costs"]
+__all__ = ["MEGASCALE", "ChunkCost", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "TpLayerTraffic",
+           "chunk_cost", "collective_seconds", "embedding_costs", "group_node_ranks", "group_spans_nodes",
+           "head_costs", "layer_costs", "tp_layer_traffic"]

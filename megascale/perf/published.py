@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from megascale.config import Config, config_from_dict
 from megascale.errors import UserError
-from megascale.perf.costs import SystemTraits
+from megascale.perf.costs import MEGASCALE, SystemTraits
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class System:
 
 _GPT_2021 = {"norm": "layernorm", "activation": "gelu", "position": "learned", "bias": True,
              "tie_embeddings": True, "parallel_block": False, "attention": "causal"}
-_MEGATRON_PARALLEL = {"tp_overlap": False, "overlap_grad_reduce": False, "overlap_param_gather": False, "zero": 0}
+_MEGATRON_PARALLEL = {"tp_overlap": False, "overlap_grad_reduce": False, "overlap_param_gather": False, "zero": 0,
+                      "sp_regather_input": False}
+_REGATHER = {"sp_regather_input": True}
 
 SYSTEMS: Mapping[str, System] = MappingProxyType({
     "megatron-2021": System(
@@ -63,49 +65,51 @@ SYSTEMS: Mapping[str, System] = MappingProxyType({
         _MEGATRON_PARALLEL, "adamw", "megatron",
         "Megatron-LM of the selective-recomputation paper, full recomputation column"),
     "megatron-2022-selective": System(
-        "megatron-2022-selective", SystemTraits(async_p2p=False, tp_regather_backward=True, flash_attention=False,
-                                                pp_scatter_gather=True, tp_async_grad_reduce=True),
-        _GPT_2021, _MEGATRON_PARALLEL, "adamw", "megatron",
+        "megatron-2022-selective", SystemTraits(async_p2p=False, flash_attention=False, pp_scatter_gather=True,
+                                                tp_async_grad_reduce=True),
+        _GPT_2021, {**_MEGATRON_PARALLEL, **_REGATHER}, "adamw", "megatron",
         "Megatron-LM of the selective-recomputation paper: sequence parallelism (re-gathering in the backward) "
         "and selective recomputation of the attention core"),
     "megatron-megascale-baseline": System(
-        "megatron-megascale-baseline", SystemTraits(async_p2p=False, tp_regather_backward=True),
+        "megatron-megascale-baseline", SystemTraits(async_p2p=False),
         {"norm": "layernorm", "activation": "gelu", "position": "rope", "bias": False, "tie_embeddings": True,
          "parallel_block": False, "attention": "causal"},
-        {**_MEGATRON_PARALLEL, "zero": 1}, "lamb", "megatron-megascale-baseline",
+        {**_MEGATRON_PARALLEL, **_REGATHER, "zero": 1}, "lamb", "megatron-megascale-baseline",
         "MegaScale's Megatron-LM baseline: sequential block, flash attention, ZeRO-1 without overlap, "
         "blocking p2p, sequence parallelism re-gathering in the backward"),
     "megascale": System(
-        "megascale", SystemTraits(async_p2p=True, tp_regather_backward=True, shared_block_comm=True,
-                                  fused_block_gemm=True),
+        "megascale", MEGASCALE,
         {"norm": "layernorm", "activation": "gelu", "position": "rope", "bias": False, "tie_embeddings": True,
          "parallel_block": True, "attention": "sliding_window", "window_size": 2048},
-        {"tp_overlap": True, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1}, "lamb",
+        {"tp_overlap": True, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1,
+         **_REGATHER}, "lamb",
         "megascale",
-        "MegaScale: parallel block with one shared gather/reduce-scatter and a fused input GEMM, tp overlap, "
-        "data-parallel overlap, asynchronous p2p"),
+        "MegaScale, as megascale runs it: parallel block with one shared gather/reduce-scatter and a fused input "
+        "GEMM, sequence parallelism re-gathering in the backward, tp overlap, data-parallel overlap, "
+        "asynchronous p2p"),
     "llama3": System(
         "llama3", SystemTraits(),
         {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False,
          "parallel_block": False, "attention": "causal"},
-        {"tp_overlap": False, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1}, "adamw",
+        {"tp_overlap": False, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1,
+         "sp_regather_input": False}, "adamw",
         "megascale",
-        "Meta's Llama 3 trainer, described by megascale's own defaults (flash attention, asynchronous p2p, "
-        "overlapped ZeRO-1 reduction; no tp overlap assumed)"),
+        "Meta's Llama 3 trainer: flash attention, asynchronous p2p, overlapped ZeRO-1 reduction; no tp overlap, "
+        "no asynchronous column-parallel backward and no input re-gathering assumed"),
     "megatron-core-nemo": System(
-        "megatron-core-nemo", SystemTraits(async_p2p=True, tp_regather_backward=True, tp_async_grad_reduce=True),
+        "megatron-core-nemo", SystemTraits(async_p2p=True, tp_async_grad_reduce=True),
         {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False,
          "parallel_block": False, "attention": "causal"},
         {"tp_overlap": True, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1,
-         "cp_mode": "ring"}, "adamw", "megatron-core",
+         "cp_mode": "ring", **_REGATHER}, "adamw", "megatron-core",
         "Megatron-Core through NeMo (2024-25 performance recipes): flash attention, tp communication overlapped "
         "with the GEMMs, sequence parallelism re-gathering in the backward, distributed optimizer with "
         "overlapped reduction and parameter gather, overlapped p2p, ring context parallelism"),
     "nemo-megatron-gpt3": System(
-        "nemo-megatron-gpt3", SystemTraits(async_p2p=True, tp_regather_backward=True, tp_async_grad_reduce=True),
+        "nemo-megatron-gpt3", SystemTraits(async_p2p=True, tp_async_grad_reduce=True),
         {**_GPT_2021, "position": "learned"},
-        {"tp_overlap": True, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1}, "adamw",
-        "megatron-core",
+        {"tp_overlap": True, "overlap_grad_reduce": True, "overlap_param_gather": True, "zero": 1, **_REGATHER},
+        "adamw", "megatron-core",
         "NeMo Megatron's GPT-3 175B benchmark (Megatron-Core): GPT-3 layers (LayerNorm, GeLU, learned positions, "
         "biases, tied embeddings), flash attention, tp communication overlapped with the GEMMs, sequence "
         "parallelism re-gathering in the backward, distributed optimizer with overlapped reduction and gather"),

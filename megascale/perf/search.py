@@ -1,5 +1,10 @@
 """Layout search: every (tp, pp, vpp, cp, micro-batch, sequence parallel, ZeRO, recompute) that fits, ranked by MFU.
 
+Sequence parallelism comes in its two memory modes (`parallel.sp_regather_input`):
+column-parallel GEMMs keep their input shard and re-gather it in the backward, or
+keep the gathered input; the second wins only where its memory fits and the
+re-gather would cost time.
+
 The search keeps the config's model, sequence, global batch and overlaps and
 varies the layout. Each candidate goes through `resolve_plan` (so an impossible
 layout is dropped for the same reason the trainer would refuse it) and the
@@ -11,6 +16,7 @@ simulator, which decides the final order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +47,7 @@ class Candidate:
     def label(self) -> str:
         """Short layout name."""
         p, t = self.plan, self.cfg.train
-        sp = "+sp" if p.sequence_parallel else ""
+        sp = "" if not p.sequence_parallel else "+sp" if self.cfg.parallel.sp_regather_input else "+sp(gathered)"
         cp = f" cp{p.cp}" if p.cp > 1 else ""
         return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
                 f"recompute={t.recompute}")
@@ -63,6 +69,7 @@ class Choice:
     sequence_parallel: bool
     zero: int
     recompute: Recompute
+    sp_regather: bool = True
 
 
 def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
@@ -81,10 +88,15 @@ def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
                     if vpp > MAX_VPP or (vpp > 1 and pp == 1):
                         continue
                     for mbs in MICRO_BATCHES:
-                        for sp in ((True, False) if tp > 1 else (False,)):
+                        for sp, regather in _sp_modes(tp):
                             for zero in (1, 0):
                                 for recompute in RECOMPUTE_MODES:
-                                    yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute)
+                                    yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather)
+
+
+def _sp_modes(tp: int) -> list[tuple[bool, bool]]:
+    """(sequence parallel, re-gather the input in backward) pairs worth trying at this tp."""
+    return [(True, True), (True, False), (False, True)] if tp > 1 else [(False, True)]
 
 
 def _apply(cfg: Config, choice: Choice) -> Config:
@@ -93,6 +105,7 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     p.tp, p.cp, p.pp, p.vpp, p.dp = choice.tp, choice.cp, choice.pp, choice.vpp, None
     p.pipeline_layers, p.pipeline_schedule = None, "auto"
     p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
+    p.sp_regather_input = choice.sp_regather
     t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
     t.recompute = choice.recompute
     return new
@@ -112,7 +125,7 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
     """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator."""
     tables: dict[ModelLayout, ParamTable] = {}
     dropped: Counter[str] = Counter()
-    fitting: list[Candidate] = []
+    fitting: list[tuple[Choice, Candidate]] = []
     considered = 0
     for choice in _layouts(cfg, gpus, spec):
         considered += 1
@@ -129,12 +142,33 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
         if pred is None:
             dropped["does not fit in memory"] += 1
             continue
-        fitting.append(Candidate(candidate_cfg, plan, pred))
-    fitting.sort(key=lambda c: -c.prediction.mfu)
+        fitting.append((choice, Candidate(candidate_cfg, plan, pred)))
+    kept = _drop_dominated(fitting)
+    if len(kept) < len(fitting):
+        dropped[DOMINATED] += len(fitting) - len(kept)
+    kept.sort(key=lambda c: -c.prediction.mfu)
     refined = [Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)]))
-               for c in fitting[:refine]]
+               for c in kept[:refine]]
     refined.sort(key=lambda c: -c.prediction.mfu)
     return SearchResult(refined[:top], dropped, considered)
+
+
+DOMINATED = "SP keeping the gathered input gains no time"
+
+
+def _drop_dominated(fitting: list[tuple[Choice, Candidate]]) -> list[Candidate]:
+    """The candidates, less each gathered-input SP layout whose shard-keeping twin fits and is no slower
+    (the same time for more memory: the search would otherwise list both of every such pair)."""
+    shard_times = {choice: c.prediction.step_time_s for choice, c in fitting
+                   if choice.sequence_parallel and choice.sp_regather}
+
+    def dominated(choice: Choice, candidate: Candidate) -> bool:
+        if not choice.sequence_parallel or choice.sp_regather:
+            return False
+        twin = shard_times.get(dataclasses.replace(choice, sp_regather=True))
+        return twin is not None and twin <= candidate.prediction.step_time_s * (1 + 1e-9)
+
+    return [c for choice, c in fitting if not dominated(choice, c)]
 
 
 def _reason(message: str) -> str:

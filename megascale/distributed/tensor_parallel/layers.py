@@ -13,6 +13,7 @@ reduce-scattered along the sequence). The embedding is vocabulary-parallel.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,6 +30,7 @@ from megascale.distributed.sharding import (
     set_shard,
     split_spec,
 )
+from megascale.distributed.tensor_parallel import column as tp_column
 from megascale.distributed.tensor_parallel import overlap as tp_overlap
 from megascale.seeds import weight_init_seed
 
@@ -42,6 +44,9 @@ class TPSettings:
     size: int = 1
     sequence_parallel: bool = False
     overlap: bool = False
+    # Under sequence parallelism a column-parallel GEMM saves only this rank's shard of its
+    # input and re-gathers it in the backward (parallel.sp_regather_input).
+    sp_regather: bool = True
     seed: int = 1234
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
@@ -55,6 +60,11 @@ class TPSettings:
     def sp(self) -> bool:
         """Sequence parallelism actually in effect (tp > 1)."""
         return self.sequence_parallel and self.size > 1
+
+    @property
+    def regather(self) -> bool:
+        """Column-parallel GEMMs save their input shard and re-gather it in the backward (SP in effect)."""
+        return self.sp and self.sp_regather
 
 
 def init_global(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
@@ -168,16 +178,37 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s(/tp with SP), b, in] -> [s, b, *local out axes]."""
-        s = self.settings
-        if s.overlap and s.size > 1:
-            y = tp_overlap.column_linear(x, self.weight.view(-1, self.weight.shape[-1]), s)
-        else:
-            x = comm.gather_sequence(x, s.group, s.timers) if s.sp else comm.copy_to_group(x, s.group, s.timers)
-            y = F.linear(x, self.weight.view(-1, self.weight.shape[-1]))
-        y = y.view(*y.shape[:-1], *self.out_shape)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return column_parallel_forward(x, [self], self.settings)[0]
+
+    @property
+    def weight_2d(self) -> torch.Tensor:
+        """This rank's weight as one [local out, in] matrix."""
+        return self.weight.view(-1, self.weight.shape[-1])
+
+
+def column_parallel_forward(x: torch.Tensor, layers: Sequence[ColumnParallelLinear],
+                            settings: TPSettings) -> list[torch.Tensor]:
+    """The outputs of column-parallel layers that read the same x, from one GEMM on one gathered input.
+
+    The layers' weights are concatenated along their output rows for the GEMM only
+    (and their biases for one add); each layer keeps its own parameters, so the
+    checkpointed names and shapes do not depend on the fusion. The outputs are views
+    of one [s, b, sum of outs] tensor, each shaped [s, b, *that layer's local out axes].
+    """
+    weights = [layer.weight_2d for layer in layers]
+    if settings.overlap and settings.size > 1:
+        y = tp_overlap.column_linears(x, weights, settings)
+    elif settings.size > 1 or len(weights) > 1:
+        y = tp_column.column_linear(x, weights, settings)
+    else:
+        y = F.linear(x, weights[0])
+    biases = [layer.bias for layer in layers if layer.bias is not None]
+    if biases:
+        if len(biases) != len(layers):
+            raise ValueError("fused column-parallel layers must all have a bias or none")
+        y = y + (biases[0].reshape(-1) if len(biases) == 1 else torch.cat([b.reshape(-1) for b in biases]))
+    parts = y.split([w.shape[0] for w in weights], dim=-1) if len(layers) > 1 else (y,)
+    return [part.view(*part.shape[:-1], *layer.out_shape) for part, layer in zip(parts, layers)]
 
 
 class RowParallelLinear(nn.Module):
@@ -206,6 +237,26 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def row_parallel_sum(pairs: Sequence[tuple[torch.Tensor, RowParallelLinear]], settings: TPSettings) -> torch.Tensor:
+    """sum_i layer_i(x_i) for row-parallel layers with one reduction (reduce-scatter under SP) of the sum.
+
+    The parallel block's attention and MLP outputs: each rank adds its partial
+    products before the one collective, then the (replicated) biases are added.
+    """
+    if settings.overlap and settings.size > 1:
+        y = tp_overlap.row_linear_sum([(x, layer.weight) for x, layer in pairs], settings)
+    else:
+        partial = F.linear(pairs[0][0], pairs[0][1].weight)
+        for x, layer in pairs[1:]:
+            partial = partial + F.linear(x, layer.weight)
+        y = (comm.reduce_scatter_sequence(partial, settings.group, settings.timers) if settings.sp
+             else comm.reduce_from_group(partial, settings.group, settings.timers))
+    for _, layer in pairs:
+        if layer.bias is not None:
+            y = y + layer.bias
+    return y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -238,10 +289,8 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, settings: TPSett
     """hidden [s(/tp), b, h] -> local vocabulary logits [s, b, Vp/tp] (never the full vocabulary)."""
     if settings.overlap and settings.size > 1:
         return tp_overlap.column_linear(hidden, weight, settings)
-    if settings.sp:
-        hidden = comm.gather_sequence(hidden, settings.group, settings.timers)
-    else:
-        hidden = comm.copy_to_group(hidden, settings.group, settings.timers)
+    if settings.size > 1:
+        return tp_column.column_linear(hidden, [weight], settings)
     return F.linear(hidden, weight)
 
 

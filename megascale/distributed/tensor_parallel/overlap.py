@@ -38,7 +38,7 @@ results match the non-overlapped path to float32 reduction-order noise
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -49,7 +49,7 @@ from megascale.timers import timed
 if TYPE_CHECKING:
     from megascale.distributed.tensor_parallel.layers import TPSettings
 
-__all__ = ["column_linear", "row_linear"]
+__all__ = ["column_linear", "column_linears", "row_linear", "row_linear_sum"]
 
 
 class _InFlight:
@@ -114,6 +114,16 @@ class _Channel:
         """Sum `tensor` in place over the group, asynchronously."""
         return self._issue(lambda: [dist.all_reduce(tensor, group=self.group, async_op=True)], (tensor,))
 
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> _InFlight:
+        """Every rank's `shard` concatenated along dim 0 into `out`, asynchronously."""
+        return self._issue(lambda: [dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)],
+                           (out, shard))
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor) -> _InFlight:
+        """This rank's dim-0 slice of the sum of `tensor` over the group into `out`, asynchronously."""
+        return self._issue(lambda: [dist.reduce_scatter_tensor(out, tensor, group=self.group, async_op=True)],
+                           (out, tensor))
+
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[..., k] @ [k, n] -> [..., n], written into out (a contiguous view) when given."""
@@ -127,6 +137,34 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) ->
 def _weight_grad(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     """dW = grad_out^T @ inp over all leading dims: [out, in]."""
     return torch.mm(grad_out.reshape(-1, grad_out.shape[-1]).t(), inp.reshape(-1, inp.shape[-1]))
+
+
+def _fuse_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Weights [n_i, in] that read one input, stacked along their output rows for one GEMM
+    (the tensor itself for one weight). A temporary: the parameters keep their own layout."""
+    return weights[0] if len(weights) == 1 else torch.cat(list(weights), dim=0)
+
+
+def _weight_grads(grad_out: torch.Tensor, inp: torch.Tensor, weights: Sequence[torch.Tensor],
+                  needed: Sequence[bool]) -> list[Optional[torch.Tensor]]:
+    """Each column weight's gradient from one `_weight_grad` GEMM over the fused output [.., sum n_i].
+
+    The one place a column layer computes its weight gradients from what its
+    backward holds, so a schedule that defers them can call it later.
+    """
+    if not any(needed):
+        return [None] * len(weights)
+    parts = _weight_grad(grad_out, inp).split([w.shape[0] for w in weights], dim=0)
+    return [part if need else None for part, need in zip(parts, needed)]
+
+
+def _sum_mm(inputs: Sequence[torch.Tensor], weights_t: Sequence[torch.Tensor],
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sum_i inputs[i] @ weights_t[i] ([.., k_i] @ [k_i, n]), written into out when given."""
+    y = _mm(inputs[0], weights_t[0], out=out)
+    for x, w_t in zip(inputs[1:], weights_t[1:]):
+        y.view(-1, w_t.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), w_t)
+    return y
 
 
 def _check_divisible(length: int, size: int, what: str) -> None:
@@ -186,13 +224,20 @@ def _ring_reduce_scatter(channel: _Channel, partial_of: Callable[[int], torch.Te
 
 
 class _ColumnLinear(torch.autograd.Function):
-    """y = F.linear(gather_sequence(x) or copy_to_group(x), weight), communication overlapped."""
+    """y = F.linear(gather_sequence(x) or copy_to_group(x), cat(weights)), communication overlapped.
+
+    Several weights reading the same x run as one GEMM on one gathered input. Under
+    SP with `settings.regather` only x itself (this rank's shard) is saved; the
+    backward re-gathers it with one all-gather issued before the input-gradient
+    GEMMs, which it runs under, and waits for it just before the weight gradient.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, settings: TPSettings, *weights: torch.Tensor) -> torch.Tensor:
         ctx.settings = settings
+        weight = _fuse_weights(weights)
         if not settings.sp:
-            ctx.save_for_backward(x, weight)
+            ctx.save_for_backward(x, *weights)
             return _mm(x, weight.t())
         channel = _Channel(settings.group, x.device, settings.timers)
         x = x.contiguous()
@@ -203,57 +248,73 @@ class _ColumnLinear(torch.autograd.Function):
         y_chunks = y.chunk(channel.size, dim=0)
         weight_t = weight.t()
         _ring_all_gather(channel, x_chunks, lambda c, chunk: _mm(chunk, weight_t, out=y_chunks[c]))
-        # The reference path (gather, then F.linear) keeps the gathered input for backward too.
-        ctx.save_for_backward(total, weight)
+        # Either this rank's shard (re-gathered in backward) or, as the reference path
+        # (gather, then F.linear) does, the whole gathered input.
+        ctx.save_for_backward(x if settings.regather else total, *weights)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         settings: TPSettings = ctx.settings
-        inp, weight = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        inp, *weights = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], list(ctx.needs_input_grad[2:])
         grad_y = grad_y.contiguous()
         channel = _Channel(settings.group, grad_y.device, settings.timers)
-        dweight: list[Optional[torch.Tensor]] = [None]
+        gathering: Optional[_InFlight] = None
+        if settings.sp and settings.regather and any(need_dw):
+            shard = inp
+            inp = shard.new_empty((channel.size * shard.shape[0], *shard.shape[1:]))
+            gathering = channel.all_gather(inp, shard)  # first: it runs under the input-gradient GEMMs
+        dweights: list[Optional[torch.Tensor]] = [None] * len(weights)
+        done = [False]
 
         def weight_grad() -> None:
-            if need_dw:
-                dweight[0] = _weight_grad(grad_y, inp)
+            if gathering is not None:
+                gathering.wait()
+            dweights[:] = _weight_grads(grad_y, inp, weights, need_dw)
+            done[0] = True
 
         if not need_dx:
             weight_grad()
-            return None, dweight[0], None
+            return (None, None, *dweights)
+        weight = _fuse_weights(weights)
         if not settings.sp:
             dx = _mm(grad_y, weight)
             reduce = channel.all_reduce(dx)
             weight_grad()  # under the dx all-reduce
             reduce.wait()
-            return dx, dweight[0], None
+            return (dx, None, *dweights)
         grad_chunks = grad_y.chunk(channel.size, dim=0)
         dx = _ring_reduce_scatter(channel, lambda c: _mm(grad_chunks[c], weight), under_last_hop=weight_grad)
-        if dweight[0] is None:
+        if not done[0]:
             weight_grad()
-        return dx, dweight[0], None
+        return (dx, None, *dweights)
 
 
 class _RowLinear(torch.autograd.Function):
-    """y = reduce_scatter_sequence(F.linear(x, weight)) or reduce_from_group(...), overlapped."""
+    """y = reduce_scatter_sequence(sum_i F.linear(x_i, w_i)) or reduce_from_group(...), overlapped.
+
+    apply(x, weight, settings, x_2, w_2, ...): extra (input, weight) pairs add their
+    products before the one reduction (the parallel block's attention and MLP outputs).
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, settings: TPSettings,
+                *more: torch.Tensor) -> torch.Tensor:
         ctx.settings = settings
-        ctx.save_for_backward(x, weight)
+        xs, ws = [x, *more[0::2]], [weight, *more[1::2]]
+        ctx.save_for_backward(*xs, *ws)
         channel = _Channel(settings.group, x.device, settings.timers)
-        weight_t = weight.t()
+        weights_t = [w.t() for w in ws]
         if settings.sp:
             _check_divisible(x.shape[0], channel.size, "row-parallel reduce-scatter")
-            x_chunks = x.chunk(channel.size, dim=0)
-            return _ring_reduce_scatter(channel, lambda c: _mm(x_chunks[c], weight_t))
+            x_chunks = [xi.chunk(channel.size, dim=0) for xi in xs]
+            return _ring_reduce_scatter(channel, lambda c: _sum_mm([chunks[c] for chunks in x_chunks], weights_t))
         y = x.new_empty((*x.shape[:-1], weight.shape[0]))
         pending = []
         # Rows of y are independent: all-reduce piece i while piece i+1 is computed.
-        for x_piece, y_piece in zip(x.chunk(channel.size, dim=0), y.chunk(channel.size, dim=0)):
-            _mm(x_piece, weight_t, out=y_piece)
+        for y_piece, *x_pieces in zip(y.chunk(channel.size, dim=0), *(xi.chunk(channel.size, dim=0) for xi in xs)):
+            _sum_mm(x_pieces, weights_t, out=y_piece)
             pending.append(channel.all_reduce(y_piece))
         for p in pending:
             p.wait()
@@ -262,42 +323,72 @@ class _RowLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         settings: TPSettings = ctx.settings
-        x, weight = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        saved = ctx.saved_tensors
+        pairs = len(saved) // 2
+        xs, ws = saved[:pairs], saved[pairs:]
+        needs = ctx.needs_input_grad
+        need_dx = [needs[0], *needs[3::2]]
+        need_dw = [needs[1], *needs[4::2]]
         grad_y = grad_y.contiguous()
         if not settings.sp:
             # reduce_from_group's backward is the identity: no communication.
-            dx = _mm(grad_y, weight) if need_dx else None
-            dweight = _weight_grad(grad_y, x) if need_dw else None
-            return dx, dweight, None
+            dxs = [_mm(grad_y, w) if need else None for w, need in zip(ws, need_dx)]
+            dws = [_weight_grad(grad_y, x) if need else None for x, need in zip(xs, need_dw)]
+            return _row_grads(dxs, dws)
         channel = _Channel(settings.group, grad_y.device, settings.timers)
         full = grad_y.new_empty((channel.size * grad_y.shape[0], *grad_y.shape[1:]))
         grad_chunks = list(full.chunk(channel.size, dim=0))
         grad_chunks[channel.rank].copy_(grad_y)
-        dx = x.new_empty(x.shape) if need_dx else None
-        dx_chunks = dx.chunk(channel.size, dim=0) if dx is not None else None
-        x_chunks = x.chunk(channel.size, dim=0)
+        accumulators = [_RowGradAccumulator(x, w, channel.size, dx, dw)
+                        for x, w, dx, dw in zip(xs, ws, need_dx, need_dw)]
+
+        def consume(c: int, grad_chunk: torch.Tensor) -> None:
+            for acc in accumulators:
+                acc.add(c, grad_chunk)
+
+        _ring_all_gather(channel, grad_chunks, consume)
+        return _row_grads([acc.dx for acc in accumulators], [acc.result_dweight() for acc in accumulators])
+
+
+def _row_grads(dxs: Sequence[Optional[torch.Tensor]], dws: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """`_RowLinear.backward`'s return: (dx, dw, None for settings, dx_2, dw_2, ...)."""
+    out: list[Optional[torch.Tensor]] = [dxs[0], dws[0], None]
+    for dx, dw in zip(dxs[1:], dws[1:]):
+        out += [dx, dw]
+    return tuple(out)
+
+
+class _RowGradAccumulator:
+    """One (input, weight) pair's dx and dweight, filled chunk by chunk as the output gradient arrives."""
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, size: int, need_dx: bool, need_dw: bool) -> None:
+        self.weight = weight
+        self.dx = x.new_empty(x.shape) if need_dx else None
+        self.dx_chunks = self.dx.chunk(size, dim=0) if self.dx is not None else None
+        self.x_chunks = x.chunk(size, dim=0)
         # Low-precision weights: sum the per-chunk products in fp32 so that chunking adds
         # one rounding per chunk product, not a low-precision running sum.
         acc_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
-        dweight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_dw else None
+        self.dweight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_dw else None
 
-        def consume(c: int, grad_chunk: torch.Tensor) -> None:
-            if dx_chunks is not None:
-                _mm(grad_chunk, weight, out=dx_chunks[c])
-            if dweight is None:
-                return
-            g2d = grad_chunk.reshape(-1, grad_chunk.shape[-1]).t()
-            x2d = x_chunks[c].reshape(-1, x_chunks[c].shape[-1])
-            if dweight.dtype == g2d.dtype:
-                dweight.addmm_(g2d, x2d)
-            else:
-                dweight.add_(torch.mm(g2d, x2d))
+    def add(self, c: int, grad_chunk: torch.Tensor) -> None:
+        """Chunk c of the output gradient has arrived: its part of dx and its term of dweight."""
+        if self.dx_chunks is not None:
+            _mm(grad_chunk, self.weight, out=self.dx_chunks[c])
+        if self.dweight is None:
+            return
+        g2d = grad_chunk.reshape(-1, grad_chunk.shape[-1]).t()
+        x2d = self.x_chunks[c].reshape(-1, self.x_chunks[c].shape[-1])
+        if self.dweight.dtype == g2d.dtype:
+            self.dweight.addmm_(g2d, x2d)
+        else:
+            self.dweight.add_(torch.mm(g2d, x2d))
 
-        _ring_all_gather(channel, grad_chunks, consume)
-        if dweight is not None and dweight.dtype != weight.dtype:
-            dweight = dweight.to(weight.dtype)
-        return dx, dweight, None
+    def result_dweight(self) -> Optional[torch.Tensor]:
+        """The summed weight gradient in the weight's dtype."""
+        if self.dweight is not None and self.dweight.dtype != self.weight.dtype:
+            return self.dweight.to(self.weight.dtype)
+        return self.dweight
 
 
 # Eager under torch.compile (train.compile): p2p on a side stream is not traceable, and the
@@ -312,7 +403,13 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -
     """
     if settings.size == 1 or settings.group is None:
         return torch.nn.functional.linear(x, weight)
-    return _ColumnLinear.apply(x, weight, settings)
+    return _ColumnLinear.apply(x, settings, weight)
+
+
+@torch.compiler.disable
+def column_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], settings: TPSettings) -> torch.Tensor:
+    """`column_linear` of several weights [n_i, in] that read x, as one GEMM: [.., sum n_i]. Needs tp > 1."""
+    return _ColumnLinear.apply(x, settings, *weights)
 
 
 @torch.compiler.disable
@@ -326,3 +423,10 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, settings: TPSettings) -> t
     if settings.size == 1 or settings.group is None:
         return torch.nn.functional.linear(x, weight)
     return _RowLinear.apply(x, weight, settings)
+
+
+@torch.compiler.disable
+def row_linear_sum(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TPSettings) -> torch.Tensor:
+    """`row_linear` of sum_i F.linear(x_i, w_i) with one reduction for all pairs. Needs tp > 1."""
+    (x, weight), rest = pairs[0], pairs[1:]
+    return _RowLinear.apply(x, weight, settings, *(t for pair in rest for t in pair))
