@@ -172,6 +172,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     """
     costs = chunk_costs(cfg, plan, spec, traits)
     p2p = p2p_seconds(plan, spec, traits)
+    m = plan.num_microbatches
     blocking = 0.0 if traits.async_p2p else p2p
     times = [[(c.forward.total + blocking, c.backward.total + blocking) for c in chunks] for chunks in costs]
     if simulate_pipeline:
@@ -179,9 +180,10 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     else:
         makespan, busy = _analytic_pipeline(plan, times, p2p)
     # CPU hosts: ranks beyond the cores time-share them (zero for GPU specs); reported as its own part.
-    core_sharing = shared_makespan(plan, spec, makespan, busy) - makespan
+    waits = [m * sum(c.forward.tp_comm + c.forward.cp_comm + c.backward.tp_comm + c.backward.cp_comm for c in chunks)
+             for chunks in costs]
+    core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
     sharing = ranks_per_core(plan, spec)
-    m = plan.num_microbatches
     step_parts = []
     for rank in range(plan.pp):
         local = table.local_numel(rank)
