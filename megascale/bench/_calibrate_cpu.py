@@ -178,7 +178,7 @@ def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, i
     mem_eff = memory_op_efficiency(copy_gbps)
     cores = host_cores()
     collectives = measure_collectives() if gloo else {}
-    in_pass = _in_pass_cost(collectives) if gloo else (0.0, 0.0)
+    in_pass = in_pass_cost(collectives) if gloo else (0.0, 0.0)
     fitted = statistics.median(bw for bw, _ in collectives.values()) if collectives else copy_gbps / 4
     latency = statistics.median(lat for _, lat in collectives.values()) if collectives else 50.0
     data: dict[str, Any] = {
@@ -199,7 +199,7 @@ def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, i
     return spec_from_dict(data, "bench calibrate --device cpu")
 
 
-def _in_pass_cost(collectives: dict[str, tuple[float, float]]) -> tuple[float, float]:
+def in_pass_cost(collectives: dict[str, tuple[float, float]]) -> tuple[float, float]:
     """(seconds, drift per compute second) a collective costs inside a pass beyond its bytes' transfer."""
     from megascale.bench._pass_probe import MESSAGE_BYTES, fit_drift, measure_pass_collectives
 
@@ -241,5 +241,5 @@ def summary(spec: GpuSpec) -> str:
             f"{spec.pass_drift:.3f} x compute gap per collective")
 
 
-__all__ = ["attention_efficiency", "copy_bandwidth", "gemm_curve", "host_cores", "measure_cpu_spec",
+__all__ = ["attention_efficiency", "copy_bandwidth", "gemm_curve", "host_cores", "in_pass_cost", "measure_cpu_spec",
            "memory_op_efficiency", "summary", "time_best", "total_memory_gib"]

@@ -6,8 +6,12 @@ rank, the small model of configs/tiny.yaml), reads `step_time_s` from the run's
 metrics.jsonl (median of the steps after the warm-up), and predicts the same
 config with that spec exactly as `megascale plan --config ... --gpu-spec SPEC`
 does. Calibration is repeated between runs so a host whose load changes is
-measured near each run; each run is predicted with the latest spec. Prints
-measured against predicted per run, as a markdown table.
+measured near each run. What changes fastest with the load of other jobs, the
+cores the host gives (`host_cores`) and what a collective costs inside a pass
+(`pass_latency_us`, `pass_drift`), is measured again right after each run; the
+run is predicted with the latest spec whose three load-sensitive numbers are
+the means of the measurements just before and just after it. Prints measured
+against predicted per run, as a markdown table, with the load average.
 
 Nothing here is fitted to the runs: every constant comes from the calibration's
 micro-benchmarks (GEMM curve, SDPA, copy bandwidth, gloo collectives, cores).
@@ -24,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megascale.config import load_config
 from megascale.errors import UserError
@@ -71,6 +75,8 @@ class RunResult:
     measured_s: float
     steps: list[float]
     prediction: Prediction
+    spec: GpuSpec
+    load: str = "n/a"
 
     @property
     def error(self) -> float:
@@ -105,13 +111,38 @@ def predict_run(run: CpuRun, spec: GpuSpec, steps: int, config: str) -> Predicti
     return predict(cfg, resolve_plan(cfg, run.ranks), spec)
 
 
+def bracket_load(before: GpuSpec, after: GpuSpec) -> GpuSpec:
+    """`before` with its load-sensitive numbers (cores, in-pass collective cost) averaged with `after`'s."""
+    return replace(before, host_cores=round((before.host_cores + after.host_cores) / 2, 2),
+                   pass_latency_us=round((before.pass_latency_us + after.pass_latency_us) / 2, 1),
+                   pass_drift=round((before.pass_drift + after.pass_drift) / 2, 4))
+
+
+def remeasure_load(spec: GpuSpec) -> GpuSpec:
+    """`spec` with host_cores and the in-pass collective cost measured again now."""
+    from megascale.bench._calibrate_cpu import host_cores, in_pass_cost
+
+    latency, drift = in_pass_cost(dict(spec.collectives))
+    return replace(spec, host_cores=host_cores(), pass_latency_us=round(latency * 1e6, 1), pass_drift=round(drift, 4))
+
+
+def load_average() -> str:
+    """The host's 1-minute load average, for the record ('n/a' where the OS has none)."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):
+        return "n/a"
+
+
 def format_table(results: list[RunResult], spec: GpuSpec) -> str:
     """Markdown: one row per run, measured and predicted side by side, then the summary."""
-    lines = ["| run | ranks | measured s/step (median) | predicted s/step | error | predicted bubble |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| run | ranks | measured s/step (median) | predicted s/step | error | predicted bubble | "
+             "host cores | in-pass collective | load |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(f"| {r.run.label} | {r.run.ranks} | {r.measured_s:.3f} | {r.prediction.step_time_s:.3f} | "
-                     f"{r.error:+.1%} | {r.prediction.step.bubble_fraction:.1%} |")
+                     f"{r.error:+.1%} | {r.prediction.step.bubble_fraction:.1%} | {r.spec.host_cores:g} | "
+                     f"{r.spec.pass_latency_us / 1e3:.1f} ms | {r.load} |")
     errors = [abs(r.error) for r in results]
     within = sum(e <= 0.15 for e in errors)
     lines.append("")
@@ -156,20 +187,25 @@ def main(argv: list[str]) -> int:
                 spec = calibrate()
                 print(summary(spec), file=sys.stderr)
             steps = train_and_measure(run, args.steps, args.warmup, workdir, args.config)
-            pred = predict_run(run, spec, args.steps, args.config)
-            result = RunResult(run, statistics.median(steps), steps, pred)
+            load = load_average()
+            bracketed = bracket_load(spec, remeasure_load(spec))
+            pred = predict_run(run, bracketed, args.steps, args.config)
+            result = RunResult(run, statistics.median(steps), steps, pred, bracketed, load)
             results.append(result)
             print(f"{run.label}: measured {result.measured_s:.3f} s, predicted {pred.step_time_s:.3f} s "
-                  f"({result.error:+.1%}) [{time.time() - started:.0f} s]", file=sys.stderr)
+                  f"({result.error:+.1%}; {bracketed.host_cores:g} cores, in-pass "
+                  f"{bracketed.pass_latency_us:.0f} us; load {load}) [{time.time() - started:.0f} s]", file=sys.stderr)
     if args.spec_out:
         write_gpu_spec(spec, args.spec_out)
     if args.json:
         print(json.dumps([{"run": r.run.label, "ranks": r.run.ranks, "overrides": list(r.run.overrides),
                            "measured_s": r.measured_s, "steps_s": r.steps, "predicted_s": r.prediction.step_time_s,
+                           "host_cores": r.spec.host_cores, "pass_latency_us": r.spec.pass_latency_us,
+                           "pass_drift": r.spec.pass_drift, "load": r.load,
                            "error": r.error, "breakdown": r.prediction.step.breakdown()} for r in results], indent=2))
     else:
         print(format_table(results, spec))
     return 0
 
 
-__all__ = ["RUNS", "CpuRun", "RunResult", "format_table", "main", "predict_run", "train_and_measure"]
+__all__ = ["RUNS", "CpuRun", "RunResult", "bracket_load", "format_table", "main", "predict_run", "train_and_measure"]
