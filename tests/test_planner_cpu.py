@@ -231,3 +231,15 @@ def test_bench_predicts_each_run_with_the_load_measured_around_it() -> None:
     assert (mid.host_cores, mid.pass_latency_us, mid.pass_drift) == (1.5, 1500.0, 0.2)
     # Only the load-sensitive numbers move; the rest of the calibration is the one made before the run.
     assert mid.hbm_gbps == before.hbm_gbps and mid.collectives == before.collectives
+
+
+def test_pipeline_messages_on_shared_cores_are_meetings_and_block_each_pass() -> None:
+    spec = spec_from_dict({**PASS_FIELDS, "host_cores": 64.0}, "test")
+    step = _step(["parallel.pp=2"], 2, spec)
+    activation = 4 * 128 * 256 * 4  # micro-batch x seq x hidden, fp32
+    p2p = activation / 3e9 + 2e-3  # the measured p2p bus, one meeting
+    assert step.compute["pp_p2p"] == pytest.approx(2 * p2p * 4)  # forward and backward of each micro-batch
+    assert "pp_p2p" not in step.hidden
+    # The same layout on a GPU spec posts its sends under compute.
+    gpu = _step(["parallel.pp=2"], 2, replace(spec, host_cores=0.0, pass_latency_us=0.0))
+    assert "pp_p2p" not in gpu.compute and gpu.hidden["pp_p2p"] > 0

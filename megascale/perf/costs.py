@@ -14,6 +14,10 @@ plan's layout, the model config and a `GpuSpec`:
   nodes, and the part of them `parallel.tp_overlap` hides behind the GEMMs;
 - context-parallel traffic (Ulysses all-to-alls, ring k/v blocks overlapped
   with each block's attention);
+- on a CPU host (a spec with `host_cores`), every tp and cp collective inside a
+  pass also pays the meeting of the ranks that `bench calibrate --device cpu`
+  measured (`pass_latency_us`, `pass_drift` x the compute since the previous
+  one), and nothing overlaps: one thread per rank has no idle core for it;
 - recomputation (selective: the attention core again; full: the layer's forward
   again; only the first `train.recompute_layers` of each chunk);
 - Yuan's LFA filter (`model.lfa`): its convolution GEMMs, memory-bound work and
