@@ -238,7 +238,8 @@ def test_pipeline_messages_on_shared_cores_are_meetings_and_block_each_pass() ->
     step = _step(["parallel.pp=2"], 2, spec)
     activation = 4 * 128 * 256 * 4  # micro-batch x seq x hidden, fp32
     p2p = activation / 3e9 + 2e-3  # the measured p2p bus, one meeting
-    assert step.compute["pp_p2p"] == pytest.approx(2 * p2p * 4)  # forward and backward of each micro-batch
+    microbatches = 8 // 4  # BENCH_BASE: global batch 8, micro-batch 4
+    assert step.compute["pp_p2p"] == pytest.approx(2 * p2p * microbatches)  # forward and backward of each
     assert "pp_p2p" not in step.hidden
     # The same layout on a GPU spec posts its sends under compute.
     gpu = _step(["parallel.pp=2"], 2, replace(spec, host_cores=0.0, pass_latency_us=0.0))
