@@ -11,8 +11,10 @@ launcher), so everything is measured on one thread of one process:
   add + RMSNorm and SwiGLU, forward and backward, on the bytes the time model
   counts for them);
 - the cores the ranks of this host share (`host_cores`): the aggregate GEMM rate
-  of one worker per core over the best one-thread rate, so a host other jobs
-  load reports the share it really gives (fewer cores than it has);
+  of one worker per core (wall time) over the best one-thread rate, so a host
+  other jobs load reports the share it really gives (fewer cores than it has).
+  Every rate above is timed in the thread's CPU seconds, so the load is counted
+  there once, not again as a slower core;
 - gloo collectives between real process groups of two ranks
   (`megascale.bench._gloo_probe`): all-reduce, all-gather, reduce-scatter,
   all-to-all and p2p, each fitted to latency + bytes / bus bandwidth over a
@@ -43,15 +45,20 @@ CPU_GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 
 
 def time_best(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> float:
-    """Best wall seconds of one call of fn (the least disturbed by other work on a shared host)."""
+    """Best CPU seconds of this thread for one call of fn: what a core does while it runs the call.
+
+    CPU time, not wall time: on a host other jobs load, the call is preempted for their time
+    slices, and that share is measured once, by `host_cores`; counting it here as well would
+    charge a loaded host twice (slower per core and fewer cores).
+    """
     for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        best = min(best, time.thread_time() - start)
+    return max(best, 1e-9)
 
 
 def _gemm_rate(n: int, calls: int = 1) -> float:
