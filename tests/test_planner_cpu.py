@@ -11,11 +11,13 @@ import pytest
 
 from megascale.bench import _calibrate_cpu as cal
 from megascale.bench._gloo_probe import fit_line, to_bus
+from megascale.bench._pass_probe import WIDTHS as PASS_WIDTHS
+from megascale.bench._pass_probe import fit_drift, measure_pass_collectives
 from megascale.bench.calibrate import main as calibrate_main
 from megascale.config import load_config
 from megascale.errors import UserError
 from megascale.model.params import ModelLayout, param_table
-from megascale.perf.costs import collective_seconds
+from megascale.perf.costs import collective_seconds, layer_costs, pass_collective_seconds
 from megascale.perf.gpus import builtin_gpu, load_gpu_spec, spec_from_dict, write_gpu_spec
 from megascale.perf.predict import predict
 from megascale.perf.timing import step_time
@@ -148,3 +150,97 @@ def test_calibrated_cpu_spec_goes_through_megascale_plan(tmp_path, capsys) -> No
     assert out["gpu"] == "cpu-test" and out["step_time_s"] == pytest.approx(sum(out["breakdown"].values()))
     # tp 2 on the measured all-reduce: the exposed tp time is the model's count of 2-rank all-reduces.
     assert out["breakdown"]["tp_comm"] > 0
+
+
+PASS_FIELDS = {**CPU_FIELDS, "pass_latency_us": 2000.0, "pass_drift": 0.1}
+
+
+def test_in_pass_collectives_pay_the_measured_meeting_instead_of_the_hop_latency() -> None:
+    spec, plain = spec_from_dict(PASS_FIELDS, "test"), spec_from_dict(CPU_FIELDS, "test")
+    nbytes, gap = 4e6, 5e-3
+    # Two-rank all-reduce inside a pass: the bytes over the measured bus, then one meeting (latency + drift x gap).
+    assert pass_collective_seconds("all_reduce", nbytes, 2, spec, False, gap) == pytest.approx(
+        nbytes / 1.5e9 + 2e-3 + 0.1 * gap)
+    # Four calls of a quarter each: four meetings, the same bytes.
+    assert pass_collective_seconds("all_reduce", nbytes, 2, spec, False, gap, calls=4) == pytest.approx(
+        nbytes / 1.5e9 + 4 * (2e-3 + 0.1 * gap))
+    # A spec without the measurement (GPUs, older CPU specs): each call is the plain collective.
+    assert pass_collective_seconds("all_reduce", nbytes, 2, plain, False, gap, calls=4) == pytest.approx(
+        4 * collective_seconds("all_reduce", nbytes / 4, 2, plain, False))
+    with pytest.raises(UserError, match="pass_latency_us"):
+        spec_from_dict({**CPU_FIELDS, "pass_drift": -0.5}, "test")
+
+
+def test_tp_layer_on_shared_cores_pays_each_collective_and_hides_none() -> None:
+    spec = spec_from_dict(PASS_FIELDS, "test")
+    cfg = load_config(str(ROOT / "configs/tiny.yaml"), [*BENCH_BASE, "parallel.tp=2", "parallel.tp_overlap=true"])
+    plan = resolve_plan(cfg, 2)
+    layer = layer_costs(cfg, plan, spec)
+    msg = plan.micro_batch_size * cfg.model.seq_length * cfg.model.hidden_size * 4
+    compute = layer.forward.gemm + layer.forward.attention + layer.forward.memory
+    # Two all-reduces per layer forward (attention and MLP outputs), each after half the pass's compute.
+    expected = 2 * (msg / 1.5e9 + 2e-3 + 0.1 * compute / 2)
+    assert layer.forward.tp_comm == pytest.approx(expected)
+    assert layer.forward.hidden["tp"] == 0.0 and layer.backward.hidden["tp"] == 0.0
+
+
+def test_ring_attention_hops_hide_nothing_on_shared_cores() -> None:
+    spec = spec_from_dict(PASS_FIELDS, "test")
+    cfg = load_config(str(ROOT / "configs/tiny.yaml"), [*BENCH_BASE, "parallel.cp=2", "parallel.cp_mode=ring"])
+    layer = layer_costs(cfg, resolve_plan(cfg, 2), spec)
+    assert layer.forward.hidden["cp"] == 0.0 and layer.backward.hidden["cp"] == 0.0
+    # Forward: one k/v hop; backward: one k/v hop and two dk/dv hops, each a meeting of the two ranks.
+    assert layer.backward.cp_comm > 3 * 2e-3 > layer.forward.cp_comm > 2e-3
+
+
+def test_core_sharing_spreads_compute_not_waits() -> None:
+    one_core = replace(spec_from_dict(PASS_FIELDS, "test"), host_cores=1.0)
+    step = _step(["parallel.tp=2"], 2, one_core)
+    waits = step.compute["tp_comm"]
+    work = sum(step.compute.values()) - waits
+    assert waits > 0 and step.pipeline_s == pytest.approx(work + waits)
+    # Two ranks on one core: their compute takes twice as long; the waits in collectives are added once.
+    assert step.pipeline_s + step.exposed["core_sharing"] == pytest.approx(2 * work + waits)
+
+
+def test_fit_drift_recovers_the_line_and_drops_a_noisy_slope() -> None:
+    transfer = 0.4e-3
+    points = [(transfer + 2e-3 + 0.1 * gap, gap) for gap in (1e-3, 5e-3)]
+    a, s = fit_drift(points, transfer)
+    assert a == pytest.approx(2e-3) and s == pytest.approx(0.1)
+    # A longer gap measured cheaper: noise, not drift; the mean excess is paid per collective.
+    a, s = fit_drift([(3e-3, 1e-3), (2e-3, 5e-3)], 0.0)
+    assert s == 0.0 and a == pytest.approx(2.5e-3)
+
+
+def test_pass_probe_measures_collectives_inside_autograd_on_two_gloo_ranks() -> None:
+    points = measure_pass_collectives()
+    assert len(points) == len(PASS_WIDTHS)
+    (cost_small, gap_small), (cost_large, gap_large) = points
+    # The wider block computes more between collectives; a collective costs something on top of the GEMMs.
+    assert gap_large > 1.5 * gap_small > 0
+    assert max(cost_small, cost_large) > 0
+
+
+def test_bench_predicts_each_run_with_the_load_measured_around_it() -> None:
+    from megascale.bench.planner import bracket_load
+
+    before = spec_from_dict({**PASS_FIELDS, "host_cores": 1.0}, "test")
+    after = replace(before, host_cores=2.0, pass_latency_us=1000.0, pass_drift=0.3, hbm_gbps=1.0)
+    mid = bracket_load(before, after)
+    assert (mid.host_cores, mid.pass_latency_us, mid.pass_drift) == (1.5, 1500.0, 0.2)
+    # Only the load-sensitive numbers move; the rest of the calibration is the one made before the run.
+    assert mid.hbm_gbps == before.hbm_gbps and mid.collectives == before.collectives
+
+
+def test_pipeline_messages_on_shared_cores_are_meetings_and_block_each_pass() -> None:
+    spec = spec_from_dict({**PASS_FIELDS, "host_cores": 64.0}, "test")
+    step = _step(["parallel.pp=2"], 2, spec)
+    activation = 4 * 128 * 256 * 4  # micro-batch x seq x hidden, fp32
+    p2p = activation / 3e9 + 2e-3  # the measured p2p bus, one meeting
+    microbatches = 8 // 4  # BENCH_BASE: global batch 8, micro-batch 4
+    assert step.compute["pp_p2p"] == pytest.approx(2 * p2p * microbatches)  # forward and backward of each
+    assert "pp_p2p" not in step.hidden
+    # The same layout on a GPU spec posts its sends under compute.
+    gpu = _step(["parallel.pp=2"], 2, replace(spec, host_cores=0.0, pass_latency_us=0.0))
+    assert "pp_p2p" not in gpu.compute and gpu.hidden["pp_p2p"] > 0

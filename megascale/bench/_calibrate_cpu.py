@@ -11,12 +11,19 @@ launcher), so everything is measured on one thread of one process:
   add + RMSNorm and SwiGLU, forward and backward, on the bytes the time model
   counts for them);
 - the cores the ranks of this host share (`host_cores`): the aggregate GEMM rate
-  of one worker per core over the best one-thread rate, so a host other jobs
-  load reports the share it really gives (fewer cores than it has);
+  of one worker per core (wall time) over the best one-thread rate, so a host
+  other jobs load reports the share it really gives (fewer cores than it has).
+  Every rate above is timed in the thread's CPU seconds, so the load is counted
+  there once, not again as a slower core;
 - gloo collectives between real process groups of two ranks
   (`megascale.bench._gloo_probe`): all-reduce, all-gather, reduce-scatter,
   all-to-all and p2p, each fitted to latency + bytes / bus bandwidth over a
-  range of message sizes.
+  range of message sizes;
+- what a collective costs inside a training pass (`megascale.bench._pass_probe`):
+  the tp pattern of a layer in autograd on both ranks with and without its
+  all-reduces, at two compute sizes between collectives, beyond the message's
+  transfer: `pass_latency_us` per collective and `pass_drift` per second of
+  compute since the previous one.
 """
 
 from __future__ import annotations
@@ -38,15 +45,20 @@ CPU_GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 
 
 def time_best(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> float:
-    """Best wall seconds of one call of fn (the least disturbed by other work on a shared host)."""
+    """Best CPU seconds of this thread for one call of fn: what a core does while it runs the call.
+
+    CPU time, not wall time: on a host other jobs load, the call is preempted for their time
+    slices, and that share is measured once, by `host_cores`; counting it here as well would
+    charge a loaded host twice (slower per core and fewer cores).
+    """
     for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        best = min(best, time.thread_time() - start)
+    return max(best, 1e-9)
 
 
 def _gemm_rate(n: int, calls: int = 1) -> float:
@@ -60,9 +72,17 @@ def _gemm_rate(n: int, calls: int = 1) -> float:
     return 2.0 * n**3 * calls / time_best(run)
 
 
-def gemm_curve(sizes: tuple[int, ...] = CPU_GEMM_SIZES) -> tuple[float, list[tuple[float, float]]]:
-    """(peak TFLOP/s, [(size, fraction of peak)]) of square fp32 GEMMs on one thread."""
-    rates = [(n, _gemm_rate(n, calls=max(1, (256 // n) ** 3))) for n in sizes]
+def gemm_curve(sizes: tuple[int, ...] = CPU_GEMM_SIZES, rounds: int = 3) -> tuple[float, list[tuple[float, float]]]:
+    """(peak TFLOP/s, [(size, fraction of peak)]) of square fp32 GEMMs on one thread.
+
+    Each size's best over `rounds` passes through all sizes, so a burst of other work on a shared
+    host that slows one pass does not bend the curve at the sizes it happened to hit.
+    """
+    best = dict.fromkeys(sizes, 0.0)
+    for _ in range(rounds):
+        for n in sizes:
+            best[n] = max(best[n], _gemm_rate(n, calls=max(1, (256 // n) ** 3)))
+    rates = list(best.items())
     peak = max(rate for _, rate in rates)
     return peak / 1e12, [(float(n), round(rate / peak, 3)) for n, rate in rates]
 
@@ -165,6 +185,7 @@ def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, i
     mem_eff = memory_op_efficiency(copy_gbps)
     cores = host_cores()
     collectives = measure_collectives() if gloo else {}
+    in_pass = in_pass_cost(collectives) if gloo else (0.0, 0.0)
     fitted = statistics.median(bw for bw, _ in collectives.values()) if collectives else copy_gbps / 4
     latency = statistics.median(lat for _, lat in collectives.values()) if collectives else 50.0
     data: dict[str, Any] = {
@@ -176,12 +197,22 @@ def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, i
         "intra_latency_us": round(latency, 1), "inter_latency_us": round(latency, 1), "gpus_per_node": 4096,
         "gemm_efficiency": curve, "attention_fwd_efficiency": round(attn_fwd, 3),
         "attention_bwd_efficiency": round(attn_bwd, 3), "memory_reserve_gib": 0.5, "host_cores": cores,
+        "pass_latency_us": round(in_pass[0] * 1e6, 1), "pass_drift": round(in_pass[1], 4),
         "collectives": {kind: [round(bw, 3), round(lat, 1)] for kind, (bw, lat) in collectives.items()},
         "extra": {"device": "cpu", "threads_per_rank": 1, "measured_seconds": round(time.time() - started, 1),
                   "peak": "measured: the best one-thread fp32 GEMM rate (bf16/fp16 entries repeat it: CPU runs "
                           "train in fp32)", "attention_shape": list(attention_shape)},
     }
     return spec_from_dict(data, "bench calibrate --device cpu")
+
+
+def in_pass_cost(collectives: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """(seconds, drift per compute second) a collective costs inside a pass beyond its bytes' transfer."""
+    from megascale.bench._pass_probe import MESSAGE_BYTES, fit_drift, measure_pass_collectives
+
+    bus_gbps = collectives["all_reduce"][0] if "all_reduce" in collectives else 1.0
+    transfer = MESSAGE_BYTES / (bus_gbps * 1e9)  # a two-rank all-reduce moves the tensor once over the bus
+    return fit_drift(measure_pass_collectives(), transfer)
 
 
 def _cpu_model() -> str:
@@ -213,8 +244,9 @@ def summary(spec: GpuSpec) -> str:
             + ", ".join(f"{int(s)}:{e:.0%}" for s, e in spec.gemm_efficiency)
             + f"; SDPA fwd {spec.attention_fwd_efficiency:.0%} bwd {spec.attention_bwd_efficiency:.0%}; "
             f"copy {spec.hbm_gbps:.1f} GB/s (memory-bound ops {spec.hbm_efficiency:.0%} of it); "
-            f"{spec.host_cores:g} cores; gloo: {coll}")
+            f"{spec.host_cores:g} cores; gloo: {coll}; in a pass: {spec.pass_latency_us:.0f} us + "
+            f"{spec.pass_drift:.3f} x compute gap per collective")
 
 
-__all__ = ["attention_efficiency", "copy_bandwidth", "gemm_curve", "host_cores", "measure_cpu_spec",
+__all__ = ["attention_efficiency", "copy_bandwidth", "gemm_curve", "host_cores", "in_pass_cost", "measure_cpu_spec",
            "memory_op_efficiency", "summary", "time_best", "total_memory_gib"]

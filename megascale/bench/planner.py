@@ -6,8 +6,12 @@ rank, the small model of configs/tiny.yaml), reads `step_time_s` from the run's
 metrics.jsonl (median of the steps after the warm-up), and predicts the same
 config with that spec exactly as `megascale plan --config ... --gpu-spec SPEC`
 does. Calibration is repeated between runs so a host whose load changes is
-measured near each run; each run is predicted with the latest spec. Prints
-measured against predicted per run, as a markdown table.
+measured near each run. What changes fastest with the load of other jobs, the
+cores the host gives (`host_cores`) and what a collective costs inside a pass
+(`pass_latency_us`, `pass_drift`), is measured again right after each run; the
+run is predicted with the latest spec whose three load-sensitive numbers are
+the means of the measurements just before and just after it. Prints measured
+against predicted per run, as a markdown table, with the load average.
 
 Nothing here is fitted to the runs: every constant comes from the calibration's
 micro-benchmarks (GEMM curve, SDPA, copy bandwidth, gloo collectives, cores).
@@ -18,13 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megascale.config import load_config
 from megascale.errors import UserError
@@ -71,11 +76,27 @@ class RunResult:
     measured_s: float
     steps: list[float]
     prediction: Prediction
+    spec: GpuSpec
+    load: str = "n/a"
+    run_cores: float = 0.0
+    """Cores the run's ranks got (CPU seconds over wall seconds), for the record."""
+    given_cores: Prediction | None = None
+    """The prediction with host_cores set to run_cores: the time model with the load it really met."""
 
     @property
     def error(self) -> float:
         """Predicted over measured, minus one."""
         return self.prediction.step_time_s / self.measured_s - 1.0
+
+    @property
+    def given_step_s(self) -> float:
+        """Predicted step time with the cores the run got (the calibrated prediction without the record)."""
+        return self.given_cores.step_time_s if self.given_cores else self.prediction.step_time_s
+
+    @property
+    def given_error(self) -> float:
+        """The same error with the cores the run got."""
+        return self.given_step_s / self.measured_s - 1.0
 
 
 def run_overrides(run: CpuRun, steps: int, output_dir: str) -> list[str]:
@@ -83,20 +104,32 @@ def run_overrides(run: CpuRun, steps: int, output_dir: str) -> list[str]:
     return [*BASE_OVERRIDES, f"train.steps={steps}", f"train.output_dir={output_dir}", *run.overrides]
 
 
-def train_and_measure(run: CpuRun, steps: int, warmup: int, workdir: str, config: str) -> list[float]:
-    """Train `run` for real with --nproc and return the step times after the warm-up steps."""
+def train_and_measure(run: CpuRun, steps: int, warmup: int, workdir: str, config: str) -> tuple[list[float], float]:
+    """Train `run` for real with --nproc: (the step times after the warm-up steps, cores its ranks got).
+
+    The cores are the CPU seconds of the run's processes over its wall seconds (start-up included):
+    what the host gave the run, recorded beside the `host_cores` the calibration measured around it.
+    """
     out = os.path.join(workdir, run.label.split(" (")[0].replace(" ", "_").replace(",", ""))
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "megascale.cli", "train", "--config", config, "--nproc", str(run.ranks),
            *run_overrides(run, steps, out)]
+    cpu_before, wall_before = _children_cpu_seconds(), time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    cores = (_children_cpu_seconds() - cpu_before) / (time.perf_counter() - wall_before)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         raise RuntimeError(f"run {run.label!r} failed ({done.returncode}):\n" + "\n".join(tail))
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return [r["step_time_s"] for r in records if r["step"] > warmup]
+    return [r["step_time_s"] for r in records if r["step"] > warmup], cores
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children (and theirs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def predict_run(run: CpuRun, spec: GpuSpec, steps: int, config: str) -> Prediction:
@@ -105,19 +138,46 @@ def predict_run(run: CpuRun, spec: GpuSpec, steps: int, config: str) -> Predicti
     return predict(cfg, resolve_plan(cfg, run.ranks), spec)
 
 
+def bracket_load(before: GpuSpec, after: GpuSpec) -> GpuSpec:
+    """`before` with its load-sensitive numbers (cores, in-pass collective cost) averaged with `after`'s."""
+    return replace(before, host_cores=round((before.host_cores + after.host_cores) / 2, 2),
+                   pass_latency_us=round((before.pass_latency_us + after.pass_latency_us) / 2, 1),
+                   pass_drift=round((before.pass_drift + after.pass_drift) / 2, 4))
+
+
+def remeasure_load(spec: GpuSpec) -> GpuSpec:
+    """`spec` with host_cores and the in-pass collective cost measured again now."""
+    from megascale.bench._calibrate_cpu import host_cores, in_pass_cost
+
+    latency, drift = in_pass_cost(dict(spec.collectives))
+    return replace(spec, host_cores=host_cores(), pass_latency_us=round(latency * 1e6, 1), pass_drift=round(drift, 4))
+
+
+def load_average() -> str:
+    """The host's 1-minute load average, for the record ('n/a' where the OS has none)."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):
+        return "n/a"
+
+
 def format_table(results: list[RunResult], spec: GpuSpec) -> str:
     """Markdown: one row per run, measured and predicted side by side, then the summary."""
-    lines = ["| run | ranks | measured s/step (median) | predicted s/step | error | predicted bubble |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| run | ranks | measured s/step (median) | predicted s/step | error | predicted bubble | "
+             "host cores | in-pass collective | load | cores the run got | predicted with those | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(f"| {r.run.label} | {r.run.ranks} | {r.measured_s:.3f} | {r.prediction.step_time_s:.3f} | "
-                     f"{r.error:+.1%} | {r.prediction.step.bubble_fraction:.1%} |")
+                     f"{r.error:+.1%} | {r.prediction.step.bubble_fraction:.1%} | {r.spec.host_cores:g} | "
+                     f"{r.spec.pass_latency_us / 1e3:.1f} ms | {r.load} | {r.run_cores:.2f} | "
+                     f"{r.given_step_s:.3f} | {r.given_error:+.1%} |")
     errors = [abs(r.error) for r in results]
     within = sum(e <= 0.15 for e in errors)
     lines.append("")
     lines.append(f"{within} of {len(results)} runs within 15%; mean absolute error {statistics.fmean(errors):.1%}, "
                  f"worst {max(errors):.1%}. Spec: {spec.description}, fp32 GEMM peak "
-                 f"{spec.peak('fp32') * 1e3:.1f} GFLOP/s, {spec.host_cores:g} cores.")
+                 f"{spec.peak('fp32') * 1e3:.1f} GFLOP/s, {spec.host_cores:g} cores. With the cores each run "
+                 f"got: {sum(abs(r.given_error) <= 0.15 for r in results)} of {len(results)} within 15%.")
     return "\n".join(lines)
 
 
@@ -155,21 +215,30 @@ def main(argv: list[str]) -> int:
             if index and index % args.recalibrate_every == 0:
                 spec = calibrate()
                 print(summary(spec), file=sys.stderr)
-            steps = train_and_measure(run, args.steps, args.warmup, workdir, args.config)
-            pred = predict_run(run, spec, args.steps, args.config)
-            result = RunResult(run, statistics.median(steps), steps, pred)
+            steps, run_cores = train_and_measure(run, args.steps, args.warmup, workdir, args.config)
+            load = load_average()
+            bracketed = bracket_load(spec, remeasure_load(spec))
+            pred = predict_run(run, bracketed, args.steps, args.config)
+            given = predict_run(run, replace(bracketed, host_cores=round(run_cores, 2)), args.steps, args.config)
+            result = RunResult(run, statistics.median(steps), steps, pred, bracketed, load, run_cores, given)
             results.append(result)
             print(f"{run.label}: measured {result.measured_s:.3f} s, predicted {pred.step_time_s:.3f} s "
-                  f"({result.error:+.1%}) [{time.time() - started:.0f} s]", file=sys.stderr)
+                  f"({result.error:+.1%}; {bracketed.host_cores:g} cores, in-pass "
+                  f"{bracketed.pass_latency_us:.0f} us; load {load}; the run got {run_cores:.2f} cores: "
+                  f"{result.given_step_s:.3f} s, {result.given_error:+.1%}) [{time.time() - started:.0f} s]",
+                  file=sys.stderr)
     if args.spec_out:
         write_gpu_spec(spec, args.spec_out)
     if args.json:
         print(json.dumps([{"run": r.run.label, "ranks": r.run.ranks, "overrides": list(r.run.overrides),
                            "measured_s": r.measured_s, "steps_s": r.steps, "predicted_s": r.prediction.step_time_s,
+                           "host_cores": r.spec.host_cores, "pass_latency_us": r.spec.pass_latency_us,
+                           "pass_drift": r.spec.pass_drift, "load": r.load, "run_cores": r.run_cores,
+                           "predicted_with_run_cores_s": r.given_step_s,
                            "error": r.error, "breakdown": r.prediction.step.breakdown()} for r in results], indent=2))
     else:
         print(format_table(results, spec))
     return 0
 
 
-__all__ = ["RUNS", "CpuRun", "RunResult", "format_table", "main", "predict_run", "train_and_measure"]
+__all__ = ["RUNS", "CpuRun", "RunResult", "bracket_load", "format_table", "main", "predict_run", "train_and_measure"]

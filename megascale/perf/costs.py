@@ -14,6 +14,10 @@ plan's layout, the model config and a `GpuSpec`:
   nodes, and the part of them `parallel.tp_overlap` hides behind the GEMMs;
 - context-parallel traffic (Ulysses all-to-alls, ring k/v blocks overlapped
   with each block's attention);
+- on a CPU host (a spec with `host_cores`), every tp and cp collective inside a
+  pass also pays the meeting of the ranks that `bench calibrate --device cpu`
+  measured (`pass_latency_us`, `pass_drift` x the compute since the previous
+  one), and nothing overlaps: one thread per rank has no idle core for it;
 - recomputation (selective: the attention core again; full: the layer's forward
   again; only the first `train.recompute_layers` of each chunk);
 - Yuan's LFA filter (`model.lfa`): its convolution GEMMs, memory-bound work and
@@ -33,6 +37,7 @@ from megascale.config import Config
 from megascale.perf import lfa
 from megascale.perf.cp_traffic import cp_layer_traffic
 from megascale.perf.gpus import GpuSpec, dtype_bytes
+from megascale.perf.host import ranks_per_core
 from megascale.run_plan import RunPlan
 
 # The flash-attention backward runs five matmuls to the forward's two.
@@ -137,6 +142,31 @@ def group_node_ranks(plan: RunPlan, axes: tuple[str, ...], gpus_per_node: int) -
     return sum(1 for rank in members if rank // gpus_per_node == node)
 
 
+def _link(kind: str, spec: GpuSpec, inter_node: bool, node_ranks: int) -> tuple[float, float]:
+    """(bus bytes/s, per-step latency s) of a collective of `kind` on spec's links."""
+    if inter_node:
+        bandwidth = min(spec.nvlink_gbps * spec.nvlink_efficiency,
+                        max(node_ranks, 1) * spec.nic_gbps * spec.nic_efficiency) * 1e9
+        return bandwidth, spec.inter_latency_us * 1e-6
+    if kind in spec.collectives:  # measured for this kind (a CPU host's gloo: each kind differs)
+        return spec.collectives[kind][0] * 1e9, spec.collectives[kind][1] * 1e-6
+    return spec.nvlink_gbps * 1e9 * spec.nvlink_efficiency, spec.intra_latency_us * 1e-6
+
+
+def _bus_form(kind: str, nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Seconds of one collective under the bus-bandwidth model (see `collective_seconds`)."""
+    share = (ranks - 1) / ranks
+    if kind == "p2p":
+        return latency + nbytes / bandwidth
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (ranks - 1) * latency + share * nbytes / bandwidth
+    if kind == "all_reduce":
+        ring = 2 * (ranks - 1) * latency + 2 * share * nbytes / bandwidth
+        tree = 2 * math.log2(ranks) * latency + 2 * nbytes / bandwidth
+        return min(ring, tree)
+    raise ValueError(f"unknown collective {kind!r}")
+
+
 def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool,
                        node_ranks: int = 1) -> float:
     """Time of one collective on `nbytes` (the whole tensor) over `ranks` GPUs.
@@ -154,24 +184,32 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inte
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    if inter_node:
-        bandwidth = min(spec.nvlink_gbps * spec.nvlink_efficiency,
-                        max(node_ranks, 1) * spec.nic_gbps * spec.nic_efficiency) * 1e9
-        latency = spec.inter_latency_us * 1e-6
-    elif kind in spec.collectives:  # measured for this kind (a CPU host's gloo: each kind differs)
-        bandwidth, latency = spec.collectives[kind][0] * 1e9, spec.collectives[kind][1] * 1e-6
-    else:
-        bandwidth, latency = spec.nvlink_gbps * 1e9 * spec.nvlink_efficiency, spec.intra_latency_us * 1e-6
-    share = (ranks - 1) / ranks
-    if kind == "p2p":
-        return latency + nbytes / bandwidth
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (ranks - 1) * latency + share * nbytes / bandwidth
-    if kind == "all_reduce":
-        ring = 2 * (ranks - 1) * latency + 2 * share * nbytes / bandwidth
-        tree = 2 * math.log2(ranks) * latency + 2 * nbytes / bandwidth
-        return min(ring, tree)
-    raise ValueError(f"unknown collective {kind!r}")
+    return _bus_form(kind, nbytes, ranks, *_link(kind, spec, inter_node, node_ranks))
+
+
+def pass_collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool, gap: float,
+                            node_ranks: int = 1, calls: int = 1) -> float:
+    """Time of `calls` collectives (`nbytes` in all) issued inside a forward or backward pass.
+
+    On a spec that measured what a collective costs inside a pass (`pass_latency_us`, CPU
+    hosts: `bench calibrate --device cpu`), each call pays the bytes' transfer at the
+    collective's bus bandwidth plus, per ring step, the measured meeting of the two ranks:
+    `pass_latency_us` and the drift `pass_drift` x `gap`, the seconds of compute since the
+    previous in-pass collective. Elsewhere it is `calls` x `collective_seconds` of its share.
+    """
+    if ranks <= 1 or nbytes <= 0 or calls <= 0:
+        return 0.0
+    each = nbytes / calls
+    if spec.pass_latency_us <= 0 or inter_node:
+        return calls * collective_seconds(kind, each, ranks, spec, inter_node, node_ranks)
+    bandwidth, _ = _link(kind, spec, inter_node, node_ranks)
+    meet = spec.pass_latency_us * 1e-6 + spec.pass_drift * gap
+    return calls * (_bus_form(kind, each, ranks, bandwidth, 0.0) + (ranks - 1) * meet)
+
+
+def shares_cores(spec: GpuSpec) -> bool:
+    """Whether ranks are threads on a host's cores (CPU specs), where communication cannot hide under compute."""
+    return spec.host_cores > 0
 
 
 # ----------------------------------------------------------------------------- one layer
@@ -378,30 +416,50 @@ def tp_layer_traffic(cfg: Config, plan: RunPlan, traits: SystemTraits = MEGASCAL
 
 
 def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dict[str, int],
-             paired_gemm: float, tp_overlap: bool, inter_node: bool, regathers: int = 0) -> tuple[float, float]:
-    """(exposed, hidden) seconds of one pass's tp collectives (and `regathers` input re-gathers).
+             paired_gemm: float, tp_overlap: bool, inter_node: bool, gap: float = 0.0,
+             regathers: int = 0) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one pass's tp collectives (and `regathers` input re-gathers),
+    `gap` seconds of compute apart.
 
     With overlap, each collective is cut into tp ring steps under the GEMM it feeds
     or follows: the first step is never hidden, the rest hide behind that GEMM. A
     re-gather is issued before the input-gradient GEMMs on the same communicator
     as the ring steps, which queue behind it, so it counts as one more collective.
+    Ranks sharing a host's cores hide nothing (no idle core runs the transfer).
     """
     msg = shape.tokens * shape.hidden * shape.bytes
     node_ranks = min(shape.tp, spec.gpus_per_node)  # tp varies fastest: a spanning group fills whole nodes
     kinds = {**counts}
     if regathers:
         kinds["all_gather"] = kinds.get("all_gather", 0) + regathers
-    total = sum(n * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
+    total = sum(pass_collective_seconds(kind, n * msg, shape.tp, spec, inter_node, gap, node_ranks, calls=n)
                 for kind, n in kinds.items())
-    if not tp_overlap or total == 0:
+    if not tp_overlap or total == 0 or shares_cores(spec):
         return total, 0.0
     first = total / shape.tp
     exposed = first + max(0.0, total - first - paired_gemm)
     return exposed, total - exposed
 
 
+CP_ALL_TO_ALLS = 4
+"""Ulysses all-to-alls per pass: q, k and v in and the output back (their gradients backward)."""
+
+
+def cp_pass_collectives(shape: LayerShape, backward: bool) -> int:
+    """Context-parallel collectives (all-to-alls, ring waits) one pass of one layer issues."""
+    if shape.cp == 1:
+        return 0
+    alltoalls = CP_ALL_TO_ALLS if shape.ulysses > 1 else 0
+    if shape.ring == 1:
+        return alltoalls
+    traffic = cp_layer_traffic(shape.tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.ulysses,
+                               shape.ring, shape.bytes, batch=shape.batch, window=shape.window)
+    steps = max(traffic.hops.forward, traffic.hops.backward)  # a two-way ring waits once per step
+    return alltoalls + (2 * steps if backward else steps)  # backward: the k/v block and the dk/dv sum
+
+
 def _cp_pass(shape: LayerShape, spec: GpuSpec, attention: float, inter_node: bool,
-             backward: bool) -> tuple[float, float]:
+             backward: bool, gap: float = 0.0) -> tuple[float, float]:
     """(exposed, hidden) seconds of one pass's context-parallel traffic (bytes from `cp_traffic`)."""
     if shape.cp == 1:
         return 0.0, 0.0
@@ -410,15 +468,17 @@ def _cp_pass(shape: LayerShape, spec: GpuSpec, attention: float, inter_node: boo
     exposed = hidden = 0.0
     if shape.ulysses > 1:
         # q, k, v in and the output back (their gradients backward): all-to-alls, not overlapped.
-        exposed += collective_seconds("all_to_all", traffic.alltoall_tensor_bytes, shape.ulysses, spec, inter_node)
+        exposed += pass_collective_seconds("all_to_all", traffic.alltoall_tensor_bytes, shape.ulysses, spec,
+                                           inter_node, gap, calls=CP_ALL_TO_ALLS)
     steps = max(traffic.hops.forward, traffic.hops.backward)
     if steps:
         # Each hop's transfer hides behind the attention of the blocks before it; backward sends the
         # dk/dv sums beside k/v, and the last ones land after the last block. A window's two-way ring
         # sends both directions at once, on the two links of each rank, and stops after `steps`.
-        kv = collective_seconds("p2p", traffic.ring_kv_message, 2, spec, inter_node)
-        grads = collective_seconds("p2p", traffic.ring_grad_message, 2, spec, inter_node) if backward else 0.0
-        step, per_block = kv + grads, attention / (steps + 1)
+        # Ranks sharing a host's cores hide nothing: each wait is a meeting of the two ranks.
+        kv = pass_collective_seconds("p2p", traffic.ring_kv_message, 2, spec, inter_node, gap)
+        grads = pass_collective_seconds("p2p", traffic.ring_grad_message, 2, spec, inter_node, gap) if backward else 0.0
+        step, per_block = kv + grads, 0.0 if shares_cores(spec) else attention / (steps + 1)
         exposed += steps * max(0.0, step - per_block) + grads
         hidden += steps * min(step, per_block)
     return exposed, hidden
@@ -468,6 +528,15 @@ def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTrait
     return min(hideable, window)
 
 
+def _pass_gap(compute: float, tp_counts: dict[str, int], cp_collectives: int, stretch: float) -> float:
+    """Wall seconds of compute between two in-pass collectives: the pass's compute over its collectives.
+
+    `stretch` is the ranks per core of a CPU host (their compute runs that much slower in wall time).
+    """
+    collectives = sum(tp_counts.values()) + cp_collectives
+    return compute * stretch / collectives if collectives else 0.0
+
+
 def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> LayerCosts:
     """Forward/backward seconds of one transformer layer for one micro-batch on one GPU."""
     shape = LayerShape.of(cfg, plan)
@@ -486,14 +555,17 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     cp_inter = group_spans_nodes(plan, ("cp",), spec.gpus_per_node)
     counts_fwd, counts_bwd = _tp_collectives(shape, traits)
     gemm_f, gemm_b = sum(fwd_gemm.values()), sum(bwd_gemm.values())
-    tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter)
-    tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter,
+    stretch = ranks_per_core(plan, spec)
+    gap_f = _pass_gap(gemm_f + attn_fwd + mem_fwd, counts_fwd, cp_pass_collectives(shape, False), stretch)
+    gap_b = _pass_gap(gemm_b + attn_bwd + 2 * mem_fwd, counts_bwd, cp_pass_collectives(shape, True), stretch)
+    tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter, gap_f)
+    tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter, gap_b,
                                  regathers=_regathers(shape, traits))
     if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1:
         hidden_b = _async_backward_hidden(shape, spec, traits, gemms, tp_inter)
         tp_b, tp_b_hidden = tp_b - hidden_b, tp_b_hidden + hidden_b
-    cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter, backward=False)
-    cp_b, cp_b_hidden = _cp_pass(shape, spec, attn_bwd, cp_inter, backward=True)
+    cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter, backward=False, gap=gap_f)
+    cp_b, cp_b_hidden = _cp_pass(shape, spec, attn_bwd, cp_inter, backward=True, gap=gap_b)
     forward = Cost(gemm=gemm_f, attention=attn_fwd, memory=mem_fwd, tp_comm=tp_f, cp_comm=cp_f,
                    hidden={"tp": tp_f_hidden, "cp": cp_f_hidden})
     backward = Cost(gemm=gemm_b, attention=attn_bwd, memory=2 * mem_fwd, tp_comm=tp_b, cp_comm=cp_b,
@@ -514,10 +586,10 @@ def embedding_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Co
     nbytes = shape.tokens * shape.hidden * shape.bytes
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
     kind = "reduce_scatter" if shape.sp else "all_reduce"
-    comm = collective_seconds(kind, nbytes, shape.tp, spec, inter)
+    comm = pass_collective_seconds(kind, nbytes, shape.tp, spec, inter, 0.0)
     forward = Cost(memory=spec.memory_seconds(2 * nbytes), tp_comm=comm)
     # The backward scatter-adds into fp32 embedding gradients (and all-gathers under SP).
-    back_comm = collective_seconds("all_gather", nbytes, shape.tp, spec, inter) if shape.sp else 0.0
+    back_comm = pass_collective_seconds("all_gather", nbytes, shape.tp, spec, inter, 0.0) if shape.sp else 0.0
     backward = Cost(memory=spec.memory_seconds(nbytes + 2 * shape.tokens * shape.hidden * 4), tp_comm=back_comm)
     return forward, backward
 
@@ -529,14 +601,15 @@ def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
     t, h, e, dtype = shape.tokens, shape.hidden, shape.bytes, shape.dtype
     region = shape.region
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
-    gather = collective_seconds("all_gather", t * h * e, shape.tp, spec, inter) if shape.sp else 0.0
+    gather = pass_collective_seconds("all_gather", t * h * e, shape.tp, spec, inter, 0.0) if shape.sp else 0.0
     # Fused loss: one read of the logits forward, one read and one write of their gradient backward.
     loss_fwd = spec.memory_seconds(t * vocab * e + t * 8)
     loss_bwd = spec.memory_seconds(2 * t * vocab * e)
     norm = spec.memory_seconds(2 * region * h * e)
     forward = Cost(gemm=spec.gemm_seconds(t, vocab, h, dtype), memory=norm + loss_fwd, tp_comm=gather)
     backward_gemm = spec.gemm_seconds(t, h, vocab, dtype) + spec.gemm_seconds(vocab, h, t, dtype)
-    back_comm = collective_seconds("reduce_scatter" if shape.sp else "all_reduce", t * h * e, shape.tp, spec, inter)
+    back_comm = pass_collective_seconds("reduce_scatter" if shape.sp else "all_reduce", t * h * e, shape.tp, spec,
+                                        inter, 0.0)
     backward = Cost(gemm=backward_gemm, memory=spec.memory_seconds(3 * region * h * e) + loss_bwd, tp_comm=back_comm)
     return forward, backward
 
@@ -574,5 +647,6 @@ def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], 
 
 
 __all__ = ["MEGASCALE", "ChunkCost", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "TpLayerTraffic",
-           "chunk_cost", "collective_seconds", "embedding_costs", "group_node_ranks", "group_spans_nodes",
-           "head_costs", "layer_costs", "tp_layer_traffic"]
+           "chunk_cost", "collective_seconds", "cp_pass_collectives", "embedding_costs", "group_node_ranks",
+           "group_spans_nodes", "head_costs", "layer_costs", "pass_collective_seconds", "shares_cores",
+           "tp_layer_traffic"]

@@ -78,6 +78,14 @@ class GpuSpec:
     host_cores: float = 0.0
     """CPU specs: cores the ranks of one host share (one thread per rank); more ranks than cores
     time-share them. 0 = every rank has a device of its own (GPUs)."""
+    pass_latency_us: float = 0.0
+    """CPU specs: what one collective issued inside a forward or backward pass costs beyond its bytes' transfer
+    (the two ranks meeting: the first to arrive sleeps until the other has computed its share, then both wake),
+    measured in an autograd pass with both ranks busy. Replaces the per-hop latency of in-pass collectives
+    (tp, context parallelism); 0 = use the collective's own latency (GPUs)."""
+    pass_drift: float = 0.0
+    """CPU specs: seconds the two ranks drift apart per second of compute between two in-pass collectives,
+    paid at the next one on top of pass_latency_us."""
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Measured (bus GB/s, latency us) per collective kind (all_reduce, all_gather, reduce_scatter,
     all_to_all, p2p) inside a node; a kind listed here replaces nvlink_gbps/intra_latency_us for it."""
@@ -227,6 +235,9 @@ def _check_spec(spec: GpuSpec, source: str) -> None:
         if kind not in COLLECTIVE_KINDS or not bandwidth > 0 or latency < 0:
             raise UserError(f"GPU spec {source}: collectives.{kind}=[{bandwidth}, {latency}] needs a kind of "
                             f"{', '.join(COLLECTIVE_KINDS)}, bus GB/s > 0 and latency us >= 0")
+    if spec.pass_latency_us < 0 or spec.pass_drift < 0:
+        raise UserError(f"GPU spec {source}: pass_latency_us={spec.pass_latency_us} and "
+                        f"pass_drift={spec.pass_drift} must be >= 0")
     if spec.host_cores < 0:
         raise UserError(f"GPU spec {source}: host_cores={spec.host_cores} must be >= 0")
     if not spec.gemm_efficiency:

@@ -24,16 +24,21 @@ def ranks_per_core(plan: RunPlan, spec: GpuSpec) -> float:
     return max(1.0, ranks_on_host / spec.host_cores)
 
 
-def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[float]) -> float:
-    """The pipeline makespan under core sharing: at least every rank's busy time spread over the cores.
+def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[float],
+                    waits: list[float] | None = None) -> float:
+    """The pipeline makespan under core sharing: at least every rank's compute spread over the cores.
 
     `busy` is per pipeline rank; each stands for world / pp ranks (its tp, cp and dp peers) doing the same work.
+    `waits` is the part of each rank's busy time spent in in-pass collectives (tp, cp): a rank waiting for
+    its peers sleeps and leaves its core to them, so the bound spreads only the rest and adds the longest wait.
     """
     share = ranks_per_core(plan, spec)
     if share <= 1.0:
         return makespan
+    waits = waits or [0.0] * len(busy)
     peers = plan.world_size / plan.pp
-    return max(makespan, sum(busy) * peers / min(plan.world_size, spec.host_cores))
+    work = sum(b - w for b, w in zip(busy, waits))
+    return max(makespan, work * peers / min(plan.world_size, spec.host_cores) + max(waits))
 
 
 __all__ = ["ranks_per_core", "shared_makespan"]

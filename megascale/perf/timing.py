@@ -8,7 +8,9 @@ A step is:
    stage-to-stage message its transfer time, in the discrete-event simulator
    the schedule tests use. Its makespan contains the bubble of the actual
    schedule, non-uniform stages and the last stage's logits included. Without
-   async p2p every compute also waits for its own transfer.
+   async p2p, and on a CPU host (ranks sharing cores, where a receive is a
+   meeting of two ranks and nothing overlaps), every compute also waits for its
+   own transfer.
 2. the data-parallel gradient reduction (reduce-scatter with ZeRO-1, all-reduce
    without) and, with ZeRO-1, the parameter all-gather: exposed in full, or only
    what the last micro-batch's backward (`overlap_grad_reduce`) or the first
@@ -36,6 +38,8 @@ from megascale.perf.costs import (
     group_node_ranks,
     group_spans_nodes,
     layer_costs,
+    pass_collective_seconds,
+    shares_cores,
 )
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.host import ranks_per_core, shared_makespan
@@ -92,7 +96,9 @@ def p2p_seconds(plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) 
         # Each tp rank sends its 1/tp slice; the receivers all-gather the slices on NVLink.
         return (collective_seconds("p2p", nbytes / plan.tp, 2, spec, inter)
                 + collective_seconds("all_gather", nbytes, plan.tp, spec, False))
-    return collective_seconds("p2p", nbytes, 2, spec, inter)
+    # On a CPU host each receive is a meeting of two ranks, paid like an in-pass collective's (the
+    # schedule simulation already places when the sender arrives).
+    return pass_collective_seconds("p2p", nbytes, 2, spec, inter, 0.0)
 
 
 def _pipeline(plan: RunPlan, times: list[list[tuple[float, float]]], p2p: float,
@@ -172,16 +178,20 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     """
     costs = chunk_costs(cfg, plan, spec, traits)
     p2p = p2p_seconds(plan, spec, traits)
-    blocking = 0.0 if traits.async_p2p else p2p
+    m = plan.num_microbatches
+    # Posted sends hide under compute on a GPU; ranks sharing a host's cores have no idle core for them.
+    overlapped = traits.async_p2p and not shares_cores(spec)
+    blocking = 0.0 if overlapped else p2p
     times = [[(c.forward.total + blocking, c.backward.total + blocking) for c in chunks] for chunks in costs]
     if simulate_pipeline:
         makespan, busy = _pipeline(plan, times, p2p, rendezvous=not traits.async_p2p)
     else:
         makespan, busy = _analytic_pipeline(plan, times, p2p)
     # CPU hosts: ranks beyond the cores time-share them (zero for GPU specs); reported as its own part.
-    core_sharing = shared_makespan(plan, spec, makespan, busy) - makespan
+    waits = [m * sum(c.forward.tp_comm + c.forward.cp_comm + c.backward.tp_comm + c.backward.cp_comm for c in chunks)
+             for chunks in costs]
+    core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
     sharing = ranks_per_core(plan, spec)
-    m = plan.num_microbatches
     step_parts = []
     for rank in range(plan.pp):
         local = table.local_numel(rank)
@@ -203,7 +213,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     bubble = makespan - busy[rank]
     for name, value in compute.hidden.items():
         hidden[name] = value
-    if plan.pp > 1 and traits.async_p2p:
+    if plan.pp > 1 and overlapped:
         hidden["pp_p2p"] = 2 * p2p * m * plan.vpp
     return StepTime(step_time_s=total, pipeline_s=makespan, bubble_s=bubble,
                     bubble_fraction=bubble / makespan if makespan else 0.0, bottleneck_rank=rank,
