@@ -63,6 +63,6 @@ __all__ = [
     "layers_for_rank",
     "resolve_schedule_name",
     "simulate",
-    "stage_of",
     "stage_layer_counts",
+    "stage_of",
 ]

@@ -3,8 +3,9 @@
 It runs every rank's action list the way the executor does: sends and receives
 are posted without blocking, a forward/backward waits until its input has
 arrived, a weight pass (W, split-backward schedules) runs after its own
-backward. A neighbour stage on the same rank (ZB-V) hands over without a message. It reports per-rank busy and idle time, the peak number of micro-batches
-whose activations are alive, and detects deadlocks and malformed schedules
+backward. A neighbour stage on the same rank (ZB-V) hands over without a
+message. It reports per-rank busy and idle time, the peak number of
+micro-batches whose activations are alive (forward to backward), and detects deadlocks and malformed schedules
 (a send without a matching receive, messages matched to the wrong micro-batch,
 a compute whose receive was never posted).
 
