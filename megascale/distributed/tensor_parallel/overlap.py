@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from megascale.distributed import comm
 from megascale.timers import timed
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ class _ColumnLinear(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         settings: TPSettings = ctx.settings
         inp, weight = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw = comm.needed_grads(ctx)[:2]
         grad_y = grad_y.contiguous()
         channel = _Channel(settings.group, grad_y.device, settings.timers)
         dweight: list[Optional[torch.Tensor]] = [None]
@@ -263,7 +264,7 @@ class _RowLinear(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         settings: TPSettings = ctx.settings
         x, weight = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw = comm.needed_grads(ctx)[:2]
         grad_y = grad_y.contiguous()
         if not settings.sp:
             # reduce_from_group's backward is the identity: no communication.
