@@ -32,10 +32,10 @@ LFA = ["model.lfa=true", "model.norm=rmsnorm"]
 CASES = {  # name -> (layout overrides, micro-batches)
     "pp2_zbh1_tied": (["parallel.pp=2", "parallel.pipeline_schedule=zb-h1"], 4),
     "pp2_zbv_lfa": (["parallel.pp=2", *ZBV, *LFA], 4),
-    "tp2_pp2_sp_zbh1_lfa": (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                             "parallel.pipeline_schedule=zb-h1", *LFA], 4),
 }
 SLOW_CASES = {
+    "tp2_pp2_sp_zbh1_lfa": (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                             "parallel.pipeline_schedule=zb-h1", *LFA], 4),
     "pp4_zbh1_uneven": (["parallel.pp=4", "model.num_layers=6", "parallel.pipeline_layers=[1,2,2,1]",
                          "parallel.pipeline_schedule=zb-h1"], 6),
     "pp4_zbv_uneven_recompute": (["parallel.pp=4", "model.num_layers=8", *ZBV, "train.recompute=full",
