@@ -1,4 +1,5 @@
-"""Layout search: every (tp, pp, vpp, cp, micro-batch, sequence parallel, ZeRO, recompute) that fits, ranked by MFU.
+"""Layout search: every (tp, pp, vpp, cp, micro-batch, sequence parallel, ZeRO, recompute, pipeline schedule)
+that fits, ranked by MFU.
 
 The search keeps the config's model, sequence, global batch and overlaps and
 varies the layout. Each candidate goes through `resolve_plan` (so an impossible
@@ -43,7 +44,8 @@ class Candidate:
         p, t = self.plan, self.cfg.train
         sp = "+sp" if p.sequence_parallel else ""
         cp = f" cp{p.cp}" if p.cp > 1 else ""
-        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
+        schedule = f" {p.schedule}" if p.pp > 1 else ""
+        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
                 f"recompute={t.recompute}")
 
 
@@ -63,6 +65,16 @@ class Choice:
     sequence_parallel: bool
     zero: int
     recompute: Recompute
+    schedule: str = "auto"
+
+
+def _schedules(pp: int, vpp: int) -> tuple[str, ...]:
+    """Pipeline schedules worth ranking for pp x vpp: the classic one and its zero-bubble counterpart."""
+    if pp == 1:
+        return ("auto",)
+    if vpp == 1:
+        return ("1f1b", "zb-h1")
+    return ("interleaved", "zbv") if vpp == 2 else ("interleaved",)
 
 
 def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
@@ -84,14 +96,15 @@ def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
                         for sp in ((True, False) if tp > 1 else (False,)):
                             for zero in (1, 0):
                                 for recompute in RECOMPUTE_MODES:
-                                    yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute)
+                                    for schedule in _schedules(pp, vpp):
+                                        yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, schedule)
 
 
 def _apply(cfg: Config, choice: Choice) -> Config:
     new = copy.deepcopy(cfg)
     p, t = new.parallel, new.train
     p.tp, p.cp, p.pp, p.vpp, p.dp = choice.tp, choice.cp, choice.pp, choice.vpp, None
-    p.pipeline_layers, p.pipeline_schedule = None, "auto"
+    p.pipeline_layers, p.pipeline_schedule = None, choice.schedule
     p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
     t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
     t.recompute = choice.recompute
@@ -143,7 +156,8 @@ def _reason(message: str) -> str:
                         ("interleaved", "interleaving needs micro-batches divisible by pp"),
                         ("divisible by parallel.tp", "a model width does not divide by tp"),
                         ("Ulysses", "heads do not divide by the Ulysses size"),
-                        ("seq_length", "sequence does not split over tp x cp")):
+                        ("seq_length", "sequence does not split over tp x cp"),
+                        ("tie_embeddings", "zbv needs untied embeddings")):
         if key in message:
             return reason
     return message.split(";")[0]
