@@ -46,10 +46,17 @@ def needed_grads(ctx: Any) -> tuple[bool, ...]:
     too, so a linear's backward computes only dX in B and only dW in W, and the
     collective that belongs to dX does not run twice.
     """
-    needed = []
-    for wanted, (node, _) in zip(ctx.needs_input_grad, ctx.next_functions):
-        needed.append(bool(wanted) and node is not None and torch._C._will_engine_execute_node(node))
-    return tuple(needed)
+    return tuple(bool(wanted) and node is not None and _engine_needs(node)
+                 for wanted, (node, _) in zip(ctx.needs_input_grad, ctx.next_functions))
+
+
+def _engine_needs(node: Any) -> bool:
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        # autograd.grad() captures its inputs' gradients instead of running their accumulators,
+        # and torch refuses the question for such a leaf: it is one of the requested inputs.
+        return True
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
