@@ -61,6 +61,9 @@ class SimResult:
     deadlock: Optional[str] = None
     finish: list[float] = field(default_factory=list)
     peak_weight: list[float] = field(default_factory=list)
+    peak_until_weight: list[int] = field(default_factory=list)
+    """Per rank, the peak number of micro-batches between forward and weight pass W (split backward;
+    equals peak_in_flight otherwise): what the executor keeps activations for."""
     """Per rank, the peak over time of the summed chunk weights of live (chunk, micro-batch) items
     (with `chunk_weights`; e.g. each chunk's activation bytes, so chunks of unequal size count as such)."""
 
@@ -155,6 +158,8 @@ class _Simulator:
         self.done_compute: list[set[tuple]] = [set() for _ in range(self.pp)]
         self.in_flight = [0] * self.pp
         self.peak = [0] * self.pp
+        self.until_weight = [0] * self.pp
+        self.peak_until = [0] * self.pp
         self.weights = chunk_weights
         self.live_weight = [0.0] * self.pp
         self.peak_weight = [0.0] * self.pp
@@ -273,14 +278,18 @@ class _Simulator:
         self.busy[rank] += duration
         self.finished[(action.kind, stage, action.microbatch)] = start + duration
         self.done_compute[rank].add((action.kind, action.chunk, action.microbatch))
-        if action.kind is WEIGHT:
-            return True
-        self.in_flight[rank] += 1 if action.kind is FORWARD else -1
-        self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
-        if self.weights is not None:
-            weight = self.weights[rank][action.chunk]
-            self.live_weight[rank] += weight if action.kind is FORWARD else -weight
-            self.peak_weight[rank] = max(self.peak_weight[rank], self.live_weight[rank])
+        if action.kind is not WEIGHT:
+            self.in_flight[rank] += 1 if action.kind is FORWARD else -1
+            self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
+        # Activations stay until the backward, or until W when the backward is split.
+        release = WEIGHT if self.split else BACKWARD
+        if action.kind in (FORWARD, release):
+            step = 1 if action.kind is FORWARD else -1
+            self.until_weight[rank] += step
+            self.peak_until[rank] = max(self.peak_until[rank], self.until_weight[rank])
+            if self.weights is not None:
+                self.live_weight[rank] += step * self.weights[rank][action.chunk]
+                self.peak_weight[rank] = max(self.peak_weight[rank], self.live_weight[rank])
         return True
 
     def run(self) -> SimResult:
@@ -328,7 +337,8 @@ class _Simulator:
         makespan = max(finish) if finish else 0.0
         idle = [makespan - b for b in self.busy]
         peak_weight = list(self.peak_weight) if self.weights is not None else []
-        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish, peak_weight)
+        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish, peak_weight,
+                         list(self.peak_until))
 
 
 def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2.0, t_comm: float = 0.0,
@@ -358,7 +368,9 @@ def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[fl
               ) -> tuple[float, list[int], Optional[tuple[ActionKind, int, int]]]:
     """Weighted peak of live (chunk, micro-batch) items along one rank's compute order.
 
-    An item is live from its forward to the end of its backward. Memory depends only on
+    An item is live from its forward to the end of its backward, or of its weight pass W
+    when the backward is split (the executor keeps the micro-batch's autograd graph, and
+    so its saved activations, until W). Memory depends only on
     the order a rank runs its computes in, not on when, so this equals the simulator's
     `peak_weight` for that rank without simulating the others. working[chunk], when
     given, is (bytes alive only during that chunk's forward, ... during its backward),
@@ -368,6 +380,7 @@ def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[fl
     live = [0] * len(weights)
     total, peak, at_peak = 0.0, 0.0, list(live)
     action: Optional[tuple[ActionKind, int, int]] = None
+    release = WEIGHT if any(kind is WEIGHT for kind, _, _ in order) else BACKWARD
     for item in order:
         kind, chunk, _ = item
         if kind is FORWARD:
@@ -376,7 +389,7 @@ def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[fl
         extra = 0.0 if working is None else working[chunk][0 if kind is FORWARD else 1]
         if total + extra > peak:
             peak, at_peak, action = total + extra, list(live), item
-        if kind is BACKWARD:
+        if kind is release:
             live[chunk] -= 1
             total -= weights[chunk]
     return peak, at_peak, action
