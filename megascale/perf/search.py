@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
 
-from megascale.config import Config, ConfigError, Recompute
+from megascale.config import Config, ConfigError, PipelineScheduleName, Recompute
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.gpus import GpuSpec
@@ -65,10 +65,10 @@ class Choice:
     sequence_parallel: bool
     zero: int
     recompute: Recompute
-    schedule: str = "auto"
+    schedule: PipelineScheduleName = "auto"
 
 
-def _schedules(pp: int, vpp: int) -> tuple[str, ...]:
+def _schedules(pp: int, vpp: int) -> tuple[PipelineScheduleName, ...]:
     """Pipeline schedules worth ranking for pp x vpp: the classic one and its zero-bubble counterpart."""
     if pp == 1:
         return ("auto",)
