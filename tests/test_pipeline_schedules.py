@@ -238,8 +238,8 @@ def test_zero_bubble_cuts_the_1f1b_bubble(pp, m) -> None:
     assert max(zbh1.idle) == pytest.approx(pp - 1)
     assert max(zbv.idle) < max(zbh1.idle)
     assert zbv.busy == pytest.approx(one.busy)
-    # Half-size chunk items kept from forward to W: 1F1B's first-rank activation bytes.
-    assert max(zbv.peak_until_weight) == 2 * pp == 2 * max(one.peak_until_weight)
+    # Half-size chunk items from forward to B: 1F1B's first-rank activation bytes.
+    assert max(zbv.peak_in_flight) == 2 * pp == 2 * max(one.peak_in_flight)
 
 
 def test_zbv_places_chunks_in_a_v() -> None:

@@ -171,23 +171,22 @@ def _zero_bubble_orders(name: str, pp: int, m: int) -> tuple[tuple[Compute, ...]
 
     Every rank, whenever it is free, runs the first ready item of: a backward (B, the
     input gradient, on the critical path of the ranks before it); a forward, while
-    fewer than `limit` items are between their forward and B and fewer than `held`
-    between their forward and W; else a deferred weight pass W, which also runs first
-    once more than `deferred_cap` are pending. W therefore fills the waits that 1F1B
-    spends idle (Qi et al., "Zero Bubble Pipeline Parallelism", 2023):
+    fewer than `limit` items are between their forward and B; else a deferred weight
+    pass W, which also runs first once more than pp - 1 are pending (so W keeps
+    interleaving with the rest, and the order stays good when real pass times are
+    not equal). W therefore fills the waits that 1F1B spends idle (Qi et al., "Zero
+    Bubble Pipeline Parallelism", 2023):
 
-    * ZB-H1: limit = 1F1B's pp - rank, at most pp - 1 W pending. With equal F, B and
-      W times the bubble is (pp - 1) units against 1F1B's 3 (pp - 1).
-    * ZB-V: at most 2 * pp half-size chunk items from forward to W on every rank,
-      the activation bytes of 1F1B's first rank, and no other bound.
+    * ZB-H1: limit = 1F1B's pp - rank. With equal F, B and W times the bubble is
+      (pp - 1) units against 1F1B's 3 (pp - 1).
+    * ZB-V: limit = 2 * pp half-size chunk items on every rank, the activation bytes
+      1F1B holds on its first rank.
     """
     v_shape = is_v_shape(name)
     vpp = 2 if v_shape else 1
     stages = pp * vpp
-    unbounded = pp * vpp * m
-    limit = [unbounded if v_shape else pp - r for r in range(pp)]
-    held = 2 * pp if v_shape else unbounded
-    deferred_cap = unbounded if v_shape else pp - 1
+    limit = [2 * pp if v_shape else pp - r for r in range(pp)]
+    deferred_cap = pp - 1
     finished: dict[tuple[ActionKind, int, int], int] = {}
     orders: list[list[Compute]] = [[] for _ in range(pp)]
     free_at = [0] * pp
@@ -211,7 +210,7 @@ def _zero_bubble_orders(name: str, pp: int, m: int) -> tuple[tuple[Compute, ...]
         if backwards:
             mb, _, chunk = min(backwards)
             return (BACKWARD, chunk, mb)
-        if len(waiting_b[rank]) < limit[rank] and len(waiting_b[rank]) + len(waiting_w[rank]) < held:
+        if len(waiting_b[rank]) < limit[rank]:
             forwards = []
             for chunk in range(vpp):
                 mb = next_forward[rank][chunk]
