@@ -87,7 +87,9 @@ def _case(extra: list[str], micro: int, rank: int, world: int, shared: object) -
     ref_losses, ref_grads = _reference(parity.reference_overrides(BASE + extra), micro)
     losses, grads = _pipelined(BASE + extra, micro, rank, world)
     # The same ranks under 1F1B: one stage per rank (names and gradients are layout-independent).
-    dropped = ("parallel.pipeline_schedule", "parallel.vpp", "parallel.pipeline_layers")
+    dropped = ("parallel.pipeline_schedule", "parallel.vpp")
+    if "parallel.vpp=2" in extra:
+        dropped += ("parallel.pipeline_layers",)  # per virtual stage: no meaning with one stage per rank
     plain = [o for o in extra if not o.startswith(dropped)] + ["parallel.pipeline_schedule=1f1b"]
     base_losses, base_grads = _pipelined(BASE + plain, micro, rank, world)
     return (parity.loss_mismatch(losses, ref_losses, rtol=1e-5, atol=1e-6)
