@@ -30,7 +30,7 @@ Position = Literal["learned", "rope"]
 AttentionVariant = Literal["causal", "sliding_window"]
 CpMode = Literal["ulysses", "ring", "hybrid"]
 ZeroStage = Literal[0, 1]
-PipelineScheduleName = Literal["auto", "1f1b", "interleaved", "gpipe"]
+PipelineScheduleName = Literal["auto", "1f1b", "interleaved", "gpipe", "zb-h1", "zbv"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 Recompute = Literal["none", "full", "selective"]
@@ -142,8 +142,9 @@ class ParallelConfig:
     ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring); null = "
                                                    "the largest divisor of cp dividing the kv heads per tp rank")
     zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 distributed optimizer", ZeroStage)
-    pipeline_schedule: PipelineScheduleName = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else 1f1b",
-                                                 PipelineScheduleName)
+    pipeline_schedule: PipelineScheduleName = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else "
+                                                 "1f1b; zb-h1 / zbv (vpp=2) split the backward into input- and "
+                                                 "weight-gradient passes (zero bubble)", PipelineScheduleName)
     # YAML gives a list (or null); code may also set the string 'auto'.
     pipeline_layers: Union[list, str, None] = _f(None, "explicit layers per pipeline stage (per virtual stage "
                                                         "with vpp), or 'auto'")

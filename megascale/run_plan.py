@@ -30,6 +30,7 @@ from megascale.distributed.pipeline.partition import (
     stage_layer_counts,
 )
 from megascale.distributed.pipeline.schedules import (
+    is_v_shape,
     resolve_schedule_name,
     validate_schedule,
 )
@@ -121,13 +122,18 @@ class RunPlan:
         """The rank <-> (tp, cp, dp, pp) coordinate arithmetic of this layout (no process groups)."""
         return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.order)
 
+    @property
+    def v_shape(self) -> bool:
+        """The chunks form ZB-V's V (chunk 1 runs back up the pipeline ranks)."""
+        return is_v_shape(self.schedule)
+
     def global_stage(self, pp_rank: int, chunk: int) -> int:
-        """Global stage of local chunk `chunk` on pipeline rank `pp_rank` (Megatron interleaving)."""
-        return global_stage(self.pp, pp_rank, chunk)
+        """Global stage of local chunk `chunk` on pipeline rank `pp_rank` (Megatron interleaving, or ZB-V's V)."""
+        return global_stage(self.pp, pp_rank, chunk, self.v_shape)
 
     def chunk_layers(self, pp_rank: int) -> list[list[int]]:
         """Global layer ids of each model chunk of pipeline rank `pp_rank`, in virtual-stage order."""
-        return chunk_layer_ids(self.stage_layer_counts, self.pp, self.vpp, pp_rank)
+        return chunk_layer_ids(self.stage_layer_counts, self.pp, self.vpp, pp_rank, self.v_shape)
 
     @property
     def rank_layer_counts(self) -> tuple[int, ...]:
@@ -204,6 +210,9 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
     if p.pp > 1:
         schedule = resolve_schedule_name(p.pipeline_schedule, p.vpp)
         validate_schedule(schedule, p.pp, p.vpp, micro)
+        if is_v_shape(schedule) and m.tie_embeddings:
+            raise ConfigError("parallel.pipeline_schedule=zbv puts the first and the last stage on pipeline rank 0, "
+                              "which the tied embedding copy does not support; set model.tie_embeddings=false")
     sequence_parallel = p.sequence_parallel and p.tp > 1
     local_seq = m.seq_length // p.cp
     return RunPlan(

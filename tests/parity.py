@@ -93,7 +93,7 @@ def layout_context(cfg: Config, rank: int, world: int) -> ParallelContext:
     if world % model_parallel:
         raise ValueError(f"tp {p.tp} * pp {p.pp} * cp {p.cp} = {model_parallel} does not divide world size {world}")
     layout = RankLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=world // model_parallel)
-    return ParallelContext(layout, rank=rank, vpp=p.vpp)
+    return ParallelContext(layout, rank=rank, vpp=p.vpp, v_shape=p.pipeline_schedule == "zbv")
 
 
 def build_chunks(cfg: Config, ctx: ParallelContext) -> list[torch.nn.Module]:

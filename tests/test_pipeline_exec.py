@@ -36,6 +36,11 @@ SCENARIOS = {
     "pp4_nonuniform_scaled": (4, 1, "1f1b", 5, 8, [0, 3, 3, 2], 4.0, False),
     "pp4_interleaved_split": (4, 2, "interleaved", 8, 8, [0, 1, 1, 2, 1, 1, 2, 0], 1.0, False),
     "pp4_forward_only": (4, 2, "forward_only", 3, 8, None, 1.0, True),
+    "pp2_zbh1": (2, 1, "zb-h1", 4, 8, None, 1.0, False),
+    "pp4_zbh1_nonuniform_scaled": (4, 1, "zb-h1", 5, 8, [0, 3, 3, 2], 4.0, False),
+    "pp2_zbv": (2, 2, "zbv", 4, 8, None, 1.0, False),
+    "pp4_zbv_split": (4, 2, "zbv", 3, 8, [0, 1, 2, 1, 1, 1, 2, 0], 1.0, False),
+    "pp2_zbv_forward_only": (2, 2, "zbv_forward_only", 3, 8, None, 1.0, True),
 }
 
 
@@ -100,22 +105,25 @@ def _reference(num_layers: int, batches: list[dict]) -> tuple[list[float], dict[
 
 def _run_scenario(contexts: dict, name: str) -> None:
     from megascale.distributed.pipeline import (
+        SPLIT_BACKWARD,
         build_schedule,
         forward_backward_pipelined,
         forward_only_pipelined,
         layers_for_rank,
+        stage_of,
     )
 
     pp, vpp, schedule_name, m, num_layers, split, multiplier, forward_only = SCENARIOS[name]
+    v_shape = schedule_name.startswith("zbv")
     ctx = contexts[pp]  # the executor takes vpp from len(chunks), so one context per pp serves all
-    chunk_layers = layers_for_rank(num_layers, pp, vpp, ctx.pp_rank, split)
-    chunks = [TinyChunk(ids, ctx.pp_rank == 0 and v == 0, ctx.pp_rank == pp - 1 and v == vpp - 1)
-              for v, ids in enumerate(chunk_layers)]
+    chunk_layers = layers_for_rank(num_layers, pp, vpp, ctx.pp_rank, split, v_shape=v_shape)
+    stages = [stage_of(pp, ctx.pp_rank, v, v_shape) for v in range(vpp)]
+    chunks = [TinyChunk(ids, stage == 0, stage == pp * vpp - 1) for stage, ids in zip(stages, chunk_layers)]
     batches = _microbatches(m)
     ref_losses, ref_grads = _reference(num_layers, batches)
-    shape, on_last = (SEQ, MB, HIDDEN), ctx.pp_rank == pp - 1
+    shape, on_last = (SEQ, MB, HIDDEN), pp * vpp - 1 in stages
     if forward_only:
-        losses = forward_only_pipelined(chunks, batches, ctx, shape, torch.float32)
+        losses = forward_only_pipelined(chunks, batches, ctx, shape, torch.float32, v_shape=v_shape)
         assert len(losses) == (m if on_last else 0), len(losses)
         if on_last:
             torch.testing.assert_close(torch.stack(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
@@ -123,15 +131,20 @@ def _run_scenario(contexts: dict, name: str) -> None:
         return
     calls: list[int] = []
 
+    split_backward = schedule_name in SPLIT_BACKWARD
+
     def before_last_backward(c: int) -> None:
-        # Called exactly once per chunk, after m - 1 of its backwards and before the last.
-        assert chunks[c].backward_count == m - 1, (c, chunks[c].backward_count)
+        # Called exactly once per chunk, after m - 1 of its backwards and before the last; with a
+        # split backward, after all m input-gradient passes and before the last weight pass (the
+        # first stage has no input gradient: its whole backward runs in W).
+        done = m if split_backward and stages[c] > 0 else m - 1
+        assert chunks[c].backward_count == done, (c, chunks[c].backward_count)
         calls.append(c)
 
     schedule = build_schedule(schedule_name, pp, vpp, m, ctx.pp_rank)
     losses = forward_backward_pipelined(chunks, batches, ctx, schedule, shape, torch.float32,
                                         loss_fn_scale=lambda loss: loss * multiplier,
-                                        before_last_backward=before_last_backward)
+                                        before_last_backward=before_last_backward, v_shape=v_shape)
     assert sorted(calls) == list(range(vpp)), calls
     assert len(losses) == (m if on_last else 0), len(losses)
     if on_last:

@@ -14,11 +14,14 @@ from megascale.distributed.pipeline.schedules import (
     RECV_FWD,
     SEND_BWD,
     SEND_FWD,
+    WEIGHT,
     Action,
     bubble_fraction,
     build_schedule,
     format_compute,
     format_schedule,
+    rank_of,
+    stage_of,
 )
 from megascale.distributed.pipeline.simulator import ScheduleError, check_coverage, simulate
 
@@ -162,3 +165,95 @@ def test_format_schedule() -> None:
     text = format_schedule(schedules, width=0)
     assert text.splitlines()[0].startswith("rank 0: F0.0 SF0.0 F0.1 SF0.1 RB0.0 B0.0")
     assert format_compute(schedules).splitlines()[1] == "rank 1: F0.0 B0.0 F0.1 B0.1"
+
+
+# ----------------------------------------------------------------------------- zero-bubble schedules
+
+ZB_CASES = [  # (name, pp, vpp, m)
+    ("zb-h1", 2, 1, 1), ("zb-h1", 2, 1, 4), ("zb-h1", 4, 1, 3), ("zb-h1", 4, 1, 8), ("zb-h1", 8, 1, 16),
+    ("zbv", 2, 2, 1), ("zbv", 2, 2, 4), ("zbv", 4, 2, 3), ("zbv", 4, 2, 8), ("zbv", 8, 2, 16),
+]
+
+
+def _v(name: str) -> bool:
+    return name == "zbv"
+
+
+@pytest.mark.parametrize("name,pp,vpp,m", ZB_CASES)
+def test_zero_bubble_every_forward_before_its_backward_before_its_weight_pass(name, pp, vpp, m) -> None:
+    schedules = _all(name, pp, vpp, m)
+    check_coverage(schedules, vpp, m)  # F, then B, then exactly one W, for every (chunk, micro-batch)
+    for actions in schedules:
+        position = {(a.kind, a.chunk, a.microbatch): i for i, a in enumerate(actions)}
+        for c in range(vpp):
+            for mb in range(m):
+                assert position[(FORWARD, c, mb)] < position[(BACKWARD, c, mb)] < position[(WEIGHT, c, mb)]
+
+
+@pytest.mark.parametrize("name,pp,vpp,m", ZB_CASES)
+def test_zero_bubble_messages_match_in_order(name, pp, vpp, m) -> None:
+    """Per ordered pair of ranks the k-th send is the k-th receive; ZB-V's turn sends nothing."""
+    sent, received = defaultdict(list), defaultdict(list)
+    v_shape, stages = _v(name), pp * vpp
+    for rank, actions in enumerate(_all(name, pp, vpp, m)):
+        for a in actions:
+            stage = stage_of(pp, rank, a.chunk, v_shape)
+            if a.kind is SEND_FWD:
+                sent[(rank, rank_of(pp, stage + 1, v_shape)[0])].append(("fwd", stage + 1, a.microbatch))
+            elif a.kind is SEND_BWD:
+                sent[(rank, rank_of(pp, stage - 1, v_shape)[0])].append(("bwd", stage - 1, a.microbatch))
+            elif a.kind is RECV_FWD:
+                received[(rank_of(pp, stage - 1, v_shape)[0], rank)].append(("fwd", stage, a.microbatch))
+            elif a.kind is RECV_BWD:
+                received[(rank_of(pp, stage + 1, v_shape)[0], rank)].append(("bwd", stage, a.microbatch))
+    assert dict(sent) == dict(received)
+    assert all(src != dst for src, dst in sent)
+    boundaries = stages - 1 - (1 if v_shape else 0)  # ZB-V: stages pp-1 and pp share a rank
+    assert sum(len(v) for v in sent.values()) == 2 * boundaries * m
+
+
+@pytest.mark.parametrize("name,pp,vpp,m", [c for c in ZB_CASES if c[1] <= 4])
+@pytest.mark.parametrize("times", [(1, 2, 0), (1, 3, 0.7), (2, 1, 0.1)])
+@pytest.mark.parametrize("rendezvous", [False, True])
+def test_zero_bubble_simulates_without_deadlock(name, pp, vpp, m, times, rendezvous) -> None:
+    result = simulate(_all(name, pp, vpp, m), *times, rendezvous=rendezvous, v_shape=_v(name))
+    assert result.deadlock is None
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (2, 6), (4, 3), (4, 8), (8, 16)])
+def test_zbh1_keeps_1f1b_in_flight_activations(pp, m) -> None:
+    zb = simulate(_all("zb-h1", pp, 1, m), 1, 2)
+    assert zb.peak_in_flight == simulate(_all("1f1b", pp, 1, m), 1, 2).peak_in_flight
+    assert zb.peak_in_flight == [min(pp - r, m) for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 16)])
+def test_zero_bubble_cuts_the_1f1b_bubble(pp, m) -> None:
+    """Equal F, B and W (so 1F1B's backward is 2): ZB-H1 idles pp - 1 units per rank against 1F1B's
+    3 (pp - 1), a third; ZB-V (half-size chunks, same bytes in flight as 1F1B) less still."""
+    one = simulate(_all("1f1b", pp, 1, m), 1, 2)
+    zbh1 = simulate(_all("zb-h1", pp, 1, m), 1, 2)
+    zbv = simulate(_all("zbv", pp, 2, m), 0.5, 1, v_shape=True)
+    assert max(one.idle) == pytest.approx(3 * (pp - 1))
+    assert max(zbh1.idle) == pytest.approx(pp - 1)
+    assert max(zbv.idle) < max(zbh1.idle)
+    assert zbv.busy == pytest.approx(one.busy)
+    # Half-size chunk items from forward to B: 1F1B's first-rank activation bytes.
+    assert max(zbv.peak_in_flight) == 2 * pp == 2 * max(one.peak_in_flight)
+
+
+def test_zbv_places_chunks_in_a_v() -> None:
+    assert [stage_of(4, r, 0, True) for r in range(4)] == [0, 1, 2, 3]
+    assert [stage_of(4, r, 1, True) for r in range(4)] == [7, 6, 5, 4]
+    assert all(rank_of(4, stage_of(4, r, c, True), True) == (r, c) for r in range(4) for c in range(2))
+    zbv = _all("zbv", 2, 2, 2)
+    # The turn of the V (stage 1 -> 2, both on rank 1) needs no message.
+    assert not any(a.kind in (SEND_FWD, SEND_BWD) and stage_of(2, 1, a.chunk, True) == 1 and a.kind is SEND_FWD
+                   for a in zbv[1])
+
+
+def test_zero_bubble_preflight_errors() -> None:
+    with pytest.raises(ConfigError, match="vpp=2"):
+        build_schedule("zbv", 4, 1, 8, 0)
+    with pytest.raises(ConfigError, match="one chunk per rank"):
+        build_schedule("zb-h1", 4, 2, 8, 0)

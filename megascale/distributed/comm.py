@@ -37,6 +37,28 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def needed_grads(ctx: Any) -> tuple[bool, ...]:
+    """Which inputs of a custom autograd Function the running backward pass needs gradients for.
+
+    ``ctx.needs_input_grad`` is fixed at forward time; a pass that asks for only some
+    gradients (a zero-bubble schedule's input-gradient pass B, or its weight-gradient
+    pass W, see megascale.distributed.pipeline.split_backward) skips the others here
+    too, so a linear's backward computes only dX in B and only dW in W, and the
+    collective that belongs to dX does not run twice.
+    """
+    return tuple(bool(wanted) and node is not None and _engine_needs(node)
+                 for wanted, (node, _) in zip(ctx.needs_input_grad, ctx.next_functions))
+
+
+def _engine_needs(node: Any) -> bool:
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        # autograd.grad() captures its inputs' gradients instead of running their accumulators,
+        # and torch refuses the question for such a leaf: it is one of the requested inputs.
+        return True
+
+
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum in place over the group (no autograd)."""
     if group_size(group) > 1:

@@ -271,10 +271,11 @@ class ParallelContext:
     """
 
     def __init__(self, layout: RankLayout, rank: int = 0, vpp: int = 1,
-                 device: Optional[torch.device] = None, create_groups: bool = True) -> None:
+                 device: Optional[torch.device] = None, create_groups: bool = True, v_shape: bool = False) -> None:
         self.layout = layout
         self.rank = rank
         self.vpp = vpp
+        self.v_shape = v_shape  # ZB-V: the two chunks form a V, so the last stage is on pipeline rank 0
         self.device = device or torch.device("cpu")
         coords = layout.coords(rank)
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = (coords[a] for a in AXES)
@@ -301,8 +302,8 @@ class ParallelContext:
 
     @property
     def is_last_stage(self) -> bool:
-        """This rank holds the last pipeline stage (loss head)."""
-        return self.pp_rank == self.pp_size - 1
+        """This rank holds the last pipeline stage (loss head); with ZB-V's V that is pipeline rank 0."""
+        return self.pp_rank == (0 if self.v_shape else self.pp_size - 1)
 
     @property
     def is_logging_rank(self) -> bool:

@@ -16,7 +16,7 @@ from torch import nn
 
 from megascale.config import Config
 from megascale.distributed import comm
-from megascale.distributed.pipeline.partition import gpt_stage_cost, layers_for_rank
+from megascale.distributed.pipeline.partition import global_stage, gpt_stage_cost, layers_for_rank
 from megascale.distributed.random import RNGTracker
 from megascale.distributed.sequence import SequenceLayout, build_sequence_layout
 from megascale.distributed.sharding import OUTPUT_WEIGHT, WORD_EMBEDDING_MODULE
@@ -213,9 +213,10 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     if chunk_layers is None:
         chunk_layers = plan.chunk_layers(ctx.pp_rank) if plan is not None else stage_layers(cfg, ctx)
     chunks = []
+    stages = ctx.pp_size * len(chunk_layers)
     for v, layer_ids in enumerate(chunk_layers):
-        first = ctx.pp_rank == 0 and v == 0
-        last = ctx.pp_rank == ctx.pp_size - 1 and v == len(chunk_layers) - 1
+        stage = global_stage(ctx.pp_size, ctx.pp_rank, v, ctx.v_shape)
+        first, last = stage == 0, stage == stages - 1
         chunks.append(GPTChunk(layer_ids, first, last, bc, cfg.train.recompute_layers))
     if materialize:
         for chunk in chunks:
@@ -226,5 +227,5 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
 def stage_layers(cfg: Config, ctx: ParallelContext) -> list[list[int]]:
     """Global layer ids per chunk of this rank (uniform, explicit or automatic split)."""
     p = cfg.parallel
-    return layers_for_rank(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank, p.pipeline_layers,
+    return layers_for_rank(cfg.model.num_layers, p.pp, p.vpp, ctx.pp_rank, p.pipeline_layers, v_shape=ctx.v_shape,
                            cost=gpt_stage_cost(cfg.model))

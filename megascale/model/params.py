@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 
 from megascale.config import Config, ModelConfig
-from megascale.distributed.pipeline.partition import chunk_layer_ids, gpt_stage_cost, layers_for_rank
+from megascale.distributed.pipeline.partition import chunk_layer_ids, global_stage, gpt_stage_cost, layers_for_rank
+from megascale.distributed.pipeline.schedules import is_v_shape
 from megascale.distributed.random import RNGTracker
 from megascale.distributed.sharding import (
     OUTPUT_WEIGHT,
@@ -66,28 +67,33 @@ class ModelLayout:
     vpp: int = 1
     pipeline_layers: Union[Sequence[int], str, None] = None
     stage_layers: Optional[tuple[int, ...]] = None
+    v_shape: bool = False  # ZB-V places chunk 1 of rank r at stage 2 * pp - 1 - r
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Optional[RankLayout] = None) -> ModelLayout:
         """The layout of cfg.parallel, with tp and pp taken from `layout` when given."""
         p = cfg.parallel
         tp, pp = (layout.tp, layout.pp) if layout is not None else (p.tp, p.pp)
-        return cls(tp=tp, pp=pp, vpp=p.vpp, pipeline_layers=p.pipeline_layers)
+        return cls(tp=tp, pp=pp, vpp=p.vpp, pipeline_layers=p.pipeline_layers,
+                   v_shape=is_v_shape(p.pipeline_schedule))
 
     @classmethod
     def from_plan(cls, plan: RunPlan) -> ModelLayout:
         """The layout of a resolved run plan, with the plan's exact stage split."""
-        return cls(tp=plan.tp, pp=plan.pp, vpp=plan.vpp, stage_layers=tuple(plan.stage_layer_counts))
+        return cls(tp=plan.tp, pp=plan.pp, vpp=plan.vpp, stage_layers=tuple(plan.stage_layer_counts),
+                   v_shape=plan.v_shape)
 
     def chunk_layers(self, num_layers: int, pp_rank: int, cost: Optional[StageCost] = None) -> list[list[int]]:
-        """Global layer ids of each chunk of pipeline rank pp_rank (chunk v is global stage v * pp + pp_rank)."""
+        """Global layer ids of each chunk of pipeline rank pp_rank (chunk v is global stage v * pp + pp_rank,
+        or the V of ZB-V)."""
         if self.stage_layers is None:
-            return layers_for_rank(num_layers, self.pp, self.vpp, pp_rank, self.pipeline_layers, cost=cost)
+            return layers_for_rank(num_layers, self.pp, self.vpp, pp_rank, self.pipeline_layers, cost=cost,
+                                   v_shape=self.v_shape)
         counts = list(self.stage_layers)
         if len(counts) != self.pp * self.vpp or sum(counts) != num_layers or min(counts) < 0:
             raise ValueError(f"stage_layers {counts} must have pp {self.pp} * vpp {self.vpp} non-negative entries "
                              f"summing to {num_layers}")
-        return chunk_layer_ids(counts, self.pp, self.vpp, pp_rank)
+        return chunk_layer_ids(counts, self.pp, self.vpp, pp_rank, self.v_shape)
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,7 @@ def param_table(model_or_cfg: Union[Config, ModelConfig],
     for pp_rank in range(model_layout.pp):
         # tp rank 0 stands for all: names, global shapes and split dims are the same on every tp rank.
         ctx = ParallelContext(rank_layout, rank=rank_layout.rank(pp=pp_rank), vpp=model_layout.vpp,
+                              v_shape=model_layout.v_shape,
                               device=torch.device("cpu"), create_groups=False)
         chunk_layers = model_layout.chunk_layers(cfg.model.num_layers, pp_rank, gpt_stage_cost(cfg.model))
         chunks = build_model(cfg, ctx, rng, materialize=False, chunk_layers=chunk_layers)
@@ -237,6 +244,6 @@ def param_table(model_or_cfg: Union[Config, ModelConfig],
                 spec = get_shard(param)
                 entries.append(ParamSpec(name=spec.global_name, global_shape=spec.global_shape, dtype=param.dtype,
                                          split_dim=spec.split_dim, pp_rank=pp_rank, chunk=index,
-                                         stage=index * model_layout.pp + pp_rank,
+                                         stage=global_stage(model_layout.pp, pp_rank, index, model_layout.v_shape),
                                          tied_to=None if spec.primary else spec.global_name))
     return ParamTable(tuple(entries), model_layout, output_weight_name(cfg.model.tie_embeddings))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,15 +23,22 @@ def recompute(fn: Callable[..., torch.Tensor], rng: RNGTracker, *args: Any) -> t
     """
     if not torch.is_grad_enabled():
         return fn(*args)
-    snapshot = rng.snapshot()
+    replay = _Replay(rng, rng.snapshot())
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay))
 
-    @contextlib.contextmanager
-    def replay() -> Iterator[None]:
-        current = rng.snapshot()
-        rng.restore(snapshot)
-        try:
-            yield
-        finally:
-            rng.restore(current)
 
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay()))
+class _Replay:
+    """The recomputation's context: rewind the tensor-parallel stream to the forward's start, then put the
+    current state back. Re-enterable: a split backward (zero-bubble pipelines) recomputes once for the
+    input-gradient pass and once more for the weight-gradient pass."""
+
+    def __init__(self, rng: RNGTracker, snapshot: torch.Tensor) -> None:
+        self.rng, self.snapshot = rng, snapshot
+        self.current: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        self.current.append(self.rng.snapshot())
+        self.rng.restore(self.snapshot)
+
+    def __exit__(self, *exc: object) -> None:
+        self.rng.restore(self.current.pop())

@@ -142,8 +142,8 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
     layers = plan.chunk_layers(rank)
     out = []
     for v, layer_ids in enumerate(layers):
-        first = rank == 0 and v == 0
-        last = rank == plan.pp - 1 and v == len(layers) - 1
+        stage = plan.global_stage(rank, v)
+        first, last = stage == 0, stage == plan.num_stages - 1
         saved = act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last)
         if plan.pp > 1:
             # The executor keeps a chunk's output (sent on) and its received input until the backward.

@@ -1,4 +1,5 @@
-"""Layout search: every (tp, pp, vpp, cp, micro-batch, sequence parallel, ZeRO, recompute) that fits, ranked by MFU.
+"""Layout search: every (tp, pp, vpp, cp, micro-batch, sequence parallel, ZeRO, recompute, pipeline schedule)
+that fits, ranked by MFU.
 
 Sequence parallelism comes in its two memory modes (`parallel.sp_regather_input`):
 column-parallel GEMMs keep their input shard and re-gather it in the backward, or
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
 
-from megascale.config import Config, ConfigError, Recompute
+from megascale.config import Config, ConfigError, PipelineScheduleName, Recompute
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.gpus import GpuSpec
@@ -49,7 +50,8 @@ class Candidate:
         p, t = self.plan, self.cfg.train
         sp = "" if not p.sequence_parallel else "+sp" if self.cfg.parallel.sp_regather_input else "+sp(gathered)"
         cp = f" cp{p.cp}" if p.cp > 1 else ""
-        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
+        schedule = f" {p.schedule}" if p.pp > 1 else ""
+        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
                 f"recompute={t.recompute}")
 
 
@@ -70,6 +72,16 @@ class Choice:
     zero: int
     recompute: Recompute
     sp_regather: bool = True
+    schedule: PipelineScheduleName = "auto"
+
+
+def _schedules(pp: int, vpp: int) -> tuple[PipelineScheduleName, ...]:
+    """Pipeline schedules worth ranking for pp x vpp: the classic one and its zero-bubble counterpart."""
+    if pp == 1:
+        return ("auto",)
+    if vpp == 1:
+        return ("1f1b", "zb-h1")
+    return ("interleaved", "zbv") if vpp == 2 else ("interleaved",)
 
 
 def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
@@ -91,7 +103,8 @@ def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
                         for sp, regather in _sp_modes(tp):
                             for zero in (1, 0):
                                 for recompute in RECOMPUTE_MODES:
-                                    yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather)
+                                    for schedule in _schedules(pp, vpp):
+                                        yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather, schedule)
 
 
 def _sp_modes(tp: int) -> list[tuple[bool, bool]]:
@@ -103,7 +116,7 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     new = copy.deepcopy(cfg)
     p, t = new.parallel, new.train
     p.tp, p.cp, p.pp, p.vpp, p.dp = choice.tp, choice.cp, choice.pp, choice.vpp, None
-    p.pipeline_layers, p.pipeline_schedule = None, "auto"
+    p.pipeline_layers, p.pipeline_schedule = None, choice.schedule
     p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
     p.sp_regather_input = choice.sp_regather
     t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
@@ -177,7 +190,8 @@ def _reason(message: str) -> str:
                         ("interleaved", "interleaving needs micro-batches divisible by pp"),
                         ("divisible by parallel.tp", "a model width does not divide by tp"),
                         ("Ulysses", "heads do not divide by the Ulysses size"),
-                        ("seq_length", "sequence does not split over tp x cp")):
+                        ("seq_length", "sequence does not split over tp x cp"),
+                        ("tie_embeddings", "zbv needs untied embeddings")):
         if key in message:
             return reason
     return message.split(";")[0]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megascale.config import Config
-from megascale.distributed.pipeline.schedules import build_all_schedules
+from megascale.distributed.pipeline.schedules import SPLIT_BACKWARD, build_all_schedules
 from megascale.distributed.pipeline.simulator import simulate
 from megascale.model.params import ParamTable
 from megascale.perf.costs import (
@@ -64,7 +64,8 @@ class StepTime:
     compute: dict[str, float]
     exposed: dict[str, float]
     hidden: dict[str, float]
-    chunk_times: list[list[tuple[float, float]]] = field(default_factory=list)
+    chunk_times: list[list[tuple[float, ...]]] = field(default_factory=list)
+    """Per rank and chunk: (forward, backward), or (forward, B, W) for split-backward schedules."""
 
     def breakdown(self) -> dict[str, float]:
         """Seconds per step by part; they add up to the step time (bubble includes idle waiting on p2p)."""
@@ -79,9 +80,10 @@ def chunk_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     costs = []
     for rank in range(plan.pp):
         chunks = plan.chunk_layers(rank)
-        costs.append([chunk_cost(cfg, plan, spec, ids, first=rank == 0 and v == 0,
-                                 last=rank == plan.pp - 1 and v == len(chunks) - 1, traits=traits, layer=layer)
-                      for v, ids in enumerate(chunks)])
+        stages = [plan.global_stage(rank, v) for v in range(len(chunks))]
+        costs.append([chunk_cost(cfg, plan, spec, ids, first=stage == 0, last=stage == plan.num_stages - 1,
+                                 traits=traits, layer=layer)
+                      for stage, ids in zip(stages, chunks)])
     return costs
 
 
@@ -101,16 +103,23 @@ def p2p_seconds(plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) 
     return pass_collective_seconds("p2p", nbytes, 2, spec, inter, 0.0)
 
 
-def _pipeline(plan: RunPlan, times: list[list[tuple[float, float]]], p2p: float,
+def weight_pass_seconds(chunk: ChunkCost) -> float:
+    """The part of a chunk's backward that a split-backward schedule defers to W: its weight-gradient
+    GEMMs, one per forward GEMM, i.e. half the backward's GEMM time (recompute and attention stay in B)."""
+    return chunk.backward.gemm / 2
+
+
+def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
               rendezvous: bool) -> tuple[float, list[float]]:
     """(makespan, busy time per rank) of one step's forward/backward passes."""
     m = plan.num_microbatches
     if plan.pp == 1:
-        busy = m * sum(f + b for f, b in times[0])
+        busy = m * sum(sum(t) for t in times[0])
         return busy, [busy]
     schedules = build_all_schedules(plan.schedule, plan.pp, plan.vpp, m)
-    durations = {(r, v): fb for r, chunks in enumerate(times) for v, fb in enumerate(chunks)}
-    result = simulate([list(s) for s in schedules], t_comm=p2p, durations=durations, rendezvous=rendezvous)
+    durations = {(r, v): t for r, chunks in enumerate(times) for v, t in enumerate(chunks)}
+    result = simulate([list(s) for s in schedules], t_comm=p2p, durations=durations, rendezvous=rendezvous,
+                      v_shape=plan.v_shape)
     if result.deadlock:
         raise RuntimeError(f"the {plan.schedule} schedule does not finish in simulation: {result.deadlock}")
     return result.makespan, list(result.busy)
@@ -160,12 +169,20 @@ def _embedding_sync(cfg: Config, plan: RunPlan, spec: GpuSpec) -> float:
     return collective_seconds("all_reduce", nbytes, 2, spec, group_spans_nodes(plan, ("pp",), spec.gpus_per_node))
 
 
-def _analytic_pipeline(plan: RunPlan, times: list[list[tuple[float, float]]], p2p: float) -> tuple[float, list[float]]:
-    """(makespan, busy per rank) from the bubble formula: (pp - 1) chunk passes of the slowest rank idle."""
+def _analytic_pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float) -> tuple[float, list[float]]:
+    """(makespan, busy per rank) from the bubble formula: (pp - 1) chunk passes of the slowest rank idle.
+
+    Split backward (times (F, B, W)): ZB-H1 idles (pp - 1)(F + B - W) (Qi et al. 2023), ZB-V
+    (pp - 1)(F + B - 2W) per half-size chunk, never less than the message latency.
+    """
     m = plan.num_microbatches
-    busy = [m * sum(f + b for f, b in chunks) for chunks in times]
+    busy = [m * sum(sum(t) for t in chunks) for chunks in times]
     slowest = max(range(plan.pp), key=lambda r: busy[r])
-    per_chunk = sum(f + b for f, b in times[slowest]) / plan.vpp
+    rank_times = times[slowest]
+    per_chunk = sum(sum(t) for t in rank_times) / plan.vpp
+    if plan.schedule in SPLIT_BACKWARD:
+        f, b, w = (sum(t[i] for t in rank_times) / plan.vpp for i in range(3))
+        per_chunk = max(f + b - (2 if plan.v_shape else 1) * w, 0.0)
     return busy[slowest] + (plan.pp - 1) * (per_chunk + 2 * p2p), busy
 
 
@@ -182,7 +199,13 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     # Posted sends hide under compute on a GPU; ranks sharing a host's cores have no idle core for them.
     overlapped = traits.async_p2p and not shares_cores(spec)
     blocking = 0.0 if overlapped else p2p
-    times = [[(c.forward.total + blocking, c.backward.total + blocking) for c in chunks] for chunks in costs]
+    times: list[list[tuple[float, ...]]]
+    if plan.schedule in SPLIT_BACKWARD:
+        # B keeps the blocking transfer (it sends a gradient); W sends nothing.
+        times = [[(c.forward.total + blocking, c.backward.total - weight_pass_seconds(c) + blocking,
+                   weight_pass_seconds(c)) for c in chunks] for chunks in costs]
+    else:
+        times = [[(c.forward.total + blocking, c.backward.total + blocking) for c in chunks] for chunks in costs]
     if simulate_pipeline:
         makespan, busy = _pipeline(plan, times, p2p, rendezvous=not traits.async_p2p)
     else:
@@ -220,4 +243,4 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
                     compute=parts, exposed=exposed, hidden=hidden, chunk_times=times)
 
 
-__all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "step_time"]
+__all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "step_time", "weight_pass_seconds"]

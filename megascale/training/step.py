@@ -107,6 +107,7 @@ def _pipelined(chunks: Sequence[torch.nn.Module], batches: list[dict], plan: Run
         list(chunks), batches, ctx, schedule, plan.activation_shape, plan.precision.compute_dtype,
         loss_fn_scale=optimizer.scale_loss,
         before_last_backward=lambda chunk: optimizer.sync_enabled(True, chunk=chunk), timers=timers,
+        v_shape=plan.v_shape,
     )
     total = torch.zeros((), device=ctx.device)
     for loss in losses:
@@ -140,7 +141,7 @@ def evaluate(chunks: Sequence[torch.nn.Module], data: Any, global_batches: int, 
         from megascale.distributed.pipeline import forward_only_pipelined
 
         for loss in forward_only_pipelined(list(chunks), batches, ctx, plan.activation_shape,
-                                           plan.precision.compute_dtype):
+                                           plan.precision.compute_dtype, v_shape=plan.v_shape):
             total += loss.float()
     for chunk in chunks:
         chunk.train()

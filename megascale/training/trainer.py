@@ -62,7 +62,7 @@ def world_position() -> tuple[int, int]:
 
 def make_context(plan: RunPlan, rank: int, device: torch.device) -> ParallelContext:
     """ParallelContext of global rank `rank` under the plan's layout (creates its process groups)."""
-    return ParallelContext(plan.rank_layout(), rank=rank, vpp=plan.vpp, device=device)
+    return ParallelContext(plan.rank_layout(), rank=rank, vpp=plan.vpp, device=device, v_shape=plan.v_shape)
 
 
 def validate_runtime(cfg: Config, device: torch.device) -> None:

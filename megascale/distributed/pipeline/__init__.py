@@ -3,7 +3,8 @@
 One import point for the pieces, which live in their own modules:
 
 * `partition`: which global layers each (virtual) stage holds;
-* `schedules`: GPipe / 1F1B / interleaved 1F1B as lists of `Action`;
+* `schedules`: GPipe / 1F1B / interleaved 1F1B / ZB-H1 / ZB-V as lists of `Action`;
+* `split_backward`: the input-gradient (B) / weight-gradient (W) split of zero-bubble schedules;
 * `simulator`: a simulator that times schedules and finds deadlocks;
 * `executor`: the executor running one rank's list with async isend/irecv.
 
@@ -20,6 +21,8 @@ from megascale.distributed.pipeline.schedules import (
     SCHEDULES,
     SEND_BWD,
     SEND_FWD,
+    SPLIT_BACKWARD,
+    WEIGHT,
     Action,
     ActionKind,
     bubble_fraction,
@@ -27,7 +30,9 @@ from megascale.distributed.pipeline.schedules import (
     build_schedule,
     format_compute,
     format_schedule,
+    is_v_shape,
     resolve_schedule_name,
+    stage_of,
 )
 from megascale.distributed.pipeline.simulator import ScheduleError, SimResult, check_coverage, simulate
 
@@ -39,6 +44,8 @@ __all__ = [
     "SCHEDULES",
     "SEND_BWD",
     "SEND_FWD",
+    "SPLIT_BACKWARD",
+    "WEIGHT",
     "Action",
     "ActionKind",
     "ScheduleError",
@@ -52,8 +59,10 @@ __all__ = [
     "format_schedule",
     "forward_backward_pipelined",
     "forward_only_pipelined",
+    "is_v_shape",
     "layers_for_rank",
     "resolve_schedule_name",
     "simulate",
     "stage_layer_counts",
+    "stage_of",
 ]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 from megascale.config import ConfigError
+from megascale.distributed.pipeline.schedules import stage_of
 from megascale.model.flops import LayerDims, layer_forward_flops, logits_forward_flops
 
 if TYPE_CHECKING:
@@ -216,29 +217,31 @@ def stage_layer_counts(num_layers: int, pp: int, vpp: int = 1, split: Split = No
 
 
 def layers_for_rank(num_layers: int, pp: int, vpp: int, pp_rank: int,
-                    split: Split = None, cost: Optional[StageCost] = None) -> list[list[int]]:
+                    split: Split = None, cost: Optional[StageCost] = None, v_shape: bool = False) -> list[list[int]]:
     """Global layer indices of each model chunk of pipeline rank `pp_rank`, in virtual-stage order.
 
-    Chunk v of rank r is global stage v * pp + r (Megatron interleaving).
+    Chunk v of rank r is global stage v * pp + r (Megatron interleaving), or with
+    v_shape (ZB-V, two chunks) stage r for chunk 0 and 2 * pp - 1 - r for chunk 1.
     """
-    return chunk_layer_ids(stage_layer_counts(num_layers, pp, vpp, split, cost), pp, vpp, pp_rank)
+    return chunk_layer_ids(stage_layer_counts(num_layers, pp, vpp, split, cost), pp, vpp, pp_rank, v_shape)
 
 
-def chunk_layer_ids(counts: Sequence[int], pp: int, vpp: int, pp_rank: int) -> list[list[int]]:
+def chunk_layer_ids(counts: Sequence[int], pp: int, vpp: int, pp_rank: int,
+                    v_shape: bool = False) -> list[list[int]]:
     """Global layer ids of each chunk of pipeline rank `pp_rank`, from the layer counts of the
-    pp * vpp global stages (chunk v of rank r is global stage v * pp + r)."""
+    pp * vpp global stages (chunk v of rank r is global stage `global_stage(pp, r, v, v_shape)`)."""
     if not 0 <= pp_rank < pp:
         raise ConfigError(f"pipeline rank {pp_rank} is outside parallel.pp={pp}")
     starts = [0]
     for count in counts:
         starts.append(starts[-1] + count)
-    stages = (global_stage(pp, pp_rank, v) for v in range(vpp))
+    stages = (global_stage(pp, pp_rank, v, v_shape) for v in range(vpp))
     return [list(range(starts[stage], starts[stage + 1])) for stage in stages]
 
 
-def global_stage(pp: int, pp_rank: int, chunk: int) -> int:
-    """Global stage index of local chunk `chunk` on pipeline rank `pp_rank`."""
-    return chunk * pp + pp_rank
+def global_stage(pp: int, pp_rank: int, chunk: int, v_shape: bool = False) -> int:
+    """Global stage index of local chunk `chunk` on pipeline rank `pp_rank` (see `schedules.stage_of`)."""
+    return stage_of(pp, pp_rank, chunk, v_shape)
 
 
 __all__ = [

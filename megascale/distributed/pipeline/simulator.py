@@ -2,8 +2,10 @@
 
 It runs every rank's action list the way the executor does: sends and receives
 are posted without blocking, a forward/backward waits until its input has
-arrived. It reports per-rank busy and idle time, the peak number of micro-batches
-whose activations are alive, and detects deadlocks and malformed schedules
+arrived, a weight pass (W, split-backward schedules) runs after its own
+backward. A neighbour stage on the same rank (ZB-V) hands over without a
+message. It reports per-rank busy and idle time, the peak number of
+micro-batches whose activations are alive (forward to backward), and detects deadlocks and malformed schedules
 (a send without a matching receive, messages matched to the wrong micro-batch,
 a compute whose receive was never posted).
 
@@ -28,12 +30,20 @@ from megascale.distributed.pipeline.schedules import (
     RECV_FWD,
     SEND_BWD,
     SEND_FWD,
+    WEIGHT,
     Action,
     ActionKind,
+    rank_of,
+    stage_of,
 )
 
-Durations = Mapping[tuple[int, int], tuple[float, float]]
-"""(pipeline rank, local chunk) -> (forward, backward) time of one micro-batch."""
+Durations = Mapping[tuple[int, int], tuple[float, ...]]
+"""(pipeline rank, local chunk) -> (forward, backward) time of one micro-batch, or (forward, input-gradient
+backward B, weight-gradient pass W) for split-backward schedules."""
+
+WEIGHT_SHARE = 0.5
+"""Default share of a backward that is weight-gradient work (W) when a schedule splits it: a transformer
+layer's backward is one input-gradient and one weight-gradient GEMM per forward GEMM."""
 
 
 class ScheduleError(ValueError):
@@ -51,6 +61,9 @@ class SimResult:
     deadlock: Optional[str] = None
     finish: list[float] = field(default_factory=list)
     peak_weight: list[float] = field(default_factory=list)
+    peak_until_weight: list[int] = field(default_factory=list)
+    """Per rank, the peak number of micro-batches between forward and weight pass W (split backward;
+    equals peak_in_flight otherwise): what the executor keeps activations for."""
     """Per rank, the peak over time of the summed chunk weights of live (chunk, micro-batch) items
     (with `chunk_weights`; e.g. each chunk's activation bytes, so chunks of unequal size count as such)."""
 
@@ -71,10 +84,14 @@ class _Msg:
     done: Optional[float] = None  # completion time (rendezvous) once known
 
 
-def _message(action: Action, rank: int, pp: int) -> tuple[tuple[int, int], tuple]:
+def _message(action: Action, rank: int, pp: int, v_shape: bool = False) -> tuple[tuple[int, int], tuple]:
     """(channel (src rank, dst rank), identity) of a communication action."""
-    stage = action.chunk * pp + rank
-    nxt, prv = (rank + 1) % pp, (rank - 1) % pp
+    stage = stage_of(pp, rank, action.chunk, v_shape)
+    if v_shape:
+        nxt = rank_of(pp, min(stage + 1, 2 * pp - 1), True)[0]
+        prv = rank_of(pp, max(stage - 1, 0), True)[0]
+    else:
+        nxt, prv = (rank + 1) % pp, (rank - 1) % pp
     if action.kind is SEND_FWD:
         return (rank, nxt), (0, stage, action.microbatch)
     if action.kind is RECV_FWD:
@@ -85,10 +102,13 @@ def _message(action: Action, rank: int, pp: int) -> tuple[tuple[int, int], tuple
 
 
 def check_coverage(schedules: list[list[Action]], vpp: int, num_microbatches: int) -> None:
-    """Every (chunk, micro-batch) is forwarded once and backwarded once after its forward, on every rank."""
+    """Every (chunk, micro-batch) is forwarded once and backwarded once after its forward, on every rank;
+    with weight passes (split backward), each backward is followed by exactly one W."""
+    split = any(a.kind is WEIGHT for s in schedules for a in s)
     for rank, actions in enumerate(schedules):
         seen_fwd: set[tuple[int, int]] = set()
         seen_bwd: set[tuple[int, int]] = set()
+        seen_w: set[tuple[int, int]] = set()
         for a in actions:
             item = (a.chunk, a.microbatch)
             if a.kind is FORWARD:
@@ -99,8 +119,12 @@ def check_coverage(schedules: list[list[Action]], vpp: int, num_microbatches: in
                 if item not in seen_fwd or item in seen_bwd:
                     raise ScheduleError(f"rank {rank}: backward {item} before its forward or twice")
                 seen_bwd.add(item)
+            elif a.kind is WEIGHT:
+                if item not in seen_bwd or item in seen_w:
+                    raise ScheduleError(f"rank {rank}: weight pass {item} before its backward or twice")
+                seen_w.add(item)
         expected = {(c, i) for c in range(vpp) for i in range(num_microbatches)}
-        if seen_fwd != expected or seen_bwd != expected:
+        if seen_fwd != expected or seen_bwd != expected or (split and seen_w != expected):
             raise ScheduleError(f"rank {rank}: forwards/backwards do not cover {vpp} chunks x {num_microbatches} "
                                 "micro-batches exactly once")
 
@@ -110,12 +134,17 @@ class _Simulator:
 
     def __init__(self, schedules: list[list[Action]], t_fwd: float, t_bwd: float, t_comm: float,
                  rendezvous: bool, chunk_weights: Optional[Sequence[Sequence[float]]] = None,
-                 durations: Optional[Durations] = None) -> None:
+                 durations: Optional[Durations] = None, v_shape: bool = False,
+                 weight_share: float = WEIGHT_SHARE) -> None:
         self.schedules = schedules
         self.durations = durations
         self.pp = len(schedules)
         self.vpp = 1 + max((a.chunk for s in schedules for a in s), default=0)
         self.stages = self.pp * self.vpp
+        self.v_shape = v_shape
+        self.split = any(a.kind is WEIGHT for s in schedules for a in s)
+        self.weight_share = weight_share
+        self.finished: dict[tuple[ActionKind, int, int], float] = {}  # (kind, global stage, mb) -> end time
         self.t_fwd, self.t_bwd, self.t_comm = t_fwd, t_bwd, t_comm
         self.rendezvous = rendezvous
         self.position = [0] * self.pp
@@ -129,13 +158,15 @@ class _Simulator:
         self.done_compute: list[set[tuple]] = [set() for _ in range(self.pp)]
         self.in_flight = [0] * self.pp
         self.peak = [0] * self.pp
+        self.until_weight = [0] * self.pp
+        self.peak_until = [0] * self.pp
         self.weights = chunk_weights
         self.live_weight = [0.0] * self.pp
         self.peak_weight = [0.0] * self.pp
 
     # -- communication --------------------------------------------------------------------------
     def _post(self, rank: int, action: Action) -> None:
-        channel, ident = _message(action, rank, self.pp)
+        channel, ident = _message(action, rank, self.pp, self.v_shape)
         is_send = action.kind in (SEND_FWD, SEND_BWD)
         if is_send:
             produced = (FORWARD if action.kind is SEND_FWD else BACKWARD, action.chunk, action.microbatch)
@@ -206,36 +237,59 @@ class _Simulator:
         return send.post + self.t_comm
 
     # -- compute --------------------------------------------------------------------------------
+    def _input_ready(self, rank: int, action: Action, stage: int) -> Optional[float]:
+        """When the input of a forward/backward is there (0.0 if it needs none); None while it is not."""
+        if action.kind is FORWARD:
+            if stage == 0:
+                return 0.0
+            source, ident = stage - 1, (0, stage - 1, action.microbatch)
+        else:
+            if stage == self.stages - 1:
+                return 0.0
+            source, ident = stage + 1, (1, stage + 1, action.microbatch)
+        if rank_of(self.pp, source, self.v_shape)[0] == rank:  # the turn of the V: same rank, no message
+            return self.finished.get((action.kind, source, action.microbatch))
+        return self._ready_time(rank, ident, action)
+
+    def _duration(self, rank: int, action: Action) -> float:
+        if self.durations is not None:
+            times = tuple(self.durations[(rank, action.chunk)])
+        else:
+            times = (self.t_fwd, self.t_bwd)
+        if len(times) == 2 and self.split:
+            times = (times[0], times[1] * (1 - self.weight_share), times[1] * self.weight_share)
+        return times[{FORWARD: 0, BACKWARD: 1, WEIGHT: 2}[action.kind]]
+
     def _try_compute(self, rank: int, action: Action) -> bool:
-        stage = action.chunk * self.pp + rank
+        stage = stage_of(self.pp, rank, action.chunk, self.v_shape)
         start = self.clock[rank]
-        if action.kind is FORWARD and stage > 0:
-            ready = self._ready_time(rank, (0, stage - 1, action.microbatch), action)
+        if action.kind is BACKWARD and (FORWARD, action.chunk, action.microbatch) not in self.done_compute[rank]:
+            raise ScheduleError(f"rank {rank}: {action} runs before its forward")
+        if action.kind is WEIGHT:
+            if (BACKWARD, action.chunk, action.microbatch) not in self.done_compute[rank]:
+                raise ScheduleError(f"rank {rank}: {action} runs before its backward")
+        else:
+            ready = self._input_ready(rank, action, stage)
             if ready is None:
                 return False
             start = max(start, ready)
-        if action.kind is BACKWARD:
-            if (FORWARD, action.chunk, action.microbatch) not in self.done_compute[rank]:
-                raise ScheduleError(f"rank {rank}: {action} runs before its forward")
-            if stage < self.stages - 1:
-                ready = self._ready_time(rank, (1, stage + 1, action.microbatch), action)
-                if ready is None:
-                    return False
-                start = max(start, ready)
-        if self.durations is not None:
-            fwd, bwd = self.durations[(rank, action.chunk)]
-            duration = fwd if action.kind is FORWARD else bwd
-        else:
-            duration = self.t_fwd if action.kind is FORWARD else self.t_bwd
+        duration = self._duration(rank, action)
         self.clock[rank] = start + duration
         self.busy[rank] += duration
+        self.finished[(action.kind, stage, action.microbatch)] = start + duration
         self.done_compute[rank].add((action.kind, action.chunk, action.microbatch))
-        self.in_flight[rank] += 1 if action.kind is FORWARD else -1
-        self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
-        if self.weights is not None:
-            weight = self.weights[rank][action.chunk]
-            self.live_weight[rank] += weight if action.kind is FORWARD else -weight
-            self.peak_weight[rank] = max(self.peak_weight[rank], self.live_weight[rank])
+        if action.kind is not WEIGHT:
+            self.in_flight[rank] += 1 if action.kind is FORWARD else -1
+            self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
+        # Activations stay until the backward, or until W when the backward is split.
+        release = WEIGHT if self.split else BACKWARD
+        if action.kind in (FORWARD, release):
+            step = 1 if action.kind is FORWARD else -1
+            self.until_weight[rank] += step
+            self.peak_until[rank] = max(self.peak_until[rank], self.until_weight[rank])
+            if self.weights is not None:
+                self.live_weight[rank] += step * self.weights[rank][action.chunk]
+                self.peak_weight[rank] = max(self.peak_weight[rank], self.live_weight[rank])
         return True
 
     def run(self) -> SimResult:
@@ -283,16 +337,21 @@ class _Simulator:
         makespan = max(finish) if finish else 0.0
         idle = [makespan - b for b in self.busy]
         peak_weight = list(self.peak_weight) if self.weights is not None else []
-        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish, peak_weight)
+        return SimResult(makespan, list(self.busy), idle, list(self.peak), deadlock, finish, peak_weight,
+                         list(self.peak_until))
 
 
 def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2.0, t_comm: float = 0.0,
              rendezvous: bool = False, chunk_weights: Optional[Sequence[Sequence[float]]] = None,
-             durations: Optional[Durations] = None) -> SimResult:
+             durations: Optional[Durations] = None, v_shape: bool = False,
+             weight_share: float = WEIGHT_SHARE) -> SimResult:
     """Run all ranks' schedules on a model of the executor; t_* are per-chunk compute and per-message times.
 
     durations: per (rank, local chunk) (forward, backward) times, replacing t_fwd/t_bwd
     (stages of different sizes or costs, e.g. the performance model's per-chunk times).
+    Split-backward schedules (with W actions) run a backward as B taking (1 - weight_share)
+    of it and W the rest, unless durations give (forward, B, W) explicitly. v_shape: the
+    chunks form ZB-V's V (`schedules.stage_of`).
 
     Returns busy/idle time and peak in-flight micro-batches per rank; `SimResult.deadlock`
     describes where every rank is stuck if the schedules cannot finish. Raises
@@ -301,7 +360,7 @@ def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2
     weighs; `SimResult.peak_weight` is then each rank's weighted peak.
     """
     return _Simulator([list(s) for s in schedules], t_fwd, t_bwd, t_comm, rendezvous, chunk_weights,
-                      durations).run()
+                      durations, v_shape, weight_share).run()
 
 
 def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[float],
@@ -309,7 +368,9 @@ def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[fl
               ) -> tuple[float, list[int], Optional[tuple[ActionKind, int, int]]]:
     """Weighted peak of live (chunk, micro-batch) items along one rank's compute order.
 
-    An item is live from its forward to the end of its backward. Memory depends only on
+    An item is live from its forward to the end of its backward, or of its weight pass W
+    when the backward is split (the executor keeps the micro-batch's autograd graph, and
+    so its saved activations, until W). Memory depends only on
     the order a rank runs its computes in, not on when, so this equals the simulator's
     `peak_weight` for that rank without simulating the others. working[chunk], when
     given, is (bytes alive only during that chunk's forward, ... during its backward),
@@ -319,6 +380,7 @@ def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[fl
     live = [0] * len(weights)
     total, peak, at_peak = 0.0, 0.0, list(live)
     action: Optional[tuple[ActionKind, int, int]] = None
+    release = WEIGHT if any(kind is WEIGHT for kind, _, _ in order) else BACKWARD
     for item in order:
         kind, chunk, _ = item
         if kind is FORWARD:
@@ -327,10 +389,10 @@ def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[fl
         extra = 0.0 if working is None else working[chunk][0 if kind is FORWARD else 1]
         if total + extra > peak:
             peak, at_peak, action = total + extra, list(live), item
-        if kind is BACKWARD:
+        if kind is release:
             live[chunk] -= 1
             total -= weights[chunk]
     return peak, at_peak, action
 
 
-__all__ = ["ScheduleError", "SimResult", "check_coverage", "peak_live", "simulate"]
+__all__ = ["WEIGHT_SHARE", "ScheduleError", "SimResult", "check_coverage", "peak_live", "simulate"]

@@ -63,7 +63,8 @@ class _ColumnLinear(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         settings: TPSettings = ctx.settings
         saved, *weights = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], list(ctx.needs_input_grad[2:])
+        needed = comm.needed_grads(ctx)  # a split backward's B or W pass asks for only some of them
+        need_dx, need_dw = needed[0], list(needed[2:])
         grad_y = grad_y.contiguous()
         channel = Channel(settings.group, grad_y.device, settings.timers) if settings.size > 1 else None
         full, gathering = saved, None

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from megascale.distributed import comm
 from megascale.timers import timed
 
 if TYPE_CHECKING:
@@ -257,7 +258,8 @@ class _ColumnLinear(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         settings: TPSettings = ctx.settings
         inp, *weights = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], list(ctx.needs_input_grad[2:])
+        needed = comm.needed_grads(ctx)  # a split backward's B or W pass asks for only some of them
+        need_dx, need_dw = needed[0], list(needed[2:])
         grad_y = grad_y.contiguous()
         channel = _Channel(settings.group, grad_y.device, settings.timers)
         gathering: Optional[_InFlight] = None
@@ -326,7 +328,7 @@ class _RowLinear(torch.autograd.Function):
         saved = ctx.saved_tensors
         pairs = len(saved) // 2
         xs, ws = saved[:pairs], saved[pairs:]
-        needs = ctx.needs_input_grad
+        needs = comm.needed_grads(ctx)  # a split backward's B or W pass asks for only some of them
         need_dx = [needs[0], *needs[3::2]]
         need_dw = [needs[1], *needs[4::2]]
         grad_y = grad_y.contiguous()
