@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megascale.distributed.comm import needed_grads
+from megascale.distributed.comm import needed_grads, record_inputs
 from megascale.distributed.pipeline.split_backward import backward_input
 
 
@@ -23,6 +23,7 @@ class _CountedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, calls: list) -> torch.Tensor:
+        record_inputs(ctx, x, weight, calls)
         ctx.save_for_backward(x, weight)
         ctx.calls = calls
         return x @ weight.t()

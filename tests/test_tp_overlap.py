@@ -248,7 +248,7 @@ def test_bench_runs_and_counts_bytes(capsys: pytest.CaptureFixture) -> None:
     analytic = 8 * 8 * 3 * 32 // 2 * 4
     assert f"{analytic:,} (=" in sent and f"{analytic:,} counted" in sent, out
     # The default keeps each column input's shard: qkv and fc1 re-gather theirs in the backward.
-    regather = next(line for line in out.splitlines() if "input re-gathers" in line)
+    regather = next(line for line in out.splitlines() if "input re-gathers per layer" in line)
     assert f"{2 * 8 * 3 * 32:,} elements analytic" in regather and f"{2 * 8 * 3 * 32:,} counted" in regather, out
     agree = next(line for line in out.splitlines() if "agree to" in line)
     assert float(agree.split()[-1]) < 1e-5, out

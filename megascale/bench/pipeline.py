@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from megascale.distributed.comm import needed_grads, record_inputs
 from megascale.errors import UserError
 from megascale.timers import PhaseTimers
 
@@ -57,14 +58,13 @@ class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, t_fwd: float, t_bwd: float) -> torch.Tensor:
         ctx.t_bwd = t_bwd
+        record_inputs(ctx, x, scale, t_fwd, t_bwd)
         ctx.save_for_backward(x, scale)
         time.sleep(t_fwd)
         return x * scale
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None, None]:
-        from megascale.distributed.comm import needed_grads
-
         x, scale = ctx.saved_tensors
         need_x, need_scale = needed_grads(ctx)[:2]
         time.sleep(ctx.t_bwd / 2 * (int(need_x) + int(need_scale)))

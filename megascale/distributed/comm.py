@@ -37,6 +37,16 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def record_inputs(ctx: Any, *inputs: Any) -> None:
+    """Note in a custom autograd Function's forward which of its inputs are tensors, for `needed_grads`.
+
+    The backward's ``ctx.next_functions`` has one entry per *tensor* input only, so a
+    Function that also takes settings or optional (None) arguments must record where
+    its tensors sit before `needed_grads` can pair gradients with inputs.
+    """
+    ctx.tensor_inputs = tuple(isinstance(arg, torch.Tensor) for arg in inputs)
+
+
 def needed_grads(ctx: Any) -> tuple[bool, ...]:
     """Which inputs of a custom autograd Function the running backward pass needs gradients for.
 
@@ -44,10 +54,19 @@ def needed_grads(ctx: Any) -> tuple[bool, ...]:
     gradients (a zero-bubble schedule's input-gradient pass B, or its weight-gradient
     pass W, see megascale.distributed.pipeline.split_backward) skips the others here
     too, so a linear's backward computes only dX in B and only dW in W, and the
-    collective that belongs to dX does not run twice.
+    collective that belongs to dX does not run twice. A Function with non-tensor
+    inputs calls `record_inputs` in its forward.
     """
-    return tuple(bool(wanted) and node is not None and _engine_needs(node)
-                 for wanted, (node, _) in zip(ctx.needs_input_grad, ctx.next_functions))
+    is_tensor = getattr(ctx, "tensor_inputs", (True,) * len(ctx.needs_input_grad))
+    if sum(is_tensor) != len(ctx.next_functions):
+        raise RuntimeError(f"needed_grads: {len(ctx.next_functions)} tensor inputs but {sum(is_tensor)} recorded; "
+                           "call comm.record_inputs(ctx, *inputs) in the Function's forward")
+    nodes = iter(ctx.next_functions)
+    needed = []
+    for wanted, tensor in zip(ctx.needs_input_grad, is_tensor):
+        node = next(nodes)[0] if tensor else None
+        needed.append(bool(wanted) and node is not None and _engine_needs(node))
+    return tuple(needed)
 
 
 def _engine_needs(node: Any) -> bool:

@@ -50,6 +50,7 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, settings: TPSettings, *weights: torch.Tensor) -> torch.Tensor:
         ctx.settings = settings
+        comm.record_inputs(ctx, x, settings, *weights)
         if settings.sp:
             with timed(settings.timers, "tp_all_gather"):
                 full = comm.all_gather_dim(x, 0, settings.group)

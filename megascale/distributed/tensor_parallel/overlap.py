@@ -236,6 +236,7 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, settings: TPSettings, *weights: torch.Tensor) -> torch.Tensor:
         ctx.settings = settings
+        comm.record_inputs(ctx, x, settings, *weights)
         weight = _fuse_weights(weights)
         if not settings.sp:
             ctx.save_for_backward(x, *weights)
@@ -304,6 +305,7 @@ class _RowLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, settings: TPSettings,
                 *more: torch.Tensor) -> torch.Tensor:
         ctx.settings = settings
+        comm.record_inputs(ctx, x, weight, settings, *more)
         xs, ws = [x, *more[0::2]], [weight, *more[1::2]]
         ctx.save_for_backward(*xs, *ws)
         channel = _Channel(settings.group, x.device, settings.timers)
