@@ -170,9 +170,20 @@ class Trainer:
 
         local, remote = checkpoint_roots(self.cfg.checkpoint.dir, str(self.run_dir))
         manager = CheckpointManager(local, self.ctx, self.cfg, remote_url=remote)
+        if manager.remote is not None:
+            manager.remote.on_failure = self._upload_failed
         if self.faults.active:
             manager.fault_hook = self.faults.checkpoint_hook(lambda: manager.last_save_stats.get("step", 0))
         return manager
+
+    def _upload_failed(self, name: str, error: str) -> None:
+        """A checkpoint the remote tier could not take (called on the upload thread): a `checkpoint_upload_failed`
+        event; the tier itself logs the line, and the run goes on from the local tier."""
+        from megascale.checkpoint.format import parse_step
+        from megascale.training.fault.events import append_event
+
+        append_event(self.run_dir, "checkpoint_upload_failed", step=parse_step(Path(name)), ranks=[self.ctx.rank],
+                     checkpoint=name, error=error)
 
     def state_shards(self) -> list[TensorShard]:
         """Model and optimizer state of this rank as checkpoint shards."""

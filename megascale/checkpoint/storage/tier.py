@@ -20,6 +20,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -45,11 +46,17 @@ def _overlaps(piece: dict, shard: TensorShard) -> bool:
 
 
 class RemoteTier:
-    """Uploads committed local step dirs to `store` (one at a time, newest wins) and stages remote ones."""
+    """Uploads committed local step dirs to `store` (one at a time, newest wins) and stages remote ones.
 
-    def __init__(self, store: RemoteStore, keep_last: int) -> None:
+    `on_failure`, when set, is called on the upload thread with (step dir name, error line) after an
+    upload failed (the trainer records it as a `checkpoint_upload_failed` event); it must not raise.
+    """
+
+    def __init__(self, store: RemoteStore, keep_last: int,
+                 on_failure: Optional[Callable[[str, str], None]] = None) -> None:
         self.store = store
         self.keep_last = keep_last
+        self.on_failure = on_failure
         self.last_error: Optional[str] = None
         self.uploaded: list[dict] = []
         self._lock = threading.Lock()
@@ -84,13 +91,22 @@ class RemoteTier:
             try:
                 size = self.upload(step_dir)
             except Exception as err:  # noqa: BLE001 - an upload failure keeps the remote on its last commit
-                self.last_error = f"upload of {step_dir.name} to {self.store.url} failed: {type(err).__name__}: {err}"
-                log.error("checkpoint %s NOT uploaded (the remote tier stays on its last commit; the local tier has "
-                          "it): %s", step_dir.name, err)
+                self._failed(step_dir.name, err)
             else:
                 self.last_error = None
                 self.uploaded.append({"step": parse_step(step_dir), "bytes": size,
                                       "upload_s": time.perf_counter() - start})
+
+    def _failed(self, name: str, err: Exception) -> None:
+        """Record a failed upload: `last_error`, one log line, and the `on_failure` callback."""
+        self.last_error = f"upload of {name} to {self.store.url} failed: {type(err).__name__}: {err}"
+        log.error("checkpoint %s NOT uploaded to %s (the remote tier stays on its last commit; the local tier "
+                  "has it): %s: %s", name, self.store.url, type(err).__name__, err)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(name, self.last_error)
+            except Exception as hook_err:  # noqa: BLE001 - a reporting failure must not stop later uploads
+                log.error("reporting the failed upload of %s failed too: %s", name, hook_err)
 
     def wait(self) -> Optional[str]:
         """Block until every queued upload has finished; returns the last upload's error, or None."""
@@ -120,14 +136,28 @@ class RemoteTier:
         return sum(p.stat().st_size for p in files)
 
     def prune(self, step: int) -> None:
-        """Keep the newest `keep_last` committed remote steps; drop uncommitted leftovers older than `step`."""
+        """Keep the newest `keep_last` committed remote steps and the newest verified one; drop uncommitted
+        leftovers older than `step`. The newest committed step is never deleted (keep_last 0 keeps all)."""
         committed = self.committed()
-        doomed = committed[self.keep_last:] if self.keep_last > 0 else []
-        listing = self.store.listing("step_")
-        names = {key.split("/", 1)[0] for key in listing}
+        doomed = committed[max(self.keep_last, 1):] if self.keep_last > 0 else []
+        if doomed:
+            verified = self.newest_verified(committed)
+            doomed = [name for name in doomed if name != verified]
+        names = {key.split("/", 1)[0] for key in self.store.listing("step_")}
         doomed += [n for n in names if n not in committed and (parse_step(Path(n)) or 0) < step]
         for name in doomed:
             self.store.delete_prefix(f"{name}/")
+
+    def newest_verified(self, committed: list[str]) -> Optional[str]:
+        """The newest of `committed` (newest first) whose commit marker says its state was verified."""
+        for name in committed:
+            try:
+                marker = json.loads(self.store.read(f"{name}/{COMMIT_MARKER}"))
+            except (CheckpointError, ValueError):
+                continue
+            if isinstance(marker, dict) and marker.get("verified"):
+                return name
+        return None
 
     # --------------------------------------------------------------------------------------- load
     def committed(self) -> list[str]:
