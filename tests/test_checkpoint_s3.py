@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -141,12 +142,12 @@ def test_transient_500s_are_retried(server: WeedServer, tmp_path: Path, monkeypa
         proxy.close()
 
 
-def _train(out: Path, server: WeedServer, *overrides: str) -> subprocess.CompletedProcess:
+def _train(out: Path, server: WeedServer, *overrides: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
             f"train.output_dir={out}", *SMALL, "train.micro_batch_size=1", "optim.warmup_steps=2",
             "optim.decay_steps=4", *overrides]
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **server.env()))
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **server.env(), **(env or {})})
 
 
 def _losses(out: Path) -> list[float]:
@@ -190,3 +191,71 @@ def test_s3_url_without_boto3_is_one_clear_line(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
     with pytest.raises(UserError, match=r"boto3 is not installed; `pip install 'megascale\[s3\]'`"):
         open_store("s3://ckpt/x")
+
+
+def test_prune_keeps_the_newest_commit_and_the_newest_verified_one(server: WeedServer, tmp_path: Path) -> None:
+    url = "s3://ckpt/prune"
+    mgr = _manager(tmp_path / "local", url, keep_last=1)
+    for step, verified in ((1, True), (2, True), (3, False), (4, False)):
+        mgr.state_check = (lambda pieces: None) if verified else None  # verified: the state passed its check
+        mgr.save(step, _shards(SimLayout(tp=2), seed=step), {"step": step})
+        mgr.wait()
+        assert mgr.wait_uploads() is None
+    store = open_store(url)
+    committed = sorted({k.split("/")[0] for k in store.listing("") if k.endswith("/COMMITTED")})
+    assert committed == ["step_00000002", "step_00000004"]  # the newest, and the newest verified (not step 1)
+    assert mgr.remote is not None and mgr.remote.newest_verified(mgr.remote.committed()) == "step_00000002"
+    # An uncommitted leftover older than the step just uploaded goes; a newer one (an upload under way) stays.
+    store.write("step_00000003/rank_00000.safetensors", b"half")
+    store.write("step_00000009/rank_00000.safetensors", b"under way")
+    mgr.remote.keep_last = 0  # keep_last 0 keeps every commit
+    mgr.remote.prune(4)
+    names = {k.split("/")[0] for k in store.listing("step_")}
+    assert names == {"step_00000002", "step_00000004", "step_00000009"}
+    mgr.remote.keep_last = 1  # the newest commit survives a prune for an older step, verified or not
+    mgr.remote.prune(2)
+    assert {k.split("/")[0] for k in store.listing("") if k.endswith("/COMMITTED")} == {"step_00000002",
+                                                                                        "step_00000004"}
+
+
+def test_failed_upload_calls_on_failure_once_and_the_next_upload_recovers(server: WeedServer, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = FlakyProxy(server.ports["s3"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    try:
+        mgr = _manager(tmp_path / "local", "s3://ckpt/onfail")
+        failures: list[tuple[str, str]] = []
+        assert mgr.remote is not None
+        mgr.remote.on_failure = lambda name, error: failures.append((name, error))
+        proxy.fail_next("step_00000001/metadata.json", 2)  # every attempt at the index fails
+        mgr.save(1, _shards(SimLayout(tp=2), seed=1), {"step": 1})
+        mgr.wait()
+        error = mgr.wait_uploads()
+        assert error is not None and failures == [("step_00000001", error)]
+        assert error.startswith("upload of step_00000001 to s3://ckpt/onfail failed: CheckpointError:"), error
+        mgr.save(2, _shards(SimLayout(tp=2), seed=2), {"step": 2})
+        mgr.wait()
+        assert mgr.wait_uploads() is None and len(failures) == 1
+        assert open_store("s3://ckpt/onfail").read("latest") == b"step_00000002\n"
+    finally:
+        proxy.close()
+
+
+def test_failed_final_upload_is_an_event_and_a_nonzero_exit(server: WeedServer, tmp_path: Path) -> None:
+    from megascale.training.fault.events import read_events
+
+    proxy = FlakyProxy(server.ports["s3"])
+    url = "s3://ckpt/event"
+    try:
+        proxy.fail_next("step_00000002/COMMITTED", 8)  # more than every retry
+        out = tmp_path / "run"
+        run = _train(out, server, "train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={url}",
+                     env={"AWS_ENDPOINT_URL": proxy.endpoint})
+        assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert run.stderr.count(f"checkpoint step_00000002 NOT uploaded to {url}") == 1, run.stderr[-2000:]
+        events = read_events(out, "checkpoint_upload_failed")
+        assert [(e["step"], e["checkpoint"], e["ranks"]) for e in events] == [(2, "step_00000002", [0])], events
+        assert open_store(url).read("latest") == b"step_00000001\n"  # the remote stays on its last commit
+    finally:
+        proxy.close()
