@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -259,3 +260,34 @@ def test_failed_final_upload_is_an_event_and_a_nonzero_exit(server: WeedServer, 
         assert open_store(url).read("latest") == b"step_00000001\n"  # the remote stays on its last commit
     finally:
         proxy.close()
+
+
+def test_generate_and_resume_checks_find_the_checkpoint_in_the_bucket(server: WeedServer, tmp_path: Path) -> None:
+    from megascale.config import load_config
+    from megascale.errors import UserError
+    from megascale.generate import load_model_for_inference
+    from megascale.training.run_dir import check_resume, stored_checkpoint
+
+    url = "s3://ckpt/generate"
+    out = tmp_path / "run"
+    run = _train(out, server, "train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={url}")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    _, chunk, step = load_model_for_inference(out)  # the local tier
+    weights = {name: p.detach().clone() for name, p in chunk.named_parameters()}
+    assert step == 2
+    shutil.rmtree(out / "checkpoints")  # only the run's config.yaml is left here; the checkpoints are in the bucket
+    cfg = load_config(out / "config.yaml")
+    assert stored_checkpoint(cfg) == f"{url}/step_00000002"
+    with pytest.raises(UserError, match="run already complete at step 2"):
+        check_resume(cfg)
+    _, chunk, step = load_model_for_inference(out)
+    assert step == 2 and all(torch.equal(p, weights[name]) for name, p in chunk.named_parameters())
+    generate = [sys.executable, "-m", "megascale.cli", "generate", "--run", str(out), "--prompt", "import os",
+                "--max-new-tokens", "4", "--top-k", "0"]
+    remote = subprocess.run(generate, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **server.env()})
+    assert remote.returncode == 0 and remote.stdout.startswith("[step 2] import os"), remote.stderr[-2000:]
+    open_store(url).delete_prefix("step_00000002/COMMITTED")  # step 2 never committed: step 1 is the newest
+    assert stored_checkpoint(cfg) == f"{url}/step_00000001"
+    check_resume(cfg)  # one step left to run
+    assert load_model_for_inference(out)[2] == 1

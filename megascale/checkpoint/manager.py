@@ -56,7 +56,7 @@ from megascale.checkpoint.format import (
 from megascale.checkpoint.planner import SavePlanner, json_all_gather, json_broadcast, json_gather
 from megascale.checkpoint.reader import load_metadata, load_shards
 from megascale.checkpoint.storage import is_remote_url, open_store
-from megascale.checkpoint.storage.tier import STAGING_DIR, RemoteTier
+from megascale.checkpoint.storage.tier import STAGING_DIR, RemoteTier, newest_first
 from megascale.checkpoint.validate import (
     check_counters,
     corrupt,
@@ -488,14 +488,10 @@ class CheckpointManager:
         return extra, bytes_read, [s for s in statuses if s is not None]
 
     def _with_remote(self, local: list[str]) -> list[str]:
-        """Local candidates merged with the remote tier's committed steps: newest step first, local first at a tie
-        (faster, and the remote copy of the same step stays as its fallback)."""
+        """Local candidates merged with the remote tier's committed steps (`newest_first`)."""
         if self.remote is None:
             return local
-        remote = [self.remote.store.uri(name) for name in self.remote.committed()]
-        tier = {c: i for i, c in enumerate(local)}
-        return sorted(local + remote, key=lambda c: (-(parse_step(Path(c.rsplit("/", 1)[-1])) or 0),
-                                                     tier.get(c, len(local))))
+        return newest_first(local, [self.remote.store.uri(name) for name in self.remote.committed()])
 
     def _read_remote(self, url: str, shards: list[TensorShard], mask: Optional[list[bool]],
                      optional: Optional[Callable[[str], bool]]) -> tuple[dict, int]:

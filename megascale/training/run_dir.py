@@ -43,10 +43,10 @@ def check_output_dir(output_dir: str) -> None:
                           "set train.output_dir to a writable directory")
 
 
-def stored_checkpoint(cfg: Config) -> Optional[Path]:
-    """The checkpoint this run would start from: checkpoint.load, else the newest complete one in output_dir
-    when checkpoint.resume (None when it would start fresh)."""
-    from megascale.checkpoint.format import complete_checkpoints
+def stored_checkpoint(cfg: Config) -> Optional[Path | str]:
+    """The checkpoint this run would start from: checkpoint.load, else (when checkpoint.resume) the newest complete
+    one of the local tier or, when checkpoint.dir is an ``s3://`` URL, of the remote tier too (returned as its URL).
+    None when it would start fresh."""
     from megascale.checkpoint.manager import resolve_checkpoint
 
     c = cfg.checkpoint
@@ -54,29 +54,35 @@ def stored_checkpoint(cfg: Config) -> Optional[Path]:
         return resolve_checkpoint(Path(c.load))
     if not c.resume:
         return None
-    from megascale.checkpoint.storage import checkpoint_roots
-
-    found = complete_checkpoints(checkpoint_roots(c.dir, cfg.train.output_dir)[0])
+    found = _candidates(cfg)
     return found[0] if found else None
 
 
-def usable_checkpoint(cfg: Config) -> Optional[tuple[Path, dict]]:
-    """(step dir, its metadata) of the checkpoint the loader will start from, or None.
+def _candidates(cfg: Config) -> list[Path | str]:
+    """Resume candidates, newest first: local step dirs as paths, remote steps as their URLs."""
+    from megascale.checkpoint.storage import checkpoint_candidates, is_remote_url
+
+    return [c if is_remote_url(c) else Path(c) for c in checkpoint_candidates(cfg.checkpoint.dir,
+                                                                            cfg.train.output_dir)]
+
+
+def usable_checkpoint(cfg: Config) -> Optional[tuple[Path | str, dict]]:
+    """(step dir or remote step URL, its metadata) of the checkpoint the loader will start from, or None.
 
     An explicit checkpoint.load must be sound (CheckpointError otherwise, as the loader would
-    raise). On resume, a step dir whose metadata fails its checks is passed over exactly as the
+    raise). On resume, a step whose metadata fails its checks is passed over exactly as the
     loader passes over it: the loader falls back to the previous one, keeps the bad one aside and
     says so in one line and a `checkpoint_skipped` event, so the check here must not refuse the run.
     """
-    from megascale.checkpoint.format import CheckpointError, complete_checkpoints
-    from megascale.checkpoint.reader import load_metadata
+    from megascale.checkpoint.format import CheckpointError
+    from megascale.checkpoint.storage import checkpoint_metadata
 
     if cfg.checkpoint.load or not cfg.checkpoint.resume:
         step_dir = stored_checkpoint(cfg)
-        return None if step_dir is None else (step_dir, load_metadata(step_dir))
-    for step_dir in complete_checkpoints(Path(cfg.train.output_dir) / "checkpoints"):
+        return None if step_dir is None else (step_dir, checkpoint_metadata(str(step_dir)))
+    for found in _candidates(cfg):
         try:
-            return step_dir, load_metadata(step_dir)
+            return found, checkpoint_metadata(str(found))
         except CheckpointError:
             continue  # the loader reports it when it skips it
     return None
@@ -118,10 +124,11 @@ def check_resume(cfg: Config, first_attempt: bool = True) -> None:
     if shapes:
         stored_model = meta.get("config", {}).get("model")
         keys = model_differences(stored_model, cfg.to_dict()["model"]) if isinstance(stored_model, dict) else []
-        where = f"checkpoint '{step_dir}'" if cfg.checkpoint.load else f"train.output_dir '{cfg.train.output_dir}'"
+        where = (f"checkpoint '{step_dir}'" if cfg.checkpoint.load or isinstance(step_dir, str)
+                 else f"train.output_dir '{cfg.train.output_dir}'")
         raise UserError(f"{where} holds a different model ({'; '.join((keys or shapes)[:3])}); use a new "
                         "train.output_dir, or that run's model settings to continue it")
-    step = parse_step(step_dir)
+    step = parse_step(Path(str(step_dir).rsplit("/", 1)[-1]))
     if first_attempt and not cfg.checkpoint.load and step is not None and step >= cfg.train.steps:
         raise UserError(f"run already complete at step {step}; raise train.steps or use a new train.output_dir "
                         f"(now '{cfg.train.output_dir}')")

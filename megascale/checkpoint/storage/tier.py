@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -167,6 +168,17 @@ class RemoteTier:
         return sorted((n for n in names if parse_step(Path(n)) is not None), key=lambda n: parse_step(Path(n)) or 0,
                       reverse=True)
 
+    def metadata(self, name: str) -> dict:
+        """The checked metadata.json of remote step `name` (CheckpointError when missing or corrupt)."""
+        from megascale.checkpoint.reader import load_metadata
+
+        with tempfile.TemporaryDirectory(prefix="megascale-meta-") as tmp:
+            local = Path(tmp) / name
+            local.mkdir()
+            for small in (COMMIT_MARKER, METADATA_FILE):
+                (local / small).write_bytes(self.store.read(f"{name}/{small}"))
+            return load_metadata(local)
+
     def stage(self, name: str, staging_root: Path, shards: list[TensorShard], own_extra: str,
               everything: bool = False) -> tuple[Path, int]:
         """Stage remote step `name` under staging_root with only the bytes `shards` need.
@@ -209,6 +221,14 @@ class RemoteTier:
                 out.truncate(remote_size)  # sparse: only the fetched ranges take space
             fetched += self.store.read_ranges(f"{name}/{file}", _merge(wanted.get(file, [])), local / file)
         return local, fetched
+
+
+def newest_first(local: list[str], remote: list[str]) -> list[str]:
+    """Local step dirs and remote step URLs in one list: newest step first, local first at a tie (faster, and
+    the remote copy of the same step stays as its fallback)."""
+    tier = {c: i for i, c in enumerate(local)}
+    return sorted(local + remote, key=lambda c: (-(parse_step(Path(c.rsplit("/", 1)[-1])) or 0),
+                                                 tier.get(c, len(local))))
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
