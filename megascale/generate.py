@@ -54,8 +54,22 @@ def checkpoint_tiers(run_dir: Path) -> tuple[Path, Optional[str], Path]:
         return run_dir, None, run_dir / "model.yaml"
     if not config_path.is_file():
         return run_dir / "checkpoints", None, config_path
-    local, remote = checkpoint_roots(load_config(config_path).checkpoint.dir, str(run_dir))
+    local, remote = checkpoint_roots(_checkpoint_dir(config_path), str(run_dir))
     return local, remote, config_path
+
+
+def _checkpoint_dir(config_path: Path) -> Optional[str]:
+    """`checkpoint.dir` of a run's config.yaml, read alone: the model is built from the checkpoint's own
+    config, so the rest of the file need not be valid any more."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(config_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    section = raw.get("checkpoint") if isinstance(raw, dict) else None
+    value = section.get("dir") if isinstance(section, dict) else None
+    return str(value) if value else None
 
 
 def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None,
