@@ -38,7 +38,6 @@ from megascale.bench.checkpoint import (
 )
 from megascale.config import Config
 
-
 MIN_ROUNDS = 5
 
 
@@ -60,8 +59,9 @@ def _dcp_writer(url: str) -> object:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     endpoint = os.environ.get("AWS_ENDPOINT_URL")
-    options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
-    return FsspecWriter(url, **options)
+    if endpoint:  # s3fs's own options (passed through to fsspec)
+        return FsspecWriter(url, client_kwargs={"endpoint_url": endpoint})
+    return FsspecWriter(url)
 
 
 def worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, out: str, url: str) -> None:
