@@ -262,7 +262,9 @@ def test_failed_final_upload_is_an_event_and_a_nonzero_exit(server: WeedServer, 
         proxy.close()
 
 
-def test_generate_and_resume_checks_find_the_checkpoint_in_the_bucket(server: WeedServer, tmp_path: Path) -> None:
+def test_generate_and_resume_checks_find_the_checkpoint_in_the_bucket(server: WeedServer, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    from megascale.cli import main as cli_main
     from megascale.config import load_config
     from megascale.errors import UserError
     from megascale.generate import load_model_for_inference
@@ -282,11 +284,9 @@ def test_generate_and_resume_checks_find_the_checkpoint_in_the_bucket(server: We
         check_resume(cfg)
     _, chunk, step = load_model_for_inference(out)
     assert step == 2 and all(torch.equal(p, weights[name]) for name, p in chunk.named_parameters())
-    generate = [sys.executable, "-m", "megascale.cli", "generate", "--run", str(out), "--prompt", "import os",
-                "--max-new-tokens", "4", "--top-k", "0"]
-    remote = subprocess.run(generate, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **server.env()})
-    assert remote.returncode == 0 and remote.stdout.startswith("[step 2] import os"), remote.stderr[-2000:]
+    assert cli_main(["generate", "--run", str(out), "--prompt", "import os", "--max-new-tokens", "4", "--top-k",
+                     "0"]) == 0
+    assert capsys.readouterr().out.startswith("[step 2] import os")
     open_store(url).delete_prefix("step_00000002/COMMITTED")  # step 2 never committed: step 1 is the newest
     assert stored_checkpoint(cfg) == f"{url}/step_00000001"
     check_resume(cfg)  # one step left to run
