@@ -140,7 +140,7 @@ class RemoteTier:
         """Keep the newest `keep_last` committed remote steps and the newest verified one; drop uncommitted
         leftovers older than `step`. The newest committed step is never deleted (keep_last 0 keeps all)."""
         committed = self.committed()
-        doomed = committed[max(self.keep_last, 1):] if self.keep_last > 0 else []
+        doomed = committed[self.keep_last:] if self.keep_last > 0 else []  # the newest commit always stays
         if doomed:
             verified = self.newest_verified(committed)
             doomed = [name for name in doomed if name != verified]
