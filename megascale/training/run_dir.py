@@ -1,7 +1,8 @@
 """Checks a training command makes before it writes anything into the run directory.
 
 A command that fails, or has nothing to do, must leave ``train.output_dir`` byte
-for byte as it found it: the stored ``config.yaml`` and checkpoints describe the
+for byte as it found it (a finished run whose remote tier lacks a checkpoint only
+uploads it and records that in ``events.jsonl``): the stored ``config.yaml`` and checkpoints describe the
 run that produced them, and ``generate``/``convert`` rely on that. So every
 check that can refuse a run without building the model happens here, once, in
 the process that starts the run (the launcher before it spawns workers, or the
@@ -17,11 +18,12 @@ the trainer touch the directory):
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
 from megascale.config import Config, ConfigError
-from megascale.errors import UserError
+from megascale.errors import CommandDone, UserError
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -130,8 +132,48 @@ def check_resume(cfg: Config, first_attempt: bool = True) -> None:
                         "train.output_dir, or that run's model settings to continue it")
     step = parse_step(Path(str(step_dir).rsplit("/", 1)[-1]))
     if first_attempt and not cfg.checkpoint.load and step is not None and step >= cfg.train.steps:
+        upload_missing(cfg, step)  # CommandDone (exit 0) when the remote tier lacked checkpoints and now has them
         raise UserError(f"run already complete at step {step}; raise train.steps or use a new train.output_dir "
                         f"(now '{cfg.train.output_dir}')")
+
+
+def upload_missing(cfg: Config, step: int) -> None:
+    """A finished run whose remote tier lacks local commits (an upload failed, e.g. the final one while the store
+    was down): rank 0 uploads them, verified and committed as in training, records a `checkpoint_uploaded` event
+    per step and raises CommandDone (exit 0, one line); a failed upload raises UserError (one line; the local
+    tier keeps everything). Returns when there is nothing to upload. The other ranks of a torchrun group end
+    with CommandDone at once: rank 0 alone uploads, and the group's exit is its worst rank's."""
+    from megascale.checkpoint.format import complete_checkpoints, parse_step
+    from megascale.checkpoint.storage import checkpoint_roots, open_store
+    from megascale.checkpoint.storage.tier import RemoteTier
+    from megascale.distributed.topology import read_dist_env
+    from megascale.training.fault.events import append_event
+
+    local, remote = checkpoint_roots(cfg.checkpoint.dir, cfg.train.output_dir)
+    if remote is None:
+        return
+    if read_dist_env().rank != 0:  # not racing rank 0's uploads: its exit (0 or 2) is the group's
+        raise CommandDone(f"run already complete at step {step}; rank 0 uploads any checkpoint {remote} lacks")
+    tier = RemoteTier(open_store(remote), cfg.checkpoint.keep_last)
+    uploaded: list[str] = []
+    for step_dir in tier.missing(complete_checkpoints(local)):
+        start = time.perf_counter()
+        try:
+            size = tier.upload(step_dir)
+        except Exception as err:  # any store failure: the same line whatever raised it
+            error = f"upload of {step_dir.name} to {remote} failed: {type(err).__name__}: {err}"
+            append_event(cfg.train.output_dir, "checkpoint_upload_failed", step=parse_step(step_dir), ranks=[0],
+                         checkpoint=step_dir.name, error=error)
+            done = f" ({', '.join(uploaded)} did)" if uploaded else ""
+            raise UserError(f"run already complete at step {step}, but its checkpoint {step_dir.name} is still not "
+                            f"in {remote}{done}: {type(err).__name__}: {err}; the local tier {local} keeps it: fix "
+                            "the store and run the same command again") from err
+        append_event(cfg.train.output_dir, "checkpoint_uploaded", step=parse_step(step_dir), ranks=[0],
+                     checkpoint=step_dir.name, bytes=size, upload_s=round(time.perf_counter() - start, 3))
+        uploaded.append(step_dir.name)
+    if uploaded:
+        raise CommandDone(f"run already complete at step {step}; uploaded {', '.join(uploaded)} to {remote} (an "
+                          "earlier upload had failed); nothing to train")
 
 
 def check_runtime(cfg: Config) -> None:

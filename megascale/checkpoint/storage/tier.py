@@ -49,6 +49,8 @@ def _overlaps(piece: dict, shard: TensorShard) -> bool:
 class RemoteTier:
     """Uploads committed local step dirs to `store` (one at a time, newest wins) and stages remote ones.
 
+    `catch_up` queues committed local steps newer than the remote's newest commit (an upload that failed in an
+    earlier run, e.g. a final step uploaded while the store was down), so they reach the store too.
     `on_failure`, when set, is called on the upload thread with (step dir name, error line) after an
     upload failed (the trainer records it as a `checkpoint_upload_failed` event); it must not raise.
     """
@@ -61,16 +63,38 @@ class RemoteTier:
         self.last_error: Optional[str] = None
         self.uploaded: list[dict] = []
         self._lock = threading.Lock()
-        self._pending: Optional[Path] = None
+        self._pending: list[tuple[Path, bool]] = []  # (step dir, only when newer than the remote's newest commit)
         self._busy: set[str] = set()
         self._thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------------------------- upload
     def submit(self, step_dir: Path) -> None:
-        """Queue a committed local step dir for upload; an older one still queued is dropped (newest wins)."""
+        """Queue a committed local step dir for upload; older ones still queued are dropped (newest wins)."""
+        self._queue([(step_dir, False)])
+
+    def catch_up(self, local: list[Path]) -> None:
+        """Queue the committed local step dirs the remote tier lacks (`catch_up_order`): each is uploaded only
+        when it is newer than the remote's newest commit as its turn comes (the listing is read on the upload
+        thread, so a store that is down fails like any upload and never holds up the caller)."""
+        ordered = self.catch_up_order(local)
+        if ordered:
+            self._queue([(p, True) for p in ordered], keep=True)
+
+    def catch_up_order(self, local: list[Path]) -> list[Path]:
+        """Local step dirs (any order) oldest first, at most the `keep_last` newest (pruning drops older ones)."""
+        ordered = sorted(local, key=lambda p: parse_step(p) or 0)
+        return ordered[-self.keep_last:] if self.keep_last > 0 else ordered
+
+    def missing(self, local: list[Path]) -> list[Path]:
+        """The catch-up uploads (`catch_up_order`) newer than the remote's newest commit, as of now."""
+        newest = self.newest_step()
+        return [p for p in self.catch_up_order(local) if (parse_step(p) or 0) > newest]
+
+    def _queue(self, jobs: list[tuple[Path, bool]], keep: bool = False) -> None:
+        """Start uploading `jobs` in order; the jobs still queued go after them (`keep`) or are dropped."""
         with self._lock:
-            self._pending = step_dir
-            self._busy.add(step_dir.name)
+            self._pending = jobs + (self._pending if keep else [])
+            self._busy.update(p.name for p, _ in jobs)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="checkpoint-upload", daemon=True)
                 self._thread.start()
@@ -83,20 +107,25 @@ class RemoteTier:
     def _run(self) -> None:
         while True:
             with self._lock:
-                step_dir, self._pending = self._pending, None
-                if step_dir is None:
+                if not self._pending:
                     self._busy.clear()
+                    self._thread = None  # the next job starts a new thread (this one is on its way out)
                     return
-                self._busy = {step_dir.name}
+                step_dir, only_newer = self._pending.pop(0)
+                self._busy = {step_dir.name} | {p.name for p, _ in self._pending}
             start = time.perf_counter()
             try:
+                if only_newer and (parse_step(step_dir) or 0) <= self.newest_step():
+                    continue
                 size = self.upload(step_dir)
             except Exception as err:  # noqa: BLE001 - an upload failure keeps the remote on its last commit
                 self._failed(step_dir.name, err)
             else:
                 self.last_error = None
                 self.uploaded.append({"step": parse_step(step_dir), "bytes": size,
-                                      "upload_s": time.perf_counter() - start})
+                                      "upload_s": time.perf_counter() - start, "catch_up": only_newer})
+                if only_newer:
+                    log.info("checkpoint %s uploaded to %s (the remote tier lacked it)", step_dir.name, self.store.url)
 
     def _failed(self, name: str, err: Exception) -> None:
         """Record a failed upload: `last_error`, one log line, and the `on_failure` callback."""
@@ -111,9 +140,15 @@ class RemoteTier:
 
     def wait(self) -> Optional[str]:
         """Block until every queued upload has finished; returns the last upload's error, or None."""
-        thread = self._thread
-        if thread is not None:
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None:
+                break
             thread.join()
+            with self._lock:
+                if self._thread is thread:  # ended without clearing itself: nothing else will run
+                    break
         return self.last_error
 
     def upload(self, step_dir: Path) -> int:
@@ -161,6 +196,11 @@ class RemoteTier:
         return None
 
     # --------------------------------------------------------------------------------------- load
+    def newest_step(self) -> int:
+        """The step of the remote's newest commit (-1 when it holds none)."""
+        committed = self.committed()
+        return parse_step(Path(committed[0])) or 0 if committed else -1
+
     def committed(self) -> list[str]:
         """Remote step dir names carrying a commit marker, newest first."""
         keys = self.store.listing("step_")
