@@ -243,21 +243,102 @@ def test_failed_upload_calls_on_failure_once_and_the_next_upload_recovers(server
         proxy.close()
 
 
-def test_failed_final_upload_is_an_event_and_a_nonzero_exit(server: WeedServer, tmp_path: Path) -> None:
+def test_catch_up_uploads_the_local_commits_the_bucket_lacks(server: WeedServer, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from megascale.checkpoint.format import complete_checkpoints
+    from megascale.checkpoint.storage.tier import RemoteTier
+
+    proxy = FlakyProxy(server.ports["s3"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    url = "s3://ckpt/catchup"
+    try:
+        mgr = _manager(tmp_path / "local", url, keep_last=0)
+        for step in (1, 2, 3):
+            if step > 1:  # every attempt at the commit marker fails: steps 2 and 3 stay local only
+                proxy.fail_next(f"step_0000000{step}/COMMITTED", 2)
+            mgr.save(step, _shards(SimLayout(tp=2), seed=step), {"step": step})
+            mgr.wait()
+            assert (mgr.wait_uploads() is None) == (step == 1)
+        store = open_store(url)
+        assert RemoteTier(store, keep_last=0).committed() == ["step_00000001"]
+        local = complete_checkpoints(tmp_path / "local")
+        assert [p.name for p in RemoteTier(store, keep_last=1).missing(local)] == ["step_00000003"]
+        failures: list[tuple[str, str]] = []
+        tier = RemoteTier(store, keep_last=0, on_failure=lambda name, error: failures.append((name, error)))
+        assert [p.name for p in tier.missing(local)] == ["step_00000002", "step_00000003"]
+        proxy.fail_next("list-type=2", 2)  # the store is down when the catch-up first looks at it (for step 1)
+        tier.catch_up(local)
+        assert tier.wait() is None  # the later ones went up
+        assert [name for name, _ in failures] == ["step_00000001"] and "InternalError" in failures[0][1]
+        assert [(u["step"], u["catch_up"]) for u in tier.uploaded] == [(2, True), (3, True)]
+        assert tier.committed() == ["step_00000003", "step_00000002", "step_00000001"]
+        assert store.read("latest") == b"step_00000003\n"
+        tier.catch_up(local)  # nothing newer than the remote's newest commit is left
+        assert tier.wait() is None and len(tier.uploaded) == 2 and tier.busy() == set()
+        target = _shards(SimLayout(pp=2), seed=0)
+        fresh = _manager(tmp_path / "fresh", url)
+        assert fresh.load(target)["step"] == 3 and fresh.last_load_stats["tier"] == "remote"
+        _assert_holds(target, seed=3)
+        assert not (tmp_path / "fresh").exists()  # the staging dirs went with the staged copy
+    finally:
+        proxy.close()
+
+
+def test_failed_final_upload_is_an_event_and_a_nonzero_exit_and_the_same_command_uploads_it(
+        server: WeedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The final upload fails: an event and a non-zero exit. The same command again (the run is complete) uploads
+    it, verified and committed, without training, and says so; while the store still fails it exits non-zero with
+    one line, losing nothing."""
+    from megascale.checkpoint.storage.tier import RemoteTier
+    from megascale.errors import run_user_command
+    from megascale.train import main as train_main
     from megascale.training.fault.events import read_events
 
     proxy = FlakyProxy(server.ports["s3"])
     url = "s3://ckpt/event"
+    out = tmp_path / "run"
+    args = ["train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={url}"]
     try:
         proxy.fail_next("step_00000002/COMMITTED", 8)  # more than every retry
-        out = tmp_path / "run"
-        run = _train(out, server, "train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={url}",
-                     env={"AWS_ENDPOINT_URL": proxy.endpoint})
+        run = _train(out, server, *args, env={"AWS_ENDPOINT_URL": proxy.endpoint})
         assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
         assert run.stderr.count(f"checkpoint step_00000002 NOT uploaded to {url}") == 1, run.stderr[-2000:]
+        assert "run the same command again" in run.stderr
         events = read_events(out, "checkpoint_upload_failed")
         assert [(e["step"], e["checkpoint"], e["ranks"]) for e in events] == [(2, "step_00000002", [0])], events
         assert open_store(url).read("latest") == b"step_00000001\n"  # the remote stays on its last commit
+        metrics = (out / "metrics.jsonl").read_bytes()
+        monkeypatch.chdir(ROOT)
+        command = ["--config", "configs/tiny.yaml", f"train.output_dir={out}", *SMALL, "train.micro_batch_size=1",
+                   "optim.warmup_steps=2", "optim.decay_steps=4", *args]
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        proxy.fail_next("step_00000002/COMMITTED", 8)  # still broken: one line, exit 2, the local tier intact
+        capsys.readouterr()
+        assert run_user_command(train_main, command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"its checkpoint step_00000002 is still not in {url}" in err, err
+        assert (out / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
+        assert [e["step"] for e in read_events(out, "checkpoint_upload_failed")] == [2, 2]
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)  # the store is fixed
+        assert run_user_command(train_main, command) == 0
+        assert capsys.readouterr().out == ("megascale: run already complete at step 2; uploaded step_00000002 to "
+                                           f"{url} (an earlier upload had failed); nothing to train\n")
+        assert [(e["step"], e["checkpoint"]) for e in read_events(out, "checkpoint_uploaded")] == \
+            [(2, "step_00000002")]
+        assert (out / "metrics.jsonl").read_bytes() == metrics  # nothing trained
+        store = open_store(url)
+        assert RemoteTier(store, keep_last=0).committed()[0] == "step_00000002"
+        assert store.read("latest") == b"step_00000002\n"
+        local = out / "checkpoints" / "step_00000002"
+        assert {f"step_00000002/{p.relative_to(local).as_posix()}": p.stat().st_size
+                for p in local.rglob("*") if p.is_file()} == store.listing("step_00000002/")
+        assert run_user_command(train_main, command) == 2  # nothing left to upload: complete, as before
+        assert "run already complete at step 2; raise train.steps" in capsys.readouterr().err
+        fresh = tmp_path / "fresh"  # another machine, the same bucket: the run is complete there too
+        assert run_user_command(train_main, [*command, f"train.output_dir={fresh}"]) == 2
+        assert "run already complete at step 2; raise train.steps" in capsys.readouterr().err
+        assert not fresh.exists()
     finally:
         proxy.close()
 
@@ -282,11 +363,14 @@ def test_generate_and_resume_checks_find_the_checkpoint_in_the_bucket(server: We
     assert stored_checkpoint(cfg) == f"{url}/step_00000002"
     with pytest.raises(UserError, match="run already complete at step 2"):
         check_resume(cfg)
+    before = sorted(p.name for p in out.iterdir())
     _, chunk, step = load_model_for_inference(out)
+    assert sorted(p.name for p in out.iterdir()) == before
     assert step == 2 and all(torch.equal(p, weights[name]) for name, p in chunk.named_parameters())
     assert cli_main(["generate", "--run", str(out), "--prompt", "import os", "--max-new-tokens", "4", "--top-k",
                      "0"]) == 0
     assert capsys.readouterr().out.startswith("[step 2] import os")
+    assert sorted(p.name for p in out.iterdir()) == before  # no staging leftovers from the ranged fetch
     open_store(url).delete_prefix("step_00000002/COMMITTED")  # step 2 never committed: step 1 is the newest
     assert stored_checkpoint(cfg) == f"{url}/step_00000001"
     check_resume(cfg)  # one step left to run
