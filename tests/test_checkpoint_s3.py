@@ -343,6 +343,26 @@ def test_failed_final_upload_is_an_event_and_a_nonzero_exit_and_the_same_command
         proxy.close()
 
 
+@pytest.mark.slow
+def test_a_resumed_run_uploads_what_the_bucket_lacks_beside_training(server: WeedServer, tmp_path: Path) -> None:
+    from megascale.checkpoint.storage.tier import RemoteTier
+
+    proxy = FlakyProxy(server.ports["s3"])
+    url, out = "s3://ckpt/beside", tmp_path / "run"
+    args = ["checkpoint.interval=1", f"checkpoint.dir={url}", "checkpoint.keep_last=0"]
+    try:
+        proxy.fail_next("step_00000002/COMMITTED", 8)
+        run = _train(out, server, "train.steps=2", *args, env={"AWS_ENDPOINT_URL": proxy.endpoint})
+        assert run.returncode != 0 and open_store(url).read("latest") == b"step_00000001\n", run.stderr[-2000:]
+        more = _train(out, server, "train.steps=3", *args)  # resumes from the local step 2 and uploads it too
+        assert more.returncode == 0, more.stdout[-2000:] + more.stderr[-2000:]
+        assert "resumed from step 2" in more.stdout
+        assert RemoteTier(open_store(url), keep_last=0).committed() == ["step_00000003", "step_00000002",
+                                                                        "step_00000001"]
+    finally:
+        proxy.close()
+
+
 def test_generate_and_resume_checks_find_the_checkpoint_in_the_bucket(server: WeedServer, tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture) -> None:
     from megascale.cli import main as cli_main
