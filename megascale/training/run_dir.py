@@ -2,12 +2,12 @@
 
 A command that fails, or has nothing to do, must leave ``train.output_dir`` byte
 for byte as it found it (a finished run whose remote tier lacks a checkpoint only
-uploads it and records that in ``events.jsonl``): the stored ``config.yaml`` and checkpoints describe the
-run that produced them, and ``generate``/``convert`` rely on that. So every
-check that can refuse a run without building the model happens here, once, in
-the process that starts the run (the launcher before it spawns workers, or the
-single process / each torchrun rank before the watchdog, the process group and
-the trainer touch the directory):
+uploads it and records that in ``events.jsonl``): the stored ``config.yaml`` and
+checkpoints describe the run that produced them, and ``generate``/``convert`` rely
+on that. So every check that can refuse a run without building the model happens
+here, once, in the process that starts the run (the launcher before it spawns
+workers, or the single process / each torchrun rank before the watchdog, the
+process group and the trainer touch the directory):
 
 - the output directory can be a directory and can be written;
 - the precision and fault settings are usable on this machine;
@@ -164,7 +164,7 @@ def upload_missing(cfg: Config, step: int) -> None:
             error = f"upload of {step_dir.name} to {remote} failed: {type(err).__name__}: {err}"
             append_event(cfg.train.output_dir, "checkpoint_upload_failed", step=parse_step(step_dir), ranks=[0],
                          checkpoint=step_dir.name, error=error)
-            done = f" ({', '.join(uploaded)} did)" if uploaded else ""
+            done = f" ({', '.join(uploaded)} went up)" if uploaded else ""
             raise UserError(f"run already complete at step {step}, but its checkpoint {step_dir.name} is still not "
                             f"in {remote}{done}: {type(err).__name__}: {err}; the local tier {local} keeps it: fix "
                             "the store and run the same command again") from err

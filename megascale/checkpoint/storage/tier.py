@@ -199,7 +199,7 @@ class RemoteTier:
     def newest_step(self) -> int:
         """The step of the remote's newest commit (-1 when it holds none)."""
         committed = self.committed()
-        return parse_step(Path(committed[0])) or 0 if committed else -1
+        return (parse_step(Path(committed[0])) or 0) if committed else -1
 
     def committed(self) -> list[str]:
         """Remote step dir names carrying a commit marker, newest first."""
