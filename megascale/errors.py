@@ -16,6 +16,13 @@ class UserError(Exception):
     """
 
 
+class CommandDone(Exception):
+    """The command did all there was to do before its main work (e.g. a finished run's missing uploads).
+
+    The CLI prints the message as one line on stdout and exits with code 0.
+    """
+
+
 class ConfigError(ValueError):
     """A user error in the configuration: the message names the key and the fix."""
 
@@ -24,6 +31,9 @@ def run_user_command(fn: Callable[[list[str]], Optional[int]], argv: list[str]) 
     """Run fn(argv) and turn user errors into one clear line and exit code 2."""
     try:
         return int(fn(argv) or 0)
+    except CommandDone as done:
+        print(f"megascale: {done}", flush=True)
+        return 0
     except (ConfigError, UserError) as err:
         print(f"megascale: error: {err}", file=sys.stderr)
         return 2

@@ -21,46 +21,84 @@ if TYPE_CHECKING:  # imported where used: `megascale generate --help` stays fast
 
 
 def stored_config(run_dir: Path, checkpoint: Optional[Path], overrides: list[str],
-                  fallback: Optional[Path] = None) -> Config:
-    """The config saved with the checkpoint that will be loaded (`fallback`, by default the run's
-    config.yaml, only for a checkpoint that stores none): a later command that changed config.yaml
-    cannot make the checkpoint unreadable."""
+                  fallback: Optional[Path] = None, newest: Optional[str] = None) -> Config:
+    """The config saved with the checkpoint that will be loaded (`newest`, a step dir or remote step URL,
+    when given; else `checkpoint` or the run's newest local one), falling back to `fallback` (by default
+    the run's config.yaml) only for a checkpoint that stores none: a later command that changed
+    config.yaml cannot make the checkpoint unreadable."""
     from megascale.checkpoint.manager import resolve_checkpoint
-    from megascale.checkpoint.reader import load_metadata
+    from megascale.checkpoint.storage import checkpoint_metadata
     from megascale.config import config_from_dict
 
     if not run_dir.is_dir() and checkpoint is None:
         raise UserError(f"run directory '{run_dir}' not found; pass --run with the train.output_dir of a finished run")
-    step_dir = resolve_checkpoint(checkpoint if checkpoint is not None else run_dir)
-    stored = load_metadata(step_dir).get("config")
+    where = newest or str(resolve_checkpoint(checkpoint if checkpoint is not None else run_dir))
+    stored = checkpoint_metadata(where).get("config")
     if isinstance(stored, dict):
         return config_from_dict(stored, overrides)
     config_path = fallback or run_dir / "config.yaml"
     if not config_path.is_file():
-        raise UserError(f"{step_dir} stores no config and '{config_path}' is missing; pass --run with the "
+        raise UserError(f"{where} stores no config and '{config_path}' is missing; pass --run with the "
                         "train.output_dir of the run that wrote it")
     return load_config(config_path, overrides)
 
 
+def checkpoint_tiers(run_dir: Path) -> tuple[Path, Optional[str], Path]:
+    """(local checkpoint root, remote URL or None, config file) of a run directory: its config.yaml's
+    `checkpoint.dir` (local, or an ``s3://`` URL whose newest commits count too), or a `convert --from-hf`
+    output (model.yaml beside its step dirs)."""
+    from megascale.checkpoint.storage import checkpoint_roots
+
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file() and (run_dir / "model.yaml").is_file():
+        return run_dir, None, run_dir / "model.yaml"
+    if not config_path.is_file():
+        return run_dir / "checkpoints", None, config_path
+    local, remote = checkpoint_roots(_checkpoint_dir(config_path), str(run_dir))
+    return local, remote, config_path
+
+
+def _checkpoint_dir(config_path: Path) -> Optional[str]:
+    """`checkpoint.dir` of a run's config.yaml, read alone: the model is built from the checkpoint's own
+    config, so the rest of the file need not be valid any more."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(config_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    section = raw.get("checkpoint") if isinstance(raw, dict) else None
+    value = section.get("dir") if isinstance(section, dict) else None
+    return str(value) if value else None
+
+
 def load_model_for_inference(run_dir: Path, checkpoint: Optional[Path] = None,
                              device: str = "cpu") -> tuple[Config, GPTChunk, int]:
-    """Build the run's model with tp=pp=1 and load the newest complete checkpoint into it (resharded)."""
+    """Build the run's model with tp=pp=1 and load the newest complete checkpoint (of either tier, when the
+    run's checkpoint.dir is an s3:// URL) into it, resharded; a remote one is fetched with ranged GETs of
+    the weights only."""
     from megascale.checkpoint.manager import CheckpointManager
+    from megascale.checkpoint.storage import checkpoint_candidates
     from megascale.distributed.sharding import param_shard
     from megascale.distributed.topology import ParallelContext, RankLayout
     from megascale.model import build_model
 
-    checkpoints, fallback = run_dir / "checkpoints", run_dir / "config.yaml"
-    if not fallback.is_file() and (run_dir / "model.yaml").is_file():
-        checkpoints, fallback = run_dir, run_dir / "model.yaml"  # a `convert --from-hf` output
+    checkpoints, remote, fallback = checkpoint_tiers(run_dir)
+    newest = None
+    if remote is not None and checkpoint is None:
+        found = checkpoint_candidates(remote, str(run_dir))
+        if not found:
+            raise UserError(f"no complete checkpoint under '{checkpoints}' or {remote}; train with "
+                            "checkpoint.save_final=true or pass --checkpoint")
+        newest = found[0]
     cfg = stored_config(run_dir, checkpoint, ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.cp=1",
                                               "parallel.dp=1", "parallel.sequence_parallel=false",
                                               "parallel.tp_overlap=false", "parallel.pipeline_layers=null",
                                               "train.dtype=fp32", "train.recompute=none", f"train.device={device}"],
-                        fallback)
+                        fallback, newest)
     ctx = ParallelContext(RankLayout(), rank=0, device=torch.device(device), create_groups=False)
     chunk = build_model(cfg, ctx)[0]
-    manager = CheckpointManager(checkpoints, ctx, cfg)
+    manager = CheckpointManager(checkpoints, ctx, cfg, remote_url=remote if checkpoint is None else None)
     extra = manager.load([param_shard(p) for p in chunk.parameters()], checkpoint)
     if extra is None:
         raise UserError(f"no complete checkpoint under '{checkpoints}'; train with "

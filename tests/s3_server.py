@@ -111,15 +111,26 @@ class WeedServer:
 
 
 class FlakyProxy:
-    """A real HTTP proxy in front of the server that answers 500 to the first `failures` requests."""
+    """A real HTTP proxy in front of the server that breaks requests on purpose.
 
-    def __init__(self, upstream_port: int, failures: int) -> None:
+    - the first `failures` requests are answered 500 InternalError;
+    - `fail_next(match, count)`: the next `count` requests whose ``METHOD path?query`` contains `match`
+      are answered 500 (transient server errors the client must retry);
+    - `hold(match)`: the first request containing `match` waits, with `held` set, until `release()`,
+      so a test can break the server at a known point of an upload (no sleeps);
+    - a request the server does not answer (killed) has its connection closed, as a dead server would.
+    """
+
+    def __init__(self, upstream_port: int, failures: int = 0) -> None:
         import http.client
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         proxy = self
         self.failures, self.requests, self.injected = failures, 0, 0
+        self.rules: list[list] = []  # [match, count left]
+        self.hold_match: Optional[str] = None
+        self.held, self.released = threading.Event(), threading.Event()
         self._lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
@@ -128,13 +139,30 @@ class FlakyProxy:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def _forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
+            def _verdict(self) -> tuple[bool, bool]:
+                """(answer 500, hold until released) for this request."""
+                line = f"{self.command} {self.path}"
                 with proxy._lock:
                     proxy.requests += 1
                     fail = proxy.injected < proxy.failures
+                    for rule in proxy.rules:
+                        if not fail and rule[1] > 0 and rule[0] in line:
+                            rule[1] -= 1
+                            fail = True
+                            proxy.failures += 1
                     proxy.injected += fail
+                    hold = proxy.hold_match is not None and proxy.hold_match in line
+                    if hold:
+                        proxy.hold_match = None
+                return fail, hold
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                fail, hold = self._verdict()
+                if hold:
+                    proxy.held.set()
+                    proxy.released.wait()
                 if fail:
                     payload = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
                     self.send_response(500)
@@ -144,9 +172,14 @@ class FlakyProxy:
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                except OSError:
+                    self.close_connection = True  # the server is gone: so is the client's connection
+                    conn.close()
+                    return
                 self.send_response(resp.status)
                 head = self.command == "HEAD"  # a HEAD answer keeps the object's length
                 for key, value in resp.getheaders():
@@ -163,11 +196,30 @@ class FlakyProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
         self.port = self.server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
+    def fail_next(self, match: str, count: int) -> None:
+        """Answer 500 to the next `count` requests whose method, path and query contain `match`."""
+        with self._lock:
+            self.rules.append([match, count])
+
+    def hold(self, match: str) -> None:
+        """Hold the first request containing `match` (sets `held`) until `release()`."""
+        with self._lock:
+            self.hold_match = match
+        self.held.clear()
+        self.released.clear()
+
+    def release(self) -> None:
+        """Let the held request go on (to whatever the server has become)."""
+        self.released.set()
+
     def close(self) -> None:
-        """Stop serving."""
+        """Stop serving (a held request is let go first)."""
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()

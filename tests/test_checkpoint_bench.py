@@ -28,3 +28,9 @@ def test_checkpoint_bench_rejects_bad_arguments() -> None:
     cmd = [sys.executable, "-m", "megascale.cli", "bench", "checkpoint", "--rounds", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--rounds must be at least 1" in proc.stderr
+
+
+def test_checkpoint_bench_on_object_storage_needs_five_rounds() -> None:
+    cmd = [sys.executable, "-m", "megascale.cli", "bench", "checkpoint", "--dir", "s3://bucket/prefix", "--rounds", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--rounds 3 is too few against object storage" in proc.stderr, proc.stderr

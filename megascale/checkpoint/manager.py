@@ -18,6 +18,7 @@ replicated pieces and broadcasts them over the dp group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -56,7 +57,7 @@ from megascale.checkpoint.format import (
 from megascale.checkpoint.planner import SavePlanner, json_all_gather, json_broadcast, json_gather
 from megascale.checkpoint.reader import load_metadata, load_shards
 from megascale.checkpoint.storage import is_remote_url, open_store
-from megascale.checkpoint.storage.tier import STAGING_DIR, RemoteTier
+from megascale.checkpoint.storage.tier import STAGING_DIR, RemoteTier, newest_first
 from megascale.checkpoint.validate import (
     check_counters,
     corrupt,
@@ -108,6 +109,13 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove each of `dirs` (deepest first) that is empty; one that is not (another rank's staging, a save) stays."""
+    for path in dirs:
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def _own_dir(path: Path) -> Path:
@@ -488,20 +496,18 @@ class CheckpointManager:
         return extra, bytes_read, [s for s in statuses if s is not None]
 
     def _with_remote(self, local: list[str]) -> list[str]:
-        """Local candidates merged with the remote tier's committed steps: newest step first, local first at a tie
-        (faster, and the remote copy of the same step stays as its fallback)."""
+        """Local candidates merged with the remote tier's committed steps (`newest_first`)."""
         if self.remote is None:
             return local
-        remote = [self.remote.store.uri(name) for name in self.remote.committed()]
-        tier = {c: i for i, c in enumerate(local)}
-        return sorted(local + remote, key=lambda c: (-(parse_step(Path(c.rsplit("/", 1)[-1])) or 0),
-                                                     tier.get(c, len(local))))
+        return newest_first(local, [self.remote.store.uri(name) for name in self.remote.committed()])
 
     def _read_remote(self, url: str, shards: list[TensorShard], mask: Optional[list[bool]],
                      optional: Optional[Callable[[str], bool]]) -> tuple[dict, int]:
-        """Stage a remote step's needed byte ranges into this rank's sparse local copy, read it, remove it."""
+        """Stage a remote step's needed byte ranges into this rank's sparse local copy, read it, remove it (and
+        the staging directories it created, when empty: a load from the bucket leaves the run directory as it was)."""
         assert self.remote is not None
         staging = self.root / STAGING_DIR / f"rank_{self.rank:05d}"
+        created = [d for d in (staging, staging.parent, self.root) if not d.exists()]  # deepest first
         name = url.rsplit("/", 1)[1]
         try:
             step_dir, fetched = self.remote.stage(name, staging, shards, f"extra/rank_{self.rank:05d}.json")
@@ -509,6 +515,7 @@ class CheckpointManager:
             return extra, fetched
         finally:
             shutil.rmtree(staging / name, ignore_errors=True)
+            _remove_empty(created)
 
     def wait_uploads(self) -> Optional[str]:
         """Block until the remote tier has uploaded every committed step; the last upload's error, or None."""

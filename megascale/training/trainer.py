@@ -133,6 +133,7 @@ class Trainer:
         self.ckpt.state_check = numerics.first_nonfinite
         self.progress.enter("checkpoint_load")
         self._resume()
+        self._catch_up_uploads()
         self.progress.enter("startup")
         c = cfg.checkpoint
         if c.interval or c.save_final:
@@ -170,9 +171,29 @@ class Trainer:
 
         local, remote = checkpoint_roots(self.cfg.checkpoint.dir, str(self.run_dir))
         manager = CheckpointManager(local, self.ctx, self.cfg, remote_url=remote)
+        if manager.remote is not None:
+            manager.remote.on_failure = self._upload_failed
         if self.faults.active:
             manager.fault_hook = self.faults.checkpoint_hook(lambda: manager.last_save_stats.get("step", 0))
         return manager
+
+    def _catch_up_uploads(self) -> None:
+        """Rank 0 queues the local tier's commits the remote tier lacks (an earlier run's failed upload) on the
+        background uploader, once the resume has read what it needs; the run's end waits for them."""
+        if self.ckpt.remote is None or self.ctx.rank != 0:
+            return
+        from megascale.checkpoint.format import complete_checkpoints
+
+        self.ckpt.remote.catch_up(complete_checkpoints(self.ckpt.root))
+
+    def _upload_failed(self, name: str, error: str) -> None:
+        """A checkpoint the remote tier could not take (called on the upload thread): a `checkpoint_upload_failed`
+        event; the tier itself logs the line, and the run goes on from the local tier."""
+        from megascale.checkpoint.format import parse_step
+        from megascale.training.fault.events import append_event
+
+        append_event(self.run_dir, "checkpoint_upload_failed", step=parse_step(Path(name)), ranks=[self.ctx.rank],
+                     checkpoint=name, error=error)
 
     def state_shards(self) -> list[TensorShard]:
         """Model and optimizer state of this rank as checkpoint shards."""
@@ -358,8 +379,8 @@ class Trainer:
         from megascale.checkpoint.format import CheckpointSaveFailed
 
         raise CheckpointSaveFailed(f"{error}; the checkpoints stay in the local tier {self.ckpt.root}: fix the store, "
-                                   "then run again (it resumes from the newest checkpoint in either tier and "
-                                   "uploads the next one)")
+                                   "then run the same command again (it first uploads the local checkpoints the "
+                                   "store lacks; a finished run only uploads them and exits)")
 
     def _save_failed(self, stats: dict) -> None:
         """A failed save (disk full, failing file system): the final one, or any with on_save_failure=stop, ends

@@ -43,4 +43,30 @@ def checkpoint_roots(checkpoint_dir: Optional[str], output_dir: str) -> tuple[Pa
     return Path(checkpoint_dir), None
 
 
-__all__ = ["RemoteStore", "checkpoint_roots", "fetch_checkpoint", "is_remote_url", "open_store"]
+def checkpoint_candidates(checkpoint_dir: Optional[str], output_dir: str) -> list[str]:
+    """Every complete checkpoint a resume would try, newest first: the local tier's step dirs and, when
+    `checkpoint.dir` is an ``s3://`` URL, the remote tier's committed steps (as URLs; local first at a tie)."""
+    from megascale.checkpoint.format import complete_checkpoints
+    from megascale.checkpoint.storage.tier import RemoteTier, newest_first
+
+    local, remote = checkpoint_roots(checkpoint_dir, output_dir)
+    found = [str(p) for p in complete_checkpoints(local)]
+    if remote is None:
+        return found
+    store = open_store(remote)
+    return newest_first(found, [store.uri(name) for name in RemoteTier(store, keep_last=0).committed()])
+
+
+def checkpoint_metadata(location: str) -> dict:
+    """The checked metadata.json of a step dir or of a remote step URL (``s3://bucket/prefix/step_N``)."""
+    from megascale.checkpoint.reader import load_metadata
+    from megascale.checkpoint.storage.tier import RemoteTier
+
+    if not is_remote_url(location):
+        return load_metadata(Path(location))
+    base, _, name = location.rpartition("/")
+    return RemoteTier(open_store(base), keep_last=0).metadata(name)
+
+
+__all__ = ["RemoteStore", "checkpoint_candidates", "checkpoint_metadata", "checkpoint_roots", "fetch_checkpoint",
+           "is_remote_url", "open_store"]

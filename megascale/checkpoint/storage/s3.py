@@ -47,7 +47,8 @@ class S3Store(RemoteStore):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
         attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", "8"))
-        config = BotoConfig(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=10,
+        # total_max_attempts counts the first try, as AWS_MAX_ATTEMPTS does (botocore's max_attempts would not)
+        config = BotoConfig(retries={"total_max_attempts": attempts, "mode": "standard"}, connect_timeout=10,
                             read_timeout=60, max_pool_connections=2 * _THREADS)
         self.client = boto3.session.Session().client("s3", config=config)
         self.transfer = TransferConfig(multipart_threshold=_PART_BYTES, multipart_chunksize=_PART_BYTES,

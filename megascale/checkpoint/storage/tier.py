@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -45,24 +47,54 @@ def _overlaps(piece: dict, shard: TensorShard) -> bool:
 
 
 class RemoteTier:
-    """Uploads committed local step dirs to `store` (one at a time, newest wins) and stages remote ones."""
+    """Uploads committed local step dirs to `store` (one at a time, newest wins) and stages remote ones.
 
-    def __init__(self, store: RemoteStore, keep_last: int) -> None:
+    `catch_up` queues committed local steps newer than the remote's newest commit (an upload that failed in an
+    earlier run, e.g. a final step uploaded while the store was down), so they reach the store too.
+    `on_failure`, when set, is called on the upload thread with (step dir name, error line) after an
+    upload failed (the trainer records it as a `checkpoint_upload_failed` event); it must not raise.
+    """
+
+    def __init__(self, store: RemoteStore, keep_last: int,
+                 on_failure: Optional[Callable[[str, str], None]] = None) -> None:
         self.store = store
         self.keep_last = keep_last
+        self.on_failure = on_failure
         self.last_error: Optional[str] = None
         self.uploaded: list[dict] = []
         self._lock = threading.Lock()
-        self._pending: Optional[Path] = None
+        self._pending: list[tuple[Path, bool]] = []  # (step dir, only when newer than the remote's newest commit)
         self._busy: set[str] = set()
         self._thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------------------------- upload
     def submit(self, step_dir: Path) -> None:
-        """Queue a committed local step dir for upload; an older one still queued is dropped (newest wins)."""
+        """Queue a committed local step dir for upload; older ones still queued are dropped (newest wins)."""
+        self._queue([(step_dir, False)])
+
+    def catch_up(self, local: list[Path]) -> None:
+        """Queue the committed local step dirs the remote tier lacks (`catch_up_order`): each is uploaded only
+        when it is newer than the remote's newest commit as its turn comes (the listing is read on the upload
+        thread, so a store that is down fails like any upload and never holds up the caller)."""
+        ordered = self.catch_up_order(local)
+        if ordered:
+            self._queue([(p, True) for p in ordered], keep=True)
+
+    def catch_up_order(self, local: list[Path]) -> list[Path]:
+        """Local step dirs (any order) oldest first, at most the `keep_last` newest (pruning drops older ones)."""
+        ordered = sorted(local, key=lambda p: parse_step(p) or 0)
+        return ordered[-self.keep_last:] if self.keep_last > 0 else ordered
+
+    def missing(self, local: list[Path]) -> list[Path]:
+        """The catch-up uploads (`catch_up_order`) newer than the remote's newest commit, as of now."""
+        newest = self.newest_step()
+        return [p for p in self.catch_up_order(local) if (parse_step(p) or 0) > newest]
+
+    def _queue(self, jobs: list[tuple[Path, bool]], keep: bool = False) -> None:
+        """Start uploading `jobs` in order; the jobs still queued go after them (`keep`) or are dropped."""
         with self._lock:
-            self._pending = step_dir
-            self._busy.add(step_dir.name)
+            self._pending = jobs + (self._pending if keep else [])
+            self._busy.update(p.name for p, _ in jobs)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="checkpoint-upload", daemon=True)
                 self._thread.start()
@@ -75,28 +107,48 @@ class RemoteTier:
     def _run(self) -> None:
         while True:
             with self._lock:
-                step_dir, self._pending = self._pending, None
-                if step_dir is None:
+                if not self._pending:
                     self._busy.clear()
+                    self._thread = None  # the next job starts a new thread (this one is on its way out)
                     return
-                self._busy = {step_dir.name}
+                step_dir, only_newer = self._pending.pop(0)
+                self._busy = {step_dir.name} | {p.name for p, _ in self._pending}
             start = time.perf_counter()
             try:
+                if only_newer and (parse_step(step_dir) or 0) <= self.newest_step():
+                    continue
                 size = self.upload(step_dir)
             except Exception as err:  # noqa: BLE001 - an upload failure keeps the remote on its last commit
-                self.last_error = f"upload of {step_dir.name} to {self.store.url} failed: {type(err).__name__}: {err}"
-                log.error("checkpoint %s NOT uploaded (the remote tier stays on its last commit; the local tier has "
-                          "it): %s", step_dir.name, err)
+                self._failed(step_dir.name, err)
             else:
                 self.last_error = None
                 self.uploaded.append({"step": parse_step(step_dir), "bytes": size,
-                                      "upload_s": time.perf_counter() - start})
+                                      "upload_s": time.perf_counter() - start, "catch_up": only_newer})
+                if only_newer:
+                    log.info("checkpoint %s uploaded to %s (the remote tier lacked it)", step_dir.name, self.store.url)
+
+    def _failed(self, name: str, err: Exception) -> None:
+        """Record a failed upload: `last_error`, one log line, and the `on_failure` callback."""
+        self.last_error = f"upload of {name} to {self.store.url} failed: {type(err).__name__}: {err}"
+        log.error("checkpoint %s NOT uploaded to %s (the remote tier stays on its last commit; the local tier "
+                  "has it): %s: %s", name, self.store.url, type(err).__name__, err)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(name, self.last_error)
+            except Exception as hook_err:  # noqa: BLE001 - a reporting failure must not stop later uploads
+                log.error("reporting the failed upload of %s failed too: %s", name, hook_err)
 
     def wait(self) -> Optional[str]:
         """Block until every queued upload has finished; returns the last upload's error, or None."""
-        thread = self._thread
-        if thread is not None:
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None:
+                break
             thread.join()
+            with self._lock:
+                if self._thread is thread:  # ended without clearing itself: nothing else will run
+                    break
         return self.last_error
 
     def upload(self, step_dir: Path) -> int:
@@ -120,22 +172,52 @@ class RemoteTier:
         return sum(p.stat().st_size for p in files)
 
     def prune(self, step: int) -> None:
-        """Keep the newest `keep_last` committed remote steps; drop uncommitted leftovers older than `step`."""
+        """Keep the newest `keep_last` committed remote steps and the newest verified one; drop uncommitted
+        leftovers older than `step`. The newest committed step is never deleted (keep_last 0 keeps all)."""
         committed = self.committed()
-        doomed = committed[self.keep_last:] if self.keep_last > 0 else []
-        listing = self.store.listing("step_")
-        names = {key.split("/", 1)[0] for key in listing}
+        doomed = committed[self.keep_last:] if self.keep_last > 0 else []  # the newest commit always stays
+        if doomed:
+            verified = self.newest_verified(committed)
+            doomed = [name for name in doomed if name != verified]
+        names = {key.split("/", 1)[0] for key in self.store.listing("step_")}
         doomed += [n for n in names if n not in committed and (parse_step(Path(n)) or 0) < step]
         for name in doomed:
             self.store.delete_prefix(f"{name}/")
 
+    def newest_verified(self, committed: list[str]) -> Optional[str]:
+        """The newest of `committed` (newest first) whose commit marker says its state was verified."""
+        for name in committed:
+            try:
+                marker = json.loads(self.store.read(f"{name}/{COMMIT_MARKER}"))
+            except (CheckpointError, ValueError):
+                continue
+            if isinstance(marker, dict) and marker.get("verified"):
+                return name
+        return None
+
     # --------------------------------------------------------------------------------------- load
+    def newest_step(self) -> int:
+        """The step of the remote's newest commit (-1 when it holds none)."""
+        committed = self.committed()
+        return (parse_step(Path(committed[0])) or 0) if committed else -1
+
     def committed(self) -> list[str]:
         """Remote step dir names carrying a commit marker, newest first."""
         keys = self.store.listing("step_")
         names = [key.split("/", 1)[0] for key in keys if key.endswith(f"/{COMMIT_MARKER}")]
         return sorted((n for n in names if parse_step(Path(n)) is not None), key=lambda n: parse_step(Path(n)) or 0,
                       reverse=True)
+
+    def metadata(self, name: str) -> dict:
+        """The checked metadata.json of remote step `name` (CheckpointError when missing or corrupt)."""
+        from megascale.checkpoint.reader import load_metadata
+
+        with tempfile.TemporaryDirectory(prefix="megascale-meta-") as tmp:
+            local = Path(tmp) / name
+            local.mkdir()
+            for small in (COMMIT_MARKER, METADATA_FILE):
+                (local / small).write_bytes(self.store.read(f"{name}/{small}"))
+            return load_metadata(local)
 
     def stage(self, name: str, staging_root: Path, shards: list[TensorShard], own_extra: str,
               everything: bool = False) -> tuple[Path, int]:
@@ -179,6 +261,14 @@ class RemoteTier:
                 out.truncate(remote_size)  # sparse: only the fetched ranges take space
             fetched += self.store.read_ranges(f"{name}/{file}", _merge(wanted.get(file, [])), local / file)
         return local, fetched
+
+
+def newest_first(local: list[str], remote: list[str]) -> list[str]:
+    """Local step dirs and remote step URLs in one list: newest step first, local first at a tie (faster, and
+    the remote copy of the same step stays as its fallback)."""
+    tier = {c: i for i, c in enumerate(local)}
+    return sorted(local + remote, key=lambda c: (-(parse_step(Path(c.rsplit("/", 1)[-1])) or 0),
+                                                 tier.get(c, len(local))))
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
