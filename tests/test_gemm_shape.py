@@ -72,3 +72,12 @@ def test_cross_node_ring_pays_network_latency_only_on_node_crossings() -> None:
     ring = 2 * latency + 2 * 15 / 16 * small / bandwidth
     tree = 2 * (7 * spec.intra_latency_us + 1 * spec.inter_latency_us) * 1e-6 + 2 * small / bandwidth
     assert collective_seconds("all_reduce", small, 16, spec, True, 8) == pytest.approx(min(ring, tree))
+
+
+def test_spec_file_rejects_a_negative_sm_count() -> None:
+    from megascale.errors import UserError
+    from megascale.perf.gpus import spec_from_dict
+
+    assert spec_from_dict({"base": "a100", "sm_count": 54}, "test").sm_count == 54
+    with pytest.raises(UserError, match="sm_count=-1"):
+        spec_from_dict({"base": "a100", "sm_count": -1}, "test")
