@@ -9,15 +9,7 @@ import pytest
 
 from megascale.config import load_config
 from megascale.perf.costs import SystemTraits, collective_seconds, layer_costs
-from megascale.perf.gemm_shape import (
-    K_OVERHEAD,
-    k_efficiency,
-    launch_bound,
-    layer_kernels,
-    shape_factor,
-    split_k_efficiency,
-    wave_efficiency,
-)
+from megascale.perf.gemm_shape import k_efficiency, launch_bound, layer_kernels, shape_factor, wave_efficiency
 from megascale.perf.gpus import builtin_gpu
 from megascale.run_plan import resolve_plan
 
@@ -43,23 +35,11 @@ def test_shape_factor_is_one_for_squares_and_penalises_thin_shards() -> None:
     # tp 8 of h 3072: the output projection's K is a 384-wide slice, a short mainloop.
     thin = shape_factor(8192, 3072, 384, 108)
     size = (8192 * 3072 * 384) ** (1 / 3)
-    square = max(wave_efficiency(size, size, 108, s) * k_efficiency(size / s) for s in (1, 2))  # K >= 1024 a slice
-    expected = wave_efficiency(8192, 3072, 108) * k_efficiency(384) / square  # K 384: no split
+    expected = wave_efficiency(8192, 3072, 108) * k_efficiency(384) / (wave_efficiency(size, size, 108)
+                                                                        * k_efficiency(size))
     assert thin == pytest.approx(min(1.0, expected)) and thin < 0.95
     a100 = builtin_gpu("a100")
     assert a100.gemm_fraction(8192, 3072, 384) < a100.gemm_fraction(4096, 2048, 1176)  # same geometric mean
-
-
-def test_split_k_fills_the_waves_of_a_few_long_k_tiles() -> None:
-    # A tp-overlap piece: 256 x 7680 output, K 12288. Unsplit, 128 x 256 tiles give 60 tiles in one wave of 108.
-    assert wave_efficiency(256, 7680, 108) == pytest.approx(60 / 108)
-    # Cut into 7 K slices of 1755: 420 tiles in 4 waves (432), each slice's loop K / (K + 128) long.
-    seven = wave_efficiency(256, 7680, 108, batch=7) * k_efficiency(12288 / 7)
-    assert seven == pytest.approx(420 / 432 * (12288 / 7) / (12288 / 7 + K_OVERHEAD))
-    assert split_k_efficiency(256, 7680, 12288, 108) == pytest.approx(
-        max(wave_efficiency(256, 7680, 108, batch=s) * k_efficiency(12288 / s) for s in range(1, 9)))
-    assert split_k_efficiency(256, 7680, 12288, 108) >= seven
-    assert split_k_efficiency(256, 7680, 1000, 108) == wave_efficiency(256, 7680, 108) * k_efficiency(1000)
 
 
 def test_launch_bound_only_when_launches_outlast_the_device() -> None:

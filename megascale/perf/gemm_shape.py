@@ -16,9 +16,6 @@ of the same geometric-mean size (so a square GEMM keeps the curve's value):
   `K_OVERHEAD` elements of K (a multi-stage mainloop of 32-64 wide K steps fills
   two to four stages before the first MMA); a GEMM whose K is a narrow tp
   slice amortises it over fewer steps.
-- split-K: an output of few tiles with a long K is cut into up to `MAX_SPLIT_K`
-  K slices run as separate tiles (cuBLAS's split-K kernels), which fills the
-  waves at the price of shorter K loops.
 
 `launch_bound` is the host side: an eager framework launches every kernel of a
 layer from the CPU, one `GpuSpec.kernel_launch_us` each; a pass can be no
@@ -35,10 +32,6 @@ defaults). Smaller tiles load more operand bytes per FLOP; CUTLASS profiler runs
 put 128 x 128 tiles about 10% and 64 x 128 tiles about 30% below the 128 x 256 ones."""
 K_OVERHEAD = 128.0
 """K elements' worth of per-tile pipeline fill and epilogue."""
-MAX_SPLIT_K = 8
-"""Most K slices a split-K kernel cuts a GEMM into."""
-MIN_SPLIT_K = 1024
-"""Fewest K elements each slice of a split-K kernel keeps."""
 
 
 def wave_efficiency(m: float, n: float, sms: int, batch: int = 1) -> float:
@@ -57,13 +50,6 @@ def k_efficiency(k: float) -> float:
     return k / (k + K_OVERHEAD)
 
 
-def split_k_efficiency(m: float, n: float, k: float, sms: int, batch: int = 1) -> float:
-    """Best of tiles x waves x K loop over split-K slicings: a few output tiles with a long K are cut into
-    K slices that run as more tiles (cuBLAS's split-K kernels), each slice keeping >= MIN_SPLIT_K of K."""
-    splits = range(1, 1 + max(1, min(MAX_SPLIT_K, int(k // MIN_SPLIT_K))))
-    return max(wave_efficiency(m, n, sms, batch * s) * k_efficiency(k / s) for s in splits)
-
-
 def shape_factor(m: float, n: float, k: float, sms: int, batch: int = 1) -> float:
     """Efficiency of an m x k by k x n GEMM (`batch` of them in one kernel) relative to the square GEMM of
     the same geometric-mean size, capped at 1: the curve already holds what a square shape reaches."""
@@ -71,7 +57,8 @@ def shape_factor(m: float, n: float, k: float, sms: int, batch: int = 1) -> floa
         return 1.0
     m, n, k = max(float(m), 1.0), max(float(n), 1.0), max(float(k), 1.0)
     size = (m * n * k) ** (1.0 / 3.0)
-    return min(1.0, split_k_efficiency(m, n, k, sms, batch) / split_k_efficiency(size, size, size, sms))
+    square = wave_efficiency(size, size, sms) * k_efficiency(size)
+    return min(1.0, wave_efficiency(m, n, sms, batch) * k_efficiency(k) / square)
 
 
 def layer_kernels(gemms: int, tp_forward: int, tp_backward: int, flash_attention: bool, dropout: bool,
@@ -94,5 +81,5 @@ def launch_bound(kernels: int, launch_us: float, device_seconds: float) -> float
     return max(0.0, kernels * launch_us * 1e-6 - device_seconds)
 
 
-__all__ = ["K_OVERHEAD", "MAX_SPLIT_K", "MIN_SPLIT_K", "TILES", "k_efficiency", "launch_bound", "layer_kernels",
-           "shape_factor", "split_k_efficiency", "wave_efficiency"]
+__all__ = ["K_OVERHEAD", "TILES", "k_efficiency", "launch_bound", "layer_kernels", "shape_factor",
+           "wave_efficiency"]
