@@ -230,7 +230,7 @@ def test_unfused_attention_streams_the_score_matrix() -> None:
     unfused = layer_costs(cfg, plan, spec, SystemTraits(flash_attention=False))
     s, heads = 2048, 96 // plan.tp
     # Forward: two full [s, s] GEMMs per head (the causal mask saves nothing) and the softmax + dropout bytes.
-    gemms = 2 * spec.gemm_seconds(s, s, 128, "bf16", batch=heads)  # one batched kernel over the heads
+    gemms = 2 * heads * spec.gemm_seconds(s, s, 128, "bf16")
     softmax = spec.memory_seconds(heads * s * s * (2 * 2 + 2 * 2 + 1))
     assert unfused.forward.attention == pytest.approx(gemms + softmax)
     assert unfused.forward.attention > 2 * flash.forward.attention

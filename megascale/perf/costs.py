@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from megascale.config import Config
 from megascale.perf import lfa
 from megascale.perf.cp_traffic import cp_layer_traffic
-from megascale.perf.gemm_shape import launch_bound, layer_kernels
 from megascale.perf.gpus import GpuSpec, dtype_bytes
 from megascale.perf.host import ranks_per_core
 from megascale.run_plan import RunPlan
@@ -97,18 +96,17 @@ class Cost:
     tp_comm: float = 0.0
     cp_comm: float = 0.0
     recompute: float = 0.0
-    launch: float = 0.0  # host launches beyond the device time (megascale.perf.gemm_shape.launch_bound)
     hidden: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
         """Exposed time of the pass."""
-        return self.gemm + self.attention + self.memory + self.tp_comm + self.cp_comm + self.recompute + self.launch
+        return self.gemm + self.attention + self.memory + self.tp_comm + self.cp_comm + self.recompute
 
     def scaled(self, k: float) -> Cost:
         """This cost k times (k layers)."""
         return Cost(self.gemm * k, self.attention * k, self.memory * k, self.tp_comm * k, self.cp_comm * k,
-                    self.recompute * k, self.launch * k, {name: v * k for name, v in self.hidden.items()})
+                    self.recompute * k, {name: v * k for name, v in self.hidden.items()})
 
     def add(self, other: Cost) -> None:
         """Accumulate another cost in place."""
@@ -118,15 +116,13 @@ class Cost:
         self.tp_comm += other.tp_comm
         self.cp_comm += other.cp_comm
         self.recompute += other.recompute
-        self.launch += other.launch
         for name, value in other.hidden.items():
             self.hidden[name] = self.hidden.get(name, 0.0) + value
 
     def as_dict(self) -> dict[str, float]:
         """Named parts, for the breakdown."""
         return {"gemm": self.gemm, "attention": self.attention, "memory_bound": self.memory,
-                "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "recompute": self.recompute,
-                "launch": self.launch}
+                "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "recompute": self.recompute}
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -184,18 +180,11 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inte
     own NIC (one per GPU, rail-aligned): the ring runs through them on NVLink and
     leaves the node on all of their NICs at once, so the bus bandwidth is the
     smaller of NVLink and node_ranks NICs (a tp 16 group spanning two nodes runs at
-    8 NICs' speed, a dp group of one GPU per node at one NIC's). Only the ring's
-    node-crossing steps (nodes - 1 of its n - 1) pay the network latency, the rest
-    NVLink's (NCCL's own cost model, src/graph/tuning.cc, charges them so); the
-    tree's steps are a chain inside each node and a tree over the nodes.
+    8 NICs' speed, a dp group of one GPU per node at one NIC's).
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    bandwidth, latency = _link(kind, spec, inter_node, node_ranks)
-    nodes = -(-ranks // max(node_ranks, 1))
-    if inter_node and kind != "p2p" and nodes < ranks:
-        return _hierarchical_seconds(kind, nbytes, ranks, nodes, bandwidth, spec)
-    return _bus_form(kind, nbytes, ranks, bandwidth, latency)
+    return _bus_form(kind, nbytes, ranks, *_link(kind, spec, inter_node, node_ranks))
 
 
 def pass_collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool, gap: float,
@@ -221,21 +210,6 @@ def pass_collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec,
 def shares_cores(spec: GpuSpec) -> bool:
     """Whether ranks are threads on a host's cores (CPU specs), where communication cannot hide under compute."""
     return spec.host_cores > 0
-
-
-def _hierarchical_seconds(kind: str, nbytes: float, ranks: int, nodes: int, bandwidth: float,
-                          spec: GpuSpec) -> float:
-    """A collective over `nodes` nodes of ranks / nodes GPUs each: NVLink-latency steps inside, network across."""
-    intra, inter = spec.intra_latency_us * 1e-6, spec.inter_latency_us * 1e-6
-    ring_latency = (ranks - nodes) * intra + (nodes - 1) * inter
-    share = (ranks - 1) / ranks
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return ring_latency + share * nbytes / bandwidth
-    if kind == "all_reduce":
-        ring = 2 * ring_latency + 2 * share * nbytes / bandwidth
-        tree = 2 * ((ranks // nodes - 1) * intra + math.log2(nodes) * inter) + 2 * nbytes / bandwidth
-        return min(ring, tree)
-    raise ValueError(f"unknown collective {kind!r}")
 
 
 # ----------------------------------------------------------------------------- one layer
@@ -352,7 +326,7 @@ def _unfused_attention_seconds(shape: LayerShape, spec: GpuSpec) -> tuple[float,
     """
     s, d, e = shape.seq, shape.head_dim, shape.bytes
     matrices = shape.batch * shape.heads  # [s, s] score matrices on this rank
-    gemm = spec.gemm_seconds(s, s, d, shape.dtype, batch=matrices)
+    gemm = matrices * spec.gemm_seconds(s, s, d, shape.dtype)
     elements = matrices * s * s
     forward_bytes = elements * (2 * e + ((2 * e + 1) if shape.dropout else 0))
     backward_bytes = elements * (3 * e + ((2 * e + 1) if shape.dropout else 0))
@@ -600,10 +574,6 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
         lfa_fwd, lfa_bwd = _lfa_costs(shape, spec, tp_inter, cp_inter)
         forward.add(lfa_fwd)
         backward.add(lfa_bwd)
-    kernels_f, kernels_b = layer_kernels(len(gemms), sum(counts_fwd.values()), sum(counts_bwd.values()),
-                                         traits.flash_attention, shape.dropout, cfg.model.position == "rope")
-    forward.launch = launch_bound(kernels_f, spec.kernel_launch_us, forward.total)
-    backward.launch = launch_bound(kernels_b, spec.kernel_launch_us, backward.total)
     return LayerCosts(forward, backward, recompute_selective=attn_fwd + cp_f, recompute_full=forward.total)
 
 

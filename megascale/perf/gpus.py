@@ -26,7 +26,6 @@ from typing import Any
 import yaml
 
 from megascale.errors import UserError
-from megascale.perf.gemm_shape import shape_factor
 
 GB = 1e9
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -74,11 +73,6 @@ class GpuSpec:
     """Per-hop latency of an intra-node collective step, microseconds."""
     inter_latency_us: float = 20.0
     """Per-hop latency of an inter-node collective step, microseconds."""
-    sm_count: int = 0
-    """Streaming multiprocessors: GEMM tiles run in waves of this many (0 = no tile/wave model)."""
-    kernel_launch_us: float = 0.0
-    """Host seconds (us) an eager framework spends launching one kernel; a layer's pass is no shorter
-    than its kernels' launches (0 = launches never bound)."""
     memory_reserve_gib: float = 2.5
     """Device memory not available to tensors: CUDA context, NCCL and cuBLAS workspaces."""
     host_cores: float = 0.0
@@ -106,18 +100,16 @@ class GpuSpec:
             raise UserError(f"GPU spec {self.name!r} has no peak for dtype {dtype}; add peak_tflops.{dtype}")
         return float(self.peak_tflops[dtype])
 
-    def gemm_fraction(self, m: float, n: float, k: float, batch: int = 1) -> float:
-        """Fraction of the dense peak a GEMM of m x k times k x n (`batch` of them in one batched kernel)
-        reaches: the size curve, corrected for its shape (tile padding, wave quantization, short K loops:
-        megascale.perf.gemm_shape)."""
+    def gemm_fraction(self, m: float, n: float, k: float) -> float:
+        """Fraction of the dense peak a GEMM of m x k times k x n reaches (interpolated curve)."""
         size = (float(m) * n * k) ** (1.0 / 3.0)
-        return min(1.0, interpolate_log(self.gemm_efficiency, size) * shape_factor(m, n, k, self.sm_count, batch))
+        return interpolate_log(self.gemm_efficiency, size)
 
-    def gemm_seconds(self, m: float, n: float, k: float, dtype: str, batch: int = 1) -> float:
-        """Time of one (batched) GEMM: its FLOPs at the curve's efficiency, or its bytes at HBM speed if slower."""
-        flops = 2.0 * m * n * k * batch
-        compute = flops / (self.peak(dtype) * 1e12 * self.gemm_fraction(m, n, k, batch))
-        nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype) * batch
+    def gemm_seconds(self, m: float, n: float, k: float, dtype: str) -> float:
+        """Time of one GEMM: its FLOPs at the curve's efficiency, or its bytes at HBM speed if slower."""
+        flops = 2.0 * m * n * k
+        compute = flops / (self.peak(dtype) * 1e12 * self.gemm_fraction(m, n, k))
+        nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
         return max(compute, self.memory_seconds(nbytes))
 
     def memory_seconds(self, nbytes: float) -> float:
@@ -162,19 +154,16 @@ def interpolate_log(points: Sequence[tuple[float, float]], x: float) -> float:
 # earlier curve (256 0.24, 1024 0.55, 4096 0.71, 16384 0.78), rounded to two digits.
 _A100_GEMM = ((256, 0.23), (512, 0.39), (1024, 0.53), (2048, 0.63), (4096, 0.69), (8192, 0.73), (16384, 0.76))
 _H100_GEMM = ((256, 0.15), (512, 0.30), (1024, 0.48), (2048, 0.64), (4096, 0.74), (8192, 0.79), (16384, 0.81))
-# Host cost of one eager kernel launch: the CUDA launch (about 2-5 us in NVIDIA's launch micro-benchmarks)
-# plus the framework's operator dispatch (PyTorch eager-mode op overhead micro-benchmarks: ~5-10 us).
-_LAUNCH_US = 8.0
 
 _A100 = GpuSpec(
     name="a100", description="NVIDIA A100 80GB SXM, 8 per node on NVSwitch, 8 x 200 Gb/s HDR InfiniBand",
     peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, memory_gib=80.0, hbm_gbps=2039.0,
-    nvlink_gbps=300.0, nic_gbps=25.0, gemm_efficiency=_A100_GEMM, sm_count=108, kernel_launch_us=_LAUNCH_US,
+    nvlink_gbps=300.0, nic_gbps=25.0, gemm_efficiency=_A100_GEMM,
     attention_fwd_efficiency=0.68, attention_bwd_efficiency=0.52)
 _H100 = GpuSpec(
     name="h100", description="NVIDIA H100 80GB SXM, 8 per node on NVSwitch, 8 x 400 Gb/s NDR InfiniBand",
     peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, memory_gib=80.0, hbm_gbps=3350.0,
-    nvlink_gbps=450.0, nic_gbps=50.0, gemm_efficiency=_H100_GEMM, sm_count=132, kernel_launch_us=_LAUNCH_US,
+    nvlink_gbps=450.0, nic_gbps=50.0, gemm_efficiency=_H100_GEMM,
     attention_fwd_efficiency=0.55, attention_bwd_efficiency=0.40)
 
 BUILTIN_GPUS: Mapping[str, GpuSpec] = MappingProxyType({
@@ -231,9 +220,6 @@ def spec_from_dict(data: Mapping[str, Any], source: str) -> GpuSpec:
 def _check_spec(spec: GpuSpec, source: str) -> None:
     positive = {"memory_gib": spec.memory_gib, "hbm_gbps": spec.hbm_gbps, "nvlink_gbps": spec.nvlink_gbps,
                 "nic_gbps": spec.nic_gbps, "gpus_per_node": spec.gpus_per_node}
-    if spec.sm_count < 0 or spec.kernel_launch_us < 0:
-        raise UserError(f"GPU spec {source}: sm_count={spec.sm_count} and kernel_launch_us={spec.kernel_launch_us} "
-                        "must be >= 0")
     for name, value in positive.items():
         if not value > 0:
             raise UserError(f"GPU spec {source}: {name}={value} must be > 0")
