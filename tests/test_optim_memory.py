@@ -50,21 +50,24 @@ def test_param_count_matches_built_model(overrides: list[str]) -> None:
 
 def test_layer_bytes_by_hand_gpt3_175b() -> None:
     # A GPT-3 175B layer (s=2048, b=1, h=12288, a=96, t=8, sequence parallel, bf16, fused kernels + flash):
-    # both norms keep their input shard and fp32 mean/rstd; each column-parallel GEMM keeps the gathered
-    # full-sequence input (Megatron keeps the shard and gathers again in backward: 2sbh/t instead of 2sbh);
-    # flash keeps the qkv output (v is a view of it), its output and fp32 lse; GeLU keeps input and output.
-    cfg = load_config(None, ["model.hidden_size=12288", "model.num_heads=96", "model.seq_length=2048",
-                             "model.num_layers=96", "train.micro_batch_size=1", "train.dtype=bf16",
-                             "train.global_batch_size=8", "parallel.tp=8", "parallel.sequence_parallel=true"])
-    sh = act.Shapes.of(cfg, resolve_plan(cfg, 8))
+    # both norms keep their input shard and fp32 mean/rstd; each column-parallel GEMM keeps its input
+    # shard and gathers it again in the backward (2sbh/t), or with parallel.sp_regather_input=false the
+    # gathered full-sequence input (2sbh); flash keeps the qkv output (v is a view of it), its output and
+    # fp32 lse; GeLU keeps input and output.
+    overrides = ["model.hidden_size=12288", "model.num_heads=96", "model.seq_length=2048", "model.num_layers=96",
+                 "train.micro_batch_size=1", "train.dtype=bf16", "train.global_batch_size=8", "parallel.tp=8",
+                 "parallel.sequence_parallel=true"]
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     norms = 2 * (s * b * h / t * 2 + s * b / t * 8)
-    gemm_inputs = 2 * s * b * h * 2
     attention = s * b * 3 * h / t * 2 + s * b * h / t * 2 + s * b * a / t * 4
     mlp = 2 * s * b * 4 * h / t * 2
-    assert act.layer_bytes(cfg, sh, "fused", "none") == norms + gemm_inputs + attention + mlp
-    assert act.layer_bytes(cfg, sh, "fused", "selective") == norms + gemm_inputs + attention - s * b * a / t * 4 + mlp
-    assert act.layer_bytes(cfg, sh, "fused", "full") == s * b * h / t * 2
+    for regather, gemm_inputs in ((True, 2 * s * b * h / t * 2), (False, 2 * s * b * h * 2)):
+        cfg = load_config(None, [*overrides, f"parallel.sp_regather_input={str(regather).lower()}"])
+        sh = act.Shapes.of(cfg, resolve_plan(cfg, 8))
+        assert act.layer_bytes(cfg, sh, "fused", "none") == norms + gemm_inputs + attention + mlp
+        assert (act.layer_bytes(cfg, sh, "fused", "selective")
+                == norms + gemm_inputs + attention - s * b * a / t * 4 + mlp)
+        assert act.layer_bytes(cfg, sh, "fused", "full") == s * b * h / t * 2
 
 
 def test_peak_live_matches_the_simulator_with_unequal_chunks() -> None:

@@ -36,6 +36,7 @@ from megascale.distributed.tensor_parallel.overlap import _fuse_weights as fuse_
 from megascale.distributed.tensor_parallel.overlap import _InFlight as InFlight
 from megascale.distributed.tensor_parallel.overlap import _mm as mm
 from megascale.distributed.tensor_parallel.overlap import _weight_grads as weight_grads
+from megascale.distributed.tensor_parallel.overlap import start_regather
 from megascale.timers import timed
 
 if TYPE_CHECKING:
@@ -69,11 +70,8 @@ class _ColumnLinear(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         channel = Channel(settings.group, grad_y.device, settings.timers) if settings.size > 1 else None
         full, gathering = saved, None
-        if settings.regather and any(need_dw):
-            assert channel is not None  # sequence parallelism implies tp > 1
-            saved = saved.contiguous()
-            full = saved.new_empty((channel.size * saved.shape[0], *saved.shape[1:]))
-            gathering = channel.all_gather(full, saved)
+        if channel is not None:  # sequence parallelism implies tp > 1
+            full, gathering = start_regather(channel, saved, settings.regather and any(need_dw))
         dx_full = mm(grad_y, fuse_weights(weights)) if need_dx else None  # under the gather
         if gathering is not None:
             gathering.wait()

@@ -224,6 +224,17 @@ def _ring_reduce_scatter(channel: _Channel, partial_of: Callable[[int], torch.Te
     return total
 
 
+def start_regather(channel: _Channel, shard: torch.Tensor, wanted: bool) -> tuple[torch.Tensor, Optional[_InFlight]]:
+    """(the gathered input's buffer, its in-flight all-gather) for a column backward that saved only
+    this rank's shard; issued first, so it runs under the input-gradient GEMMs. (shard, None) when
+    not `wanted`."""
+    if not wanted:
+        return shard, None
+    shard = shard.contiguous()
+    full = shard.new_empty((channel.size * shard.shape[0], *shard.shape[1:]))
+    return full, channel.all_gather(full, shard)
+
+
 class _ColumnLinear(torch.autograd.Function):
     """y = F.linear(gather_sequence(x) or copy_to_group(x), cat(weights)), communication overlapped.
 
@@ -263,11 +274,7 @@ class _ColumnLinear(torch.autograd.Function):
         need_dx, need_dw = needed[0], list(needed[2:])
         grad_y = grad_y.contiguous()
         channel = _Channel(settings.group, grad_y.device, settings.timers)
-        gathering: Optional[_InFlight] = None
-        if settings.sp and settings.regather and any(need_dw):
-            shard = inp
-            inp = shard.new_empty((channel.size * shard.shape[0], *shard.shape[1:]))
-            gathering = channel.all_gather(inp, shard)  # first: it runs under the input-gradient GEMMs
+        inp, gathering = start_regather(channel, inp, settings.sp and settings.regather and any(need_dw))
         dweights: list[Optional[torch.Tensor]] = [None] * len(weights)
         done = [False]
 
