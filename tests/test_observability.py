@@ -1,4 +1,4 @@
-"""The straggler drill end to end: a real 4-rank data-parallel run with rank 2 slowed by half,
+"""The straggler drill end to end: a real 4-rank data-parallel run with rank 2 slowed by 60 ms a step,
 its timers.jsonl, the straggler it names, and `megascale report` on its run directory; and (slow)
 the tensor- and pipeline-parallel phases of a tp 2 x pp 2 run.
 
@@ -36,10 +36,10 @@ MODEL = ["model.num_layers=2", "model.hidden_size=128", "model.num_heads=4", "mo
          "model.seq_length=64", "train.global_batch_size=16", "train.micro_batch_size=4",
          "log.tensorboard=false", "checkpoint.save_final=false"]
 DRILL = [*MODEL, f"train.steps={STEPS}", "log.interval=3",
-         # a device half again as slow: it spins for half its step time so far, every step. Four ranks share
-         # two cores, so a healthy rank's compute swings by 20-30% from step to step; a 20% slowdown was named
-         # in most runs but not all (the sign test wants it slower than its peers' median in 13 of 15 steps)
-         f"fault.inject=slow:rank={SLOW_RANK}:step=1:factor=0.5:until={STEPS}:mode=busy"]
+         # rank 2 sleeps 60 ms after every forward (its steps compute in 80-120 ms). A proportional spin
+         # (factor=, mode=busy) was missed in some runs: on two cores shared by four ranks the spinning
+         # rank slows its peers too, so its compute stood only 1.1-1.2x above theirs
+         f"fault.inject=slow:rank={SLOW_RANK}:step=1:seconds=0.06:until={STEPS}:mode=sleep:point=after_forward"]
 
 
 def _train(out: Path, overrides: list[str]) -> str:
