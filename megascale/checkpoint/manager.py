@@ -18,7 +18,6 @@ replicated pieces and broadcasts them over the dp group.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -47,7 +46,6 @@ from megascale.checkpoint.format import (
     decode_extra,
     encode_extra,
     fsync_dir,
-    incomplete_reason,
     parse_step,
     partial_dir_name,
     rank_file_name,
@@ -56,6 +54,7 @@ from megascale.checkpoint.format import (
 )
 from megascale.checkpoint.planner import SavePlanner, json_all_gather, json_broadcast, json_gather
 from megascale.checkpoint.reader import load_metadata, load_shards
+from megascale.checkpoint.step_dirs import is_verified, own_dir, remove_empty, remove_step_dir, resolve_checkpoint
 from megascale.checkpoint.storage import is_remote_url, open_store
 from megascale.checkpoint.storage.tier import STAGING_DIR, RemoteTier, newest_first
 from megascale.checkpoint.validate import (
@@ -78,54 +77,6 @@ def _layout_of(ctx: ParallelContext) -> dict:
     lay = ctx.layout
     return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "vpp": ctx.vpp, "order": lay.order,
             "world_size": ctx.world_size}
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A step dir from a step dir, a checkpoints root (its newest complete one) or a run dir."""
-    path = Path(path)
-    if (path / METADATA_FILE).exists() or (path / COMMIT_MARKER).exists() or parse_step(path) is not None:
-        reason = incomplete_reason(path)
-        if reason is not None:
-            raise CheckpointError(f"checkpoint {path} cannot be loaded: {reason}; load an older step")
-        return path
-    for root in (path, path / "checkpoints"):
-        found = complete_checkpoints(root)
-        if found:
-            return found[0]
-    raise CheckpointError(f"no complete checkpoint found at {path}; pass a step_N directory or a checkpoints root")
-
-
-def _verified(step_dir: Path) -> bool:
-    """The commit marker says the state passed the manager's state_check (e.g. was finite)."""
-    try:
-        return bool(read_marker(step_dir).get("verified"))
-    except CheckpointError:
-        return False
-
-
-def _remove(path: Path) -> None:
-    """Delete a step or partial dir; a link in its place is removed itself, never followed."""
-    if path.is_symlink():
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _remove_empty(dirs: list[Path]) -> None:
-    """Remove each of `dirs` (deepest first) that is empty; one that is not (another rank's staging, a save) stays."""
-    for path in dirs:
-        with contextlib.suppress(OSError):
-            path.rmdir()
-
-
-def _own_dir(path: Path) -> Path:
-    """Create (or reuse) a directory this save writes into, replacing a link planted in its place."""
-    if path.is_symlink():
-        log.warning("%s was a symbolic link (to %r); removed it, checkpoints are written only inside %s",
-                    path, os.readlink(path), path.parent)
-        path.unlink(missing_ok=True)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 class CheckpointManager:
@@ -189,7 +140,7 @@ class CheckpointManager:
         partial = self.root / partial_dir_name(step)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            _own_dir(partial)
+            own_dir(partial)
         except OSError as err:  # e.g. a full disk: every rank still joins the commit, which then fails
             stats["snapshot_error"] = f"rank {self.rank}: creating {partial}: {type(err).__name__}: {err}"
         if not self.cfg.checkpoint.async_save:
@@ -316,7 +267,7 @@ class CheckpointManager:
                 records = [asdict(r) for r in recs]
             if error is None:
                 extra_name = EXTRA_FILE if self.rank == 0 else f"extra/rank_{self.rank:05d}.json"
-                _own_dir((partial / extra_name).parent)
+                own_dir((partial / extra_name).parent)
                 atomic_write_text(partial / extra_name, extra_json)
                 extra_sum = [extra_name, file_checksum(extra_json.encode())]
         except Exception as err:  # noqa: BLE001 - reported to rank 0, which then refuses to commit
@@ -341,7 +292,7 @@ class CheckpointManager:
         """Rank 0: publish the checkpoint if every rank succeeded; returns an error message otherwise."""
         errors = [r["error"] for r in reports if r["error"]]
         if errors:
-            _remove(partial)  # every rank has reported: nothing writes into it any more
+            remove_step_dir(partial)  # every rank has reported: nothing writes into it any more
             return "; ".join(errors[:4]) + (f" (+{len(errors) - 4} more)" if len(errors) > 4 else "")
         try:
             records = [PieceRecord(**d) for rep in reports for d in rep["records"]]
@@ -379,7 +330,7 @@ class CheckpointManager:
                                                 daemon=True)
                 self._pruner.start()
         except Exception as err:  # noqa: BLE001 - returned to the caller as the commit's outcome
-            _remove(partial)
+            remove_step_dir(partial)
             return f"rank 0 commit: {type(err).__name__}: {err}"
         return None
 
@@ -402,7 +353,7 @@ class CheckpointManager:
         complete.sort(key=lambda p: parse_step(p) or 0, reverse=True)
         doomed = complete[keep:] if keep > 0 else []
         # Never prune the newest checkpoint whose state was verified (finite) before its commit.
-        verified = next((p for p in complete if _verified(p)), None)
+        verified = next((p for p in complete if is_verified(p)), None)
         uploading = self.remote.busy() if self.remote is not None else set()
         doomed = [p for p in doomed if p != verified and p.name not in self.protected | uploading]
         for path in self.root.iterdir():
@@ -412,7 +363,7 @@ class CheckpointManager:
                 if older is not None and older < step:
                     doomed.append(path)
         for path in doomed:
-            _remove(path)
+            remove_step_dir(path)
 
     # ------------------------------------------------------------------------------------------ load
     def latest(self) -> Optional[Path]:
@@ -515,7 +466,7 @@ class CheckpointManager:
             return extra, fetched
         finally:
             shutil.rmtree(staging / name, ignore_errors=True)
-            _remove_empty(created)
+            remove_empty(created)
 
     def wait_uploads(self) -> Optional[str]:
         """Block until the remote tier has uploaded every committed step; the last upload's error, or None."""

@@ -30,11 +30,17 @@ own defaults describe what its trainer does.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from megascale.config import Config
 from megascale.perf import lfa
+from megascale.perf.collectives import (
+    collective_seconds,
+    group_node_ranks,
+    group_spans_nodes,
+    pass_collective_seconds,
+    shares_cores,
+)
 from megascale.perf.cp_traffic import cp_layer_traffic
 from megascale.perf.gpus import GpuSpec, dtype_bytes
 from megascale.perf.host import ranks_per_core
@@ -123,93 +129,6 @@ class Cost:
         """Named parts, for the breakdown."""
         return {"gemm": self.gemm, "attention": self.attention, "memory_bound": self.memory,
                 "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "recompute": self.recompute}
-
-
-# ----------------------------------------------------------------------------- collectives
-
-
-def group_spans_nodes(plan: RunPlan, axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    """Whether the group varying `axes` (ranks consecutive in plan.order for the fastest axes) crosses nodes."""
-    layout = plan.rank_layout()
-    members = layout.group_ranks(0, axes)
-    return members[-1] // gpus_per_node != members[0] // gpus_per_node
-
-
-def group_node_ranks(plan: RunPlan, axes: tuple[str, ...], gpus_per_node: int) -> int:
-    """Members of the group varying `axes` that share the first member's node (their NICs share its traffic)."""
-    members = plan.rank_layout().group_ranks(0, axes)
-    node = members[0] // gpus_per_node
-    return sum(1 for rank in members if rank // gpus_per_node == node)
-
-
-def _link(kind: str, spec: GpuSpec, inter_node: bool, node_ranks: int) -> tuple[float, float]:
-    """(bus bytes/s, per-step latency s) of a collective of `kind` on spec's links."""
-    if inter_node:
-        bandwidth = min(spec.nvlink_gbps * spec.nvlink_efficiency,
-                        max(node_ranks, 1) * spec.nic_gbps * spec.nic_efficiency) * 1e9
-        return bandwidth, spec.inter_latency_us * 1e-6
-    if kind in spec.collectives:  # measured for this kind (a CPU host's gloo: each kind differs)
-        return spec.collectives[kind][0] * 1e9, spec.collectives[kind][1] * 1e-6
-    return spec.nvlink_gbps * 1e9 * spec.nvlink_efficiency, spec.intra_latency_us * 1e-6
-
-
-def _bus_form(kind: str, nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
-    """Seconds of one collective under the bus-bandwidth model (see `collective_seconds`)."""
-    share = (ranks - 1) / ranks
-    if kind == "p2p":
-        return latency + nbytes / bandwidth
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (ranks - 1) * latency + share * nbytes / bandwidth
-    if kind == "all_reduce":
-        ring = 2 * (ranks - 1) * latency + 2 * share * nbytes / bandwidth
-        tree = 2 * math.log2(ranks) * latency + 2 * nbytes / bandwidth
-        return min(ring, tree)
-    raise ValueError(f"unknown collective {kind!r}")
-
-
-def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool,
-                       node_ranks: int = 1) -> float:
-    """Time of one collective on `nbytes` (the whole tensor) over `ranks` GPUs.
-
-    Bus-bandwidth model: all-gather, reduce-scatter and all-to-all move (n-1)/n of
-    the tensor through each GPU's link, all-reduce twice that. Latency is the ring's
-    n-1 (twice for all-reduce) steps, or the tree's 2 log2(n) for all-reduce when
-    that is faster; p2p moves the tensor once.
-
-    Across nodes, `node_ranks` members of the group sit in each node, each with its
-    own NIC (one per GPU, rail-aligned): the ring runs through them on NVLink and
-    leaves the node on all of their NICs at once, so the bus bandwidth is the
-    smaller of NVLink and node_ranks NICs (a tp 16 group spanning two nodes runs at
-    8 NICs' speed, a dp group of one GPU per node at one NIC's).
-    """
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    return _bus_form(kind, nbytes, ranks, *_link(kind, spec, inter_node, node_ranks))
-
-
-def pass_collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool, gap: float,
-                            node_ranks: int = 1, calls: int = 1) -> float:
-    """Time of `calls` collectives (`nbytes` in all) issued inside a forward or backward pass.
-
-    On a spec that measured what a collective costs inside a pass (`pass_latency_us`, CPU
-    hosts: `bench calibrate --device cpu`), each call pays the bytes' transfer at the
-    collective's bus bandwidth plus, per ring step, the measured meeting of the two ranks:
-    `pass_latency_us` and the drift `pass_drift` x `gap`, the seconds of compute since the
-    previous in-pass collective. Elsewhere it is `calls` x `collective_seconds` of its share.
-    """
-    if ranks <= 1 or nbytes <= 0 or calls <= 0:
-        return 0.0
-    each = nbytes / calls
-    if spec.pass_latency_us <= 0 or inter_node:
-        return calls * collective_seconds(kind, each, ranks, spec, inter_node, node_ranks)
-    bandwidth, _ = _link(kind, spec, inter_node, node_ranks)
-    meet = spec.pass_latency_us * 1e-6 + spec.pass_drift * gap
-    return calls * (_bus_form(kind, each, ranks, bandwidth, 0.0) + (ranks - 1) * meet)
-
-
-def shares_cores(spec: GpuSpec) -> bool:
-    """Whether ranks are threads on a host's cores (CPU specs), where communication cannot hide under compute."""
-    return spec.host_cores > 0
 
 
 # ----------------------------------------------------------------------------- one layer

@@ -36,7 +36,7 @@ from megascale.distributed.tensor_parallel.overlap import _fuse_weights as fuse_
 from megascale.distributed.tensor_parallel.overlap import _InFlight as InFlight
 from megascale.distributed.tensor_parallel.overlap import _mm as mm
 from megascale.distributed.tensor_parallel.overlap import _weight_grads as weight_grads
-from megascale.distributed.tensor_parallel.overlap import start_regather
+from megascale.distributed.tensor_parallel.overlap import column_saved, start_regather
 from megascale.timers import timed
 
 if TYPE_CHECKING:
@@ -64,9 +64,7 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         settings: TPSettings = ctx.settings
-        saved, *weights = ctx.saved_tensors
-        needed = comm.needed_grads(ctx)  # a split backward's B or W pass asks for only some of them
-        need_dx, need_dw = needed[0], list(needed[2:])
+        saved, weights, need_dx, need_dw = column_saved(ctx)
         grad_y = grad_y.contiguous()
         channel = Channel(settings.group, grad_y.device, settings.timers) if settings.size > 1 else None
         full, gathering = saved, None

@@ -224,6 +224,14 @@ def _ring_reduce_scatter(channel: _Channel, partial_of: Callable[[int], torch.Te
     return total
 
 
+def column_saved(ctx: Any) -> tuple[torch.Tensor, list[torch.Tensor], bool, list[bool]]:
+    """(saved input, weights, dX wanted, dW wanted per weight) of a column function `apply(x, settings,
+    *weights)`: what the running backward pass asks for (a split backward's B or W, see `comm.needed_grads`)."""
+    inp, *weights = ctx.saved_tensors
+    needed = comm.needed_grads(ctx)
+    return inp, weights, needed[0], list(needed[2:])
+
+
 def start_regather(channel: _Channel, shard: torch.Tensor, wanted: bool) -> tuple[torch.Tensor, Optional[_InFlight]]:
     """(the gathered input's buffer, its in-flight all-gather) for a column backward that saved only
     this rank's shard; issued first, so it runs under the input-gradient GEMMs. (shard, None) when
@@ -269,9 +277,7 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         settings: TPSettings = ctx.settings
-        inp, *weights = ctx.saved_tensors
-        needed = comm.needed_grads(ctx)  # a split backward's B or W pass asks for only some of them
-        need_dx, need_dw = needed[0], list(needed[2:])
+        inp, weights, need_dx, need_dw = column_saved(ctx)
         grad_y = grad_y.contiguous()
         channel = _Channel(settings.group, grad_y.device, settings.timers)
         inp, gathering = start_regather(channel, inp, settings.sp and settings.regather and any(need_dw))
