@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from megascale.checkpoint.format import complete_checkpoints, parse_step
 from megascale.config import Config, ConfigError
 from megascale.data.tokenizer import check_tokenizer
 from megascale.distributed.random import seed_everything
@@ -24,6 +25,7 @@ from megascale.perf.flops import device_peak
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.timers import PhaseTimers
 from megascale.training.fault import numerics
+from megascale.training.fault.events import append_event
 from megascale.training.fault.inject import FaultInjector
 from megascale.training.fault.progress import Progress
 from megascale.training.metrics import MetricsSink, elapsed_and_eta, format_line
@@ -182,16 +184,11 @@ class Trainer:
         background uploader, once the resume has read what it needs; the run's end waits for them."""
         if self.ckpt.remote is None or self.ctx.rank != 0:
             return
-        from megascale.checkpoint.format import complete_checkpoints
-
         self.ckpt.remote.catch_up(complete_checkpoints(self.ckpt.root))
 
     def _upload_failed(self, name: str, error: str) -> None:
         """A checkpoint the remote tier could not take (called on the upload thread): a `checkpoint_upload_failed`
         event; the tier itself logs the line, and the run goes on from the local tier."""
-        from megascale.checkpoint.format import parse_step
-        from megascale.training.fault.events import append_event
-
         append_event(self.run_dir, "checkpoint_upload_failed", step=parse_step(Path(name)), ranks=[self.ctx.rank],
                      checkpoint=name, error=error)
 
@@ -245,8 +242,6 @@ class Trainer:
         """A checkpoint passed over on resume: one log line and a `checkpoint_skipped` event (rank 0)."""
         self.sink.print(f"checkpoint {name} skipped: {reason}")
         if self.ctx.rank == 0:
-            from megascale.training.fault.events import append_event
-
             append_event(self.run_dir, "checkpoint_skipped", step=None, ranks=[], checkpoint=name, reason=reason)
 
     def _announce(self) -> None:
