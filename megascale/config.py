@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from megascale.errors import ConfigError
-from megascale.layout_rules import check_layout
+from megascale.layout_rules import check_layout, check_moe
 
 # The values a choice field accepts. Each alias is the one source of its choices: the field is
 # annotated with it, `_coerce` validates against it, and code that takes the value uses it too.
@@ -45,6 +45,7 @@ PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2"]
 HeartbeatStore = Literal["auto", "store", "files"]
 ElasticMode = Literal["none", "dp"]
 WandbMode = Literal["online", "offline", "disabled"]
+RouterKind = Literal["softmax", "sigmoid"]
 
 
 def choices_of(literal: Any) -> tuple:
@@ -62,6 +63,39 @@ def _f(default: Any, help: str, choices: Any = None, alias: Optional[str] = None
     if isinstance(default, (list, dict)):
         return field(default_factory=functools.partial(copy.copy, default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+@dataclass
+class MoEConfig:
+    """model.moe.*: Mixture-of-Experts MLPs (num_experts = 0 keeps every layer dense)."""
+
+    num_experts: int = _f(0, "routed experts per MoE layer; 0 = a dense model")
+    top_k: int = _f(2, "experts each token is routed to")
+    ffn_hidden_size: Optional[int] = _f(None, "width of one routed expert's MLP; null = model.ffn_hidden_size "
+                                              "(resolved)")
+    shared_experts: int = _f(0, "always-active shared experts (DeepSeek style), run as one dense MLP beside "
+                                "the routed ones")
+    shared_ffn_hidden_size: Optional[int] = _f(None, "width of the shared-expert MLP; null = shared_experts x "
+                                                     "the routed expert width")
+    first_dense: int = _f(0, "the first k layers stay dense (DeepSeek-V3: 3)")
+    frequency: int = _f(1, "after the first_dense layers, every n-th layer is an MoE layer (1 = all of them)")
+    router: RouterKind = _f("softmax", "softmax: softmax over all experts, then top-k (Mixtral, Qwen); sigmoid: "
+                                       "sigmoid affinities, top-k on affinity + bias (DeepSeek-V3)", RouterKind)
+    norm_topk_prob: bool = _f(True, "renormalise the top-k gate weights of each token to sum to 1")
+    routed_scaling: float = _f(1.0, "factor on the routed experts' combined output (DeepSeek-V3: 2.5)")
+    bias_update_rate: float = _f(0.0, "sigmoid router: aux-loss-free balancing, each expert's selection bias "
+                                      "moves by this much per step towards the mean load (DeepSeek-V3: 0.001); "
+                                      "0 = off")
+    aux_loss_coeff: float = _f(0.0, "coefficient of the load-balancing loss N * sum_i f_i * P_i; 0 = off")
+    z_loss_coeff: float = _f(0.0, "coefficient of the router z-loss mean(logsumexp(logits)^2); 0 = off")
+    capacity_factor: Optional[float] = _f(None, "tokens an expert takes per micro-batch, as a multiple of the "
+                                                "balanced share (tokens * top_k / num_experts); the rest are "
+                                                "dropped. null = dropless")
+
+    @property
+    def enabled(self) -> bool:
+        """True when the model has MoE layers."""
+        return self.num_experts > 0
 
 
 @dataclass
@@ -96,6 +130,24 @@ class ModelConfig:
     dropout: float = _f(0.0, "hidden dropout probability")
     attention_dropout: float = _f(0.0, "attention-probability dropout")
     init_std: float = _f(0.02, "std of the normal weight init (output projections scaled by 1/sqrt(2*layers))")
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"help": "Mixture-of-Experts layers"})
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (global, from 0) has a routed-expert MLP."""
+        moe = self.moe
+        return moe.enabled and index >= moe.first_dense and (index - moe.first_dense) % moe.frequency == 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Resolved width of one routed expert."""
+        return self.moe.ffn_hidden_size or self.ffn_size
+
+    @property
+    def shared_ffn_size(self) -> int:
+        """Resolved width of the shared-expert MLP (0 without shared experts)."""
+        if self.moe.shared_ffn_hidden_size:
+            return self.moe.shared_ffn_hidden_size
+        return self.moe.shared_experts * self.expert_ffn_size
 
     @property
     def kv_heads(self) -> int:
@@ -131,6 +183,7 @@ class ParallelConfig:
     pp: int = _f(1, "pipeline-parallel size")
     dp: Optional[int] = _f(None, "data-parallel size; null = world_size / (tp*pp*cp)")
     cp: int = _f(1, "context-parallel size")
+    ep: int = _f(1, "expert-parallel size: routed experts split over this many ranks, taken from the dp x cp ranks")
     vpp: int = _f(1, "virtual pipeline stages (model chunks) per pipeline rank")
     order: str = _f("tp-cp-dp-pp", "rank order, fastest-varying axis first")
     sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")
@@ -556,6 +609,7 @@ def validate(cfg: Config) -> None:
                           f"model.hidden_size={m.hidden_size} must be even")
     if not 0.0 <= m.dropout < 1.0 or not 0.0 <= m.attention_dropout < 1.0:
         raise ConfigError("model.dropout and model.attention_dropout must be in [0, 1)")
+    check_moe(m, p.ep)
     # The world-free layout checks (tp, sequence and context parallelism); the run plan repeats
     # them with the world size. Running them here reports them as soon as the file is read.
     check_layout(cfg)

@@ -1,6 +1,7 @@
 """The parallel layout rules that need no world size: the order string, tensor/sequence-parallel
-divisibility, and context parallelism (which Ulysses size a cp mode uses). `megascale.config.validate`
-runs them as soon as a file is read; `megascale.run_plan.resolve_plan` runs them again with the world size."""
+divisibility, Mixture-of-Experts shapes and expert parallelism, and context parallelism (which
+Ulysses size a cp mode uses). `megascale.config.validate` runs them as soon as a file is read;
+`megascale.run_plan.resolve_plan` runs them again with the world size."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 from megascale.errors import ConfigError
 
 if TYPE_CHECKING:
-    from megascale.config import Config
+    from megascale.config import Config, ModelConfig
 
 CP_MODES = ("ulysses", "ring", "hybrid")
 AXES = ("tp", "cp", "dp", "pp")
@@ -75,3 +76,39 @@ def check_layout(cfg: Config) -> int:
         raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
                           "with parallel.sequence_parallel")
     return check_context_parallel(cfg, p.cp, p.tp) if p.cp > 1 else 1
+
+
+def check_moe(m: ModelConfig, ep: int) -> None:
+    """model.moe.* and parallel.ep checks that need no world size."""
+    moe = m.moe
+    if ep < 1:
+        raise ConfigError(f"parallel.ep={ep} must be >= 1")
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0 = a dense model)")
+    if not moe.enabled:
+        if ep > 1:
+            raise ConfigError(f"parallel.ep={ep} needs routed experts; set model.moe.num_experts or parallel.ep=1")
+        return
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and "
+                          f"model.moe.num_experts={moe.num_experts}")
+    if moe.frequency < 1:
+        raise ConfigError(f"model.moe.frequency={moe.frequency} must be >= 1")
+    if not 0 <= moe.first_dense < m.num_layers:
+        raise ConfigError(f"model.moe.first_dense={moe.first_dense} leaves no MoE layer among "
+                          f"model.num_layers={m.num_layers}; choose 0 <= first_dense < num_layers")
+    if moe.shared_experts < 0:
+        raise ConfigError(f"model.moe.shared_experts={moe.shared_experts} must be >= 0")
+    if m.expert_ffn_size < 1:
+        raise ConfigError(f"model.moe.ffn_hidden_size={m.expert_ffn_size} must be >= 1")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null for dropless")
+    for key in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
+    if moe.bias_update_rate > 0 and moe.router != "sigmoid":
+        raise ConfigError("model.moe.bias_update_rate needs model.moe.router=sigmoid (the aux-loss-free bias "
+                          "steers sigmoid affinities); set the router or bias_update_rate=0")
+    if moe.num_experts % ep:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={ep}; "
+                          "choose ep dividing the expert count")

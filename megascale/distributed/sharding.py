@@ -49,6 +49,9 @@ class ShardSpec:
     primary: False for a second copy held by another pipeline stage (the tied
         output embedding on the last stage); such a copy is skipped when counting
         norms and written to checkpoints by its primary only.
+    ep_dim / ep_rank / ep_size: for routed-expert weights, the dimension (the
+        leading expert axis) cut over the expert-parallel group and this rank's
+        position in it; None / 0 / 1 for every other parameter.
     """
 
     global_name: str
@@ -59,11 +62,19 @@ class ShardSpec:
     tp_rank: int = 0
     tp_size: int = 1
     primary: bool = True
+    ep_dim: Optional[int] = None
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @property
     def is_tp_replicated(self) -> bool:
         """True when every tensor-parallel rank holds an identical copy."""
         return self.split_dim is None or self.tp_size == 1
+
+    @property
+    def is_expert(self) -> bool:
+        """True for a routed-expert weight (sharded over the expert-parallel group, whatever its size)."""
+        return self.ep_dim is not None
 
     @property
     def counts_for_norm(self) -> bool:
@@ -95,6 +106,21 @@ def split_spec(name: str, global_shape: tuple[int, ...], split_dim: int, tp_rank
     local = list(global_shape)
     local[split_dim] = part
     return ShardSpec(name, global_shape, split_dim, tuple(offsets), tuple(local), tp_rank, tp_size, primary)
+
+
+def expert_spec(name: str, global_shape: tuple[int, ...], ep_rank: int, ep_size: int,
+                tp_rank: int = 0, tp_size: int = 1) -> ShardSpec:
+    """Spec of a routed-expert weight [experts, ...]: the ep_rank-th of ep_size equal blocks of experts,
+    whole on every tp rank."""
+    global_shape = tuple(int(s) for s in global_shape)
+    experts = global_shape[0]
+    if experts % ep_size != 0:
+        raise ValueError(f"{name}: {experts} experts are not divisible by ep={ep_size}")
+    part = experts // ep_size
+    local = (part, *global_shape[1:])
+    offsets = (ep_rank * part,) + (0,) * (len(global_shape) - 1)
+    return ShardSpec(name, global_shape, None, offsets, local, tp_rank, tp_size, True,
+                     ep_dim=0, ep_rank=ep_rank, ep_size=ep_size)
 
 
 def set_shard(param: torch.Tensor, spec: ShardSpec) -> None:
