@@ -75,8 +75,13 @@ def measure_saved_bytes(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], 
     return sum(saved.values())
 
 
-def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1) -> tuple[int, float]:
-    """(measured, modelled) saved bytes of one micro-batch through this rank's chunk of the layout."""
+def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1,
+            ctx: Any = None) -> tuple[int, float]:
+    """(measured, modelled) saved bytes of one micro-batch through this rank's chunk of the layout.
+
+    ctx: the layout's context when the caller builds it once for many cases (its process
+    groups are reused); built here from the overrides otherwise.
+    """
     from megascale.kernels import emulate
     from megascale.model import build_model
     from megascale.perf.activations import chunk_bytes
@@ -87,7 +92,11 @@ def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world
     dp = world // (p.tp * p.pp * p.cp)  # the rest of the ranks replicate the model: one micro-batch each
     cfg = parity.make_config([*overrides, f"train.global_batch_size={cfg.train.micro_batch_size * dp}"])
     plan = resolve_plan(cfg, world)
-    chunk = build_model(cfg, parity.layout_context(cfg, rank, world), plan=plan)[0]
+    if ctx is None:
+        ctx = parity.layout_context(cfg, rank, world)
+    p = cfg.parallel
+    assert (ctx.tp_size, ctx.cp_size, ctx.pp_size, ctx.rank) == (p.tp, p.cp, p.pp, rank), ctx.describe()
+    chunk = build_model(cfg, ctx, plan=plan)[0]
     if kernels == "fused":  # the csrc autograd fronts over the extension's plain-torch stand-in
         chunk.bc.ops._extension = lambda *tensors: emulate
     chunk.first, chunk.last = STAGES[stage]
@@ -198,8 +207,12 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
 
 
 def _layout_case(layout: str, full: bool, rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
-    return [(f"{case} rank {rank}", *compare(overrides, kernels, stage, rank, world))
-            for case, overrides, kernels, stage in _layout_grid(layout, full)]
+    # One context for all of the layout's cases: its process groups (each with gloo's threads and
+    # sockets) are made once, not once per case.
+    cases = _layout_grid(layout, full)
+    ctx = parity.layout_context(parity.make_config(cases[0][1]), rank, world)
+    return [(f"{case} rank {rank}", *compare(overrides, kernels, stage, rank, world, ctx))
+            for case, overrides, kernels, stage in cases]
 
 
 def _check_layout(outcome: Outcome) -> None:
