@@ -31,7 +31,7 @@ from typing import Any, Optional
 import parity
 import pytest
 import torch
-from dist_utils import Outcome, run_scenarios
+from dist_utils import Outcome, run_scenarios, thread_count
 
 BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=500",
         "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2", "train.seed=3"]
@@ -209,10 +209,17 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
 def _layout_case(layout: str, full: bool, rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
     # One context for all of the layout's cases: its process groups (each with gloo's threads and
     # sockets) are made once, not once per case.
+    # The first case makes every group the layout's models need (sub-groups included); the
+    # thread count after it bounds the rest.
     cases = _layout_grid(layout, full)
     ctx = parity.layout_context(parity.make_config(cases[0][1]), rank, world)
-    return [(f"{case} rank {rank}", *compare(overrides, kernels, stage, rank, world, ctx))
-            for case, overrides, kernels, stage in cases]
+    rows, threads = [], 0
+    for case, overrides, kernels, stage in cases:
+        rows.append((f"{case} rank {rank}", *compare(overrides, kernels, stage, rank, world, ctx)))
+        threads = threads or thread_count()
+    if thread_count() > threads:
+        raise AssertionError(f"{layout}: {thread_count()} threads after {len(cases)} cases, {threads} after the first")
+    return rows
 
 
 def _check_layout(outcome: Outcome) -> None:
