@@ -268,6 +268,12 @@ class ParallelContext:
 
     With world_size 1 no process group is created and every group is None, which
     the collectives in `megascale.distributed.comm` treat as a no-op.
+
+    The groups live as long as the world: every gloo group holds threads and sockets,
+    so a process that needs several models of one layout builds one context and reuses
+    it. Destroying a group and making it again does not work either: the locally
+    synchronised name repeats once the count of live groups is back where it was, and
+    the new group meets the old one's rendezvous keys in the store.
     """
 
     def __init__(self, layout: RankLayout, rank: int = 0, vpp: int = 1,
