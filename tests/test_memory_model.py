@@ -230,7 +230,7 @@ def _layout_case(layout: str, full: bool, rank: int, world: int, shared: Any) ->
     ctx = parity.layout_context(parity.make_config(cases[0][1]), rank, world)
     rows, threads = [], 0
     for case, overrides, kernels, stage in cases:
-        rows.append((f"{case} rank {rank}", *compare(overrides, kernels, stage, rank, world, ctx)))
+        rows.append((case, *compare(overrides, kernels, stage, rank, world, ctx)))
         threads = threads or thread_count()
     if thread_count() > threads:
         raise AssertionError(f"{layout}: {thread_count()} threads after {len(cases)} cases, {threads} after the first")
@@ -238,8 +238,19 @@ def _layout_case(layout: str, full: bool, rank: int, world: int, shared: Any) ->
 
 
 def _check_layout(outcome: Outcome) -> None:
-    results = [row for rank_rows in outcome.check() for row in rank_rows]
-    assert len(results) >= 2 * 7
+    """The model, the same on every rank, against the rank that saves the most, case by case.
+
+    Ranks of one stage may differ: under ring attention a rank whose zigzag chunks
+    meet holds one run of positions instead of two, and LFA's filter keeps one halo
+    less. The model is the stage's largest rank; every other rank saves less.
+    """
+    results = []
+    for rows in zip(*outcome.check()):  # the same cases in the same order on every rank
+        cases = {(case, want) for case, _, want in rows}
+        assert len(cases) == 1, f"the ranks disagree on the case or the model's bytes: {sorted(cases)}"
+        (case, want), = cases
+        results.append((f"{case} (most of {len(rows)} ranks)", max(got for _, got, _ in rows), want))
+    assert len(results) >= 7
     assert not _failures(results), "\n".join(_failures(results))
 
 
