@@ -199,10 +199,10 @@ SLOW_LAYOUTS = {
 def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str]]:
     dropout = "llama_dropout" if "ring" in layout or "hybrid" in layout else "dropout"
     if full:
-        cases = _grid(["gpt", "llama", dropout, "lfa", "lfa_mha_window", "parallel_window", "parallel_llama"],
-                      ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
-        cases += _grid(["gpt", "llama", "lfa", "parallel_llama"], ("bf16",), ["none", "selective"], ["first", "last"],
-                       "fused")
+        cases = _grid(["gpt", "llama", dropout, "lfa", "lfa_mha_window", "parallel_window", "parallel_llama",
+                       "parallel_lfa"], ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
+        cases += _grid(["gpt", "llama", "lfa", "parallel_llama", "parallel_lfa"], ("bf16",), ["none", "selective"],
+                       ["first", "last"], "fused")
     else:  # one case per setting: dtype, recompute mode, MHA/GQA, dropout, stage position, profile
         cases = (_grid(["gpt"], ("fp32",), ["none"], ["whole"], "reference")
                  + _grid(["llama"], ("bf16",), ["none"], ["whole"], "reference")
