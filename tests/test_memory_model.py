@@ -223,9 +223,8 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
 
 def _layout_case(layout: str, full: bool, rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
     # One context for all of the layout's cases: its process groups (each with gloo's threads and
-    # sockets) are made once, not once per case.
-    # The first case makes every group the layout's models need (sub-groups included); the
-    # thread count after it bounds the rest.
+    # sockets) are made once, not once per case. The first case makes every group the layout's
+    # models need (sub-groups included), so the thread count after it bounds the rest.
     cases = _layout_grid(layout, full)
     ctx = parity.layout_context(parity.make_config(cases[0][1]), rank, world)
     rows, threads = [], 0
