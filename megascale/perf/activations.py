@@ -260,8 +260,9 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
         if not m.lfa:  # one GEMM for qkv and fc1: one kept input, one output both branches read
             fused = _fused_block_output_bytes(cfg, sh, kernels, recompute)
             return norm + linear_in + core + mlp_bytes(cfg, sh, kernels) + fused + mask
-        # One norm feeds both branches; under SP each gathers its own copy.
-        inputs = attention_in + linear_in if sh.sp else linear_in
+        # One norm feeds both branches. With tp the attention branch's filtered and plain inputs enter
+        # the tp region as one new tensor (all-gathered under SP) beside the MLP's own input.
+        inputs = attention_in + linear_in if sh.tp > 1 else linear_in
         return norm + inputs + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + mask
     return 2 * norm + attention_in + linear_in + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
 
