@@ -288,3 +288,59 @@ def test_train_writes_moe_metrics_and_resumes_exactly(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
     assert [r["moe_tokens_per_expert"] for r in resumed] == [r["moe_tokens_per_expert"] for r in full]
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+
+
+def _grouped_vs_loop(device: str, dtype: torch.dtype) -> tuple[float, list[float]]:
+    from megascale.model.experts import grouped_linear
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 32, generator=gen).to(device, dtype).requires_grad_()
+    w = torch.randn(4, 48, 32, generator=gen).to(device, dtype).requires_grad_()
+    b = torch.randn(4, 48, generator=gen).to(device, dtype).requires_grad_()
+    counts = torch.tensor([9, 0, 25, 6])  # an expert without rows
+    probe = torch.randn(40, 48, generator=gen).to(device, dtype)
+    outs, grads = [], []
+    for grouped in (True, False):
+        y = grouped_linear(x, w, b, counts, grouped)
+        outs.append(y.float())
+        grads.append([g.float() for g in torch.autograd.grad((y * probe).sum(), (x, w, b))])
+    return float((outs[0] - outs[1]).abs().max()), [float((g - r).abs().max()) for g, r in zip(*grads)]
+
+
+def test_grouped_gemm_path_matches_the_loop_on_cpu() -> None:
+    """The offsets, transposes and per-row biases of the grouped path, where this torch runs it on CPU."""
+    try:
+        out_err, grad_errs = _grouped_vs_loop("cpu", torch.float32)
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch._grouped_mm does not run on this CPU build: {err}")
+    assert out_err < 1e-5 and max(grad_errs) < 1e-4, (out_err, grad_errs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_gemm_matches_the_loop_on_cuda_bf16() -> None:
+    """bf16 on CUDA: the same products up to bf16 rounding of O(10) values (one ulp ~ 0.06)."""
+    x = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
+    from megascale.model.experts import grouped_mm_available
+
+    assert grouped_mm_available(x, 32, 48) or torch.cuda.get_device_capability() < (8, 0)
+    out_err, grad_errs = _grouped_vs_loop("cuda", torch.bfloat16)
+    assert out_err < 0.25 and max(grad_errs) < 1.0, (out_err, grad_errs)
+
+
+# ----------------------------------------------------------------------------- layout checks
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.moe.shared_ffn_hidden_size=30", "parallel.tp=4"], "shared-expert width 30"),
+    (["model.seq_length=18", "parallel.tp=4"], "model.seq_length=18 must be divisible by tp*cp=4"),
+])
+def test_moe_tensor_parallel_layout_checks(overrides: list[str], needle: str) -> None:
+    from megascale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle.replace("*", r"\*")) as info:
+        parity.make_config(["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8",
+                            "model.ffn_hidden_size=128", "model.moe.num_experts=4", *overrides])
+    assert "\n" not in str(info.value)
