@@ -344,3 +344,19 @@ def test_moe_tensor_parallel_layout_checks(overrides: list[str], needle: str) ->
         parity.make_config(["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8",
                             "model.ffn_hidden_size=128", "model.moe.num_experts=4", *overrides])
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
+                                    ["parallel.tp=2", "parallel.sequence_parallel=false"]],
+                         ids=["pp2", "tp2_sp", "tp2"])
+def test_parallel_moe_run_reproduces_the_single_process_curve(tmp_path: Path, layout: list[str]) -> None:
+    """Dropless MoE training on 2 ranks: the same losses (fp32 reduction-order noise) and the same per-expert
+    counts and biases, with the statistics of both pipeline stages' layers on the logging rank."""
+    dropless = [o for o in TRAIN_MOE if not o.startswith("model.moe.capacity_factor")]
+    single = train(tmp_path / "single", "train.steps=3", *dropless)
+    parallel = train(tmp_path / "parallel", "train.steps=3", *dropless, *layout, nproc=2)
+    for got, ref in zip(parallel, single):
+        assert abs(got["loss"] - ref["loss"]) < 1e-4 * ref["loss"], (got["loss"], ref["loss"])
+        assert got["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
+        assert got["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-5)
