@@ -234,10 +234,43 @@ def _tp_case(sp: bool, variant: str, rank: int, world: int, shared: dict) -> tup
     return loss_err, grad_err, param_err, worst, counts_equal, aux_err
 
 
+def _cp_case(layout: list[str], variant: str, rank: int, world: int, shared: dict) -> tuple:
+    """cp splits the sequence: losses and gradients summed over cp equal the single process (loss scaled per
+    global token, as the trainer does); the aux loss's statistics span the whole sequence."""
+    from megascale.distributed import comm
+
+    tokens = shared["tokens"]
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_scale": 1.0 / tokens[:, 1:].numel()}
+    results = []
+    for extra in ([], layout):
+        cfg = parity.make_config(TP_BASE + TP_VARIANTS[variant] + extra)
+        ctx = parity.layout_context(cfg, rank, world)
+        chunk = parity.build_chunks(cfg, ctx)[0]
+        loss = chunk(None, batch)
+        loss.backward()
+        total = loss.detach().clone()
+        comm.all_reduce(total, ctx.group("cp"))
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        parity.reduce_grads(params, ctx, over_cp=True)
+        stats = chunk.layers["1"].mlp.stats.take(torch.device("cpu"))
+        comm.all_reduce(stats, ctx.group("cp"))
+        results.append((float(total), parity.gather_global(params, ctx), stats, ctx.cp_size))
+    (ref_loss, ref_grads, ref_stats, _), (loss, grads, stats, cp) = results
+    worst, grad_err = parity.worst(parity.max_abs_errors(ref_grads, grads))
+    counts_equal = torch.equal(ref_stats[:4], stats[:4])
+    aux_err = float((stats[4:6] / cp - ref_stats[4:6]).abs().max())
+    return abs(loss - ref_loss), grad_err, worst, counts_equal, aux_err
+
+
+CP_CASES = {"cp2_ring-softmax_swiglu_shared": (["parallel.cp=2", "parallel.cp_mode=ring"], "softmax_swiglu_shared"),
+            "cp2_ulysses-sigmoid_gelu_bias": (["parallel.cp=2", "parallel.cp_mode=ulysses"], "sigmoid_gelu_bias")}
+
+
 @pytest.fixture(scope="module")
 def tp_results() -> dict[str, Outcome]:
-    return run_scenarios({f"sp{int(sp)}-{variant}": partial(_tp_case, sp, variant) for sp, variant in TP_CASES},
-                         2, setup=_tp_setup)
+    scenarios = {f"sp{int(sp)}-{variant}": partial(_tp_case, sp, variant) for sp, variant in TP_CASES}
+    scenarios.update({name: partial(_cp_case, *case) for name, case in CP_CASES.items()})
+    return run_scenarios(scenarios, 2, setup=_tp_setup)
 
 
 @pytest.mark.parametrize("sp,variant", TP_CASES)
@@ -247,6 +280,15 @@ def test_tp2_matches_single_process(tp_results: dict, sp: bool, variant: str) ->
     assert grad_err < 1e-5, f"gradient of {worst} differs by {grad_err}"
     assert param_err < 1e-5, f"parameters after 2 AdamW steps differ by {param_err}"
     assert counts_equal, "per-expert counts summed over tp differ from the single process"
+    assert aux_err < 1e-6, f"aux/z loss differs by {aux_err}"
+
+
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_cp2_matches_single_process(tp_results: dict, name: str) -> None:
+    loss_err, grad_err, worst, counts_equal, aux_err = tp_results[name].check()[0]
+    assert loss_err < 1e-5, f"loss differs by {loss_err}"
+    assert grad_err < 1e-5, f"gradient of {worst} differs by {grad_err}"
+    assert counts_equal, "per-expert counts summed over cp differ from the single process"
     assert aux_err < 1e-6, f"aux/z loss differs by {aux_err}"
 
 
