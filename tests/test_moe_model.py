@@ -402,3 +402,21 @@ def test_parallel_moe_run_reproduces_the_single_process_curve(tmp_path: Path, la
         assert abs(got["loss"] - ref["loss"]) < 1e-4 * ref["loss"], (got["loss"], ref["loss"])
         assert got["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
         assert got["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-5)
+
+
+def test_incremental_decoding_matches_the_full_forward() -> None:
+    """Decoding token by token through the cache routes each token as the full forward does (routing is
+    per token, so capacity-free MoE layers keep the prefix's logits unchanged)."""
+    from megascale.model.kv_cache import InferenceCache
+
+    cfg = parity.make_config([*parity.SMALL_MODEL, "model.moe.num_experts=4", "model.moe.router=sigmoid",
+                              "model.moe.shared_experts=1", "model.position=rope"])
+    chunk = parity.build_chunks(cfg, parity.single_context())[0].eval()
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 500, (2, 9))
+    full = chunk.logits(tokens)
+    cache = InferenceCache()
+    steps = [chunk.decode_logits(tokens[:, :4], cache)]
+    steps += [chunk.decode_logits(tokens[:, i:i + 1], cache) for i in range(4, 9)]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+    assert chunk.layers["0"].mlp.stats.row is None  # inference records no training statistics
