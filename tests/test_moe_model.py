@@ -420,3 +420,20 @@ def test_incremental_decoding_matches_the_full_forward() -> None:
     steps += [chunk.decode_logits(tokens[:, i:i + 1], cache) for i in range(4, 9)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
     assert chunk.layers["0"].mlp.stats.row is None  # inference records no training statistics
+
+
+def test_metrics_fields_from_the_step_table() -> None:
+    """Loads relative to the balanced one, their coefficient of variation, mean losses per (layer, micro-batch)
+    forward, and the dropped fraction over all layers, from hand-made rows."""
+    from megascale.training.metrics import moe_fields
+
+    # Columns: 4 expert counts, aux sum, z sum, dropped, assigned, records.
+    table = torch.tensor([[10.0, 30.0, 20.0, 20.0, 2.2, 8.0, 4.0, 80.0, 2.0],
+                          [20.0, 20.0, 20.0, 20.0, 2.0, 4.0, 0.0, 80.0, 2.0]], dtype=torch.float64)
+    rec = moe_fields(table, [1, 3])
+    assert rec["moe_layers"] == [1, 3]
+    assert rec["moe_tokens_per_expert"] == [[10, 30, 20, 20], [20, 20, 20, 20]]
+    assert rec["moe_load_min"] == [0.5, 1.0] and rec["moe_load_max"] == [1.5, 1.0]
+    assert rec["moe_load_cv"] == [pytest.approx(math.sqrt(50) / 20, abs=1e-6), 0.0]
+    assert rec["moe_aux_loss"] == pytest.approx(4.2 / 4) and rec["moe_z_loss"] == pytest.approx(12.0 / 4)
+    assert rec["moe_dropped_fraction"] == pytest.approx(4.0 / 160)
