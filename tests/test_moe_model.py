@@ -347,7 +347,7 @@ def _grouped_vs_loop(device: str, dtype: torch.dtype) -> tuple[float, list[float
     outs, grads = [], []
     for grouped in (True, False):
         y = grouped_linear(x, w, b, counts, grouped)
-        outs.append(y.float())
+        outs.append(y.detach().float())
         grads.append([g.float() for g in torch.autograd.grad((y * probe).sum(), (x, w, b))])
     return float((outs[0] - outs[1]).abs().max()), [float((g - r).abs().max()) for g, r in zip(*grads)]
 
