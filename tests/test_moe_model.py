@@ -437,3 +437,27 @@ def test_metrics_fields_from_the_step_table() -> None:
     assert rec["moe_load_cv"] == [pytest.approx(math.sqrt(50) / 20, abs=1e-6), 0.0]
     assert rec["moe_aux_loss"] == pytest.approx(4.2 / 4) and rec["moe_z_loss"] == pytest.approx(12.0 / 4)
     assert rec["moe_dropped_fraction"] == pytest.approx(4.0 / 160)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["softmax_swiglu", "sigmoid_gelu_exact_capacity"])
+def test_cuda_bf16_layer_matches_fp32_reference(case: str) -> None:
+    """The whole layer in bf16 on CUDA (the grouped-GEMM path) against the fp32 CPU layer on the same weights:
+    bf16 keeps ~3 significant digits, so 3e-2 of the output's scale; a misrouted row is off by O(1)."""
+    import copy
+
+    layer = _layer(LAYER_CASES[case])
+    gen = torch.Generator().manual_seed(1)
+    # bf16-representable weights and inputs: both sides route from the same fp32 logits (no choice flips).
+    with torch.no_grad():
+        for param in layer.parameters():
+            if param.requires_grad:
+                param.copy_(param.bfloat16().float())
+    x = torch.randn(SEQ * 8, BATCH, HIDDEN, generator=gen).bfloat16().float()
+    ref = layer(x).detach()
+    fast = copy.deepcopy(layer).to(device="cuda", dtype=torch.bfloat16)
+    if fast.router.expert_bias is not None:
+        fast.router.expert_bias.data = layer.router.expert_bias.detach().cuda()  # fp32, as the model keeps it
+    got = fast(x.cuda().bfloat16()).float().cpu()
+    scale = float(ref.abs().max())
+    assert float((got - ref).abs().max()) < 3e-2 * scale
