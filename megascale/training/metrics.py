@@ -24,6 +24,8 @@ def format_line(rec: dict, total_steps: int, peak_source: str) -> str:
         f"mem {rec['mem_gb']:.2f} GB",
         f"{rec['step_time_s'] * 1000:.0f} ms",
     ]
+    if "moe_aux_loss" in rec:  # MoE: the unweighted balancing loss and the worst expert's relative load
+        parts.append(f"moe aux {rec['moe_aux_loss']:.3f} max load {max(rec['moe_load_max'], default=0.0):.2f}")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     if "val_loss" in rec:
@@ -31,6 +33,33 @@ def format_line(rec: dict, total_steps: int, peak_source: str) -> str:
     if "elapsed_s" in rec:
         parts.append(f"elapsed {_duration(rec['elapsed_s'])} eta {_duration(rec['eta_s'])}")
     return " | ".join(parts)
+
+
+def moe_fields(table: Any, layer_ids: list[int]) -> dict[str, Any]:
+    """The Mixture-of-Experts fields of a metrics record from the step's statistics summed over all ranks.
+
+    table: [moe layers, E + 5] rows of per-expert assignment counts, then the sums of the
+    aux loss and z-loss, the dropped and the routed assignments, and how many (rank,
+    micro-batch) forwards they came from (megascale.model.moe.reduce_moe_stats).
+    Loads are relative to the balanced load: 1.0 everywhere is perfect balance.
+    """
+    rows = table.detach().cpu().double()
+    experts = rows.shape[1] - 5
+    counts = rows[:, :experts]
+    aux, z, dropped, assigned, records = (rows[:, experts + i] for i in range(5))
+    mean = counts.mean(dim=1, keepdim=True).clamp_min(1e-12)
+    load = counts / mean
+    cv = counts.std(dim=1, unbiased=False) / mean.squeeze(1)
+    return {
+        "moe_aux_loss": float(aux.sum() / records.sum().clamp_min(1)),
+        "moe_z_loss": float(z.sum() / records.sum().clamp_min(1)),
+        "moe_layers": list(layer_ids),
+        "moe_tokens_per_expert": [[round(c) for c in row.tolist()] for row in counts],
+        "moe_load_min": [round(float(v), 6) for v in load.min(dim=1).values],
+        "moe_load_max": [round(float(v), 6) for v in load.max(dim=1).values],
+        "moe_load_cv": [round(float(v), 6) for v in cv],
+        "moe_dropped_fraction": float(dropped.sum() / assigned.sum().clamp_min(1)),
+    }
 
 
 def elapsed_and_eta(elapsed_s: float, steps_done: int, steps_left: int) -> dict[str, float]:
