@@ -132,9 +132,15 @@ def _qwen3(config: dict) -> dict[str, Any]:
     return {**_llama_sizes(config), "qk_norm": True}
 
 
+def _expert_count(config: dict, default: int) -> int:
+    # Both families accept either spelling: hub files write Mixtral's as num_local_experts and
+    # Qwen3-MoE's as num_experts; transformers 5 saves both as num_local_experts.
+    return int(config.get("num_local_experts", config.get("num_experts", default)))
+
+
 def _mixtral(config: dict) -> dict[str, Any]:
     check_fields(config, MIXTRAL_RULES)
-    moe = {"num_experts": config.get("num_local_experts", 8), "top_k": config.get("num_experts_per_tok", 2),
+    moe = {"num_experts": _expert_count(config, 8), "top_k": config.get("num_experts_per_tok", 2),
            "ffn_hidden_size": config["intermediate_size"], "router": "softmax", "norm_topk_prob": True}
     return {**_llama_sizes(config), "moe": moe}
 
@@ -160,7 +166,7 @@ def moe_layer_pattern(config: dict) -> tuple[int, int]:
 
 def _qwen3_moe(config: dict) -> dict[str, Any]:
     section = _qwen3(config)
-    experts = config.get("num_experts", 128)
+    experts = _expert_count(config, 128)
     if not experts:
         return section
     first_dense, frequency = moe_layer_pattern(config)
