@@ -274,5 +274,5 @@ def plot_expert_load(run: RunRecords, out: Path) -> Optional[Path]:
     return _save(fig, out / "expert_load.png")
 
 
-__all__ = ["ExpertLoad", "expert_load", "heat_values", "plot_expert_load", "plot_heatmap", "plot_loss", "plot_memory", "plot_phases", "plot_throughput",
-           "plot_timeline", "pyplot"]
+__all__ = ["ExpertLoad", "expert_load", "heat_values", "plot_expert_load", "plot_heatmap", "plot_loss", "plot_memory",
+           "plot_phases", "plot_throughput", "plot_timeline", "pyplot"]
