@@ -247,7 +247,6 @@ def plot_expert_load(run: RunRecords, out: Path) -> Optional[Path]:
         return None
     from matplotlib import colormaps
     from matplotlib.colors import TwoSlopeNorm
-    from matplotlib.ticker import MaxNLocator
 
     cmap = colormaps["RdBu_r"].with_extremes(bad="0.7")  # grey: the layer routed no token that step
     rows, mean = load.rows_by_step(), load.mean_over_steps()
@@ -256,15 +255,16 @@ def plot_expert_load(run: RunRecords, out: Path) -> Optional[Path]:
     height = min(12.0, max(3.5, 0.12 * len(rows) + 1.5))
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(12, height), gridspec_kw={"width_ratios": [3, 1.4]})
     steps, experts = load.steps, load.num_experts
-    left.imshow(rows, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
-                extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5))
+    left.imshow(rows, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+    # One column per logged step (log.interval apart): ticks name the steps, at most ~12 of them.
+    ticks = list(range(0, len(steps), max(1, -(-len(steps) // 12))))
+    left.set_xticks(ticks, [str(steps[i]) for i in ticks])
     for boundary in range(experts, len(rows), experts):
         left.axhline(boundary - 0.5, color="0.2", linewidth=0.8)
     left.set_yticks([i * experts + (experts - 1) / 2 for i in range(len(load.layers))],
                     [f"layer {layer}" for layer in load.layers], fontsize=8)
-    left.set(xlabel="step", ylabel=f"MoE layer (rows: its {experts} experts)",
+    left.set(xlabel="step (logged)", ylabel=f"MoE layer (rows: its {experts} experts)",
              title="Expert load over steps (1 = balanced share)")
-    left.xaxis.set_major_locator(MaxNLocator(integer=True))
     image = right.imshow(mean, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
     right.set_yticks(range(len(load.layers)), [f"layer {layer}" for layer in load.layers], fontsize=8)
     right.set(xlabel="expert", title=f"Mean over {len(steps)} logged steps")
