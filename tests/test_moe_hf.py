@@ -98,9 +98,10 @@ def _our_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind,fields", [
     ("qwen3", {}),
     ("mixtral", {}),
+    ("mixtral", {"sliding_window": 5}),
     ("qwen3_moe", {}),
     ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2}),
-], ids=["qwen3", "mixtral", "qwen3_moe", "qwen3_moe-sparse_step2-unnormalised"])
+], ids=["qwen3", "mixtral", "mixtral-sliding_window", "qwen3_moe", "qwen3_moe-sparse_step2-unnormalised"])
 def test_from_hf_computes_hf_logits_and_round_trips_exactly(tmp_path: Path, kind: str, fields: dict) -> None:
     model = _hf_model(kind, **fields)
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)

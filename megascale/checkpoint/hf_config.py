@@ -75,10 +75,10 @@ QWEN3_RULES = (
     _SWIGLU, _NO_ATTENTION_BIAS, _PLAIN_HEAD_DIM, *_DEFAULT_ROPE,
     FieldRule("use_sliding_window", False, _falsy, "megascale's Qwen3 attends over the whole causal context"),
 )
+# Mixtral's sliding_window is mapped (model.attention=sliding_window: the same window, a query sees itself
+# and the window - 1 tokens before it).
 MIXTRAL_RULES = (
     _SWIGLU, _PLAIN_HEAD_DIM, *_DEFAULT_ROPE,
-    FieldRule("sliding_window", None, lambda v, c: v is None,
-              "megascale's Mixtral attends over the whole causal context"),
     FieldRule("router_jitter_noise", 0.0, _falsy, "megascale's router has no multiplicative input jitter"),
 )
 GPT2_RULES = (
@@ -142,7 +142,9 @@ def _mixtral(config: dict) -> dict[str, Any]:
     check_fields(config, MIXTRAL_RULES)
     moe = {"num_experts": _expert_count(config, 8), "top_k": config.get("num_experts_per_tok", 2),
            "ffn_hidden_size": config["intermediate_size"], "router": "softmax", "norm_topk_prob": True}
-    return {**_llama_sizes(config), "moe": moe}
+    window = config.get("sliding_window")
+    attention = {"attention": "sliding_window", "window_size": int(window)} if window else {}
+    return {**_llama_sizes(config), **attention, "moe": moe}
 
 
 def moe_layer_pattern(config: dict) -> tuple[int, int]:
