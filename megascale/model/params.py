@@ -29,6 +29,7 @@ from megascale.distributed.sharding import (
     OUTPUT_WEIGHT,
     TIED_EMBEDDING,
     ShardSpec,
+    expert_spec,
     full_spec,
     get_shard,
     output_weight_name,
@@ -116,6 +117,7 @@ class ParamSpec:
     chunk: int
     stage: int
     tied_to: Optional[str] = None
+    ep_dim: Optional[int] = None  # the expert axis of a routed-expert weight (cut over expert parallelism)
 
     @property
     def tp_replicated(self) -> bool:
@@ -134,6 +136,8 @@ class ParamSpec:
 
     def shard(self, tp_rank: int, tp_size: int) -> ShardSpec:
         """The slice tp rank tp_rank of tp_size holds."""
+        if self.ep_dim is not None:
+            return expert_spec(self.name, self.global_shape, 0, 1, tp_rank, tp_size)
         if self.split_dim is None:
             return full_spec(self.name, self.global_shape, tp_rank, tp_size, self.primary)
         return split_spec(self.name, self.global_shape, self.split_dim, tp_rank, tp_size, self.primary)
@@ -245,5 +249,6 @@ def param_table(model_or_cfg: Union[Config, ModelConfig],
                 entries.append(ParamSpec(name=spec.global_name, global_shape=spec.global_shape, dtype=param.dtype,
                                          split_dim=spec.split_dim, pp_rank=pp_rank, chunk=index,
                                          stage=global_stage(model_layout.pp, pp_rank, index, model_layout.v_shape),
-                                         tied_to=None if spec.primary else spec.global_name))
+                                         tied_to=None if spec.primary else spec.global_name,
+                                         ep_dim=spec.ep_dim))
     return ParamTable(tuple(entries), model_layout, output_weight_name(cfg.model.tie_embeddings))
