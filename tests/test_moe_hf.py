@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megascale.checkpoint.convert import checkpoint_to_hf, write_model_checkpoint
-from megascale.checkpoint.hf import rename_coverage
+from megascale.checkpoint.hf import rename_coverage, to_hf
 from megascale.cli import main as cli_main
 from megascale.config import config_from_dict
 from megascale.distributed.sharding import OUTPUT_WEIGHT, TIED_EMBEDDING
@@ -169,6 +169,34 @@ def test_to_hf_loads_in_transformers_with_our_logits(tmp_path: Path, kind: str) 
             names = set(f.keys())
         assert "model.layers.2.mlp.down_proj.weight" in names
         assert "model.layers.3.mlp.experts.3.down_proj.weight" in names
+
+
+def test_to_hf_assembles_experts_saved_in_expert_parallel_shards(tmp_path: Path) -> None:
+    """An ep 2 checkpoint holds each expert tensor as two halves along the expert axis: the export is the
+    same as from whole tensors."""
+    from megascale.checkpoint.manager import CheckpointManager
+    from megascale.distributed.sharding import TensorShard
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
+    section = OUR_MODELS["mixtral"]
+    cfg = config_from_dict({"model": section, "checkpoint": {"async": False}})
+    state = _random_state(section)
+    shards = []
+    for name, t in state.items():
+        halves = 2 if ".experts." in name else 1
+        rows = t.shape[0] // halves
+        for lo in range(0, t.shape[0], rows):
+            shards.append(TensorShard(name, tuple(t.shape), (lo,) + (0,) * (t.dim() - 1),
+                                      (rows, *tuple(t.shape[1:])), t[lo:lo + rows].clone()))
+    assert len(shards) == len(state) + 4  # fc1 and fc2 of 2 layers, each in two pieces
+    CheckpointManager(tmp_path / "ckpt", ParallelContext(RankLayout(), 0, create_groups=False), cfg).save(
+        5, shards, {"step": 5, "config": cfg.to_dict()})
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    expected, _ = to_hf(state, cfg.model, "mixtral")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(f.get_tensor(name), tensor), name
 
 
 @pytest.mark.parametrize("kind", list(OUR_MODELS))
