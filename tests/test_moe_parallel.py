@@ -5,8 +5,9 @@ aux and z losses on) on four gloo ranks with the trainer's own pieces (tests/moe
 and compares, on rank 0, the global losses, grad norms, the gradients the optimizer used on
 the last step (replicated optimizer) and every parameter after the last step (sigmoid
 router: its expert_bias too, which the aux-loss-free rule moves from global loads) with
-the single-process run of the same config and global batches. Expert parallelism only
-moves token rows between ranks and sums expert gradients over other groups, so the
+the single-process run of the same config and global batches. One slow case drops
+tokens by capacity, which ep leaves unchanged (each rank routes its own micro-batch,
+as the single process does). Expert parallelism only moves token rows between ranks and sums expert gradients over other groups, so the
 results agree to float32 reduction-order noise (measured ~1e-7 to 1e-6 relative after
 three Adam steps); 1e-5 relative leaves room for that and is far below what a wrong
 expert slice, scale or reduction group produces (O(1) relative).
@@ -17,7 +18,9 @@ tp 2 + SP + ep 2 with the sigmoid router); the rest are marked slow.
 
 from __future__ import annotations
 
+import math
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,6 +42,8 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "pp2_ep2": ("parallel.pp=2", "parallel.ep=2"),
     "cp2_ep2": ("parallel.cp=2", "parallel.ep=2"),
     "cp2_ep4_zero1": ("parallel.cp=2", "parallel.ep=4", "parallel.zero=1"),
+    # Capacity is per micro-batch of the tokens a rank routes, which ep leaves as they are.
+    "ep2_capacity": ("parallel.ep=2", "model.moe.capacity_factor=1.0"),
     "ep2_lamb_zero0": ("parallel.ep=2", "optim.name=lamb"),
     "ep2_lamb_zero1": ("parallel.ep=2", "parallel.zero=1", "optim.name=lamb"),
 }
@@ -93,3 +98,18 @@ def test_expert_parallel_layouts_match_single_process(slow_outcomes: dict[str, O
                                                       router: str) -> None:
     problems = slow_outcomes[f"{layout}-{router}"].check()[0]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_nan_on_one_expert_parallel_rank_skips_the_update_everywhere(tmp_path: Path) -> None:
+    """`megascale train` with ep 2: a NaN in rank 1's loss at step 2 reaches every rank through the grad norm's
+    sums (over dp x cp, where expert shards are counted), so both skip that update and train on."""
+    from train_utils import train
+
+    moe = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32", "train.steps=3",
+           "checkpoint.save_final=false", "parallel.ep=2", "fault.nan_policy=skip"]
+    recs = train(tmp_path / "nan", *moe, "fault.inject=nan:rank=1:step=2", nproc=2)
+    clean = train(tmp_path / "clean", *moe, nproc=2)
+    assert [r["nan_skipped"] for r in recs] == [0, 1, 1]
+    assert recs[0]["loss"] == clean[0]["loss"] and math.isnan(recs[1]["loss"])
+    assert math.isfinite(recs[2]["loss"]) and math.isfinite(recs[2]["grad_norm"])
