@@ -116,6 +116,14 @@ class ParamSpec:
     chunk: int
     stage: int
     tied_to: Optional[str] = None
+    ep_dim: Optional[int] = None
+    """A routed-expert weight's expert axis, cut over the expert-parallel group (None for every other
+    parameter). The table holds every expert: divide by parallel.ep for one rank's share."""
+
+    @property
+    def is_expert(self) -> bool:
+        """A routed-expert weight (sharded over the expert-parallel group)."""
+        return self.ep_dim is not None
 
     @property
     def tp_replicated(self) -> bool:
@@ -175,6 +183,11 @@ class ParamTable:
         """Elements one tp rank of pipeline rank pp_rank holds (its copies included)."""
         return sum(e.local_numel(self.layout.tp) for e in self.held_by(pp_rank))
 
+    def expert_local_numel(self, pp_rank: int) -> int:
+        """Elements of routed-expert weights one tp rank of pipeline rank pp_rank holds at ep 1
+        (an ep rank holds 1/ep of them)."""
+        return sum(e.local_numel(self.layout.tp) for e in self.held_by(pp_rank) if e.is_expert)
+
     def rank_shards(self, tp_rank: int, pp_rank: int) -> list[ShardSpec]:
         """The ShardSpecs of the (tp_rank, pp_rank) model rank, in the order its chunks hold them."""
         return [e.shard(tp_rank, self.layout.tp) for e in self.held_by(pp_rank)]
@@ -194,13 +207,14 @@ class ParamTable:
 
 
 def _as_config(model_or_cfg: Union[Config, ModelConfig], layout: ModelLayout) -> Config:
-    """A Config whose model and parallel sections describe the table to build (cp 1: no groups needed)."""
+    """A Config whose model and parallel sections describe the table to build (cp 1, ep 1: no groups needed)."""
     if isinstance(model_or_cfg, ModelConfig):
         cfg = Config(model=model_or_cfg)
     else:
         cfg = copy.copy(model_or_cfg)
     parallel = copy.copy(cfg.parallel)
     parallel.tp, parallel.pp, parallel.vpp, parallel.cp = layout.tp, layout.pp, layout.vpp, 1
+    parallel.ep = 1  # every expert in the table: an ep rank's share is 1/ep of the expert weights
     layers = layout.pipeline_layers
     parallel.pipeline_layers = layers if layers is None or isinstance(layers, str) else list(layers)
     parallel.sequence_parallel, parallel.tp_overlap = False, False
@@ -245,5 +259,6 @@ def param_table(model_or_cfg: Union[Config, ModelConfig],
                 entries.append(ParamSpec(name=spec.global_name, global_shape=spec.global_shape, dtype=param.dtype,
                                          split_dim=spec.split_dim, pp_rank=pp_rank, chunk=index,
                                          stage=global_stage(model_layout.pp, pp_rank, index, model_layout.v_shape),
-                                         tied_to=None if spec.primary else spec.global_name))
+                                         tied_to=None if spec.primary else spec.global_name,
+                                         ep_dim=spec.ep_dim))
     return ParamTable(tuple(entries), model_layout, output_weight_name(cfg.model.tie_embeddings))

@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(fields of megascale.perf.gpus.GpuSpec; `megascale bench calibrate` writes one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--search", action="store_true",
-                        help="search tp, pp, vpp, cp, micro-batch, SP, ZeRO and recompute; rank by predicted MFU")
+                        help="search tp, pp, vpp, cp, ep (MoE models), micro-batch, SP, ZeRO and recompute; rank by "
+                             "predicted MFU")
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument("--reproduce", default=None, metavar="TABLE",
                         help="predict a published table beside its numbers, with constants fitted on the other "
@@ -118,6 +119,9 @@ def format_prediction(pred: Prediction) -> str:
     lines = [f"layout: {plan.describe()}",
              f"gpu: {spec.name} ({spec.description}; {spec.source}), usable memory "
              f"{spec.usable_memory_bytes / GIB:.1f} GiB of {spec.memory_gib:g}"]
+    if pred.params_active != pred.params_total:
+        lines.append(f"parameters: {pred.params_total / 1e9:.2f}B, {pred.params_active / 1e9:.2f}B active per token "
+                     f"(routed experts: top_k of num_experts)")
     lines.append(f"memory per pipeline rank at its peak, GiB ({pred.memory[0].kernels} kernels; "
                  "modelled from what autograd saves, docs/planner.md):")
     parts = list(memory_parts(pred.memory[0]))

@@ -17,6 +17,7 @@ from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.memory import GIB, MemoryEstimate, stage_estimates
+from megascale.perf.moe import active_numel
 from megascale.perf.timing import StepTime, step_time
 from megascale.perf.uncertainty import band
 from megascale.run_plan import RunPlan
@@ -34,6 +35,10 @@ class Prediction:
     memory: list[MemoryEstimate]
     step: StepTime
     model_flops_per_step: float
+    params_total: int = 0
+    """Parameters of the model (each global parameter once)."""
+    params_active: int = 0
+    """Parameters one token runs through (MoE: top_k of the routed experts; dense: params_total)."""
 
     @property
     def step_time_s(self) -> float:
@@ -83,6 +88,8 @@ class Prediction:
                   for e in self.memory]
         return {
             "layout": self.plan.describe(),
+            "params_total": self.params_total,
+            "params_active": self.params_active,
             "gpu": self.spec.name,
             "gpus": self.plan.world_size,
             "step_time_s": self.step_time_s,
@@ -121,7 +128,8 @@ def predict(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = ME
         table = param_table(cfg, ModelLayout.from_plan(plan))
     memory = stage_estimates(cfg, plan, "fused", table)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step_time(cfg, plan, spec, table, traits),
-                      model_flops_per_step=model_flops_per_step(cfg, plan))
+                      model_flops_per_step=model_flops_per_step(cfg, plan), params_total=table.numel(),
+                      params_active=active_numel(table, cfg.model) if cfg.model.moe.enabled else table.numel())
 
 
 __all__ = ["MFU_PEAK_DTYPE", "Prediction", "memory_parts", "model_flops_per_step", "predict"]
