@@ -75,7 +75,21 @@ def check_layout(cfg: Config) -> int:
     if p.sequence_parallel and p.tp > 1 and m.seq_length % (p.tp * p.cp):
         raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={p.tp * p.cp} "
                           "with parallel.sequence_parallel")
+    if m.moe.enabled and p.tp > 1:
+        check_moe_tensor_parallel(m, p.tp, p.cp)
     return check_context_parallel(cfg, p.cp, p.tp) if p.cp > 1 else 1
+
+
+def check_moe_tensor_parallel(m: ModelConfig, tp: int, cp: int) -> None:
+    """MoE layers under tp > 1: the shared experts split like a dense MLP, and every tp rank routes an equal
+    part of the sequence (without sequence parallelism the layer takes a 1/tp slice of the cp shard)."""
+    shared = m.shared_ffn_size
+    if shared and shared % tp:
+        raise ConfigError(f"MoE shared-expert width {shared} (model.moe.shared_ffn_hidden_size, or shared_experts x "
+                          f"the expert width) is not divisible by parallel.tp={tp}; choose tp dividing it")
+    if m.seq_length % (tp * cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by tp*cp={tp * cp} with MoE layers "
+                          "(each tp rank routes its own part of the sequence)")
 
 
 def check_moe(m: ModelConfig, ep: int) -> None:

@@ -37,6 +37,9 @@ class RNGTracker:
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
+        # > 0 while activation recomputation replays a forward (set by the replay's context):
+        # layers that record per-step statistics record each forward once.
+        self.replaying = 0
         with torch.random.fork_rng(devices=self._devices()):
             torch.manual_seed(seed)
             self.state = self._get()

@@ -95,8 +95,9 @@ class GPTChunk(nn.Module):
         rope = None
         if m.position == "rope":
             rope = rope_tables(self._positions(hidden), m.head_dim, m.rope_theta)
+        aux_grad_scale = self._aux_grad_scale(hidden, batch)
         for layer in self.layers.values():
-            hidden = layer(hidden, rope)
+            hidden = layer(hidden, rope, None, aux_grad_scale)
         if not self.last:
             return hidden
         hidden = self.final_norm(hidden)
@@ -137,6 +138,19 @@ class GPTChunk(nn.Module):
         for index, layer in self.layers.items():
             hidden = layer(hidden, rope, cache.layer(int(index)))
         return self._full_logits(hidden)
+
+    def _aux_grad_scale(self, hidden: torch.Tensor, batch: dict) -> float:
+        """The gradient an MoE layer's auxiliary losses get: that of this micro-batch's mean loss.
+
+        The loss is sum(token losses) * loss_scale (per token; default 1 / this rank's tokens),
+        times the fp16 loss scale the optimizer applies (batch["grad_scale"]); the aux losses are
+        means over the whole micro-batch sequence (all its tp and cp parts), so they get
+        loss_scale * (the sequence's tokens) * grad_scale.
+        """
+        tp = self.bc.tp
+        rank_tokens = hidden.shape[0] * hidden.shape[1] * (tp.size if tp.sp else 1)
+        per_token = batch.get("loss_scale", 1.0 / rank_tokens)
+        return float(per_token) * rank_tokens * self.bc.sequence.size * float(batch.get("grad_scale", 1.0))
 
     def _check_whole_model(self, what: str) -> None:
         if not (self.first and self.last and self.bc.sequence.holds_whole_sequence):
@@ -209,7 +223,8 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     if sequence is None:
         sequence = build_sequence_layout(ctx, cfg, timers=timers)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
-                      recompute=cfg.train.recompute, sequence=sequence)
+                      recompute=cfg.train.recompute, sequence=sequence,
+                      moe_stats_group=ctx.group("tp_cp") if ctx.tp_size * ctx.cp_size > 1 else None)
     if chunk_layers is None:
         chunk_layers = plan.chunk_layers(ctx.pp_rank) if plan is not None else stage_layers(cfg, ctx)
     chunks = []

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megascale.config import ModelConfig, Recompute
+from megascale.distributed.expert_parallel import ExpertParallel
 from megascale.distributed.random import RNGTracker
 from megascale.distributed.sequence import LocalSequence, SequenceLayout
 from megascale.distributed.tensor_parallel.layers import TPSettings, replicated_param
@@ -25,6 +26,11 @@ class BuildContext:
     recompute: Recompute = "none"
     # Which tokens this rank holds and how attention spans the sequence; whole sequences by default.
     sequence: SequenceLayout = field(default_factory=LocalSequence)
+    # Mixture-of-Experts: this rank's expert-parallel position, and the group whose ranks route the
+    # parts of one micro-batch sequence (tp x cp; None when this rank routes whole sequences), over
+    # which the router's balancing statistics are summed.
+    ep: ExpertParallel = field(default_factory=ExpertParallel)
+    moe_stats_group: Optional[Any] = None
 
 
 class Norm(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,17 +12,26 @@ from megascale.distributed.tensor_parallel.layers import ColumnParallelLinear, R
 from megascale.model.layers import BuildContext
 
 
+def activate(h: torch.Tensor, activation: str, ops: Any) -> torch.Tensor:
+    """The MLP activation of an fc1 output: SwiGLU on [..., 2, ffn] (gate, up), else GeLU on [..., ffn]."""
+    if activation == "swiglu":
+        return ops.swiglu_packed(h)
+    if activation == "gelu_exact":  # the erf GeLU (HF's "gelu") has no fused kernel: imported models need it exact
+        return F.gelu(h)
+    return ops.bias_gelu(h, None)
+
+
 class MLP(nn.Module):
     """fc2(act(fc1(x))); SwiGLU's gate and up weights are one [2, ffn, h] tensor split along ffn."""
 
-    def __init__(self, name: str, bc: BuildContext) -> None:
+    def __init__(self, name: str, bc: BuildContext, ffn_size: Optional[int] = None) -> None:
+        """ffn_size: the width (default model.ffn_size; an MoE layer's shared experts pass theirs)."""
         super().__init__()
         m, tp = bc.model, bc.tp
         self.ops = bc.ops
+        self.activation = m.activation
         self.swiglu = m.activation == "swiglu"
-        # The erf GeLU (HF's "gelu") has no fused kernel: imported models need its exact values.
-        self.exact_gelu = m.activation == "gelu_exact"
-        ffn = m.ffn_size
+        ffn = ffn_size or m.ffn_size
         if self.swiglu:
             self.fc1 = ColumnParallelLinear(f"{name}.fc1", (2, ffn, m.hidden_size), 1, tp, m.bias, m.init_std)
         else:
@@ -34,8 +45,4 @@ class MLP(nn.Module):
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
         """The activation of fc1's output [s, b, (2,) ffn/tp]: fc2's input [s, b, ffn/tp]."""
-        if self.swiglu:
-            return self.ops.swiglu_packed(h)
-        if self.exact_gelu:
-            return F.gelu(h)
-        return self.ops.bias_gelu(h, None)
+        return activate(h, self.activation, self.ops)

@@ -39,6 +39,8 @@ class _Replay:
     def __enter__(self) -> None:
         self.current.append(self.rng.snapshot())
         self.rng.restore(self.snapshot)
+        self.rng.replaying += 1
 
     def __exit__(self, *exc: object) -> None:
+        self.rng.replaying -= 1
         self.rng.restore(self.current.pop())

@@ -33,6 +33,33 @@ def format_line(rec: dict, total_steps: int, peak_source: str) -> str:
     return " | ".join(parts)
 
 
+def moe_fields(table: Any, layer_ids: list[int]) -> dict[str, Any]:
+    """The Mixture-of-Experts fields of a metrics record from the step's statistics summed over all ranks.
+
+    table: [moe layers, E + 5] rows of per-expert assignment counts, then the sums of the
+    aux loss and z-loss, the dropped and the routed assignments, and how many (rank,
+    micro-batch) forwards they came from (megascale.model.moe.reduce_moe_stats).
+    Loads are relative to the balanced load: 1.0 everywhere is perfect balance.
+    """
+    rows = table.detach().cpu().double()
+    experts = rows.shape[1] - 5
+    counts = rows[:, :experts]
+    aux, z, dropped, assigned, records = (rows[:, experts + i] for i in range(5))
+    mean = counts.mean(dim=1, keepdim=True).clamp_min(1e-12)
+    load = counts / mean
+    cv = counts.std(dim=1, unbiased=False) / mean.squeeze(1)
+    return {
+        "moe_aux_loss": float(aux.sum() / records.sum().clamp_min(1)),
+        "moe_z_loss": float(z.sum() / records.sum().clamp_min(1)),
+        "moe_layers": list(layer_ids),
+        "moe_tokens_per_expert": [[round(c) for c in row.tolist()] for row in counts],
+        "moe_load_min": [round(float(v), 6) for v in load.min(dim=1).values],
+        "moe_load_max": [round(float(v), 6) for v in load.max(dim=1).values],
+        "moe_load_cv": [round(float(v), 6) for v in cv],
+        "moe_dropped_fraction": float(dropped.sum() / assigned.sum().clamp_min(1)),
+    }
+
+
 def elapsed_and_eta(elapsed_s: float, steps_done: int, steps_left: int) -> dict[str, float]:
     """Wall time since training (re)started and the time left at the mean step time so far."""
     per_step = elapsed_s / steps_done if steps_done > 0 else 0.0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megascale.distributed import comm
+from megascale.model.moe import reset_moe_stats
 from megascale.timers import PhaseTimers, timed
 from megascale.training.fault.progress import Progress
 
@@ -22,9 +23,12 @@ if TYPE_CHECKING:
     from megascale.run_plan import RunPlan
 
 
-def _to_device(batch: dict, device: torch.device, loss_scale: float) -> dict:
+def _to_device(batch: dict, device: torch.device, loss_scale: float, grad_scale: float = 1.0) -> dict:
     out = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
     out["loss_scale"] = loss_scale
+    # The factor optimizer.scale_loss puts on the loss (fp16 loss scaling): MoE auxiliary losses,
+    # which reach the gradient inside the model, take it from here.
+    out["grad_scale"] = grad_scale
     return out
 
 
@@ -63,8 +67,10 @@ def forward_backward_voting(chunks: Sequence[torch.nn.Module], batches: list[dic
     collective of their own. Pass them to the optimizer step, whose gradient-norm all-reduce
     spreads them over the model-parallel ranks: dp x cp times tp x pp is every rank.
     """
-    batches = [_to_device(b, ctx.device, plan.loss_scale_per_token) for b in batches]
+    grad_scale = float(optimizer.scaler.scale)
+    batches = [_to_device(b, ctx.device, plan.loss_scale_per_token, grad_scale) for b in batches]
     optimizer.zero_grad()
+    reset_moe_stats(chunks)
     progress = progress or Progress()
     progress.collective = "forward_backward" if plan.pp == 1 else "pipeline forward_backward (p2p)"
     if plan.pp == 1:

@@ -21,6 +21,7 @@ from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.topology import ParallelContext
 from megascale.model.flops import causal_halved_train_flops_per_token, train_flops_per_token
 from megascale.model.gpt import build_model
+from megascale.model.moe import moe_layer_ids, reduce_moe_stats, update_router_biases
 from megascale.perf.flops import device_peak
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.timers import PhaseTimers
@@ -28,7 +29,7 @@ from megascale.training.fault import numerics
 from megascale.training.fault.events import append_event
 from megascale.training.fault.inject import FaultInjector
 from megascale.training.fault.progress import Progress
-from megascale.training.metrics import MetricsSink, elapsed_and_eta, format_line
+from megascale.training.metrics import MetricsSink, elapsed_and_eta, format_line, moe_fields
 from megascale.training.profiling import StepProfiler
 from megascale.training.run_dir import write_run_config
 from megascale.training.step import evaluate, forward_backward_voting
@@ -302,6 +303,8 @@ class Trainer:
             self.step += 1
             self.consumed_samples += cfg.train.global_batch_size
             self.skipped_steps += int(stats.skipped)
+            log_step = self.step % cfg.log.interval == 0 or self.step == cfg.train.steps
+            moe_table = self._moe_step(stats, log_step)
             if stats.fault is not None:  # its update was withheld on every rank: skip, roll back or stop
                 numerics.apply_policy(self, stats.fault)
             window_steps += 1
@@ -310,11 +313,13 @@ class Trainer:
             bookkeeping = self.timers.phase("logging")
             bookkeeping.__enter__()
             self.progress.collective = "log and evaluate"
-            if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
+            if log_step:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 elapsed = (time.perf_counter() - window_start) / window_steps
                 rec = self._record(loss, stats, elapsed, tokens_per_step)
+                if moe_table is not None:
+                    rec.update(moe_fields(moe_table, moe_layer_ids(cfg.model)))
                 rec.update(elapsed_and_eta(time.perf_counter() - self.train_start, self.step - self.start_step,
                                            cfg.train.steps - self.step))
                 if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.valid_data:
@@ -351,6 +356,19 @@ class Trainer:
         self.sink.close()
         self.lifecycle.finish(self.run_dir)  # raises Preempted (SystemExit) after a preemption
         return records
+
+    def _moe_step(self, stats: StepStats, log_step: bool) -> Optional[torch.Tensor]:
+        """MoE bookkeeping after an optimizer step: the step's router statistics of every MoE layer summed over
+        all ranks (one all-reduce, when they are logged or the sigmoid router's bias moves), and the bias update
+        from the global loads (withheld with the step's update). None for a dense model or a quiet step."""
+        moe = self.cfg.model.moe
+        balancing = moe.enabled and moe.bias_update_rate > 0 and moe.router == "sigmoid"
+        if not moe.enabled or not (log_step or balancing):
+            return None
+        table = reduce_moe_stats(self.chunks, self.cfg.model, self.ctx.device)
+        if balancing and not stats.skipped and stats.fault is None:
+            update_router_biases(self.chunks, self.cfg.model, table)
+        return table
 
     def _report_checkpoint(self) -> None:
         """One line per finished save: how long training was blocked and how long the save took."""

@@ -1,0 +1,109 @@
+"""Routed experts: one MLP per expert, computed over rows grouped expert-major.
+
+Weights hold every local expert along a leading axis: fc1 [E_local, (2,) F, h]
+(SwiGLU's gate and up as an axis of 2, like the dense MLP), fc2 [E_local, h, F],
+biases iff model.bias. The global tensors hold all E experts; expert parallelism
+cuts the leading axis (`expert_spec`), tensor parallelism does not.
+
+Compute: on CUDA in bf16, one `torch._grouped_mm` per projection (the row offsets
+come from the per-expert counts), no Python loop over experts. Everywhere else
+(CPU, fp32 or fp16 on CUDA, or shapes the grouped kernel cannot take) an exact loop
+of per-expert GEMMs over each expert's contiguous rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megascale.distributed.sharding import expert_spec
+from megascale.distributed.tensor_parallel.layers import make_param, scaled_std
+from megascale.model.layers import BuildContext
+from megascale.model.mlp import activate
+
+
+class ExpertLinear(nn.Module):
+    """weight [E_local, *out axes, in] (+ bias [E_local, *out axes]) of one projection of every local expert."""
+
+    def __init__(self, name: str, global_shape: tuple[int, ...], bc: BuildContext, bias: bool, std: float) -> None:
+        super().__init__()
+        tp, ep = bc.tp, bc.ep
+        # Each tp rank computes different tokens through the same experts: grads are partial over tp.
+        partial = tp.size > 1
+        spec = expert_spec(f"{name}.weight", global_shape, ep.rank, ep.size, tp.rank, tp.size)
+        self.weight = make_param(spec, tp, "normal", std, sequence_parallel_grad=partial)
+        self.bias: Optional[nn.Parameter] = None
+        if bias:
+            bias_spec = expert_spec(f"{name}.bias", global_shape[:-1], ep.rank, ep.size, tp.rank, tp.size)
+            self.bias = make_param(bias_spec, tp, "zeros", sequence_parallel_grad=partial)
+
+    @property
+    def matrices(self) -> Tensor:
+        """The weights as [E_local, out, in] matrices."""
+        return self.weight.view(self.weight.shape[0], -1, self.weight.shape[-1])
+
+    @property
+    def bias_rows(self) -> Optional[Tensor]:
+        """The biases as [E_local, out] rows (None without bias)."""
+        return None if self.bias is None else self.bias.view(self.bias.shape[0], -1)
+
+
+def grouped_mm_available(x: Tensor, *dims: int) -> bool:
+    """Whether torch._grouped_mm takes x's device, dtype and these GEMM dims (16-byte aligned rows)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and all(d % 8 == 0 for d in dims))
+
+
+def grouped_linear(x: Tensor, weights: Tensor, bias: Optional[Tensor], tokens_per_expert: Tensor,
+                   grouped: bool) -> Tensor:
+    """Rows x [m, in] grouped expert-major times each expert's weights [E, out, in]^T (+ bias [E, out]) -> [m, out].
+
+    grouped: one torch._grouped_mm (CUDA bf16); else a loop of per-expert GEMMs
+    (exact, any device and dtype).
+    """
+    if grouped:
+        offsets = torch.cumsum(tokens_per_expert.to(device=x.device), 0).to(torch.int32)
+        y = torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
+        if bias is not None:
+            expert_of_row = torch.repeat_interleave(torch.arange(weights.shape[0], device=x.device),
+                                                    tokens_per_expert.to(device=x.device), output_size=x.shape[0])
+            y = y + bias[expert_of_row]
+        return y
+    parts = []
+    for expert, rows in enumerate(x.split(tokens_per_expert.tolist(), dim=0)):
+        parts.append(F.linear(rows, weights[expert], None if bias is None else bias[expert]))
+    if not parts:
+        return x.new_zeros((0, weights.shape[1]))
+    return torch.cat(parts, dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts of one MoE layer held by this rank: fc2(act(fc1(rows))) per expert."""
+
+    def __init__(self, name: str, bc: BuildContext) -> None:
+        super().__init__()
+        m = bc.model
+        self.ops: Any = bc.ops
+        self.activation = m.activation
+        experts, ffn, hidden = m.moe.num_experts, m.expert_ffn_size, m.hidden_size
+        self.num_local = experts // bc.ep.size
+        self.swiglu = m.activation == "swiglu"
+        fc1_shape = (experts, 2, ffn, hidden) if self.swiglu else (experts, ffn, hidden)
+        self.fc1 = ExpertLinear(f"{name}.fc1", fc1_shape, bc, m.bias, m.init_std)
+        self.fc2 = ExpertLinear(f"{name}.fc2", (experts, hidden, ffn), bc, m.bias, scaled_std(m.init_std, m.num_layers))
+        self.ffn, self.hidden = ffn, hidden
+
+    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """x [m, h] rows grouped expert-major, tokens_per_expert [E_local] (CPU int64) -> [m, h]."""
+        grouped = grouped_mm_available(x, self.hidden, self.ffn)
+        fc1 = grouped_linear(x, self.fc1.matrices, self.fc1.bias_rows, tokens_per_expert, grouped)
+        if self.swiglu:
+            fc1 = fc1.view(fc1.shape[0], 2, self.ffn)
+        hidden = activate(fc1, self.activation, self.ops)
+        return grouped_linear(hidden, self.fc2.matrices, self.fc2.bias_rows, tokens_per_expert, grouped)
+
+
+__all__ = ["ExpertLinear", "GroupedExperts", "grouped_linear", "grouped_mm_available"]

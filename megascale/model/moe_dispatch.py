@@ -1,0 +1,96 @@
+"""Token dispatch for Mixture-of-Experts layers: routed tokens to their experts' rows and back.
+
+The router hands a `Routing` (each token's top-k experts, gate weights and which
+assignments survived capacity). A `TokenDispatcher` turns the tokens into the
+rows this rank's experts compute, grouped expert-major, and combines the expert
+outputs back into one row per token, weighted by the gate in fp32. `LocalDispatcher`
+serves a rank that holds every expert (no expert parallelism): a permutation by
+a stable sort on the expert id, so the rows of an expert stay in token order.
+Both directions are differentiable, and the gate weights get their gradient in
+the combine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Routing:
+    """What the router hands the dispatcher, for n tokens routed to k experts each."""
+
+    expert_ids: Tensor  # [n, k] int64 global expert index
+    weights: Tensor  # [n, k] fp32 gate weights (routed_scaling applied)
+    keep: Optional[Tensor] = None  # [n, k] bool, False = dropped by capacity; None = dropless
+
+
+@dataclass
+class Dispatched:
+    """Rows for this rank's local experts, expert-major, and what the dispatcher needs to undo the permutation."""
+
+    expert_input: Tensor  # [m, h]
+    tokens_per_expert: Tensor  # [E_local] int64 on the CPU: rows of each local expert, in order
+    handle: Any
+
+
+class TokenDispatcher(Protocol):
+    """Moves routed tokens to the experts that compute them and their outputs back."""
+
+    def dispatch(self, tokens: Tensor, routing: Routing) -> Dispatched:
+        """tokens [n, h] -> the rows of this rank's local experts, grouped expert-major."""
+        ...
+
+    def combine(self, expert_output: Tensor, dispatched: Dispatched) -> Tensor:
+        """expert_output [m, h] in the dispatched order -> [n, h] = sum_k weight * expert output, in fp32, cast
+        to the tokens' dtype; dropped assignments contribute 0."""
+        ...
+
+
+def sorted_assignments(expert_ids: Tensor, keep: Optional[Tensor]) -> Tensor:
+    """Flat (token * k + slot) indices of the kept assignments, ordered by expert and, within an expert, by token
+    then slot (a stable sort on the expert id)."""
+    flat = expert_ids.reshape(-1)
+    if keep is None:
+        return torch.sort(flat, stable=True).indices
+    kept = keep.reshape(-1).nonzero().squeeze(1)
+    return kept[torch.sort(flat[kept], stable=True).indices]
+
+
+@dataclass
+class _LocalHandle:
+    assignments: Tensor  # [m] flat (token * k + slot) index of each row
+    token_index: Tensor  # [m] token of each row
+    weights: Tensor  # [m] fp32 gate weight of each row
+    num_tokens: int
+
+
+class LocalDispatcher:
+    """Dispatch when this rank holds all `num_experts` experts: a permutation of the token rows."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    def dispatch(self, tokens: Tensor, routing: Routing) -> Dispatched:
+        """tokens [n, h] -> expert-major rows [m, h] (m = kept assignments)."""
+        k = routing.expert_ids.shape[1]
+        assignments = sorted_assignments(routing.expert_ids, routing.keep)
+        token_index = torch.div(assignments, k, rounding_mode="floor")
+        experts = routing.expert_ids.reshape(-1)[assignments]
+        tokens_per_expert = torch.bincount(experts, minlength=self.num_experts).cpu()
+        weights = routing.weights.reshape(-1)[assignments]
+        handle = _LocalHandle(assignments, token_index, weights, tokens.shape[0])
+        return Dispatched(tokens[token_index], tokens_per_expert, handle)
+
+    def combine(self, expert_output: Tensor, dispatched: Dispatched) -> Tensor:
+        """[m, h] expert rows -> [n, h] gate-weighted sum per token (fp32 accumulation)."""
+        handle: _LocalHandle = dispatched.handle
+        weighted = expert_output.float() * handle.weights.unsqueeze(1)
+        out = weighted.new_zeros((handle.num_tokens, expert_output.shape[1]))
+        return out.index_add(0, handle.token_index, weighted).to(expert_output.dtype)
+
+
+__all__ = ["Dispatched", "LocalDispatcher", "Routing", "TokenDispatcher", "sorted_assignments"]
