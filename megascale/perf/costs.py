@@ -81,7 +81,8 @@ class SystemTraits:
       and the SP re-gather of the input under the input-gradient GEMM.
     shared_expert_overlap: an MoE layer's dispatch all-to-all (forward) and its
       combine's gradient all-to-all (backward) run while the shared-expert MLP
-      computes, hiding up to the shared expert's GEMM time.
+      computes, hiding up to the shared expert's GEMM time (Megatron-LM's
+      --moe-shared-expert-overlap).
 
     Whether sequence parallelism re-gathers a column-parallel GEMM's input in the
     backward (instead of saving the gathered input) is the config key
@@ -97,11 +98,10 @@ class SystemTraits:
     shared_expert_overlap: bool = False
 
 
-MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True,
-                         shared_expert_overlap=True)
+MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True)
 """What megascale's trainer does: one gather and one reduce-scatter per parallel block around one
-fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives, an MoE layer's dispatch
-all-to-all running while its shared expert computes."""
+fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives. Its MoE layer runs the
+shared expert after the routed experts (no all-to-all overlap)."""
 
 
 @dataclass

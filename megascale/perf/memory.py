@@ -146,7 +146,7 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
     for v, layer_ids in enumerate(layers):
         stage = plan.global_stage(rank, v)
         first, last = stage == 0, stage == plan.num_stages - 1
-        saved = act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last)
+        saved = act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last, layer_ids)
         if plan.pp > 1:
             # The executor keeps a chunk's output (sent on) and its received input until the backward.
             saved += 0.0 if last else message
