@@ -85,3 +85,32 @@ def test_causal_halved_count_is_megatron_lms_moe_count_plus_the_router(preset: s
     reference = _megatron_lm_moe_flops_per_token(**megatron, s=m.seq_length, vocab=m.padded_vocab_size, gated=True)
     router = 3 * 2 * m.hidden_size * experts * megatron["moe_layers"]
     assert causal_halved_train_flops_per_token(m) == pytest.approx(reference + router, rel=1e-12)
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["model.moe.shared_experts=1", "model.moe.first_dense=1"],
+    ["model.moe.router=sigmoid", "model.moe.routed_scaling=2.5", "model.moe.frequency=2", "model.activation=gelu"],
+], ids=["top2", "shared-dense-first", "sigmoid-every-other-gelu"])
+def test_moe_flops_match_the_real_models_counted_matmuls(extra: list[str]) -> None:
+    """forward_flops_per_token against torch's FLOP counter on the real MoE model's forward.
+
+    Dropless routing sends exactly tokens x top_k rows through the experts, so the routed GEMMs
+    the counter sees are the model count whatever the router chose. The attention core runs in
+    SDPA's CPU kernel, which the counter does not register: it is added from the hand count.
+    """
+    import parity
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megascale.perf.flops import LayerDims, attention_core_flops
+
+    overrides = [*SMALL, *MOE, "train.micro_batch_size=2", "kernels.attention=sdpa", *extra]
+    m = load_config(None, overrides).model
+    chunk = parity.reference_chunk(overrides)
+    generator = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, m.vocab_size, (2, m.seq_length), generator=generator) for _ in range(2))
+    with FlopCounterMode(display=False) as counter:
+        chunk(None, {"tokens": tokens, "labels": labels})
+    core = m.num_layers * attention_core_flops(LayerDims.of(m))
+    assert counter.get_total_flops() + core * 2 * m.seq_length == forward_flops_per_token(m) * 2 * m.seq_length

@@ -294,20 +294,30 @@ def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     return router + rows + experts_kept
 
 
-def _router_input_bytes(cfg: Config, sh: Shapes) -> float:
-    """The router's fp32 input: a new fp32 copy in 16-bit runs; in fp32 the norm output itself, shared with
-    the shared experts' kept input unless those keep an all-gathered copy (SP without re-gather)."""
+def _keeps_norm_output(sh: Shapes) -> bool:
+    """Whether a column-parallel GEMM keeps the norm output itself (not an all-gathered copy of it)."""
+    return not sh.sp or sh.regather
+
+
+def _router_input_bytes(cfg: Config, sh: Shapes, norm_output_kept: bool) -> float:
+    """The router's fp32 input: a new fp32 copy in 16-bit runs; in fp32 the norm output itself (its 1/tp
+    slice without SP is a view of it), counted once with the other tensors that keep it."""
     if sh.act != FP32:
         return routed_tokens(sh) * sh.hidden * FP32
-    shares_storage = cfg.model.shared_ffn_size > 0 and (not sh.sp or sh.regather)
-    return 0.0 if shares_storage else sh.residual_tokens * sh.hidden * FP32
+    return 0.0 if norm_output_kept else sh.residual_tokens * sh.hidden * FP32
 
 
-def moe_mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
-    """An MoE layer's MLP part: the routed path and, with shared experts, their kept input and activations."""
+def moe_mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm_output_kept: bool = False) -> float:
+    """An MoE layer's MLP part: the routed path and, with shared experts, their kept input and activations.
+
+    norm_output_kept: the norm output's storage is already counted (the parallel block's attention keeps it).
+    """
     shared = cfg.model.shared_ffn_size // sh.tp
-    kept = _linear_input_bytes(sh) + mlp_bytes(cfg, sh, kernels, shared) if shared else 0.0
-    return kept + _router_input_bytes(cfg, sh) + moe_routed_bytes(cfg, sh, kernels)
+    total = _router_input_bytes(cfg, sh, norm_output_kept or (shared > 0 and _keeps_norm_output(sh)))
+    if shared:
+        kept_input = 0.0 if norm_output_kept and _keeps_norm_output(sh) else _linear_input_bytes(sh)
+        total += kept_input + mlp_bytes(cfg, sh, kernels, shared)
+    return total + moe_routed_bytes(cfg, sh, kernels)
 
 
 def dropout_mask_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -350,10 +360,11 @@ def _moe_layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute:
     core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
     mask = dropout_mask_bytes(cfg, sh, kernels)
     attention_in = _gathered_input_bytes(sh) if cfg.model.lfa else _linear_input_bytes(sh)
-    mlp = moe_mlp_bytes(cfg, sh, kernels)
-    if cfg.model.parallel_block:
+    if cfg.model.parallel_block:  # one norm output feeds both branches
+        attention_keeps_it = not sh.sp or (sh.regather and not cfg.model.lfa)
+        mlp = moe_mlp_bytes(cfg, sh, kernels, norm_output_kept=attention_keeps_it)
         return norm + attention_in + lfa_filter + core + mlp + mask
-    return 2 * norm + attention_in + lfa_filter + core + mlp + 2 * mask
+    return 2 * norm + attention_in + lfa_filter + core + moe_mlp_bytes(cfg, sh, kernels) + 2 * mask
 
 
 def _fused_block_output_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:

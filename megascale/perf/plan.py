@@ -91,7 +91,7 @@ def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> i
     result = search(cfg, gpus, spec, top=top)
     if as_json:
         print(json.dumps({"considered": result.considered, "dropped": dict(result.dropped),
-                          "ranked": [{"layout": c.label(), **c.prediction.to_json()} for c in result.ranked],
+                          "ranked": [{**c.prediction.to_json(), "label": c.label()} for c in result.ranked],
                           "why": explain(result)}, indent=2))
         return 0
     print(f"searched {result.considered} layouts on {gpus} x {spec.name}; "
