@@ -273,3 +273,45 @@ def test_docs_table_is_the_rendered_table() -> None:
 def test_explicit_stage_layers_are_checked() -> None:
     with pytest.raises(ValueError, match="summing to 4"):
         param_table(SimModel().model_config(), ModelLayout(pp=2, stage_layers=(1, 2)))
+
+
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.first_dense=1", "model.moe.frequency=2",
+       "model.moe.ffn_hidden_size=24", "model.moe.shared_experts=2"]
+
+
+@pytest.mark.parametrize("variant,router", [("llama_gqa_untied", "sigmoid"), ("gpt2", "softmax")])
+@pytest.mark.parametrize("layout_name", ["tp1", "tp2", "tp2_pp2"])
+def test_moe_table_names_shapes_and_real_model(variant: str, router: str, layout_name: str) -> None:
+    """MoE layers (1 and 3 of 4: first_dense 1, frequency 2) hold the router, the experts [E, ...] whole on
+    every tp rank, and the shared-expert MLP split like a dense one; dense layers keep mlp.fc1/fc2."""
+    tp, pp, vpp = LAYOUTS[layout_name]
+    cfg = _cfg(variant, tp, pp, vpp, extra=(*MOE, f"model.moe.router={router}"))
+    table = param_table(cfg)
+    shapes = table.shapes()
+    swiglu, bias = cfg.model.activation == "swiglu", cfg.model.bias
+    h, experts, ffn, shared = 32, 4, 24, 48
+    for i in (1, 3):
+        p = f"layers.{i}.mlp"
+        want = {f"{p}.router.weight": (experts, h),
+                f"{p}.experts.fc1.weight": (experts, 2, ffn, h) if swiglu else (experts, ffn, h),
+                f"{p}.experts.fc2.weight": (experts, h, ffn),
+                f"{p}.shared.fc1.weight": (2, shared, h) if swiglu else (shared, h),
+                f"{p}.shared.fc2.weight": (h, shared)}
+        if router == "sigmoid":
+            want[f"{p}.router.expert_bias"] = (experts,)
+        if bias:
+            want.update({f"{p}.experts.fc1.bias": (experts, 2, ffn) if swiglu else (experts, ffn),
+                         f"{p}.experts.fc2.bias": (experts, h), f"{p}.shared.fc1.bias": want[f"{p}.shared.fc1.weight"][:-1],
+                         f"{p}.shared.fc2.bias": (h,)})
+        assert {n: s for n, s in shapes.items() if n.startswith(p + ".")} == want
+        assert f"layers.{i}.mlp.fc1.weight" not in shapes
+    assert "layers.0.mlp.fc1.weight" in shapes and "layers.2.mlp.fc1.weight" in shapes
+    for entry in table.unique():
+        if ".experts." in entry.name:
+            assert entry.split_dim is None and entry.ep_dim == 0
+        if ".router." in entry.name:
+            assert entry.split_dim is None and entry.ep_dim is None
+    for (tp_rank, pp_rank), chunks in _rank_models(cfg).items():
+        real = [get_shard(p) for chunk in chunks for p in chunk.parameters()]
+        assert real == table.rank_shards(tp_rank, pp_rank), (tp_rank, pp_rank)
+        assert table.local_numel(pp_rank) == sum(p.numel() for chunk in chunks for p in chunk.parameters())

@@ -7,8 +7,9 @@ cuts the leading axis (`expert_spec`), tensor parallelism does not.
 
 Compute: on CUDA in bf16, one `torch._grouped_mm` per projection (the row offsets
 come from the per-expert counts), no Python loop over experts. Everywhere else
-(CPU, fp32 or fp16 on CUDA, or shapes the grouped kernel cannot take) an exact loop
-of per-expert GEMMs over each expert's contiguous rows.
+(CPU; fp32 on CUDA, where exactness matters more than the launch count; fp16, which
+the grouped kernel does not take; shapes it cannot align) an exact loop of
+per-expert GEMMs over each expert's contiguous rows.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ class ExpertLinear(nn.Module):
 
 
 def grouped_mm_available(x: Tensor, *dims: int) -> bool:
-    """Whether torch._grouped_mm takes x's device, dtype and these GEMM dims (16-byte aligned rows)."""
+    """Whether the grouped GEMM serves x: CUDA, bf16 (its CUTLASS kernel is bf16 only), compute capability
+    8.0 or newer (torch >= 2.10 serves sm80 too), and rows of these dims 16-byte aligned."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and all(d % 8 == 0 for d in dims))
+            and torch.cuda.get_device_capability(x.device) >= (8, 0) and all(d % 8 == 0 for d in dims))
 
 
 def grouped_linear(x: Tensor, weights: Tensor, bias: Optional[Tensor], tokens_per_expert: Tensor,

@@ -29,6 +29,7 @@ from megascale.distributed.sharding import (
     OUTPUT_WEIGHT,
     TIED_EMBEDDING,
     ShardSpec,
+    expert_spec,
     full_spec,
     get_shard,
     output_weight_name,
@@ -142,6 +143,8 @@ class ParamSpec:
 
     def shard(self, tp_rank: int, tp_size: int) -> ShardSpec:
         """The slice tp rank tp_rank of tp_size holds."""
+        if self.ep_dim is not None:
+            return expert_spec(self.name, self.global_shape, 0, 1, tp_rank, tp_size)
         if self.split_dim is None:
             return full_spec(self.name, self.global_shape, tp_rank, tp_size, self.primary)
         return split_spec(self.name, self.global_shape, self.split_dim, tp_rank, tp_size, self.primary)

@@ -24,6 +24,8 @@ def format_line(rec: dict, total_steps: int, peak_source: str) -> str:
         f"mem {rec['mem_gb']:.2f} GB",
         f"{rec['step_time_s'] * 1000:.0f} ms",
     ]
+    if "moe_aux_loss" in rec:  # MoE: the unweighted balancing loss and the worst expert's relative load
+        parts.append(f"moe aux {rec['moe_aux_loss']:.3f} max load {max(rec['moe_load_max'], default=0.0):.2f}")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     if "val_loss" in rec:
