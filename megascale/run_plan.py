@@ -35,7 +35,7 @@ from megascale.distributed.pipeline.schedules import (
     validate_schedule,
 )
 from megascale.distributed.topology import RankLayout
-from megascale.layout_rules import check_context_parallel, check_layout, check_order
+from megascale.layout_rules import check_context_parallel, check_layout, check_moe, check_order
 from megascale.precision import DTYPES, PRECISIONS, Precision, precision_of
 
 NO_PIPELINE = "none"
@@ -92,6 +92,8 @@ class RunPlan:
     """Tensor sent between pipeline stages: [seq / cp (/ tp with sequence parallelism), micro-batch, hidden]."""
     precision: Precision
     """The torch dtypes of train.dtype."""
+    ep: int = 1
+    """Expert-parallel size: routed experts split over ep of the dp x cp ranks of one (tp, pp) coordinate."""
 
     @property
     def num_stages(self) -> int:
@@ -102,6 +104,11 @@ class RunPlan:
     def model_parallel_size(self) -> int:
         """Ranks that hold one copy of the model: tp * pp * cp."""
         return self.tp * self.pp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: dp * cp / ep, the ranks that reduce (and, with ZeRO-1, shard) one expert shard."""
+        return self.dp * self.cp // self.ep
 
     @property
     def local_seq_length(self) -> int:
@@ -120,7 +127,7 @@ class RunPlan:
 
     def rank_layout(self) -> RankLayout:
         """The rank <-> (tp, cp, dp, pp) coordinate arithmetic of this layout (no process groups)."""
-        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.order)
+        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.order, ep=self.ep)
 
     @property
     def v_shape(self) -> bool:
@@ -152,7 +159,8 @@ class RunPlan:
         split = (f"{len(counts)} stages of {counts[0]} layers" if len(set(counts)) == 1
                  else f"layers per stage {list(counts)}")
         pipe = f", {self.schedule} schedule, {split}" if self.pp > 1 else ""
-        return (f"tp {self.tp} x pp {self.pp} (vpp {self.vpp}){cp} x dp {self.dp} = {self.world_size} ranks{sp}, "
+        ep = f", ep {self.ep} (edp {self.edp})" if self.ep > 1 else ""
+        return (f"tp {self.tp} x pp {self.pp} (vpp {self.vpp}){cp} x dp {self.dp} = {self.world_size} ranks{sp}{ep}, "
                 f"zero {self.zero}, {self.num_microbatches} micro-batches/step{pipe}, {self.precision.name}")
 
 
@@ -184,6 +192,14 @@ def microbatches_per_step(cfg: Config, dp: int) -> int:
     return t.global_batch_size // per_step
 
 
+def check_expert_parallel(cfg: Config, dp: int) -> None:
+    """parallel.ep against the world: the experts are split over ep of the dp x cp ranks."""
+    ep, cp = cfg.parallel.ep, cfg.parallel.cp
+    if (dp * cp) % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide dp {dp} * cp {cp} = {dp * cp} (experts are split over "
+                          f"the dp x cp ranks); choose ep dividing {dp * cp} or launch more ranks")
+
+
 def _split_kind(split: object) -> str:
     if split is None:
         return "uniform"
@@ -202,7 +218,9 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
         raise ConfigError(f"world size {world_size} must be >= 1")
     m, p, t = cfg.model, cfg.parallel, cfg.train
     ulysses = check_layout(cfg)
+    check_moe(m, p.ep)
     dp = data_parallel_size(cfg, world_size)
+    check_expert_parallel(cfg, dp)
     micro = microbatches_per_step(cfg, dp)
     # The partition checks pp/vpp first ("vpp > 1 needs pp > 1") and then the cut itself.
     counts = stage_layer_counts(m.num_layers, p.pp, p.vpp, p.pipeline_layers, cost=gpt_stage_cost(m))
@@ -222,7 +240,7 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
         num_microbatches=micro, schedule=schedule, layer_split=_split_kind(p.pipeline_layers),
         stage_layer_counts=tuple(counts),
         activation_shape=(local_seq // p.tp if sequence_parallel else local_seq, t.micro_batch_size, m.hidden_size),
-        precision=precision_of(t.dtype),
+        precision=precision_of(t.dtype), ep=p.ep,
     )
 
 
@@ -233,6 +251,7 @@ __all__ = [
     "Precision",
     "RunPlan",
     "check_context_parallel",
+    "check_expert_parallel",
     "check_layout",
     "check_order",
     "data_parallel_size",

@@ -208,6 +208,8 @@ ERRORS = [
     (["parallel.pp=4", "parallel.vpp=2", "train.global_batch_size=4"], 4, "multiple of parallel.pp=4"),
     (["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_schedule=1f1b"], 2,
      "runs one chunk per rank but parallel.vpp=2"),
+    (["model.moe.num_experts=6", "parallel.ep=3"], 4, r"parallel.ep=3 must divide dp 4 \* cp 1 = 4"),
+    (["model.moe.num_experts=8", "parallel.ep=4", "parallel.tp=2"], 4, r"parallel.ep=4 must divide dp 2 \* cp 1 = 2"),
 ]
 
 

@@ -55,6 +55,36 @@ def test_layout_errors_show_arithmetic() -> None:
         RankLayout(order="tp-dp-pp")
 
 
+@pytest.mark.parametrize("order", ["tp-cp-dp-pp", "tp-dp-cp-pp"])
+def test_expert_groups_are_blocks_of_the_dp_cp_ranks(order: str) -> None:
+    """ep groups: consecutive ep of the dp x cp ranks (order-string order); edp: the same position of each block."""
+    layout = RankLayout(tp=2, cp=2, dp=4, pp=2, order=order, ep=4)
+    assert layout.edp == 2
+    tables = layout.group_tables()
+    for name, size in (("ep", 4), ("edp", 2)):
+        groups = tables[name].groups
+        assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), name
+        assert all(len(g) == size for g in groups), name
+    for rank in range(layout.world_size):
+        dp_cp = layout.group_ranks(rank, ("dp", "cp"))
+        ep, edp = layout.ep_ranks(rank), layout.edp_ranks(rank)
+        ep_rank, edp_rank = layout.expert_position(rank)
+        assert ep == dp_cp[edp_rank * 4:edp_rank * 4 + 4] and ep[ep_rank] == rank
+        assert edp == dp_cp[ep_rank::4] and edp[edp_rank] == rank
+        assert tables["ep"].members(rank) == ep and tables["edp"].members(rank) == edp
+        coords = [layout.coords(r) for r in ep]
+        assert len({(c["tp"], c["pp"]) for c in coords}) == 1  # one (tp, pp) coordinate
+    # With the default order cp varies fastest: ep = cp here, and edp = dp.
+    default = RankLayout(tp=2, cp=2, dp=2, ep=2)
+    assert [default.ep_ranks(r) for r in range(8)] == [default.group_ranks(r, ("cp",)) for r in range(8)]
+    assert [default.edp_ranks(r) for r in range(8)] == [default.group_ranks(r, ("dp",)) for r in range(8)]
+
+
+def test_expert_parallel_must_divide_dp_cp() -> None:
+    with pytest.raises(LayoutError, match=r"parallel.ep=3 must divide dp 4 \* cp 1 = 4"):
+        RankLayout(dp=4, ep=3)
+
+
 def test_env_from_torchrun_and_slurm() -> None:
     env = read_dist_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1"})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (3, 8, 1, "n1")
@@ -72,7 +102,7 @@ def _check_groups(dims: dict, rank: int, world: int, shared: object) -> bool:
     # Creating groups again must not hang: every rank has created the same number of groups
     # with each peer (middle pipeline stages belong to no embedding group).
     ParallelContext(RankLayout.from_world(world, **dims), rank=rank)
-    for name in ("tp", "pp", "dp", "cp", "dp_cp", "mp", "embedding"):
+    for name in ("tp", "pp", "dp", "cp", "dp_cp", "mp", "embedding", "ep", "edp"):
         members = ctx.ranks(name)
         value = torch.tensor([float(rank)])
         group = ctx.group(name)
@@ -83,7 +113,8 @@ def _check_groups(dims: dict, rank: int, world: int, shared: object) -> bool:
 
 
 GROUP_CASES = [(1, {}), (2, {"tp": 2}), (4, {"tp": 2, "pp": 2}), (8, {"tp": 2, "pp": 2, "cp": 1}),
-               (8, {"tp": 2, "cp": 2, "pp": 2}), (4, {"pp": 4})]
+               (8, {"tp": 2, "cp": 2, "pp": 2}), (4, {"pp": 4}), (8, {"tp": 2, "cp": 2, "ep": 2}),
+               (8, {"cp": 2, "ep": 4}), (8, {"tp": 2, "ep": 2})]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,13 @@ group of the job (O(n^2) in all; MegaScale measured 1,047 s -> under 5 s on 2,04
 GPUs for this). Groups with the same members are made once (`creation_plan`), and
 the stride arithmetic lists every group of 16,384 ranks in a fraction of a second.
 `megascale.distributed.startup` counts and predicts the store operations.
+
+Expert parallelism (ep) is not an axis of its own: the routed experts are split
+over ep of the dp x cp ranks of one (tp, pp) coordinate. Those dp x cp ranks are
+enumerated in the order string's order (ascending global rank, so with the default
+order cp varies fastest); an expert-parallel group is a contiguous block of ep of
+them, and the expert-data-parallel group (edp, which reduces expert gradients) is
+the ranks at the same position of every block: edp size = dp * cp / ep.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megascale.distributed.expert_parallel import ExpertParallel
 
 AXES = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
@@ -52,6 +61,7 @@ class RankLayout:
     dp: int = 1
     pp: int = 1
     order: str = DEFAULT_ORDER
+    ep: int = 1
     axes: tuple[str, ...] = field(init=False)
     strides: dict[str, int] = field(init=False)
 
@@ -61,6 +71,9 @@ class RankLayout:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise LayoutError(f"parallel.{axis}={size!r} must be a positive integer")
+        if not isinstance(self.ep, int) or self.ep < 1 or (self.dp * self.cp) % self.ep:
+            raise LayoutError(f"parallel.ep={self.ep!r} must divide dp {self.dp} * cp {self.cp} = "
+                              f"{self.dp * self.cp} (experts are split over the dp x cp ranks)")
         strides: dict[str, int] = {}
         stride = 1
         for axis in axes:
@@ -71,7 +84,7 @@ class RankLayout:
 
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                   dp: Optional[int] = None, order: str = DEFAULT_ORDER) -> RankLayout:
+                   dp: Optional[int] = None, order: str = DEFAULT_ORDER, ep: int = 1) -> RankLayout:
         """Build a layout for world_size ranks, deriving dp when it is None."""
         model_parallel = tp * pp * cp
         if dp is None:
@@ -86,7 +99,7 @@ class RankLayout:
                 f"tp {tp} * pp {pp} * cp {cp} * dp {dp} = {model_parallel * dp} != world size {world_size}; "
                 f"leave parallel.dp out to derive it, or launch {model_parallel * dp} ranks"
             )
-        return cls(tp=tp, cp=cp, dp=dp, pp=pp, order=order)
+        return cls(tp=tp, cp=cp, dp=dp, pp=pp, order=order, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -152,10 +165,51 @@ class RankLayout:
             groups.extend([r] for r in pp_ranks[1:-1])
         return GroupTable.from_groups(groups, self.world_size)
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: dp * cp / ep (replicas of each expert shard)."""
+        return self.dp * self.cp // self.ep
+
+    def expert_offsets(self) -> tuple[list[int], list[int]]:
+        """Offsets from the lowest member of the ep group and of the edp group to each member, ascending.
+
+        The dp x cp offsets are sorted, i.e. in the order string's order; an ep group is a
+        contiguous block of ep of them, an edp group every ep-th one.
+        """
+        dp_cp = self.offsets(("dp", "cp"))
+        return dp_cp[:self.ep], dp_cp[::self.ep]
+
+    def expert_position(self, rank: int) -> tuple[int, int]:
+        """(ep rank, edp rank) of a global rank: its position inside its ep and its edp group."""
+        position = self.group_ranks(rank, ("dp", "cp")).index(rank)
+        return position % self.ep, position // self.ep
+
+    def ep_ranks(self, rank: int) -> list[int]:
+        """The expert-parallel group of `rank`: its block of ep consecutive dp x cp ranks."""
+        dp_cp = self.group_ranks(rank, ("dp", "cp"))
+        block = dp_cp.index(rank) // self.ep
+        return dp_cp[block * self.ep:(block + 1) * self.ep]
+
+    def edp_ranks(self, rank: int) -> list[int]:
+        """The expert-data-parallel group of `rank`: the dp x cp ranks at its position of every ep block."""
+        dp_cp = self.group_ranks(rank, ("dp", "cp"))
+        return dp_cp[dp_cp.index(rank) % self.ep::self.ep]
+
+    def expert_tables(self) -> dict[str, GroupTable]:
+        """Every ep and every edp group, as group tables."""
+        ep_groups: list[list[int]] = []
+        edp_groups: list[list[int]] = []
+        for dp_cp in self.all_groups(("dp", "cp")):
+            ep_groups += [dp_cp[start:start + self.ep] for start in range(0, len(dp_cp), self.ep)]
+            edp_groups += [dp_cp[position::self.ep] for position in range(self.ep)]
+        return {"ep": GroupTable.from_groups(ep_groups, self.world_size),
+                "edp": GroupTable.from_groups(edp_groups, self.world_size)}
+
     def group_tables(self) -> dict[str, GroupTable]:
-        """The table of every named group ParallelContext knows (GROUP_AXES and embedding)."""
+        """The table of every named group ParallelContext knows (GROUP_AXES, embedding, ep and edp)."""
         tables = {name: self.group_table(axes) for name, axes in GROUP_AXES.items()}
         tables["embedding"] = self.embedding_table()
+        tables.update(self.expert_tables())
         return tables
 
 
@@ -194,12 +248,23 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
 
 
 def group_members(layout: RankLayout, rank: int) -> dict[str, list[int]]:
-    """Members of every named group holding `rank` (GROUP_AXES and embedding)."""
+    """Members of every named group holding `rank` (GROUP_AXES, embedding, ep and edp)."""
     members = {name: layout.group_ranks(rank, axes) for name, axes in GROUP_AXES.items()}
     embedding = layout.embedding_ranks(rank)
     # Middle pipeline stages hold no embedding: they belong to no embedding group.
     members["embedding"] = embedding if rank in embedding else [rank]
+    members["ep"] = layout.ep_ranks(rank)
+    members["edp"] = layout.edp_ranks(rank)
     return members
+
+
+def _expert_group_key(layout: RankLayout, offsets: list[int]) -> Optional[frozenset[str]]:
+    """The varied axes of the axis group with exactly these member offsets, if one exists (e.g. ep = cp)."""
+    for axes in (("cp",), ("dp",), ("dp", "cp")):
+        varied = frozenset(axis for axis in axes if layout.size(axis) > 1)
+        if varied and layout.offsets(varied) == offsets:
+            return varied
+    return None
 
 
 def creation_plan(layout: RankLayout) -> list[tuple[str, ...]]:
@@ -207,8 +272,9 @@ def creation_plan(layout: RankLayout) -> list[tuple[str, ...]]:
 
     A named group is the same set of ranks as another when the axes that tell them apart
     all have size 1 (with cp 1, dp_cp is dp and tp_pp_cp is mp; with pp 2 the embedding
-    group is the pipeline group): creating it once halves the store traffic and the
-    communicators of such layouts. Kinds of size 1 create nothing. The plan depends
+    group is the pipeline group; an ep or edp group may be one of cp, dp or dp_cp):
+    creating it once halves the store traffic and the communicators of such layouts.
+    Kinds of size 1 create nothing. The plan depends
     only on the axis sizes, so it is the same list on every rank, which torch's
     locally synchronised groups need (see ParallelContext._create_groups).
     """
@@ -220,6 +286,9 @@ def creation_plan(layout: RankLayout) -> list[tuple[str, ...]]:
     if layout.pp > 1:
         key = frozenset({"pp"}) if layout.pp == 2 else "embedding"
         merged.setdefault(key, []).append("embedding")
+    for name, offsets in zip(("ep", "edp"), layout.expert_offsets()):
+        if len(offsets) > 1:
+            merged.setdefault(_expert_group_key(layout, offsets) or name, []).append(name)
     return [tuple(names) for names in merged.values()]
 
 
@@ -279,6 +348,7 @@ class ParallelContext:
         self.device = device or torch.device("cpu")
         coords = layout.coords(rank)
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = (coords[a] for a in AXES)
+        self.ep_rank, self.edp_rank = layout.expert_position(rank)
         self._ranks = group_members(layout, rank)
         self._groups: dict[str, Any] = {}
         if create_groups and layout.world_size > 1:
@@ -294,6 +364,8 @@ class ParallelContext:
     pp_size = property(lambda self: self.layout.pp, doc="Pipeline-parallel size.")
     dp_size = property(lambda self: self.layout.dp, doc="Data-parallel size.")
     cp_size = property(lambda self: self.layout.cp, doc="Context-parallel size.")
+    ep_size = property(lambda self: self.layout.ep, doc="Expert-parallel size (routed experts split over it).")
+    edp_size = property(lambda self: self.layout.edp, doc="Expert-data-parallel size: dp * cp / ep.")
 
     @property
     def is_first_stage(self) -> bool:
@@ -316,7 +388,7 @@ class ParallelContext:
         return list(self._ranks[name])
 
     def group(self, name: str) -> Optional[Any]:
-        """Process group by name (tp, cp, dp, pp, dp_cp, tp_cp, mp, tp_pp_cp, embedding); None if trivial."""
+        """Process group by name (tp, cp, dp, pp, dp_cp, tp_cp, mp, tp_pp_cp, embedding, ep, edp); None if trivial."""
         return self._groups.get(name)
 
     tp_group = property(lambda self: self.group("tp"), doc="Tensor-parallel group.")
@@ -326,6 +398,12 @@ class ParallelContext:
     dp_cp_group = property(lambda self: self.group("dp_cp"), doc="Gradient-reduction group (dp x cp).")
     mp_group = property(lambda self: self.group("mp"), doc="Model-parallel group (tp x pp).")
     embedding_group = property(lambda self: self.group("embedding"), doc="First+last stage group for tied embeddings.")
+    ep_group = property(lambda self: self.group("ep"), doc="Expert-parallel group (all-to-all token dispatch).")
+    edp_group = property(lambda self: self.group("edp"), doc="Expert-data-parallel group (expert gradient reduction).")
+
+    def expert_parallel(self) -> ExpertParallel:
+        """The expert-parallel handle the model's layers take: size, this rank's position, group."""
+        return ExpertParallel(size=self.ep_size, rank=self.ep_rank, group=self.ep_group)
 
     def pp_neighbor(self, offset: int) -> int:
         """Global rank of the pipeline stage `offset` away (wrapping)."""
@@ -348,8 +426,9 @@ class ParallelContext:
 
     def describe(self) -> str:
         """One line naming this rank's coordinates."""
+        ep = f" ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
         return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp_size} cp {self.cp_rank}/{self.cp_size} "
-                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}")
+                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}{ep}")
 
 
 def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
@@ -382,13 +461,13 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
 
 
 def build_context(tp: int = 1, pp: int = 1, cp: int = 1, dp: Optional[int] = None, vpp: int = 1,
-                  order: str = DEFAULT_ORDER) -> ParallelContext:
+                  order: str = DEFAULT_ORDER, ep: int = 1) -> ParallelContext:
     """ParallelContext for the current (already initialised, or single) process."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = 0, 1
-    layout = RankLayout.from_world(world, tp=tp, pp=pp, cp=cp, dp=dp, order=order)
+    layout = RankLayout.from_world(world, tp=tp, pp=pp, cp=cp, dp=dp, order=order, ep=ep)
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     elif torch.cuda.is_available() and world == 1:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from megascale.config import ModelConfig
 from megascale.distributed import comm
-from megascale.errors import ConfigError
+from megascale.distributed.expert_parallel.dispatch import AllToAllDispatcher
 from megascale.model.experts import GroupedExperts
 from megascale.model.layers import BuildContext
 from megascale.model.mlp import MLP
@@ -92,7 +92,7 @@ def build_dispatcher(bc: BuildContext) -> TokenDispatcher:
     """The dispatcher of this rank's expert-parallel position: a local permutation without expert parallelism."""
     if bc.ep.size == 1:
         return LocalDispatcher(bc.model.moe.num_experts)
-    raise ConfigError(f"parallel.ep={bc.ep.size} needs the all-to-all token dispatcher; use parallel.ep=1")
+    return AllToAllDispatcher(bc.model.moe.num_experts, bc.ep)
 
 
 class MoELayer(nn.Module):

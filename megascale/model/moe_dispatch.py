@@ -13,28 +13,13 @@ the combine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-
-@dataclass
-class Routing:
-    """What the router hands the dispatcher, for n tokens routed to k experts each."""
-
-    expert_ids: Tensor  # [n, k] int64 global expert index
-    weights: Tensor  # [n, k] fp32 gate weights (routed_scaling applied)
-    keep: Optional[Tensor] = None  # [n, k] bool, False = dropped by capacity; None = dropless
-
-
-@dataclass
-class Dispatched:
-    """Rows for this rank's local experts, expert-major, and what the dispatcher needs to undo the permutation."""
-
-    expert_input: Tensor  # [m, h]
-    tokens_per_expert: Tensor  # [E_local] int64 on the CPU: rows of each local expert, in order
-    handle: Any
+# The router's output and the dispatched rows are shared with the expert-parallel dispatcher below the model.
+from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_assignments
 
 
 class TokenDispatcher(Protocol):
@@ -48,16 +33,6 @@ class TokenDispatcher(Protocol):
         """expert_output [m, h] in the dispatched order -> [n, h] = sum_k weight * expert output, in fp32, cast
         to the tokens' dtype; dropped assignments contribute 0."""
         ...
-
-
-def sorted_assignments(expert_ids: Tensor, keep: Optional[Tensor]) -> Tensor:
-    """Flat (token * k + slot) indices of the kept assignments, ordered by expert and, within an expert, by token
-    then slot (a stable sort on the expert id)."""
-    flat = expert_ids.reshape(-1)
-    if keep is None:
-        return torch.sort(flat, stable=True).indices
-    kept = keep.reshape(-1).nonzero().squeeze(1)
-    return kept[torch.sort(flat[kept], stable=True).indices]
 
 
 @dataclass

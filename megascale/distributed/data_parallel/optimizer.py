@@ -21,6 +21,14 @@ reduce-scattered, each rank keeps fp32 master weights and optimizer state for
 its 1/N flat range only, and after the update the parameters are all-gathered
 bucket by bucket, asynchronously; a forward pre-hook on each module waits for
 its own buckets, so the gathers hide behind the next forward.
+
+Routed-expert weights under expert parallelism (parallel.ep > 1) live in buffers of
+their own: rank r of an ep group holds other experts than its ep peers, and its
+expert gradient already sums the tokens of the whole ep group (the all-to-all's
+backward brought them), so the expert buffers are reduced (and, with ZeRO-1,
+sharded and gathered) over the expert-data-parallel group (edp: the ranks holding
+the same experts) instead of dp x cp. The sum over edp then covers every token once,
+which is the single-process gradient, as the dense sum over dp x cp is.
 """
 
 from __future__ import annotations
@@ -38,7 +46,13 @@ from megascale.config import Config
 from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, main_grad, reverse_params
 from megascale.distributed.data_parallel.flat_comm import FlatComm
 from megascale.distributed.data_parallel.update import OptimizerState
-from megascale.distributed.sharding import SEQUENCE_PARALLEL_GRAD_ATTR, TIED_EMBEDDING, ShardSpec, TensorShard
+from megascale.distributed.sharding import (
+    SEQUENCE_PARALLEL_GRAD_ATTR,
+    TIED_EMBEDDING,
+    ShardSpec,
+    TensorShard,
+    get_shard,
+)
 from megascale.distributed.topology import ParallelContext
 from megascale.errors import UserError
 from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_squares
@@ -78,29 +92,38 @@ class DistributedOptimizer:
         self.overlap_grad = bool(cfg.parallel.overlap_grad_reduce)
         self.overlap_gather = bool(cfg.parallel.overlap_param_gather)
         self.comm = FlatComm(ctx.group("dp_cp"))
+        # Expert shards differ across the ep group: they get buffers of their own, reduced over edp.
+        self.expert_parallel = ctx.ep_size > 1
+        self.expert_comm = FlatComm(ctx.group("edp")) if self.expert_parallel else self.comm
         if cfg.parallel.grad_bucket_mb <= 0:
             raise UserError(f"parallel.grad_bucket_mb={cfg.parallel.grad_bucket_mb} must be > 0")
         bucket_numel = max(int(cfg.parallel.grad_bucket_mb * 2 ** 20) // 4, 1)
-        shards = self.comm.size if self.zero == 1 else 1
-        shard_rank = self.comm.rank if self.zero == 1 else 0
         tied = cfg.model.tie_embeddings and ctx.pp_size > 1
         # The tied embedding's gradient is summed over first+last stage after the dp
         # reduction; the stages' buffers differ, so it must be whole there: all-reduce it.
         full_reduce = frozenset({TIED_EMBEDDING}) if tied and self.zero == 1 else frozenset()
         self.buffers: list[GradBuffer] = []
         self.buffer_chunk: list[int] = []  # chunk index of each buffer
+        self.buffer_comms: list[FlatComm] = []  # the group each buffer is reduced (and sharded) over
         for index, chunk in enumerate(chunks):
-            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
             for param in reverse_params(chunk):
-                by_dtype.setdefault(param.dtype, []).append(param)
-            for params in by_dtype.values():
+                expert = self.expert_parallel and get_shard(param).is_expert
+                by_kind.setdefault((param.dtype, expert), []).append(param)
+            for (_, expert), params in by_kind.items():
+                comm = self.expert_comm if expert else self.comm
+                shards, shard_rank = (comm.size, comm.rank) if self.zero == 1 else (1, 0)
                 self.buffers.append(GradBuffer(params, bucket_numel, shards, shard_rank, full_reduce,
                                                default_no_decay))
                 self.buffer_chunk.append(index)
+                self.buffer_comms.append(comm)
+        self._comm_of = {id(buf): comm for buf, comm in zip(self.buffers, self.buffer_comms)}
         self.slots = [slot for buf in self.buffers for slot in buf.slots]
         self.sp_params = [s.param for s in self.slots if getattr(s.param, SEQUENCE_PARALLEL_GRAD_ATTR, False)]
         self.tied_params = [s.param for s in self.slots if tied and s.spec.global_name == TIED_EMBEDDING]
-        self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.zero == 1)
+        self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.zero == 1,
+                                   expert_buffers=[comm is self.expert_comm and self.expert_parallel
+                                                   for comm in self.buffer_comms])
         self.scaler = LossScaler(cfg.train.dtype == "fp16", cfg.train.loss_scale, cfg.optim.loss_scale_window,
                                  cfg.optim.min_loss_scale)
         self.num_updates = 0
@@ -108,8 +131,12 @@ class DistributedOptimizer:
         self._fired_modules: set[int] = set()  # modules whose forward pre-hook ran since the last step
         self._hooks = [self._register_grad_hook(buf, slot, chunk) for buf, chunk in zip(self.buffers, self.buffer_chunk)
                        for slot in buf.slots]
-        if self.zero == 1 and self.comm.group is not None:
+        if self.zero == 1 and self._any_sharded_group():
             self._hooks += self._register_gather_waits(chunks)
+
+    def _any_sharded_group(self) -> bool:
+        """Whether some buffer is reduced over a group of more than one rank."""
+        return any(comm.group is not None for comm in self.buffer_comms)
 
     # ------------------------------------------------------------------ gradient side
     def _register_grad_hook(self, buf: GradBuffer, slot: Any, chunk: int) -> Any:
@@ -133,10 +160,11 @@ class DistributedOptimizer:
 
     def _launch_reduce(self, buf: GradBuffer, bucket: Bucket) -> None:
         flat = buf.grad[bucket.start:bucket.end]
+        comm = self._comm_of[id(buf)]
         if self.zero == 1 and not bucket.full_reduce:
-            bucket.reduce_handle = self.comm.reduce_scatter(flat, buf.owned(buf.grad, bucket), async_op=True)
+            bucket.reduce_handle = comm.reduce_scatter(flat, buf.owned(buf.grad, bucket), async_op=True)
         else:
-            bucket.reduce_handle = self.comm.all_reduce(flat, async_op=True)
+            bucket.reduce_handle = comm.all_reduce(flat, async_op=True)
         bucket.launched = True
 
     def sync_enabled(self, enabled: bool, chunk: Optional[int] = None) -> None:
@@ -202,13 +230,14 @@ class DistributedOptimizer:
                    stop_votes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
         """(global grad norm, global loss, stop votes) in one all-reduce per group; loss and votes are 0
         when not given."""
-        pieces = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments
-                  if seg.slot.spec.counts_for_norm]
+        pieces = [buf.grad[seg.start:seg.end] for buf, counted in zip(self.buffers, self._norm_buffers())
+                  if counted for seg in buf.segments if seg.slot.spec.counts_for_norm]
         local = sum_of_squares(pieces, self.ctx.device)
         # Each param piece is counted on exactly one rank of tp x pp (counts_for_norm) and,
         # with ZeRO-1, of dp x cp (owned ranges are disjoint); without ZeRO the dp/cp copies
-        # are identical and summing them would count them twice.
-        groups = [self.ctx.group("mp")] + ([self.comm.group] if self.zero == 1 else [])
+        # are identical and summing them would count them twice. Expert shards differ over
+        # ep, so with ep > 1 the sum runs over dp x cp too, each replica counted by one rank.
+        groups = [self.ctx.group("mp")] + ([self.comm.group] if self._norm_over_dp_cp else [])
         share = self._loss_share(loss)
         zero = torch.zeros((), device=self.ctx.device)
         with timed(self.timers, "grad_norm_all_reduce"):
@@ -224,6 +253,22 @@ class DistributedOptimizer:
                     torch.distributed.all_reduce(packed, group=group)
             return packed[0].sqrt().float(), packed[1].float(), packed[2].float()
 
+    @property
+    def _norm_over_dp_cp(self) -> bool:
+        """Whether the grad norm's sums run over dp x cp: ZeRO-1 shards, or expert shards that differ over ep."""
+        return self.zero == 1 or self.expert_parallel
+
+    def _norm_buffers(self) -> list[bool]:
+        """Per buffer, whether this rank counts it in the grad norm over dp x cp.
+
+        ZeRO-1: every rank (owned ranges are disjoint over the buffer's group). Without ZeRO,
+        when the norm sums over dp x cp (ep > 1), one replica of each: dense buffers on dp x cp
+        rank 0, expert buffers on edp rank 0 (one per ep rank, i.e. each expert shard once).
+        """
+        if self.zero == 1 or not self._norm_over_dp_cp:
+            return [True] * len(self.buffers)
+        return [comm.rank == 0 for comm in self.buffer_comms]
+
     def _loss_share(self, loss: Optional[Tensor]) -> Optional[Tensor]:
         """This rank's term of the global loss in the norm's all-reduce: the loss on exactly one
         rank of the reduced groups (last stage, tp rank 0, and dp x cp rank 0 under ZeRO-1), loss * 0
@@ -231,7 +276,7 @@ class DistributedOptimizer:
         if loss is None:
             return None
         loss = loss.detach().float().reshape(())
-        owner = self.ctx.is_last_stage and self.ctx.tp_rank == 0 and (self.zero != 1 or self.comm.rank == 0)
+        owner = self.ctx.is_last_stage and self.ctx.tp_rank == 0 and (not self._norm_over_dp_cp or self.comm.rank == 0)
         return loss if owner else loss * 0.0
 
     def step(self, step: int, loss: Optional[Tensor] = None,
@@ -274,7 +319,7 @@ class DistributedOptimizer:
         return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss, stop_votes=votes)
 
     def _gather_params(self) -> None:
-        if self.zero != 1 or self.comm.group is None:
+        if self.zero != 1 or not self._any_sharded_group():
             return
         with timed(self.timers, "dp_param_all_gather"):
             self._start_gathers()
@@ -282,11 +327,11 @@ class DistributedOptimizer:
     def _start_gathers(self) -> None:
         # Issue the gathers in the order the next forward needs them: buckets hold params
         # in reverse order, so the last bucket of the first chunk is used first.
-        for buf in self.buffers:
+        for buf, comm in zip(self.buffers, self.buffer_comms):
             for bucket in reversed(buf.buckets):
                 flat = buf.param_data[bucket.start:bucket.end]
-                bucket.gather_handle = self.comm.all_gather(flat, buf.owned(buf.param_data, bucket),
-                                                            async_op=self.overlap_gather)
+                bucket.gather_handle = comm.all_gather(flat, buf.owned(buf.param_data, bucket),
+                                                       async_op=self.overlap_gather)
                 if not self.overlap_gather:
                     bucket.gather_handle = None
         # A bucket may only be left in flight if every module owning its params ran its

@@ -40,8 +40,11 @@ class SegmentGroup:
 class OptimizerState:
     """fp32 state for the owned segments and the AdamW / LAMB update over them."""
 
-    def __init__(self, buffers: list[GradBuffer], optim: OptimConfig, ctx: ParallelContext, sharded: bool) -> None:
+    def __init__(self, buffers: list[GradBuffer], optim: OptimConfig, ctx: ParallelContext, sharded: bool,
+                 expert_buffers: Optional[list[bool]] = None) -> None:
+        """expert_buffers: per buffer, whether it holds routed-expert shards that differ over the ep group."""
         self.buffers, self.optim, self.ctx, self.sharded = buffers, optim, ctx, sharded
+        self.expert_buffers = expert_buffers or [False] * len(buffers)
         self.state: list[dict[str, Tensor]] = []
         self.decay, self.no_decay = SegmentGroup(), SegmentGroup()
         for buf in buffers:
@@ -65,18 +68,22 @@ class OptimizerState:
                 group.segments.append(seg)
         self._lamb_index = self._lamb_indices()
 
-    def _lamb_indices(self) -> tuple[Tensor, Tensor, int]:
-        """Per decay segment, the index of its global tensor; and which tensors are split over tp."""
+    def _lamb_indices(self) -> tuple[Tensor, Tensor, Tensor, int]:
+        """Per decay segment, the index of its global tensor; which tensors are split over tp; which over ep."""
         index_of: dict[int, int] = {}
         split: list[bool] = []
-        for buf in self.buffers:
+        expert: list[bool] = []
+        for buf, expert_buf in zip(self.buffers, self.expert_buffers):
             for slot in buf.slots:
                 if not slot.no_decay:
                     index_of[id(slot)] = len(split)
                     split.append(not slot.spec.is_tp_replicated)
+                    expert.append(expert_buf)
         seg_index = torch.tensor([index_of[id(seg.slot)] for seg in self.decay.segments], dtype=torch.long,
                                  device=self.ctx.device)
-        return seg_index, torch.tensor(split, dtype=torch.bool, device=self.ctx.device), len(split)
+        device = self.ctx.device
+        return (seg_index, torch.tensor(split, dtype=torch.bool, device=device),
+                torch.tensor(expert, dtype=torch.bool, device=device), len(split))
 
     def update(self, lr: float, step: int) -> None:
         """One optimizer update of every owned segment with learning rate lr; step is the 1-based update count."""
@@ -98,7 +105,7 @@ class OptimizerState:
 
     def _trust_ratios(self, masters: list[Tensor], updates: list[Tensor]) -> Tensor:
         """Per-piece trust ratio from the squared norms of the full global tensors."""
-        seg_index, split, count = self._lamb_index
+        seg_index, split, expert, count = self._lamb_index
         sq = torch.zeros(count, 2, dtype=torch.float32, device=self.ctx.device)
         if masters:
             device = self.ctx.device
@@ -106,7 +113,14 @@ class OptimizerState:
             sq.index_add_(0, seg_index, pieces)
         dp_group = self.ctx.group("dp_cp")
         if self.sharded and dp_group is not None:
-            dist.all_reduce(sq, group=dp_group)  # ZeRO-1 flat pieces of a tensor live on several dp ranks
+            # ZeRO-1 flat pieces of a tensor live on several dp ranks; an expert tensor's pieces on the
+            # edp ranks of each of its ep shards, which together are dp x cp as well.
+            dist.all_reduce(sq, group=dp_group)
+        elif bool(expert.any()) and self.ctx.group("ep") is not None:
+            # Replicated state: each rank holds whole ep shards of an expert tensor; sum them over ep.
+            expert_sq = sq * expert.unsqueeze(1)
+            dist.all_reduce(expert_sq, group=self.ctx.group("ep"))
+            sq = torch.where(expert.unsqueeze(1), expert_sq, sq)
         tp_group = self.ctx.group("tp")
         if tp_group is not None and bool(split.any()):
             # tp slices of split tensors are summed; replicated tensors are whole on each tp rank.
