@@ -150,9 +150,42 @@ def _ep_case(rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]
             for case, overrides, kernels, stage in cases]
 
 
+def _dispatch_traffic(rank: int, world: int, shared: Any) -> tuple[dict[str, int], dict[str, float]]:
+    """(bytes the all-to-all dispatcher counted, the planner's bytes) for one MoE layer's forward and backward
+    on balanced routing: each rank's token t goes to experts (t k + j) mod E, so every expert gets the same
+    rows from every rank."""
+    from megascale.distributed.expert_parallel.dispatch import AllToAllDispatcher
+    from megascale.distributed.topology import ParallelContext, RankLayout
+    from megascale.model.moe_dispatch import Routing
+    from megascale.perf.moe import dispatch_bytes
+
+    cfg = parity.make_config([*BASE, *MOE, "model.moe.num_experts=8", "model.moe.top_k=4", "train.dtype=bf16",
+                              "parallel.ep=2", "train.global_batch_size=4"])
+    plan = resolve_plan(cfg, world)
+    ctx = ParallelContext(RankLayout(dp=world, ep=2), rank=rank)
+    dispatcher = AllToAllDispatcher(8, ctx.expert_parallel())
+    n, k, h = plan.micro_batch_size * plan.local_seq_length, 4, cfg.model.hidden_size
+    tokens = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
+    ids = (torch.arange(n * k) % 8).view(n, k)
+    dispatched = dispatcher.dispatch(tokens, Routing(ids, torch.full((n, k), 1.0 / k)))
+    dispatcher.combine(dispatched.expert_input * 2, dispatched).float().sum().backward()
+    traffic = dispatcher.traffic
+    counted = {"dispatch": traffic.dispatch, "combine": traffic.combine, "backward": traffic.backward,
+               "counts": traffic.counts}
+    planned = dispatch_bytes(cfg, plan)
+    return counted, {"dispatch": planned.off_rank_rows, "combine": planned.off_rank_rows,
+                     "backward": 2 * planned.off_rank_rows, "counts": planned.off_rank_counts}
+
+
 @pytest.fixture(scope="module")
 def two_rank_results() -> dict[str, Outcome]:
-    return run_scenarios({**{name: partial(_layout_case, name) for name in LAYOUTS}, "ep2": _ep_case}, 2)
+    return run_scenarios({**{name: partial(_layout_case, name) for name in LAYOUTS}, "ep2": _ep_case,
+                          "traffic": _dispatch_traffic}, 2)
+
+
+def test_planned_all_to_all_bytes_are_what_the_dispatcher_sends(two_rank_results: dict[str, Outcome]) -> None:
+    for counted, planned in two_rank_results["traffic"].check():
+        assert counted == planned and counted["dispatch"] > 0
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -110,12 +110,40 @@ def all_to_all_seconds(nbytes: float, layout: ExpertLayout, spec: GpuSpec, gap: 
     return (ep - 1) * spec.inter_latency_us * 1e-6 + max(off_node, on_node)
 
 
+@dataclass(frozen=True)
+class DispatchBytes:
+    """What one rank sends per MoE layer and micro-batch in one direction (dispatch, combine, or either's
+    gradient), under balanced routing: all-to-all tensors and the share of them that leaves the rank."""
+
+    rows_bytes: float
+    """The [n * top_k (kept), h] rows the rank sends (the rows for its own experts included)."""
+    counts_bytes: float
+    """The per-expert counts exchanged before a dispatch: E int64."""
+    ep: int
+
+    @property
+    def off_rank_rows(self) -> float:
+        """Row bytes that leave the rank: (ep - 1) / ep of them."""
+        return self.rows_bytes * (self.ep - 1) / self.ep
+
+    @property
+    def off_rank_counts(self) -> float:
+        """Count bytes that leave the rank."""
+        return self.counts_bytes * (self.ep - 1) / self.ep
+
+
+def dispatch_bytes(cfg: Config, plan: RunPlan) -> DispatchBytes:
+    """The bytes of one direction of one MoE layer's all-to-all on one rank (see `DispatchBytes`)."""
+    rows = routed_tokens(plan) * cfg.model.moe.top_k * kept_fraction(cfg)
+    return DispatchBytes(rows_bytes=rows * cfg.model.hidden_size * plan.precision.compute_bytes,
+                         counts_bytes=cfg.model.moe.num_experts * COUNT_BYTES, ep=cfg.parallel.ep)
+
+
 def dispatch_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, layout: ExpertLayout, gap: float = 0.0) -> float:
     """One direction (dispatch or combine) of one MoE layer: the counts exchange and the rows' all-to-all."""
-    rows = routed_tokens(plan) * cfg.model.moe.top_k * kept_fraction(cfg)
-    nbytes = rows * cfg.model.hidden_size * plan.precision.compute_bytes
-    counts = all_to_all_seconds(cfg.model.moe.num_experts * COUNT_BYTES, layout, spec, gap)
-    return counts + all_to_all_seconds(nbytes, layout, spec, gap)
+    traffic = dispatch_bytes(cfg, plan)
+    return (all_to_all_seconds(traffic.counts_bytes, layout, spec, gap)
+            + all_to_all_seconds(traffic.rows_bytes, layout, spec, gap))
 
 
 def active_numel(table: ParamTable, model: ModelConfig) -> int:
@@ -127,5 +155,5 @@ def active_numel(table: ParamTable, model: ModelConfig) -> int:
     return round(total)
 
 
-__all__ = ["ExpertLayout", "active_numel", "all_to_all_seconds", "dispatch_seconds", "expert_layout", "kept_fraction",
-           "routed_rows", "routed_tokens"]
+__all__ = ["DispatchBytes", "ExpertLayout", "active_numel", "all_to_all_seconds", "dispatch_bytes", "dispatch_seconds",
+           "expert_layout", "kept_fraction", "routed_rows", "routed_tokens"]
