@@ -131,6 +131,8 @@ class ModelConfig:
     attention_dropout: float = _f(0.0, "attention-probability dropout")
     init_std: float = _f(0.02, "std of the normal weight init (output projections scaled by 1/sqrt(2*layers))")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"help": "Mixture-of-Experts layers"})
+    qk_norm: bool = _f(False, "RMSNorm over each head's query and key (per-head width, one weight shared by "
+                              "all heads, epsilon model.norm_eps) before RoPE, as in Qwen3 and OLMo 2")
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` (global, from 0) has a routed-expert MLP."""
