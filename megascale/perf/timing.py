@@ -232,7 +232,8 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     else:
         makespan, busy = _analytic_pipeline(plan, times, p2p)
     # CPU hosts: ranks beyond the cores time-share them (zero for GPU specs); reported as its own part.
-    waits = [m * sum(c.forward.tp_comm + c.forward.cp_comm + c.backward.tp_comm + c.backward.cp_comm for c in chunks)
+    waits = [m * sum(c.forward.tp_comm + c.forward.cp_comm + c.forward.ep_comm
+                     + c.backward.tp_comm + c.backward.cp_comm + c.backward.ep_comm for c in chunks)
              for chunks in costs]
     core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
     sharing = ranks_per_core(plan, spec)
