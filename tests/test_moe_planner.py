@@ -6,8 +6,9 @@ tensor autograd keeps during one micro-batch's forward through a chunk of the re
 each storage counted once, parameters left out; `chunk_bytes` must equal it to the byte for
 dropless routing (every token reaches top_k experts, so the routed rows are tokens x top_k
 whatever the router chose), single process and on two gloo ranks with tp 2 (with and
-without sequence parallelism). With a capacity factor the rows kept depend on the routing;
-the model assumes balanced routing (nothing dropped at a factor >= 1), an upper bound.
+without sequence parallelism) and cp 2 (ring and Ulysses). With ep 2 each rank computes
+the rows the routers sent its experts, and with a capacity factor the rows kept depend
+on the routing: the model counts balanced routing (nothing dropped at a factor >= 1).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "tp2_sp_saved": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_regather_input=false"],
+    "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
+    "cp2_ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses"],
 }
 
 
