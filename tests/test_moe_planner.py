@@ -401,3 +401,13 @@ def test_search_picks_ep_and_keeps_the_all_to_all_in_a_node(capsys) -> None:
     assert labels and not any(" ep1 " in label or " ep16 " in label for label in labels), labels
     assert out["ranked"][0]["params_active"] < out["ranked"][0]["params_total"]
     assert out["ranked"][0]["breakdown"]["ep_comm"] > 0
+
+
+@pytest.mark.parametrize("ep,where", [(4, "inside one node: all-to-all on NVLink"),
+                                      (8, "across nodes (4 of its ranks per node): all-to-all on the NICs")])
+def test_plan_says_where_the_all_to_all_runs(ep: int, where: str, capsys) -> None:
+    args = [*SMALL, "train.micro_batch_size=1", "parallel.tp=2", "parallel.sequence_parallel=true", f"parallel.ep={ep}"]
+    assert cli_main(["plan", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--gpus", "16", *args]) == 0
+    text = capsys.readouterr().out
+    assert f"expert parallel: ep {ep} x edp {8 // ep}, {16 // ep} of each MoE layer's experts per rank" in text
+    assert where in text and "active per token" in text

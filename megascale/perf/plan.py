@@ -122,6 +122,12 @@ def format_prediction(pred: Prediction) -> str:
     if pred.params_active != pred.params_total:
         lines.append(f"parameters: {pred.params_total / 1e9:.2f}B, {pred.params_active / 1e9:.2f}B active per token "
                      f"(routed experts: top_k of num_experts)")
+    if pred.experts is not None and pred.experts.ep > 1:
+        e = pred.experts
+        where = (f"across nodes ({e.node_ranks} of its ranks per node): all-to-all on the NICs" if e.inter_node
+                 else "inside one node: all-to-all on NVLink")
+        lines.append(f"expert parallel: ep {e.ep} x edp {e.edp}, {e.local_experts} of each MoE layer's experts per "
+                     f"rank; an ep group spans {e.span} global ranks, {where}")
     lines.append(f"memory per pipeline rank at its peak, GiB ({pred.memory[0].kernels} kernels; "
                  "modelled from what autograd saves, docs/planner.md):")
     parts = list(memory_parts(pred.memory[0]))
