@@ -347,7 +347,7 @@ def _grouped_vs_loop(device: str, dtype: torch.dtype) -> tuple[float, list[float
     outs, grads = [], []
     for grouped in (True, False):
         y = grouped_linear(x, w, b, counts, grouped)
-        outs.append(y.float())
+        outs.append(y.detach().float())
         grads.append([g.float() for g in torch.autograd.grad((y * probe).sum(), (x, w, b))])
     return float((outs[0] - outs[1]).abs().max()), [float((g - r).abs().max()) for g, r in zip(*grads)]
 
@@ -402,3 +402,62 @@ def test_parallel_moe_run_reproduces_the_single_process_curve(tmp_path: Path, la
         assert abs(got["loss"] - ref["loss"]) < 1e-4 * ref["loss"], (got["loss"], ref["loss"])
         assert got["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
         assert got["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-5)
+
+
+def test_incremental_decoding_matches_the_full_forward() -> None:
+    """Decoding token by token through the cache routes each token as the full forward does (routing is
+    per token, so capacity-free MoE layers keep the prefix's logits unchanged)."""
+    from megascale.model.kv_cache import InferenceCache
+
+    cfg = parity.make_config([*parity.SMALL_MODEL, "model.moe.num_experts=4", "model.moe.router=sigmoid",
+                              "model.moe.shared_experts=1", "model.position=rope"])
+    chunk = parity.build_chunks(cfg, parity.single_context())[0].eval()
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 500, (2, 9))
+    full = chunk.logits(tokens)
+    cache = InferenceCache()
+    steps = [chunk.decode_logits(tokens[:, :4], cache)]
+    steps += [chunk.decode_logits(tokens[:, i:i + 1], cache) for i in range(4, 9)]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+    assert chunk.layers["0"].mlp.stats.row is None  # inference records no training statistics
+
+
+def test_metrics_fields_from_the_step_table() -> None:
+    """Loads relative to the balanced one, their coefficient of variation, mean losses per (layer, micro-batch)
+    forward, and the dropped fraction over all layers, from hand-made rows."""
+    from megascale.training.metrics import moe_fields
+
+    # Columns: 4 expert counts, aux sum, z sum, dropped, assigned, records.
+    table = torch.tensor([[10.0, 30.0, 20.0, 20.0, 2.2, 8.0, 4.0, 80.0, 2.0],
+                          [20.0, 20.0, 20.0, 20.0, 2.0, 4.0, 0.0, 80.0, 2.0]], dtype=torch.float64)
+    rec = moe_fields(table, [1, 3])
+    assert rec["moe_layers"] == [1, 3]
+    assert rec["moe_tokens_per_expert"] == [[10, 30, 20, 20], [20, 20, 20, 20]]
+    assert rec["moe_load_min"] == [0.5, 1.0] and rec["moe_load_max"] == [1.5, 1.0]
+    assert rec["moe_load_cv"] == [pytest.approx(math.sqrt(50) / 20, abs=1e-6), 0.0]
+    assert rec["moe_aux_loss"] == pytest.approx(4.2 / 4) and rec["moe_z_loss"] == pytest.approx(12.0 / 4)
+    assert rec["moe_dropped_fraction"] == pytest.approx(4.0 / 160)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["softmax_swiglu", "sigmoid_gelu_exact_capacity"])
+def test_cuda_bf16_layer_matches_fp32_reference(case: str) -> None:
+    """The whole layer in bf16 on CUDA (the grouped-GEMM path) against the fp32 CPU layer on the same weights:
+    bf16 keeps ~3 significant digits, so 3e-2 of the output's scale; a misrouted row is off by O(1)."""
+    import copy
+
+    layer = _layer(LAYER_CASES[case])
+    gen = torch.Generator().manual_seed(1)
+    # bf16-representable weights and inputs: both sides route from the same fp32 logits (no choice flips).
+    with torch.no_grad():
+        for param in layer.parameters():
+            if param.requires_grad:
+                param.copy_(param.bfloat16().float())
+    x = torch.randn(SEQ * 8, BATCH, HIDDEN, generator=gen).bfloat16().float()
+    ref = layer(x).detach()
+    fast = copy.deepcopy(layer).to(device="cuda", dtype=torch.bfloat16)
+    if fast.router.expert_bias is not None:
+        fast.router.expert_bias.data = layer.router.expert_bias.detach().cuda()  # fp32, as the model keeps it
+    got = fast(x.cuda().bfloat16()).float().cpu()
+    scale = float(ref.abs().max())
+    assert float((got - ref).abs().max()) < 3e-2 * scale

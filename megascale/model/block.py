@@ -44,7 +44,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(f"{name}.attention", bc, recompute_core=recompute == "selective")
         if not self.parallel_block:
             self.post_attention_norm = Norm(f"{name}.post_attention_norm", bc)
-        self.mlp: nn.Module = MoELayer(f"{name}.mlp", bc) if self.is_moe else MLP(f"{name}.mlp", bc)
+        self.mlp: nn.Module = MoELayer(f"{name}.mlp", bc, index) if self.is_moe else MLP(f"{name}.mlp", bc)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 cache: Optional[LayerCache] = None, aux_grad_scale: float = 1.0) -> torch.Tensor:

@@ -98,10 +98,11 @@ def build_dispatcher(bc: BuildContext) -> TokenDispatcher:
 class MoELayer(nn.Module):
     """Routed experts (top-k of E per token) + optional shared experts, in place of a dense MLP."""
 
-    def __init__(self, name: str, bc: BuildContext) -> None:
+    def __init__(self, name: str, bc: BuildContext, layer_index: int) -> None:
         super().__init__()
         m = bc.model
         self.bc = bc
+        self.layer_index = layer_index  # global index of the layer this MLP belongs to
         self.moe = m.moe
         self.router = Router(f"{name}.router", bc, bc.moe_stats_group)
         self.experts = GroupedExperts(f"{name}.experts", bc)
@@ -172,31 +173,22 @@ def reduce_moe_stats(chunks: Sequence[nn.Module], model: ModelConfig, device: to
     """
     ids = moe_layer_ids(model)
     table = torch.zeros((len(ids), model.moe.num_experts + NUM_STATS), dtype=torch.float64, device=device)
-    for chunk in chunks:
-        for name, module in chunk.named_modules():
-            if isinstance(module, MoELayer):
-                table[ids.index(_layer_index(name))] += module.stats.take(device)
+    for layer in moe_layers(chunks):
+        table[ids.index(layer.layer_index)] += layer.stats.take(device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(table, group=group)
     return table
-
-
-def _layer_index(module_name: str) -> int:
-    """Global layer index of a module path such as 'layers.3.mlp'."""
-    parts = module_name.split(".")
-    return int(parts[parts.index("layers") + 1])
 
 
 def update_router_biases(chunks: Sequence[nn.Module], model: ModelConfig, table: Tensor) -> None:
     """Aux-loss-free balancing: move each sigmoid router's expert_bias by the rule, from the global loads."""
     ids = moe_layer_ids(model)
     rate = model.moe.bias_update_rate
-    for chunk in chunks:
-        for name, module in chunk.named_modules():
-            if isinstance(module, MoELayer) and module.router.expert_bias is not None:
-                load = table[ids.index(_layer_index(name)), :model.moe.num_experts]
-                with torch.no_grad():
-                    update_expert_bias(module.router.expert_bias, load, rate)
+    for layer in moe_layers(chunks):
+        if layer.router.expert_bias is not None:
+            load = table[ids.index(layer.layer_index), :model.moe.num_experts]
+            with torch.no_grad():
+                update_expert_bias(layer.router.expert_bias, load, rate)
 
 
 __all__ = ["MoELayer", "MoEStats", "attach_aux_loss", "build_dispatcher", "moe_layer_ids", "moe_layers",
