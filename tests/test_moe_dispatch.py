@@ -151,3 +151,18 @@ def test_expert_major_order() -> None:
 def test_single_rank_dispatch_is_the_reference() -> None:
     """With ep 1 (no group) the dispatcher is a permutation: the reference's outputs and gradients."""
     scenario_dispatch(1, True, 0, 1, None)
+
+
+def test_moe_bench_counts_dispatch_bytes_exactly() -> None:
+    """`megascale bench moe` on 2 gloo ranks: the counted bytes equal the formula (its exit status says so)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "megascale.cli", "bench", "moe", "--rounds", "1", "--hidden", "64",
+                           "--expert-ffn", "64", "--shared-ffn", "64", "--tokens", "64"], cwd=root,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "(exact)" in proc.stdout and "| moe |" in proc.stdout and "hidden fraction" in proc.stdout

@@ -75,8 +75,11 @@ log = logging.getLogger("megascale.checkpoint")
 
 def _layout_of(ctx: ParallelContext) -> dict:
     lay = ctx.layout
-    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "vpp": ctx.vpp, "order": lay.order,
-            "world_size": ctx.world_size}
+    layout = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "vpp": ctx.vpp, "order": lay.order,
+              "world_size": ctx.world_size}
+    if lay.ep > 1:  # recorded only where used, so dense checkpoints keep their layout record
+        layout["ep"] = lay.ep
+    return layout
 
 
 class CheckpointManager:

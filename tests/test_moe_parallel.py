@@ -1,0 +1,120 @@
+"""Expert parallelism composed with every layout reproduces the single-process MoE model.
+
+Each scenario trains three optimizer steps of a small MoE GPT (fp32, dropout 0, dropless,
+aux and z losses on) on four gloo ranks with the trainer's own pieces (tests/moe_utils.py)
+and compares, on rank 0, the global losses, grad norms, the gradients the optimizer used on
+the last step (replicated optimizer) and every parameter after the last step (sigmoid
+router: its expert_bias too, which the aux-loss-free rule moves from global loads) with
+the single-process run of the same config and global batches. One slow case drops
+tokens by capacity, which ep leaves unchanged (each rank routes its own micro-batch,
+as the single process does). Expert parallelism only moves token rows between ranks and sums expert gradients over other groups, so the
+losses, grad norms and gradients agree to float32 reduction-order noise (measured ~1e-7
+to 2e-6 relative), checked at 1e-5. Parameters after three Adam steps get 1e-4: Adam
+divides each update by the running RMS of that element's gradient, so an element whose
+gradient is small next to its tensor's largest carries its relative rounding noise into
+a full-size step (tp 2 alone, without ep, leaves the shared experts' fc2 bias 1.5e-5
+apart). Both are far below what a wrong expert slice, scale or reduction group
+produces (O(1) relative).
+
+The default suite runs two representative layouts (ep 4 with ZeRO-1 over edp, and
+tp 2 + SP + ep 2 with the sigmoid router); the rest are marked slow.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dist_utils import Outcome, run_scenarios
+from moe_utils import MOE_MODEL, SIGMOID, compare, own_groups, train_steps
+
+WORLD = 4
+RTOL = 1e-5
+PARAM_RTOL = 1e-4
+ROUTERS = {"softmax": (), "sigmoid": SIGMOID}
+
+# name -> the layout's overrides
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "ep2": ("parallel.ep=2",),
+    "ep4": ("parallel.ep=4",),
+    "ep4_zero1": ("parallel.ep=4", "parallel.zero=1"),
+    "ep2_zero1": ("parallel.ep=2", "parallel.zero=1"),
+    "tp2_sp_ep2": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"),
+    "tp2_ep2": ("parallel.tp=2", "parallel.ep=2"),
+    "pp2_ep2": ("parallel.pp=2", "parallel.ep=2"),
+    "cp2_ep2": ("parallel.cp=2", "parallel.ep=2"),
+    "cp2_ep4_zero1": ("parallel.cp=2", "parallel.ep=4", "parallel.zero=1"),
+    # Capacity is per micro-batch of the tokens a rank routes, which ep leaves as they are.
+    "ep2_capacity": ("parallel.ep=2", "model.moe.capacity_factor=1.0"),
+    "ep2_lamb_zero0": ("parallel.ep=2", "optim.name=lamb"),
+    "ep2_lamb_zero1": ("parallel.ep=2", "parallel.zero=1", "optim.name=lamb"),
+}
+# The default suite: two layouts, one per router.
+DEFAULT = {("ep4_zero1", "softmax"), ("tp2_sp_ep2", "sigmoid")}
+CASES = [(layout, router) for layout in LAYOUTS for router in ROUTERS]
+
+
+def _overrides(layout: str, router: str) -> tuple[str, ...]:
+    extra = tuple(o for o in LAYOUTS[layout] if not o.startswith("parallel."))
+    return MOE_MODEL + ROUTERS[router] + extra
+
+
+def scenario(layout: str, router: str, rank: int, world: int, shared: Any) -> list[str]:
+    """Train the layout; rank 0 also trains the single-process run (cached per config) and compares."""
+    model = _overrides(layout, router)
+    parallel = tuple(o for o in LAYOUTS[layout] if o.startswith("parallel."))
+    got = train_steps(model + parallel, rank, world)
+    if rank != 0:
+        return []
+    references = shared.setdefault("references", {})
+    if model not in references:
+        references[model] = train_steps(model, 0, 1, stats_group=shared["own_group"])
+    return compare(got, references[model], RTOL, PARAM_RTOL)
+
+
+def _run(cases: list[tuple[str, str]]) -> dict[str, Outcome]:
+    scenarios = {f"{layout}-{router}": partial(scenario, layout, router) for layout, router in cases}
+    return run_scenarios(scenarios, WORLD, setup=own_groups, timeout=900.0, pg_timeout=300.0)
+
+
+@pytest.fixture(scope="module")
+def default_outcomes() -> dict[str, Outcome]:
+    return _run([case for case in CASES if case in DEFAULT])
+
+
+@pytest.fixture(scope="module")
+def slow_outcomes() -> dict[str, Outcome]:
+    return _run([case for case in CASES if case not in DEFAULT])
+
+
+@pytest.mark.parametrize("layout,router", sorted(DEFAULT))
+def test_expert_parallel_matches_single_process(default_outcomes: dict[str, Outcome], layout: str,
+                                                router: str) -> None:
+    problems = default_outcomes[f"{layout}-{router}"].check()[0]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,router", [case for case in CASES if case not in DEFAULT])
+def test_expert_parallel_layouts_match_single_process(slow_outcomes: dict[str, Outcome], layout: str,
+                                                      router: str) -> None:
+    problems = slow_outcomes[f"{layout}-{router}"].check()[0]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_nan_on_one_expert_parallel_rank_skips_the_update_everywhere(tmp_path: Path) -> None:
+    """`megascale train` with ep 2: a NaN in rank 1's loss at step 2 reaches every rank through the grad norm's
+    sums (over dp x cp, where expert shards are counted), so both skip that update and train on."""
+    from train_utils import train
+
+    moe = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32", "train.steps=3",
+           "checkpoint.save_final=false", "parallel.ep=2", "fault.nan_policy=skip"]
+    recs = train(tmp_path / "nan", *moe, "fault.inject=nan:rank=1:step=2", nproc=2)
+    clean = train(tmp_path / "clean", *moe, nproc=2)
+    assert [r["nan_skipped"] for r in recs] == [0, 1, 1]
+    assert recs[0]["loss"] == clean[0]["loss"] and math.isnan(recs[1]["loss"])
+    assert math.isfinite(recs[2]["loss"]) and math.isfinite(recs[2]["grad_norm"])
