@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megascale.checkpoint.convert import checkpoint_to_hf, write_model_checkpoint
-from megascale.checkpoint.hf import rename_coverage
+from megascale.checkpoint.hf import rename_coverage, to_hf
 from megascale.cli import main as cli_main
 from megascale.config import config_from_dict
 from megascale.distributed.sharding import OUTPUT_WEIGHT, TIED_EMBEDDING
@@ -48,7 +48,8 @@ VOCAB = 100
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=16, rms_norm_eps=1e-6, tie_word_embeddings=False)
 HF_MODELS = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=48, num_hidden_layers=2, head_dim=8)),
+    # head_dim 16, not hidden / heads = 8: model.kv_channels
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=48, num_hidden_layers=2, head_dim=16)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=24, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)),
     # Layer 0 dense (mlp_only_layers), layers 1-2 MoE: first_dense 1.
@@ -61,7 +62,7 @@ LLAMA_BASE = dict(hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=4
                   vocab_pad_multiple=64, seq_length=16, norm="rmsnorm", activation="swiglu", position="rope",
                   bias=False, tie_embeddings=False, norm_eps=1e-6)
 OUR_MODELS = {
-    "qwen3": dict(LLAMA_BASE, num_layers=2, qk_norm=True),
+    "qwen3": dict(LLAMA_BASE, num_layers=2, qk_norm=True, kv_channels=12),
     "mixtral": dict(LLAMA_BASE, num_layers=2, moe=dict(num_experts=4, top_k=2, ffn_hidden_size=24)),
     # Dense, MoE, dense, MoE: first_dense 1, frequency 2; top-2 of 4 weights not renormalised.
     "qwen3_moe": dict(LLAMA_BASE, num_layers=4, qk_norm=True,
@@ -170,6 +171,34 @@ def test_to_hf_loads_in_transformers_with_our_logits(tmp_path: Path, kind: str) 
         assert "model.layers.3.mlp.experts.3.down_proj.weight" in names
 
 
+def test_to_hf_assembles_experts_saved_in_expert_parallel_shards(tmp_path: Path) -> None:
+    """An ep 2 checkpoint holds each expert tensor as two halves along the expert axis: the export is the
+    same as from whole tensors."""
+    from megascale.checkpoint.manager import CheckpointManager
+    from megascale.distributed.sharding import TensorShard
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
+    section = OUR_MODELS["mixtral"]
+    cfg = config_from_dict({"model": section, "checkpoint": {"async": False}})
+    state = _random_state(section)
+    shards = []
+    for name, t in state.items():
+        halves = 2 if ".experts." in name else 1
+        rows = t.shape[0] // halves
+        for lo in range(0, t.shape[0], rows):
+            shards.append(TensorShard(name, tuple(t.shape), (lo,) + (0,) * (t.dim() - 1),
+                                      (rows, *tuple(t.shape[1:])), t[lo:lo + rows].clone()))
+    assert len(shards) == len(state) + 4  # fc1 and fc2 of 2 layers, each in two pieces
+    CheckpointManager(tmp_path / "ckpt", ParallelContext(RankLayout(), 0, create_groups=False), cfg).save(
+        5, shards, {"step": 5, "config": cfg.to_dict()})
+    assert cli_main(["convert", "--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    expected, _ = to_hf(state, cfg.model, "mixtral")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(f.get_tensor(name), tensor), name
+
+
 @pytest.mark.parametrize("kind", list(OUR_MODELS))
 def test_rename_tables_cover_the_real_model(kind: str) -> None:
     model = config_from_dict({"model": OUR_MODELS[kind]}).model
@@ -191,13 +220,12 @@ MIXTRAL_CONFIG = {"model_type": "mixtral", "hidden_size": 32, "num_attention_hea
 
 @pytest.mark.parametrize("config,named", [
     ({**MIXTRAL_CONFIG, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
-    ({**MIXTRAL_CONFIG, "head_dim": 16}, "head_dim=16"),
     ({**QWEN3_MOE_CONFIG, "mlp_only_layers": [1]}, "mlp_only_layers=[1], decoder_sparse_step=1"),
     ({**QWEN3_MOE_CONFIG, "use_sliding_window": True}, "use_sliding_window=True"),
     ({**QWEN3_MOE_CONFIG, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 64},
      "shared_expert_intermediate_size=64"),
     ({**QWEN3_MOE_CONFIG, "model_type": "deepseek_v3", "kv_lora_rank": 512}, "kv_lora_rank=512"),
-], ids=["jitter", "head_dim", "mlp_only_layers", "sliding_window", "qwen2_moe_shared_gate", "deepseek_mla"])
+], ids=["jitter", "mlp_only_layers", "sliding_window", "qwen2_moe_shared_gate", "deepseek_mla"])
 def test_unrepresentable_hf_fields_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                             config: dict, named: str) -> None:
     _write_hf_dir(tmp_path / "hf", config)
@@ -225,9 +253,11 @@ def test_unrepresentable_models_are_refused_on_export(tmp_path: Path, capsys: py
 
 
 # ----------------------------------------------------------------------------- q/k norms under tp
+# (with a head width of its own, kv_channels 12 instead of hidden / heads = 8)
 
 QK_NORM = [*parity.SMALL_MODEL, "train.seed=7", "model.num_kv_heads=4", "model.activation=swiglu",
-           "model.position=rope", "model.norm=rmsnorm", "model.bias=false", "model.qk_norm=true"]
+           "model.position=rope", "model.norm=rmsnorm", "model.bias=false", "model.qk_norm=true",
+           "model.kv_channels=12"]
 
 
 def _loss_and_grads(overrides: list[str], rank: int, world: int, tokens: torch.Tensor) -> tuple:
@@ -270,7 +300,8 @@ def qk_norm_tp() -> dict:
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_qk_norm_under_tp_matches_single_process(qk_norm_tp: dict, sp: bool) -> None:
-    """The q/k norm weights are whole on each tp rank, which sees only its heads: their grads sum over tp.
+    """The q/k norm weights are whole on each tp rank, which sees only its heads: their grads sum over tp;
+    heads of their own width (kv_channels) split over tp like any others.
 
     Same tolerance as tests/test_tp_parity.py: 1e-5 on O(1e-2) gradients (only reduction order differs)."""
     loss_err, grad_err, worst, norm_grad = qk_norm_tp[f"sp{int(sp)}"].check()[0]

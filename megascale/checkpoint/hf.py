@@ -94,6 +94,8 @@ def _check_arch(model: ModelConfig, arch: str) -> None:
         wrong += _moe_problems(model, arch)
     if arch == "gpt2" and model.kv_heads != model.num_heads:
         wrong.append(f"model.num_kv_heads={model.kv_heads} (GPT-2 has no grouped-query attention)")
+    if arch == "gpt2" and model.head_dim * model.num_heads != model.hidden_size:
+        wrong.append(f"model.kv_channels={model.kv_channels} (GPT-2's head width is n_embd / n_head)")
     attention_ok = ("causal", "sliding_window") if arch == "mixtral" else ("causal",)
     if model.parallel_block or model.attention not in attention_ok:
         wrong.append(f"model.parallel_block={model.parallel_block}, model.attention={model.attention} "

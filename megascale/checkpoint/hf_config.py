@@ -39,10 +39,6 @@ def _default_rope(value: Any, config: dict) -> bool:
     return rope.get("rope_type", rope.get("type", "default")) in ("default", None)
 
 
-def _plain_head_dim(value: Any, config: dict) -> bool:
-    return value in (None, config["hidden_size"] // config["num_attention_heads"])
-
-
 def _falsy(value: Any, config: dict) -> bool:
     return not value
 
@@ -54,8 +50,6 @@ def _truthy(value: Any, config: dict) -> bool:
 _SWIGLU = FieldRule("hidden_act", "silu", lambda v, c: v in LLAMA_ACTIVATIONS,
                     "megascale's Llama-family MLP is SwiGLU, silu(gate) * up")
 _NO_ATTENTION_BIAS = FieldRule("attention_bias", False, _falsy, "megascale's Llama family has no q/k/v/o biases")
-_PLAIN_HEAD_DIM = FieldRule("head_dim", None, _plain_head_dim,
-                            "megascale's head width is hidden_size / num_attention_heads")
 _DEFAULT_ROPE = (
     FieldRule("rope_parameters", None, _default_rope,
               "only the default rotary embedding is implemented (no linear/dynamic/yarn/llama3 scaling)"),
@@ -67,18 +61,18 @@ _DEFAULT_ROPE = (
 LLAMA_RULES = (
     _SWIGLU, _NO_ATTENTION_BIAS,
     FieldRule("mlp_bias", False, _falsy, "megascale's Llama has no MLP biases"),
-    _PLAIN_HEAD_DIM, *_DEFAULT_ROPE,
+    *_DEFAULT_ROPE,
 )
 # Qwen3 (dense and MoE): Llama plus a per-head q/k RMSNorm (model.qk_norm), and a sliding window it can
 # switch on.
 QWEN3_RULES = (
-    _SWIGLU, _NO_ATTENTION_BIAS, _PLAIN_HEAD_DIM, *_DEFAULT_ROPE,
+    _SWIGLU, _NO_ATTENTION_BIAS, *_DEFAULT_ROPE,
     FieldRule("use_sliding_window", False, _falsy, "megascale's Qwen3 attends over the whole causal context"),
 )
 # Mixtral's sliding_window is mapped (model.attention=sliding_window: the same window, a query sees itself
 # and the window - 1 tokens before it).
 MIXTRAL_RULES = (
-    _SWIGLU, _PLAIN_HEAD_DIM, *_DEFAULT_ROPE,
+    _SWIGLU, *_DEFAULT_ROPE,
     FieldRule("router_jitter_noise", 0.0, _falsy, "megascale's router has no multiplicative input jitter"),
 )
 GPT2_RULES = (
@@ -118,7 +112,11 @@ def _llama(config: dict) -> dict[str, Any]:
 def _llama_sizes(config: dict) -> dict[str, Any]:
     heads = config["num_attention_heads"]
     rope = config.get("rope_parameters") or {}
-    return {"num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"], "num_heads": heads,
+    # head_dim (Qwen3's is often not hidden_size / heads) -> model.kv_channels, left out when it is the default
+    head_dim = config.get("head_dim")
+    own_width = {"kv_channels": head_dim} if head_dim and head_dim * heads != config["hidden_size"] else {}
+    return {**own_width, "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+            "num_heads": heads,
             "num_kv_heads": config.get("num_key_value_heads") or heads,
             "ffn_hidden_size": config["intermediate_size"], "vocab_size": config["vocab_size"],
             "seq_length": config.get("max_position_embeddings", 2048), "norm": "rmsnorm",
