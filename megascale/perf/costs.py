@@ -26,8 +26,8 @@ plan's layout, the model config and a `GpuSpec`:
   dense one (none without shared experts), the fp32 router GEMM, the routed
   experts' grouped GEMMs on the rows this rank receives, the permutations, the
   dispatch and combine all-to-alls over the ep group (megascale/perf/moe.py), the
-  dispatch hidden behind the shared expert, and without sequence parallelism the
-  all-gather of the routed output over tp.
+  forward dispatch hidden behind the shared expert, and without sequence
+  parallelism the all-gather of the routed output over tp.
 
 `SystemTraits` names implementation facts that differ between systems (the
 MegaScale reproduction models Megatron-LM and MegaScale with them); megascale's
@@ -79,10 +79,12 @@ class SystemTraits:
       asynchronously (Megatron-LM 2022, megascale): the input gradient's
       all-reduce (no SP) or reduce-scatter (SP) under the weight-gradient GEMM,
       and the SP re-gather of the input under the input-gradient GEMM.
-    shared_expert_overlap: an MoE layer's dispatch all-to-all (forward) and its
-      combine's gradient all-to-all (backward) run while the shared-expert MLP
-      computes, hiding up to the shared expert's GEMM time (Megatron-LM's
-      --moe-shared-expert-overlap).
+    shared_expert_overlap: an MoE layer's token all-to-all (the dispatch) runs
+      while its shared-expert MLP computes, hiding up to the shared expert's
+      forward GEMM time (megascale with ep > 1 and shared experts).
+    shared_expert_overlap_backward: the same in the backward, the combine's
+      gradient all-to-all under the shared expert's backward GEMMs (Megatron-LM's
+      --moe-shared-expert-overlap overlaps both passes).
 
     Whether sequence parallelism re-gathers a column-parallel GEMM's input in the
     backward (instead of saving the gathered input) is the config key
@@ -96,12 +98,14 @@ class SystemTraits:
     pp_scatter_gather: bool = False
     tp_async_grad_reduce: bool = False
     shared_expert_overlap: bool = False
+    shared_expert_overlap_backward: bool = False
 
 
-MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True)
+MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True,
+                         shared_expert_overlap=True)
 """What megascale's trainer does: one gather and one reduce-scatter per parallel block around one
-fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives. Its MoE layer runs the
-shared expert after the routed experts (no all-to-all overlap)."""
+fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives, an MoE layer's shared experts
+computing while its token all-to-all is in flight (forward only)."""
 
 
 @dataclass
@@ -491,8 +495,9 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
     the local experts' GEMMs on the rows they receive, the permutations and the combine, the dispatch and
     combine all-to-alls, and without sequence parallelism the all-gather of the routed output over tp.
 
-    shared_gemm: forward and backward GEMM seconds of the shared-expert MLP, which the dispatch (forward)
-    and the combine's gradient (backward) all-to-all run under with `shared_expert_overlap`.
+    shared_gemm: forward and backward GEMM seconds of the shared-expert MLP, which the dispatch (forward,
+    `shared_expert_overlap`) and the combine's gradient (backward, `shared_expert_overlap_backward`)
+    all-to-alls run under.
     """
     m, dtype, e = cfg.model, shape.dtype, shape.bytes
     layout = moe.expert_layout(cfg, plan, spec.gpus_per_node)
@@ -513,9 +518,10 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
                 + 2 * rows * h * e + n * h * (4 + e))
     fwd.memory = spec.memory_seconds(streamed)
     bwd.memory = 2 * fwd.memory
-    for cost, gap, shared in ((fwd, gaps[0], shared_gemm[0]), (bwd, gaps[1], shared_gemm[1])):
+    overlaps = (traits.shared_expert_overlap, traits.shared_expert_overlap_backward)
+    for cost, gap, shared, overlap in zip((fwd, bwd), gaps, shared_gemm, overlaps):
         one_way = moe.dispatch_seconds(cfg, plan, spec, layout, gap)
-        hidden = min(one_way, shared) if traits.shared_expert_overlap and not shares_cores(spec) else 0.0
+        hidden = min(one_way, shared) if overlap and not shares_cores(spec) else 0.0
         cost.ep_comm = 2 * one_way - hidden
         cost.hidden["ep"] = hidden
     if shape.tp > 1 and not shape.sp:  # each tp rank routed its 1/tp slice: gather the outputs (and grads)
