@@ -29,12 +29,13 @@ experts compute (dropless, and balanced over the ep group; a capacity factor
 below 1 keeps fewer): the router's fp32 input (the norm output itself in fp32
 runs), an fp32 copy of a 16-bit router weight, the [n, E] fp32 scores, the [n, E]
 int64 sort indices the chosen ids are a view of, the renormalised gate weights,
-the rows' token and assignment indices and gate weights, the dispatched rows
-[m, h], the experts' activation on [m, (2) F] like a dense MLP's, the fp32
-expert output the combine weights and the weighted rows it sums, and the small
-tensors of the z-loss ([n, E] logits) and the balancing loss when they train.
-`tests/test_memory_model.py` and `tests/test_moe_planner.py` checks these numbers against autograd's saved
-tensors on the real model for a grid of layouts.
+the rows' token and assignment indices and gate weights (with ep > 1 also the
+received rows' expert-major order and its inverse), the dispatched rows [m, h],
+the experts' activation on [m, (2) F] like a dense MLP's, the fp32 expert output
+the combine weights and the weighted rows it sums, and the small tensors of the
+z-loss ([n, E] logits) and the balancing loss when they train.
+`tests/test_memory_model.py` and `tests/test_moe_planner.py` check these numbers
+against autograd's saved tensors on the real model for a grid of layouts.
 """
 
 from __future__ import annotations
@@ -287,6 +288,8 @@ def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     if moe.aux_loss_coeff > 0:
         router += experts * FP32 + (2 * experts + 2) * FP32  # f_i / (n k) and the all-reduced statistics row
     rows = m * (2 * INDEX + FP32)  # assignment and token index, gate weight of each row
+    if cfg.parallel.ep > 1:  # the all-to-all dispatcher's expert-major order of the received rows and its inverse
+        rows += 2 * m * INDEX
     # The dispatched rows, the experts' activation, and the combine's fp32 expert output (the output
     # itself in fp32 runs) and gate-weighted rows (index_add keeps its source).
     experts_kept = (m * h * sh.act + mlp_bytes(cfg, sh, kernels, cfg.model.expert_ffn_size, m)
