@@ -8,9 +8,13 @@ router: its expert_bias too, which the aux-loss-free rule moves from global load
 the single-process run of the same config and global batches. One slow case drops
 tokens by capacity, which ep leaves unchanged (each rank routes its own micro-batch,
 as the single process does). Expert parallelism only moves token rows between ranks and sums expert gradients over other groups, so the
-results agree to float32 reduction-order noise (measured ~1e-7 to 1e-6 relative after
-three Adam steps); 1e-5 relative leaves room for that and is far below what a wrong
-expert slice, scale or reduction group produces (O(1) relative).
+losses, grad norms and gradients agree to float32 reduction-order noise (measured ~1e-7
+to 2e-6 relative), checked at 1e-5. Parameters after three Adam steps get 1e-4: Adam
+divides each update by the running RMS of that element's gradient, so an element whose
+gradient is small next to its tensor's largest carries its relative rounding noise into
+a full-size step (tp 2 alone, without ep, leaves the shared experts' fc2 bias 1.5e-5
+apart). Both are far below what a wrong expert slice, scale or reduction group
+produces (O(1) relative).
 
 The default suite runs two representative layouts (ep 4 with ZeRO-1 over edp, and
 tp 2 + SP + ep 2 with the sigmoid router); the rest are marked slow.
@@ -29,6 +33,7 @@ from moe_utils import MOE_MODEL, SIGMOID, compare, own_groups, train_steps
 
 WORLD = 4
 RTOL = 1e-5
+PARAM_RTOL = 1e-4
 ROUTERS = {"softmax": (), "sigmoid": SIGMOID}
 
 # name -> the layout's overrides
@@ -67,7 +72,7 @@ def scenario(layout: str, router: str, rank: int, world: int, shared: Any) -> li
     references = shared.setdefault("references", {})
     if model not in references:
         references[model] = train_steps(model, 0, 1, stats_group=shared["own_group"])
-    return compare(got, references[model], RTOL)
+    return compare(got, references[model], RTOL, PARAM_RTOL)
 
 
 def _run(cases: list[tuple[str, str]]) -> dict[str, Outcome]:

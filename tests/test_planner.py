@@ -28,9 +28,11 @@ PRESET_GPUS = {
     "tiny.yaml": 1, "gpt2-124m.yaml": 8, "llama-1.3b.yaml": 8, "gpt3-175b.yaml": 1024, "megascale-175b.yaml": 12288,
     "gpt3-530b.yaml": 8960, "llama3-8b.yaml": 64, "llama3-70b.yaml": 1024, "llama3-405b.yaml": 16384,
     "yuan-2b.yaml": 64, "yuan-51b.yaml": 1024, "yuan-102b.yaml": 2048, "long-context-32k.yaml": 8,
+    "mixtral-8x7b.yaml": 64, "qwen3-30b-a3b.yaml": 32, "deepseek-v3-moe.yaml": 2048,
 }
 # Presets whose header promises they fit the GPUs they are planned on (the memory model's peak <= usable memory).
-FITTING_PRESETS = ("yuan-2b.yaml", "yuan-51b.yaml", "yuan-102b.yaml", "long-context-32k.yaml", "llama3-405b.yaml")
+FITTING_PRESETS = ("yuan-2b.yaml", "yuan-51b.yaml", "yuan-102b.yaml", "long-context-32k.yaml", "llama3-405b.yaml",
+                   "mixtral-8x7b.yaml", "qwen3-30b-a3b.yaml", "deepseek-v3-moe.yaml")
 # Presets whose published layout must also keep the pipeline busy: the largest bubble the plan may report.
 PRESET_MAX_BUBBLE = {"yuan-51b.yaml": 0.25, "yuan-102b.yaml": 0.55}
 

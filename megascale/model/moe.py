@@ -17,7 +17,7 @@ metrics and the sigmoid router's bias update.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -119,19 +119,37 @@ class MoELayer(nn.Module):
                 raise ValueError(f"MoE layer: {x.shape[0]} tokens per sequence are not divisible by tp={tp.size}")
             sliced = False  # decoding a few tokens: every tp rank routes them all (no gradient to share)
         local = comm.scatter_to_group(x, 0, tp.group) if sliced else x
-        routed = self.route(local.reshape(-1, local.shape[-1]), aux_grad_scale).view_as(local)
+        shared: list[Tensor] = []
+        shared_experts = self.shared
+        # The shared experts run while the expert-parallel token all-to-all is in flight.
+        beside = None if shared_experts is None else (lambda: shared.append(shared_experts(x)))
+        routed = self.route(local.reshape(-1, local.shape[-1]), aux_grad_scale, beside).view_as(local)
         if sliced:
             routed = comm.gather_from_group(routed, 0, tp.group)
-        if self.shared is not None:
-            routed = routed + self.shared(x)
+        if shared:
+            routed = routed + shared[0]
         return routed
 
-    def route(self, tokens: Tensor, aux_grad_scale: float = 1.0) -> Tensor:
-        """tokens [n, h] -> sum over each token's kept experts of gate * expert(token), [n, h]."""
+    def route(self, tokens: Tensor, aux_grad_scale: float = 1.0,
+              beside: Optional[Callable[[], None]] = None) -> Tensor:
+        """tokens [n, h] -> sum over each token's kept experts of gate * expert(token), [n, h].
+
+        beside: work to run while the tokens travel to their experts (with an all-to-all
+        dispatcher: after the all-to-all starts, before it is waited for).
+        """
         out = self.router(tokens)
         if self.training and torch.is_grad_enabled() and not self.bc.rng.replaying:
             self.stats.add(out)
-        dispatched = self.dispatcher.dispatch(tokens, out.routing)
+        start = getattr(self.dispatcher, "dispatch_async", None)
+        if start is not None:
+            pending = start(tokens, out.routing)
+            if beside is not None:
+                beside()
+            dispatched = pending.wait()
+        else:
+            if beside is not None:
+                beside()
+            dispatched = self.dispatcher.dispatch(tokens, out.routing)
         expert_output = self.experts(dispatched.expert_input, dispatched.tokens_per_expert)
         combined = self.dispatcher.combine(expert_output, dispatched)
         aux = self.weighted_aux_loss(out)
