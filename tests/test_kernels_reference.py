@@ -204,6 +204,41 @@ def test_rotary_front_rotates_strided_views_in_place() -> None:
     torch.testing.assert_close(leaf.grad, leaf_ref.grad, **F32)
 
 
+def test_rotary_front_rotates_norm_front_outputs_in_place() -> None:
+    # q/k norms (model.qk_norm) feed the in-place rotary: the norm front's outputs must be tensors
+    # autograd lets a later Function modify in place, with the gradient through both exact.
+    s, b, nq, nk, d = 4, 2, 4, 2, 8
+    q_in, k_in, w_q, w_k = _rand(s, b, nq, d), _rand(s, b, nk, d, seed=1), _rand(d, seed=2), _rand(d, seed=3)
+    cos, sin = _rope_tables(s, d)
+    weights = _rand(s, b, nq, d, grad=False, seed=4)
+
+    def loss(norm: object, rotary: object) -> torch.Tensor:
+        q, k = norm(q_in, w_q), norm(k_in, w_k)  # type: ignore[operator]
+        q_out, k_out = rotary(q, k)  # type: ignore[operator]
+        if rotary is fused_rotary:
+            assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place, no copy
+        return (q_out * weights).sum() + k_out.pow(2).sum()
+
+    fused_norm = lambda x, w: norm_mod.rms_norm_cuda(emulate, x, w, 1e-6)
+    fused_rotary = lambda q, k: rotary_mod.apply_rotary_cuda(emulate, q, k, cos, sin)
+    got = torch.autograd.grad(loss(fused_norm, fused_rotary), (q_in, k_in, w_q, w_k))
+    want = torch.autograd.grad(loss(lambda x, w: norm_mod.rms_norm_reference(x, w, 1e-6),
+                                    lambda q, k: rotary_mod.apply_rotary_reference(q, k, cos, sin)),
+                               (q_in, k_in, w_q, w_k))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, **F32)  # the kernel's cos/sin tables are fp32
+    # The fused residual-add norm's normalised output may be modified in place as well.
+    x, r, w = _rand(s, b, d, seed=5), _rand(s, b, d, seed=6), _rand(d, seed=7)
+    grads = []
+    for front in (lambda *a: norm_mod.add_rms_norm_cuda(emulate, *a, 1e-6),
+                  lambda *a: norm_mod.add_rms_norm_reference(*a, 1e-6)):
+        y, total = front(x, r, w)
+        y.mul_(2.0)
+        grads.append(torch.autograd.grad((y * weights[:, :, 0]).sum() + total.pow(2).sum(), (x, r, w)))
+    for g, r_ in zip(*grads):
+        torch.testing.assert_close(g, r_, **F64)
+
+
 def test_activation_fronts_over_emulated_extension() -> None:
     g, u = _rand(3, 2, 5), _rand(3, 2, 5, seed=1)
     torch.testing.assert_close(swiglu_mod.swiglu_cuda(emulate, g, u), swiglu_mod.swiglu_reference(g, u), **F64)

@@ -62,6 +62,17 @@ def _weights_for(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Ten
     return weight, bias
 
 
+def _own(t: Tensor, shape: torch.Size) -> Tensor:
+    """A kernel output reshaped to `shape` without a copy, as a tensor of its own rather than a view.
+
+    An output that is a view of a tensor made inside a custom Function may not be
+    modified in place afterwards (autograd forbids it), and the rotary kernel
+    rotates the q/k norms' outputs in place. `detach` drops the view relation but
+    keeps the storage and the version counter, so saved-tensor checks still hold.
+    """
+    return t.view(shape).detach()
+
+
 class _NormFunction(torch.autograd.Function):
     """y = norm(x) (LayerNorm or RMSNorm) through csrc/norm.cu."""
 
@@ -73,7 +84,7 @@ class _NormFunction(torch.autograd.Function):
                                             None if bias is None else bias.contiguous(), eps, rms)
         ctx.save_for_backward(rows, mean, rstd, weight)
         ctx.rms, ctx.has_bias, ctx.ext = rms, bias is not None, ext
-        return y.view(x.shape)
+        return _own(y, x.shape)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple:
@@ -97,7 +108,7 @@ class _AddNormFunction(torch.autograd.Function):
         ctx.save_for_backward(total, mean, rstd, weight)
         ctx.rms, ctx.has_bias, ctx.ext = rms, bias is not None, ext
         ctx.shape = x.shape
-        return y.view(x.shape), total.view(x.shape)
+        return _own(y, x.shape), _own(total, x.shape)
 
     @staticmethod
     def backward(ctx: Any, dy: Optional[Tensor], dtotal: Optional[Tensor]) -> tuple:
