@@ -164,7 +164,10 @@ def test_lfa_flops_match_counted_published_structure() -> None:
     ["model.parallel_block=true", "model.num_kv_heads=2"],
     ["model.lfa=true"],
     ["model.lfa=true", "model.num_kv_heads=2", "model.parallel_block=true"],
-], ids=["llama", "parallel-gqa", "lfa", "lfa-parallel-gqa"])
+    # Qwen3-style heads of their own width (12, not 64 / 8 = 8) with q/k norms: qkv rows and the
+    # output projection's input are heads x 12
+    ["model.num_kv_heads=2", "model.kv_channels=12", "model.qk_norm=true"],
+], ids=["llama", "parallel-gqa", "lfa", "lfa-parallel-gqa", "qwen3-kv-channels"])
 def test_model_flops_match_the_real_models_counted_matmuls(extra: list[str]) -> None:
     """forward_flops_per_token against torch's FLOP counter on the real model's forward.
 
@@ -192,3 +195,21 @@ def test_model_flops_match_the_real_models_counted_matmuls(extra: list[str]) -> 
     halo = m.num_layers * 2 * (2 * m.hidden_size * m.hidden_size) if m.lfa else 0
     model = forward_flops_per_token(m) * 2 * m.seq_length
     assert counter.get_total_flops() + core * 2 * m.seq_length == model + halo
+
+
+def test_attention_core_flops_use_the_head_width_of_kv_channels() -> None:
+    """The core's hand count against torch's FLOP counter on q.k^T and the weighted sum of values, for heads
+    whose width (model.kv_channels 24) is not hidden / heads (64 / 8 = 8)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megascale.perf.flops import LayerDims, attention_core_flops
+
+    m = load_config(None, [*LFA_BASE, "model.num_kv_heads=2", "model.kv_channels=24"]).model
+    assert m.head_dim == 24
+    b, s = 2, m.seq_length
+    q = torch.randn(b, m.num_heads, s, m.head_dim)
+    k = v = torch.randn(b, m.num_heads, s, m.head_dim)  # kv heads repeated over their query groups
+    with FlopCounterMode(display=False) as counter:
+        torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+    assert counter.get_total_flops() == attention_core_flops(LayerDims.of(m)) * b * s

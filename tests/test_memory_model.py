@@ -17,7 +17,8 @@ Grid: single-process chunks as first / middle / last / whole pipeline stage (the
 chunk's first/last flags), recompute none / selective / full / first layer only,
 fp32 and bf16, MHA and GQA, GeLU and SwiGLU, LayerNorm and RMSNorm, learned and
 rotary positions, dropout 0 and > 0, parallel block (its qkv and fc1 GEMM fused),
-sliding window, LFA; and on two gloo ranks (one spawn) tp 2 without sequence
+sliding window, LFA, q/k head norms with heads of their own width (model.qk_norm,
+model.kv_channels); and on two gloo ranks (one spawn) tp 2 without sequence
 parallelism and with it, its column GEMMs keeping their input shard (the default)
 or the gathered input (parallel.sp_regather_input=false), and cp 2 Ulysses and ring. The "reference" profile is what these CPU runs execute; the
 "fused" profile is checked by driving the csrc autograd fronts through the
@@ -52,6 +53,10 @@ VARIANTS = {
     "parallel_lfa": [*LLAMA, "model.parallel_block=true", "model.lfa=true"],
     "lfa": [*LLAMA, "model.lfa=true"],
     "lfa_mha_window": ["model.lfa=true", "model.attention=sliding_window", "model.window_size=8"],
+    # q/k head norms and heads wider than hidden / heads (Qwen3): 12 and 16 instead of 64 / 8
+    "qwen3": [*LLAMA, "model.qk_norm=true", "model.kv_channels=12"],
+    "qk_norm_learned": ["model.qk_norm=true", "model.kv_channels=16"],
+    "lfa_qk_norm": [*LLAMA, "model.lfa=true", "model.qk_norm=true", "model.kv_channels=12"],
 }
 RECOMPUTE = {
     "none": [],
@@ -156,7 +161,10 @@ SINGLE = (_grid(list(VARIANTS), ("fp32", "bf16"), ["none"], ["whole", "middle"],
           + _grid(["parallel_llama"], ("bf16",), ["selective"], ["middle"], "fused")
           + _grid(["llama"], ("fp32",), ["selective", "full_first1"], ["first", "last"], "fused")
           + _grid(["lfa", "lfa_mha_window"], ("fp32", "bf16"), ["none", "selective"], ["middle"], "reference")
-          + _grid(["lfa", "lfa_mha_window"], ("bf16",), ["none"], ["whole"], "fused"))
+          + _grid(["lfa", "lfa_mha_window"], ("bf16",), ["none"], ["whole"], "fused")
+          + _grid(["qwen3", "qk_norm_learned", "lfa_qk_norm"], ("bf16",), ["none"], ["whole", "middle"], "fused")
+          + _grid(["qwen3"], ("fp32",), ["selective", "full_first1"], ["middle"], "fused")
+          + _grid(["qwen3"], ("bf16",), ["selective"], ["first", "last"], "reference"))
 SINGLE_SLOW = (_grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "reference")
                + _grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "fused"))
 
@@ -200,9 +208,10 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
     dropout = "llama_dropout" if "ring" in layout or "hybrid" in layout else "dropout"
     if full:
         cases = _grid(["gpt", "llama", dropout, "lfa", "lfa_mha_window", "parallel_window", "parallel_llama",
-                       "parallel_lfa"], ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
-        cases += _grid(["gpt", "llama", "lfa", "parallel_llama", "parallel_lfa"], ("bf16",), ["none", "selective"],
-                       ["first", "last"], "fused")
+                       "parallel_lfa", "qwen3", "lfa_qk_norm"], ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"],
+                      "reference")
+        cases += _grid(["gpt", "llama", "lfa", "parallel_llama", "parallel_lfa", "qwen3"], ("bf16",),
+                       ["none", "selective"], ["first", "last"], "fused")
     else:  # one case per setting: dtype, recompute mode, MHA/GQA, dropout, stage position, profile
         cases = (_grid(["gpt"], ("fp32",), ["none"], ["whole"], "reference")
                  + _grid(["llama"], ("bf16",), ["none"], ["whole"], "reference")
@@ -215,7 +224,9 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
                  + _grid(["lfa_mha_window"], ("fp32",), ["selective"], ["middle"], "fused")
                  + _grid(["parallel_window"], ("bf16",), ["none"], ["whole"], "reference")
                  + _grid(["parallel_llama"], ("fp32",), ["selective"], ["middle"], "fused")
-                 + _grid(["parallel_lfa"], ("bf16",), ["none"], ["middle"], "reference"))
+                 + _grid(["parallel_lfa"], ("bf16",), ["none"], ["middle"], "reference")
+                 + _grid(["qwen3"], ("fp32",), ["none"], ["middle"], "reference")
+                 + _grid(["qwen3"], ("bf16",), ["selective"], ["middle"], "fused"))
     layouts = {**LAYOUTS, **SLOW_LAYOUTS}
     return [(f"{layout}-{case}", [*overrides, *layouts[layout]], kernels, stage)
             for case, overrides, kernels, stage in cases]

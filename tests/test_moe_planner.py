@@ -56,6 +56,7 @@ VARIANTS = {
     "unnormalised": [*LLAMA, "model.moe.norm_topk_prob=false", "model.moe.shared_experts=2"],
     "dropout": ["model.dropout=0.1", "model.moe.shared_experts=1"],
     "parallel_block": [*LLAMA, "model.parallel_block=true", "model.moe.shared_experts=1"],
+    "qwen3_moe": [*LLAMA, "model.qk_norm=true", "model.kv_channels=12"],  # q/k norms, heads 12 wide (not 8)
 }
 RECOMPUTE = {"none": [], "selective": ["train.recompute=selective"],
              "full_first1": ["train.recompute=full", "train.recompute_layers=1"]}

@@ -22,6 +22,11 @@ column-parallel GEMM keeps its input shard (re-gathered in backward) or, with
 parallel.sp_regather_input false, the all-gathered (full local sequence) input;
 the parallel block's qkv and fc1 outputs are views of one GEMM output.
 
+With q/k head norms (`model.qk_norm`) each norm keeps what an RMSNorm keeps, over
+rows of one head (width model.kv_channels, or hidden / heads): its input, a
+contiguous copy of q or k, and its statistics; attention then receives new q and
+k tensors (the norms' outputs, rotated by RoPE) even without RoPE.
+
 A Mixture-of-Experts layer (`model.moe`) keeps, beside the shared-expert MLP (an
 ordinary MLP of the shared width, when configured), what its routed path saves
 for the n = tokens / tp tokens this rank routes and the m = n * top_k rows its
@@ -122,8 +127,11 @@ def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Optional[s
 
     norm: the kind of norm (default model.norm; LFA's filter always ends in an RMSNorm).
     """
-    n, h = sh.residual_tokens, sh.hidden
-    kind = norm or cfg.model.norm
+    return _norm_rows_bytes(norm or cfg.model.norm, sh.residual_tokens, sh.hidden, sh, kernels)
+
+
+def _norm_rows_bytes(kind: str, n: int, h: int, sh: Shapes, kernels: KernelProfile) -> float:
+    """What a norm of n rows of width h keeps, its input included."""
     if kernels == "fused":  # input rows + fp32 rstd (+ fp32 mean for LayerNorm); weight is the parameter
         return n * h * sh.act + n * FP32 * (1 if kind == "rmsnorm" else 2)
     if kind == "layernorm":  # aten layer norm: input, mean and rstd in the input dtype on CPU
@@ -131,6 +139,20 @@ def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Optional[s
     # x.float() (x itself in fp32), rsqrt(mean(x^2)), x * rstd, and an fp32 copy of a 16-bit weight.
     half = sh.act != FP32
     return n * h * FP32 * 2 + n * FP32 + (h * FP32 if half else 0)
+
+
+def qk_norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """The q and k head norms (model.qk_norm): RMSNorms over rows of one head each, on contiguous copies
+    of q and k (their input, new tensors: q and k are strided slices of the projection output)."""
+    if not cfg.model.qk_norm:
+        return 0.0
+    return sum(_norm_rows_bytes("rmsnorm", sh.tokens * heads, sh.head_dim, sh, kernels)
+               for heads in (sh.q_heads, sh.kv_heads))
+
+
+def _fresh_q_k(cfg: Config) -> bool:
+    """Whether attention receives q and k as new tensors (rotated or normalised), not the projection's."""
+    return cfg.model.position == "rope" or cfg.model.qk_norm
 
 
 def _linear_input_bytes(sh: Shapes) -> float:
@@ -153,14 +175,15 @@ def _qkv_bytes(sh: Shapes) -> float:
 def _qkv_kept_bytes(cfg: Config, sh: Shapes) -> float:
     """Bytes of q/k/v projection outputs that attention keeps alive through views.
 
-    Attention keeps v as a view, and k too without RoPE. Without LFA q, k and v are
-    slices of one fused output, so all of it stays; with LFA q/k and v are two GEMM
-    outputs (filtered and unfiltered inputs), and the q/k one stays only without RoPE.
+    Attention keeps v as a view, and k too without RoPE or q/k norms. Without LFA q, k
+    and v are slices of one fused output, so all of it stays; with LFA q/k and v are
+    two GEMM outputs (filtered and unfiltered inputs), and the q/k one stays only when
+    attention reads q and k from it.
     """
     if not cfg.model.lfa:
         return _qkv_bytes(sh)
     v = _heads_bytes(sh, sh.kv_heads)
-    return v + (_qkv_bytes(sh) - v if cfg.model.position != "rope" else 0.0)
+    return v + (_qkv_bytes(sh) - v if not _fresh_q_k(cfg) else 0.0)
 
 
 def _heads_bytes(sh: Shapes, heads: int) -> float:
@@ -170,10 +193,11 @@ def _heads_bytes(sh: Shapes, heads: int) -> float:
 def _q_k_copies(cfg: Config, sh: Shapes) -> float:
     """Bytes of the new q/k tensors attention receives (v is always a slice of the qkv output).
 
-    RoPE rotates contiguous copies of q and k; without it q is a view of qkv unless
-    several kv groups of several query heads each must be gathered into one tensor.
+    RoPE rotates contiguous copies of q and k, q/k norms write new tensors; without
+    either q is a view of qkv unless several kv groups of several query heads each
+    must be gathered into one tensor.
     """
-    if cfg.model.position == "rope":
+    if _fresh_q_k(cfg):
         return _heads_bytes(sh, sh.q_heads) + _heads_bytes(sh, sh.kv_heads)
     return _heads_bytes(sh, sh.q_heads) if sh.group > 1 and sh.kv_heads > 1 else 0.0
 
@@ -205,16 +229,18 @@ def _kernel_bytes(sh: Shapes, local_inputs: bool) -> float:
 def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, selective: bool) -> float:
     """Everything between the qkv GEMM output and the output projection's input, both included."""
     rope_tables = 4 * sh.seq * sh.head_dim * FP32 if cfg.model.position == "rope" and kernels == "reference" else 0.0
+    # The q/k norms and RoPE run before the core (outside its selective-recompute checkpoint).
+    before_core = rope_tables + qk_norm_bytes(cfg, sh, kernels)
     proj_input = _heads_bytes(sh, sh.q_heads)
     if selective:
         # The checkpoint keeps q, k, v as they enter the core (v a view of qkv) and the core's output.
-        return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + rope_tables + proj_input
+        return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + before_core + proj_input
     if sh.ring > 1:
-        return _ring_bytes(cfg, sh) + rope_tables
+        return _ring_bytes(cfg, sh) + before_core
     if sh.ulysses > 1:
         # All-to-all outputs are new tensors; the qkv output and the rotated copies are not kept.
-        return _kernel_bytes(sh, local_inputs=False) + proj_input + rope_tables
-    return _local_attention_bytes(cfg, sh) + rope_tables
+        return _kernel_bytes(sh, local_inputs=False) + proj_input + before_core
+    return _local_attention_bytes(cfg, sh) + before_core
 
 
 def _local_attention_bytes(cfg: Config, sh: Shapes) -> float:
@@ -486,6 +512,7 @@ __all__ = [
     "moe_mlp_bytes",
     "moe_routed_bytes",
     "norm_bytes",
+    "qk_norm_bytes",
     "routed_rows",
     "routed_tokens",
     "spread_kv_heads",
