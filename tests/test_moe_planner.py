@@ -252,18 +252,19 @@ def test_mixtral_parameters_are_the_published_ones() -> None:
     assert active == pytest.approx(12.9e9, rel=0.01)
 
 
-def test_qwen3_parameters_differ_from_the_published_ones_by_the_head_width() -> None:
-    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (HF: 30,532,122,624). Its heads are 128 wide
-    # (q 2048 -> 4096, k/v 2048 -> 512 each, o 4096 -> 2048) and q/k are RMS-normalised per head
-    # (128 + 128 weights per layer); the preset's heads are hidden / heads = 64 wide.
+def test_qwen3_parameters_are_the_published_ones() -> None:
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (HF: 30,532,122,624). Every tensor is represented:
+    # heads 128 wide (model.kv_channels; q 2048 -> 4096, k/v 2048 -> 512 each, o 4096 -> 2048) and
+    # the per-head q/k RMSNorm weights (model.qk_norm, 128 + 128 a layer).
     total, active = _counts("qwen3-30b-a3b.yaml")
-    layers, h = 48, 2048
-    published_attention = h * (32 + 2 * 4) * 128 + 32 * 128 * h + 2 * 128
-    preset_attention = h * (32 + 2 * 4) * 64 + 32 * 64 * h
-    missing = layers * (published_attention - preset_attention)
-    assert total + missing == pytest.approx(30_532_122_624, rel=2e-5)
-    assert active + missing == pytest.approx(3.3e9, rel=0.02)
-    assert total == pytest.approx(30.5e9, rel=0.02)  # the routed experts, 95% of the model, are exact
+    assert total == 30_532_122_624
+    layers, h, experts, top_k, ffn = 48, 2048, 128, 8, 768
+    inactive = layers * (experts - top_k) * 3 * h * ffn  # the routed experts a token does not run
+    assert active == total - inactive == 3_353_032_704
+    assert active == pytest.approx(3.3e9, rel=0.02)
+    without = _preset("qwen3-30b-a3b.yaml", "model.qk_norm=false", "model.kv_channels=null")
+    heads_64 = param_table(without, ModelLayout()).numel()  # hidden / heads = 64-wide heads, no q/k norms
+    assert total - heads_64 == layers * (h * (32 + 2 * 4) * 64 + 32 * 64 * h + 2 * 128)
 
 
 def test_deepseek_v3_sized_parameters_are_near_the_published_ones() -> None:

@@ -7,7 +7,9 @@ RoPE, the sliding window (narrower than a zigzag chunk's reach, so it crosses
 the ranks' boundaries) and ring context parallelism with zigzag order (cp 2); the
 DeepSeek-V3-sized MoE preset keeps its dense first layer, sigmoid router with the
 bias update and routed scaling, the shared expert and top-8 routing (of 16 experts),
-with expert parallelism (ep 2).
+with expert parallelism (ep 2); Qwen3-30B-A3B keeps its q/k head norms, heads wider than
+hidden / heads (model.kv_channels), GQA and renormalised top-8 softmax routing (of 16
+experts) in every layer, with ep 2.
 The run goes through `megascale train --nproc 2` as a user starts it. A freshly
 initialised model predicts tokens about uniformly, so the first loss is close to
 ln(vocab); the slow variant also checks the loss curve against the same copy on
@@ -42,6 +44,11 @@ PRESETS = {
                          "model.moe.num_experts=16", "model.moe.ffn_hidden_size=32", "model.moe.first_dense=1",
                          "train.global_batch_size=4", "parallel.pp=1", "parallel.pipeline_layers=null"],
                         ["parallel.ep=2"]),
+    "qwen3-30b-a3b": ("configs/qwen3-30b-a3b.yaml",
+                      [*SHRINK, "model.num_layers=4", "model.num_kv_heads=2", "model.kv_channels=32",
+                       "model.seq_length=32", "model.moe.num_experts=16", "model.moe.ffn_hidden_size=32",
+                       "train.global_batch_size=4", "parallel.pp=1"],
+                      ["parallel.ep=2"]),
 }
 
 
@@ -67,6 +74,11 @@ def _check_started(out: Path, name: str, records: list[dict]) -> None:
         moe = model["moe"]
         assert (moe["router"], moe["top_k"], moe["shared_experts"], moe["routed_scaling"]) == ("sigmoid", 8, 1, 2.5)
         assert parallel["ep"] == 2 and all(r["moe_layers"] == [1, 2, 3] for r in records)
+    elif name == "qwen3-30b-a3b":  # head width 32, not hidden / heads = 16
+        moe = model["moe"]
+        assert model["qk_norm"] and model["kv_channels"] == 32 and model["num_kv_heads"] == 2
+        assert (moe["router"], moe["top_k"], moe["norm_topk_prob"], moe["shared_experts"]) == ("softmax", 8, True, 0)
+        assert parallel["ep"] == 2 and all(r["moe_layers"] == [0, 1, 2, 3] for r in records)
     else:
         assert model["attention"] == "sliding_window" and model["window_size"] == 8
         assert parallel["cp"] == 2 and parallel["cp_mode"] == "ring"
