@@ -139,6 +139,40 @@ def test_rotary(ops, dtype: torch.dtype, head_dim: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_of_head_norm_outputs(ops, dtype: torch.dtype) -> None:
+    # q/k head norms (model.qk_norm) before RoPE: the norm kernel's outputs are rotated in place.
+    s, b, nq, nk, head_dim = 17, 3, 8, 2, 128
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    angles = torch.outer(torch.arange(s, device="cuda").float(), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+
+    def fused(q, k, wq, wk):
+        return ops.apply_rotary(ops.rms_norm(q, wq, 1e-6), ops.rms_norm(k, wk, 1e-6), cos, sin)
+
+    def reference(q, k, wq, wk):
+        return rotary_mod.apply_rotary_reference(norm_mod.rms_norm_reference(q, wq, 1e-6),
+                                                 norm_mod.rms_norm_reference(k, wk, 1e-6), cos.double(), sin.double())
+
+    low, exact = _leaves((_randn(s, b, nq, head_dim), _randn(s, b, nk, head_dim), _randn(head_dim),
+                          _randn(head_dim)), dtype)
+    out, expected = fused(*low), reference(*exact)
+    upstream = [torch.randn(o.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0),
+                            dtype=torch.float64) for o in out]
+    for o, e in zip(out, expected):
+        torch.testing.assert_close(o.double(), e, **_tol(dtype))
+    sum((o.double() * g).sum() for o, g in zip(out, upstream)).backward()
+    sum((e * g).sum() for e, g in zip(expected, upstream)).backward()
+    for a, e in zip(low[:2], exact[:2]):
+        torch.testing.assert_close(a.grad.double(), e.grad, **_tol(dtype))
+    # The weights' gradients sum s*b*heads rows (408 for q) whose bf16 roundings add up like a random walk:
+    # compared against their largest element, 2% in bf16 (fp32 as the other weight gradients).
+    for a, e in zip(low[2:], exact[2:]):
+        scale = float(e.grad.abs().max())
+        atol = 2e-2 * scale if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(a.grad.double(), e.grad, rtol=0.0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(33, 2, 1024), (7, 13)])
 def test_swiglu(ops, dtype: torch.dtype, shape: tuple) -> None:
     _compare(ops.swiglu, lambda g, u: F.silu(g) * u, (_randn(*shape), _randn(*shape)), dtype)
