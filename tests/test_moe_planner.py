@@ -425,3 +425,21 @@ def test_plan_says_where_the_all_to_all_runs(ep: int, where: str, capsys) -> Non
     text = capsys.readouterr().out
     assert f"expert parallel: ep {ep} x edp {8 // ep}, {16 // ep} of each MoE layer's experts per rank" in text
     assert where in text and "active per token" in text
+
+
+def test_qk_norms_add_their_memory_traffic_and_wider_heads_their_gemms() -> None:
+    # The q/k norms copy q and k out of the qkv output and normalise them: two more reads and writes
+    # of tokens x (q + kv heads) x head width each, in the forward and (twice) the backward.
+    spec = builtin_gpu("h100")
+    cfg, plan = _plan("parallel.tp=2", gpus=16)
+    qk_cfg, _ = _plan("parallel.tp=2", "model.qk_norm=true", gpus=16)
+    plain, normed = layer_costs(cfg, plan, spec), layer_costs(qk_cfg, plan, spec)
+    m = cfg.model
+    tokens = plan.local_seq_length * plan.micro_batch_size
+    traffic = 4 * tokens * (m.num_heads + m.kv_heads) // 2 * m.head_dim * 2  # tp 2, bf16
+    assert normed.forward.memory - plain.forward.memory == pytest.approx(spec.memory_seconds(traffic))
+    assert normed.backward.memory - plain.backward.memory == pytest.approx(2 * spec.memory_seconds(traffic))
+    # Heads twice as wide (model.kv_channels): the qkv and output projection GEMMs grow, the MLP's do not.
+    wide_cfg, _ = _plan("parallel.tp=2", f"model.kv_channels={2 * m.head_dim}", gpus=16)
+    assert layer_costs(wide_cfg, plan, spec).forward.gemm > plain.forward.gemm
+    assert layer_costs(wide_cfg, plan, spec).forward.attention > plain.forward.attention

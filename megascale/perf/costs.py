@@ -177,6 +177,7 @@ class LayerShape:
     lfa: bool = False  # Yuan's localized filtering before the q/k projection
     regather: bool = False  # SP: column GEMMs re-gather their input in backward (parallel.sp_regather_input)
     moe: bool = False  # an MoE layer: routed experts beside the (shared-expert) MLP
+    qk_norm: bool = False  # per-head RMSNorms of q and k before RoPE (model.qk_norm)
 
     @classmethod
     def of(cls, cfg: Config, plan: RunPlan, moe: bool = False) -> LayerShape:
@@ -191,7 +192,8 @@ class LayerShape:
                    ulysses=plan.ulysses_size, ring=plan.ring_size, dtype=plan.precision.name,
                    parallel_block=m.parallel_block, dropout=m.dropout > 0 or m.attention_dropout > 0,
                    batch=plan.micro_batch_size, lfa=m.lfa,
-                   regather=plan.sequence_parallel and cfg.parallel.sp_regather_input, moe=moe)
+                   regather=plan.sequence_parallel and cfg.parallel.sp_regather_input, moe=moe,
+                   qk_norm=m.qk_norm)
 
     @property
     def bytes(self) -> int:
@@ -298,7 +300,7 @@ def _attention_seconds(shape: LayerShape, spec: GpuSpec, traits: SystemTraits = 
 
 
 def _memory_bytes(shape: LayerShape) -> float:
-    """Bytes the forward's memory-bound ops stream (norms, residuals, activation, RoPE, dropout)."""
+    """Bytes the forward's memory-bound ops stream (norms, residuals, activation, RoPE, q/k norms, dropout)."""
     e = shape.bytes
     region = shape.region  # rows the norms/residuals see
     h = shape.hidden
@@ -306,8 +308,10 @@ def _memory_bytes(shape: LayerShape) -> float:
     residual = 3 * region * h if not shape.parallel_block else 4 * region * h
     activation = (3 if shape.gated else 2) * shape.tokens * shape.ffn
     rope = 2 * shape.tokens * (shape.heads + shape.kv_heads) * shape.head_dim
+    # q/k norms: the contiguous copies of q and k out of the qkv output, then the norms: read and write each
+    qk_norms = 2 * rope if shape.qk_norm else 0
     dropout = 2 * region * h if shape.dropout else 0
-    return float(e * (norms + residual + activation + rope + dropout))
+    return float(e * (norms + residual + activation + rope + qk_norms + dropout))
 
 
 def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, int], dict[str, int]]:
