@@ -83,38 +83,48 @@ def test_grouped_gemm_matches_the_per_expert_loop() -> None:
     assert float(grads[0][1][1].abs().max()) == 0.0  # the expert without rows gets no gradient
 
 
-def _moe_model_loss_and_grads(device: torch.device) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients of one bf16 step of a small MoE model (shared expert, SwiGLU experts 64 wide)."""
+def _moe_model(device: torch.device) -> torch.nn.Module:
+    """A one-layer bf16 MoE model (shared expert, 8 SwiGLU experts 64 wide, top-2).
+
+    One layer: the router sees the same input whichever GEMM the experts use, so both runs route
+    alike (with more layers a rounding difference could flip a near-tie in the next layer's router).
+    The kernels are torch's: only the experts' GEMM differs between the runs."""
     from megascale.distributed.topology import ParallelContext, RankLayout
     from megascale.model import build_model
     from megascale.run_plan import resolve_plan
 
-    cfg = parity.make_config([*parity.SMALL_MODEL, "model.activation=swiglu", "model.norm=rmsnorm",
+    cfg = parity.make_config([*parity.SMALL_MODEL, "model.num_layers=1", "kernels.backend=torch",
+                              "model.activation=swiglu", "model.norm=rmsnorm",
                               "model.position=rope", "model.bias=false", "model.moe.num_experts=8",
                               "model.moe.top_k=2", "model.moe.ffn_hidden_size=64", "model.moe.shared_experts=1",
                               "train.dtype=bf16", "train.seed=5", "train.global_batch_size=2",
                               "train.micro_batch_size=2"])
     ctx = ParallelContext(RankLayout(), rank=0, device=device, create_groups=False)
-    chunk = build_model(cfg, ctx, plan=resolve_plan(cfg, 1))[0]
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1),
-                           generator=torch.Generator().manual_seed(0)).to(device)
+    return build_model(cfg, ctx, plan=resolve_plan(cfg, 1))[0]
+
+
+def _loss_and_grads(chunk: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    chunk.zero_grad(set_to_none=True)
     loss = chunk(None, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
     loss.backward()
-    return float(loss), {name: p.grad.float().cpu() for name, p in chunk.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {name: p.grad.float().cpu() for name, p in chunk.named_parameters()
+                                  if p.grad is not None}
 
 
 def test_moe_model_with_grouped_gemm_matches_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_sm80()
-    device = torch.device("cuda")
+    chunk = _moe_model(torch.device("cuda"))
+    tokens = torch.randint(0, 500, (2, parity.make_config(parity.SMALL_MODEL).model.seq_length + 1),
+                           generator=torch.Generator().manual_seed(0)).cuda()
     calls = []
     real = torch._grouped_mm
     with monkeypatch.context() as patch:  # count the grouped GEMMs the model takes
         patch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-        grouped_loss, grouped_grads = _moe_model_loss_and_grads(device)
+        grouped_loss, grouped_grads = _loss_and_grads(chunk, tokens)
     assert calls, "the bf16 CUDA model did not take the grouped GEMM"
-    with monkeypatch.context() as patch:  # the same model on the per-expert loop
+    with monkeypatch.context() as patch:  # the same model and batch on the per-expert loop
         patch.setattr(experts_mod, "grouped_mm_available", lambda *args: False)
-        loop_loss, loop_grads = _moe_model_loss_and_grads(device)
+        loop_loss, loop_grads = _loss_and_grads(chunk, tokens)
     assert abs(grouped_loss - loop_loss) < 2e-2 * abs(loop_loss)
     assert grouped_grads.keys() == loop_grads.keys()
     assert any(".experts." in name for name in grouped_grads)
