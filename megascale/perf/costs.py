@@ -73,6 +73,10 @@ class SystemTraits:
       asynchronously (Megatron-LM 2022, megascale): the input gradient's
       all-reduce (no SP) or reduce-scatter (SP) under the weight-gradient GEMM,
       and the SP re-gather of the input under the input-gradient GEMM.
+    grad_reduce_bytes: bytes per gradient element the data-parallel reduction
+      moves: 4 for fp32 gradient buckets (megascale, Megatron-LM with
+      --accumulate-allreduce-grads-in-fp32), 2 where a 16-bit model's gradients
+      are reduced in its own precision (Megatron-LM 2021 without that flag).
 
     Whether sequence parallelism re-gathers a column-parallel GEMM's input in the
     backward (instead of saving the gathered input) is the config key
@@ -85,6 +89,7 @@ class SystemTraits:
     flash_attention: bool = True
     pp_scatter_gather: bool = False
     tp_async_grad_reduce: bool = False
+    grad_reduce_bytes: int = 4
 
 
 MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True)

@@ -126,7 +126,7 @@ def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
 
 
 def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
-                chunks: list[ChunkCost]) -> tuple[dict[str, float], dict[str, float]]:
+                chunks: list[ChunkCost], traits: SystemTraits = MEGASCALE) -> tuple[dict[str, float], dict[str, float]]:
     """(exposed, hidden) seconds of the data-parallel reduction and the ZeRO-1 parameter gather."""
     ranks = plan.dp * plan.cp
     if ranks == 1:
@@ -134,7 +134,7 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     p = cfg.parallel
     inter = group_spans_nodes(plan, ("dp", "cp"), spec.gpus_per_node)
     node_ranks = group_node_ranks(plan, ("dp", "cp"), spec.gpus_per_node)
-    grad_bytes = local_params * 4  # fp32 gradient buckets
+    grad_bytes = local_params * traits.grad_reduce_bytes  # fp32 gradient buckets unless the system says otherwise
     buckets = max(1.0, grad_bytes / (p.grad_bucket_mb * 2**20))
     exposed, hidden = {}, {}
     reduce_kind = "reduce_scatter" if plan.zero == 1 else "all_reduce"
@@ -218,7 +218,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     step_parts = []
     for rank in range(plan.pp):
         local = table.local_numel(rank)
-        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank])
+        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank], traits)
         exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local)
         exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
         if sharing > 1.0:
