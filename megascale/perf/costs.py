@@ -258,7 +258,7 @@ def _attention_seconds(shape: LayerShape, spec: GpuSpec, traits: SystemTraits = 
         return _unfused_attention_seconds(shape, spec)
     flops = 4.0 * shape.attention_pairs() * shape.heads * shape.head_dim * (shape.tokens * shape.cp / shape.seq)
     flops /= shape.cp  # Ulysses: heads / cp of whole sequences; ring: queries / cp of all keys
-    peak = spec.peak(shape.dtype) * 1e12
+    peak = spec.peak(shape.dtype) * 1e12 / spec.train_work_factor
     forward = flops / (peak * spec.attention_fwd_efficiency)
     backward = ATTENTION_BACKWARD_FLOPS * flops / (peak * spec.attention_bwd_efficiency)
     return forward, backward
