@@ -357,3 +357,15 @@ def test_training_probe_measures_a_real_two_rank_run() -> None:
     assert 3 <= result.steps <= STEPS - WARMUP
     assert all(r.cpu_s > 0 and r.busy_wall_s > 0 for r in result.ranks)
     assert 0 < result.cores <= 2.05 and result.work_factor > 0
+
+
+def test_measuring_workers_get_a_session_of_their_own_like_training_ranks() -> None:
+    import subprocess
+    import sys
+
+    # The launcher starts every rank in a new session (the scheduler's unit of fairness with autogroup);
+    # the core and collective probes' workers do the same, or a loaded host gives them half the share.
+    code = ("import os\nfrom megascale.bench._sessions import own_session\nbefore = os.getsid(0)\nown_session()\n"
+            "print(before != os.getsid(0) == os.getpid())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert done.stdout.strip() == "True"

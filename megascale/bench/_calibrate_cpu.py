@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from megascale.bench._sessions import own_session
 from megascale.kernels.norm import add_rms_norm_reference
 from megascale.kernels.swiglu import swiglu_reference
 from megascale.perf.gpus import GpuSpec, spec_from_dict
@@ -141,6 +142,7 @@ def memory_op_efficiency(copy_gbps: float, tokens: int = 2048, hidden: int = 256
 
 def _gemm_worker(seconds: float, queue: Any) -> None:
     """Run 256-GEMMs for `seconds` on one thread and report the FLOP/s reached."""
+    own_session()
     torch.set_num_threads(1)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     for _ in range(5):
