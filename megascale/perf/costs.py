@@ -18,6 +18,9 @@ plan's layout, the model config and a `GpuSpec`:
   pass also pays the meeting of the ranks that `bench calibrate --device cpu`
   measured (`pass_latency_us`, `pass_drift` x the compute since the previous
   one), and nothing overlaps: one thread per rank has no idle core for it;
+- every compute second (GEMMs, attention, memory-bound ops) times the spec's
+  `train_work_factor` (1 on GPUs; on a CPU host the CPU seconds a training rank
+  was measured to spend per second of the micro-benchmarks' rates);
 - recomputation (selective: the attention core again; full: the layer's forward
   again; only the first `train.recompute_layers` of each chunk);
 - Yuan's LFA filter (`model.lfa`): its convolution GEMMs, memory-bound work and
