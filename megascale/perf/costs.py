@@ -18,6 +18,9 @@ plan's layout, the model config and a `GpuSpec`:
   pass also pays the meeting of the ranks that `bench calibrate --device cpu`
   measured (`pass_latency_us`, `pass_drift` x the compute since the previous
   one), and nothing overlaps: one thread per rank has no idle core for it;
+- every compute second (GEMMs, attention, memory-bound ops) times the spec's
+  `train_work_factor` (1 on GPUs; on a CPU host the CPU seconds a training rank
+  was measured to spend per second of the micro-benchmarks' rates);
 - recomputation (selective: the attention core again; full: the layer's forward
   again; only the first `train.recompute_layers` of each chunk);
 - Yuan's LFA filter (`model.lfa`): its convolution GEMMs, memory-bound work and
@@ -296,7 +299,7 @@ def _attention_seconds(shape: LayerShape, spec: GpuSpec, traits: SystemTraits = 
         return _unfused_attention_seconds(shape, spec)
     flops = 4.0 * shape.attention_pairs() * shape.heads * shape.head_dim * (shape.tokens * shape.cp / shape.seq)
     flops /= shape.cp  # Ulysses: heads / cp of whole sequences; ring: queries / cp of all keys
-    peak = spec.peak(shape.dtype) * 1e12
+    peak = spec.peak(shape.dtype) * 1e12 / spec.train_work_factor
     forward = flops / (peak * spec.attention_fwd_efficiency)
     backward = ATTENTION_BACKWARD_FLOPS * flops / (peak * spec.attention_bwd_efficiency)
     return forward, backward

@@ -89,6 +89,13 @@ class GpuSpec:
     pass_drift: float = 0.0
     """CPU specs: seconds the two ranks drift apart per second of compute between two in-pass collectives,
     paid at the next one on top of pass_latency_us."""
+    train_work_factor: float = 1.0
+    """CPU specs: CPU seconds a training rank's thread spends per second of compute (GEMMs, attention,
+    memory-bound ops, optimizer) the micro-benchmarks' rates give, measured on a short real training run
+    (autograd and Python dispatch, ops the model does not count). 1 = the rates as measured (GPUs)."""
+    train_core_share: float = 1.0
+    """CPU specs: the fraction of `host_cores` the ranks' compute threads get while they train (the rest goes
+    to gloo's threads, the launcher and other jobs), measured on the same training run. 1 for GPUs."""
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Measured (bus GB/s, latency us) per collective kind (all_reduce, all_gather, reduce_scatter,
     all_to_all, p2p) inside a node; a kind listed here replaces nvlink_gbps/intra_latency_us for it."""
@@ -116,13 +123,13 @@ class GpuSpec:
     def gemm_seconds(self, m: float, n: float, k: float, dtype: str) -> float:
         """Time of one GEMM: its FLOPs at the curve's efficiency, or its bytes at HBM speed if slower."""
         flops = 2.0 * m * n * k
-        compute = flops / (self.peak(dtype) * 1e12 * self.gemm_fraction(m, n, k))
+        compute = flops / (self.peak(dtype) * 1e12 * self.gemm_fraction(m, n, k)) * self.train_work_factor
         nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
         return max(compute, self.memory_seconds(nbytes))
 
     def memory_seconds(self, nbytes: float) -> float:
         """Time to stream `nbytes` through HBM in a memory-bound kernel."""
-        return nbytes / (self.hbm_gbps * GB * self.hbm_efficiency)
+        return nbytes / (self.hbm_gbps * GB * self.hbm_efficiency) * self.train_work_factor
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -260,6 +267,9 @@ def _check_spec(spec: GpuSpec, source: str) -> None:
                         f"pass_drift={spec.pass_drift} must be >= 0")
     if spec.nics_per_node < 0:
         raise UserError(f"GPU spec {source}: nics_per_node={spec.nics_per_node} must be >= 0 (0 = one per GPU)")
+    if not spec.train_work_factor > 0 or not 0 < spec.train_core_share <= 1:
+        raise UserError(f"GPU spec {source}: train_work_factor={spec.train_work_factor} must be > 0 and "
+                        f"train_core_share={spec.train_core_share} a fraction in (0, 1]")
     if spec.host_cores < 0:
         raise UserError(f"GPU spec {source}: host_cores={spec.host_cores} must be >= 0")
     if not spec.gemm_efficiency:
