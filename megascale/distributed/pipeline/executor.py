@@ -14,7 +14,10 @@ ends of every pair of ranks, which NCCL needs to avoid deadlocks.
 Split-backward schedules (ZB-H1, ZB-V) run each backward as B, the input
 gradient only (`split_backward.backward_input`), and a later W action that
 accumulates the weight gradients; the gradients of a chunk are final, and its
-data-parallel reduction may start, only at its last W. In ZB-V the last stage of
+data-parallel reduction may start, only at its last W. The forward runs under
+`SavedActivations` hooks, so B releases the saved tensors only it reads: from B to
+W a micro-batch holds what its weight gradients need (GEMM inputs, norm
+statistics, the gradients arriving at those nodes), not its whole activations. In ZB-V the last stage of
 chunk 0 and the first stage of chunk 1 are on the same rank: the activation and
 its gradient pass between the chunks in memory.
 """
@@ -43,7 +46,7 @@ from megascale.distributed.pipeline.schedules import (
     rank_of,
     stage_of,
 )
-from megascale.distributed.pipeline.split_backward import DeferredWeightGrad, backward_input
+from megascale.distributed.pipeline.split_backward import DeferredWeightGrad, SavedActivations, backward_input
 from megascale.distributed.topology import ParallelContext
 from megascale.timers import PhaseTimers, timed
 
@@ -72,6 +75,7 @@ class _PipelineRun:
         self.sends: list[tuple[Optional[dist.Work], Tensor]] = []  # (work, tensor kept alive until sent)
         self.losses: dict[int, Tensor] = {}
         self.deferred: dict[tuple[int, int], DeferredWeightGrad] = {}  # (chunk, mb) -> its pending W
+        self.saved: dict[tuple[int, int], SavedActivations] = {}  # (chunk, mb) -> its boxed saved tensors
         # The pass after which a chunk's gradients are final: its last W when the backward is split.
         self.split = any(a.kind is WEIGHT for a in schedule)
         final = WEIGHT if self.split else BACKWARD
@@ -178,7 +182,12 @@ class _PipelineRun:
             if self.keep_graph:
                 hidden.requires_grad_(True)
         with timed(self.timers, "forward"):
-            output = self.chunks[chunk](hidden, self.microbatches[microbatch])
+            if self.split and self.keep_graph:  # B releases what only it needs (split_backward)
+                saved = self.saved[(chunk, microbatch)] = SavedActivations()
+                with saved.hooks():
+                    output = self.chunks[chunk](hidden, self.microbatches[microbatch])
+            else:
+                output = self.chunks[chunk](hidden, self.microbatches[microbatch])
         if stage == self.num_stages - 1:
             self.losses[microbatch] = output.detach()
             if not self.keep_graph:
@@ -215,7 +224,7 @@ class _PipelineRun:
             if split:
                 params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
                 self.deferred[(chunk, microbatch)] = backward_input(
-                    output, grad, self.inputs.get((chunk, microbatch)), params)
+                    output, grad, self.inputs.get((chunk, microbatch)), params, self.saved.pop((chunk, microbatch)))
             else:
                 torch.autograd.backward(output, grad_tensors=grad)
         if self.stage(chunk) == 0:

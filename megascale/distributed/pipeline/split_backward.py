@@ -29,14 +29,31 @@ later node (the same rule as torch.distributed.pipelining's split backward).
 The result equals an ordinary ``backward()`` up to the order of floating-point
 sums of gradients that reach one tensor along several paths.
 
-The first stage has no input gradient to compute: its B does nothing and its W
-is the whole ordinary backward, which no other stage waits for.
+The first stage has no stage input. Its input-gradient path is the *spine* instead:
+the nodes above any node where the gradients of two or more parameters part ways
+(a GEMM: its input and its weight; a norm: its input, weight and bias). Below the
+lowest such nodes hang only parameter-side subgraphs (the embedding lookup, its
+dropout, the first norm's own weights), which W runs. B captures the gradients
+arriving at those lowest nodes (``torch.autograd.grad`` with their gradient edges
+as inputs), so the first stage's B and W split the work as every other stage's do.
+
+Memory (`SavedActivations`): B keeps the graph (W restarts from its nodes), but not
+what the graph saved for B alone. Run the forward under a `SavedActivations`'
+hooks and pass it to `backward_input`: every saved tensor is boxed, B notes which
+boxes it reads outside a frontier node, and empties those afterwards. What stays
+until W is what W reads: the frontier nodes' saved tensors (a GEMM's input, a
+norm's normalized input or statistics), the parameter-side nodes' (never read in
+B), the recorded incoming gradients, and the inputs of recomputed regions that
+hold weights (`kept_for_weights`; W replays them once more).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,7 +61,100 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["DeferredWeightGrad", "backward_input"]
+__all__ = ["DeferredWeightGrad", "SavedActivations", "backward_input", "kept_for_weights"]
+
+
+# Set while a recomputed region whose replay W needs is saving its inputs (see `kept_for_weights`).
+_KEPT_FOR_WEIGHTS: contextvars.ContextVar[bool] = contextvars.ContextVar("kept_for_weights", default=False)
+
+
+@contextlib.contextmanager
+def kept_for_weights() -> Iterator[None]:
+    """Tensors saved inside stay until W, whoever reads them in B.
+
+    For the inputs an activation-recomputation region saves when the region holds
+    weights: B's replay reads them from a node that is not a frontier node, yet W
+    replays the region again to reach its weight gradients.
+    """
+    token = _KEPT_FOR_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _KEPT_FOR_WEIGHTS.reset(token)
+
+
+class _Box:
+    """One saved tensor; emptied after B when only B needed it."""
+
+    __slots__ = ("tensor", "pinned", "read_in_b", "read_by_weight")
+
+    def __init__(self, tensor: Tensor, pinned: bool) -> None:
+        self.tensor: Optional[Tensor] = tensor
+        self.pinned, self.read_in_b, self.read_by_weight = pinned, False, False
+
+
+class SavedActivations:
+    """What autograd saves during one micro-batch's forward of one chunk, boxed so B can release its part.
+
+    Use ``with saved.hooks(): output = chunk(...)`` and pass `saved` to `backward_input`.
+    """
+
+    def __init__(self) -> None:
+        self._boxes: list[_Box] = []
+        self._recording = False
+        self._thread = threading.local()  # in_weight_node: a frontier node runs on this (engine) thread
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks to run the forward under."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: Tensor) -> _Box:
+        box = _Box(tensor, _KEPT_FOR_WEIGHTS.get())
+        self._boxes.append(box)
+        return box
+
+    def _unpack(self, box: _Box) -> Tensor:
+        if box.tensor is None:
+            raise RuntimeError("split backward: the weight pass W read a saved tensor that the input-gradient pass "
+                               "B released; a recomputed region that holds weights must save its inputs under "
+                               "split_backward.kept_for_weights()")
+        if self._recording:
+            if getattr(self._thread, "in_weight_node", False):
+                box.read_by_weight = True
+            else:
+                box.read_in_b = True
+        return box.tensor
+
+    @contextlib.contextmanager
+    def recording(self, frontier: Iterable[Node]) -> Iterator[None]:
+        """Note, while B runs, which boxes it reads and whether a frontier node (W's too) reads them."""
+        def enter(_grad_outputs: tuple) -> None:
+            self._thread.in_weight_node = True
+
+        def leave(_grad_inputs: tuple, _grad_outputs: tuple) -> None:
+            self._thread.in_weight_node = False
+
+        handles = []
+        for node in frontier:
+            handles += [node.register_prehook(enter), node.register_hook(leave)]
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+            for handle in handles:
+                handle.remove()
+
+    def release_input_only(self) -> None:
+        """Empty the boxes that B read and W will not: after B, only W's part stays."""
+        for box in self._boxes:
+            if box.read_in_b and not box.read_by_weight and not box.pinned:
+                box.tensor = None
+        self._boxes = [box for box in self._boxes if box.tensor is not None]
+
+    def held(self) -> list[Tensor]:
+        """The saved tensors still held (all of them before B, W's part after)."""
+        return [box.tensor for box in self._boxes if box.tensor is not None]
 
 
 @dataclass
@@ -131,10 +241,40 @@ def _upward(start: Node, consumers: dict[Node, list[Node]], stop: frozenset[Node
     return closure, met
 
 
-def _weight_groups(root: Node, input_node: Node, params: Iterable[Tensor]) -> list[_WeightGroup]:
+def _post_order(root: Node) -> list[Node]:
+    """Every node below `root`, each after all of its children (iterative: graphs are deep)."""
+    order: list[Node] = []
+    seen = {root}
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        stack.append((node, True))
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append((child, False))
+    return order
+
+
+def _spine(root: Node, accumulators: set[Node]) -> frozenset[Node]:
+    """The first stage's input-gradient path: nodes from which a node is reached where the gradients of
+    two or more parameters part ways (two of its children lead to parameters)."""
+    reaches_param: dict[Node, bool] = {}
+    on_spine: dict[Node, bool] = {}
+    for node in _post_order(root):
+        children = [child for child, _ in node.next_functions if child is not None]
+        leading = sum(1 for child in children if reaches_param[child])
+        reaches_param[node] = node in accumulators or leading > 0
+        on_spine[node] = leading >= 2 or any(on_spine[child] for child in children)
+    return frozenset(node for node, kept in on_spine.items() if kept)
+
+
+def _weight_groups(root: Node, input_path: frozenset[Node], params: Iterable[Tensor]) -> list[_WeightGroup]:
     """Group the parameters under `root` by the frontier nodes where their gradients leave the input path."""
     consumers = _consumers(root)
-    input_path = frozenset(_upward(input_node, consumers)[0])
     by_node: dict[Node, _WeightGroup] = {}
     for param in params:
         accumulator = get_gradient_edge(param).node
@@ -152,28 +292,92 @@ def _weight_groups(root: Node, input_node: Node, params: Iterable[Tensor]) -> li
     return list(unique.values())
 
 
-def backward_input(output: Tensor, grad_output: Optional[Tensor], stage_input: Optional[Tensor],
-                   params: Iterable[Tensor]) -> DeferredWeightGrad:
-    """B: backpropagate `output` (with `grad_output`; None for a scalar loss) to `stage_input` only.
-
-    Sets ``stage_input.grad`` and returns the W pass for `params`. Without a stage input
-    that requires grad (the first stage), nothing runs now and W is the whole backward.
-    """
-    root = output.grad_fn
-    if stage_input is None or not stage_input.requires_grad or root is None:
-        return DeferredWeightGrad([], whole=(output, grad_output))
-    input_node = get_gradient_edge(stage_input).node
-    groups = _weight_groups(root, input_node, [p for p in params if p.requires_grad])
+def _record(groups: list[_WeightGroup]) -> list:
+    """Pre-hooks that record the gradient arriving at every frontier node."""
     handles = []
     for group in groups:
         for index, node in enumerate(group.nodes):
             def record(grad_outputs: tuple, group: _WeightGroup = group, index: int = index) -> None:
                 group.grads[index] = tuple(grad_outputs)
             handles.append(node.register_prehook(record))
+    return handles
+
+
+def _lowest_edges(groups: list[_WeightGroup], spine: frozenset[Node],
+                  consumers: dict[Node, list[Node]]) -> list[tuple[_WeightGroup, int, int, Node]]:
+    """(group, node index, output number, node) of every gradient edge into a frontier node none of whose
+    children is on the spine: B needs no output of such a node, so it captures what arrives there."""
+    edges = []
+    for group in groups:
+        for index, node in enumerate(group.nodes):
+            if any(child in spine for child, _ in node.next_functions if child is not None):
+                continue
+            numbers = {nr for parent in consumers.get(node, ()) for child, nr in parent.next_functions
+                       if child is node}
+            edges += [(group, index, nr, node) for nr in sorted(numbers)]
+    return edges
+
+
+def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params: list[Tensor],
+                          saved: Optional[SavedActivations]) -> DeferredWeightGrad:
+    """B and W of the first stage (no stage input): B walks the spine, W the parameter-side subgraphs."""
+    root = output.grad_fn
+    assert root is not None
+    spine = _spine(root, {get_gradient_edge(p).node for p in params})
+    groups = _weight_groups(root, spine, params) if spine else []
+    consumers = _consumers(root)
+    edges = _lowest_edges(groups, spine, consumers)
+    if not edges:  # nothing parts ways: no input path to walk, W is the whole backward
+        return DeferredWeightGrad([], whole=(output, grad_output))
+    handles = _record(groups)
+    frontier = [node for group in groups for node in group.nodes]
     try:
-        (grad_input,) = torch.autograd.grad(output, stage_input, grad_outputs=grad_output, retain_graph=True)
+        with saved.recording(frontier) if saved is not None else contextlib.nullcontext():
+            captured = torch.autograd.grad(output, [GradientEdge(node, nr) for _, _, nr, node in edges],
+                                           grad_outputs=grad_output, retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    arriving: dict[tuple[int, int], dict[int, Tensor]] = collections.defaultdict(dict)
+    for (group, index, nr, _), grad in zip(edges, captured):
+        if grad is not None:
+            arriving[(id(group), index)][nr] = grad
+    for group in groups:
+        for index, node in enumerate(group.nodes):
+            got = arriving.get((id(group), index))
+            if got:
+                group.grads[index] = tuple(got.get(nr) for nr in range(max(got) + 1))
+    if saved is not None:
+        saved.release_input_only()
+    return DeferredWeightGrad(groups)
+
+
+def backward_input(output: Tensor, grad_output: Optional[Tensor], stage_input: Optional[Tensor],
+                   params: Iterable[Tensor], saved: Optional[SavedActivations] = None) -> DeferredWeightGrad:
+    """B: backpropagate `output` (with `grad_output`; None for a scalar loss) to `stage_input` only.
+
+    Sets ``stage_input.grad`` and returns the W pass for `params`. The first stage (no
+    stage input that requires grad) walks its spine instead (see the module docstring).
+    saved: the `SavedActivations` the forward ran under; what only B read is released.
+    """
+    root = output.grad_fn
+    wanted = [p for p in params if p.requires_grad]
+    if root is None:
+        return DeferredWeightGrad([], whole=(output, grad_output))
+    if stage_input is None or not stage_input.requires_grad:
+        return _backward_first_stage(output, grad_output, wanted, saved)
+    input_node = get_gradient_edge(stage_input).node
+    input_path = frozenset(_upward(input_node, _consumers(root))[0])
+    groups = _weight_groups(root, input_path, wanted)
+    handles = _record(groups)
+    frontier = [node for group in groups for node in group.nodes]
+    try:
+        with saved.recording(frontier) if saved is not None else contextlib.nullcontext():
+            (grad_input,) = torch.autograd.grad(output, stage_input, grad_outputs=grad_output, retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()
     stage_input.grad = grad_input if stage_input.grad is None else stage_input.grad + grad_input
+    if saved is not None:
+        saved.release_input_only()
     return DeferredWeightGrad(groups)
