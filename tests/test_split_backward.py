@@ -11,6 +11,7 @@ input) and keep what W reads (the GEMM inputs), also through activation recomput
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -63,7 +64,9 @@ class Stage(nn.Module):
         return self.conv(h.t().unsqueeze(0))[0, :, : x.shape[0]].t()
 
 
-def test_b_then_w_equals_one_backward() -> None:
+@pytest.mark.parametrize("boxed", [False, True], ids=["graph", "saved_activations"])
+def test_b_then_w_equals_one_backward(boxed: bool) -> None:
+    # boxed: B releases what only it read; W still walks between the two uses of `shared`, so that must stay.
     torch.manual_seed(1)
     stage = Stage()
     x, grad = torch.randn(5, 8), torch.randn(5, 8)
@@ -77,7 +80,10 @@ def test_b_then_w_equals_one_backward() -> None:
         param.register_post_accumulate_grad_hook(lambda p, n=name: fired.append(n))
     stage.calls.clear()
     stage_input = x.clone().requires_grad_(True)
-    deferred = backward_input(stage(stage_input), grad, stage_input, stage.parameters())
+    saved = SavedActivations() if boxed else None
+    with saved.hooks() if saved is not None else contextlib.nullcontext():
+        out = stage(stage_input)
+    deferred = backward_input(out, grad, stage_input, stage.parameters(), saved)
     assert torch.equal(stage_input.grad, reference_input.grad)
     assert all(p.grad is None for p in stage.parameters()) and not fired
     assert stage.calls == [(True, False)]  # B: the input gradient only
@@ -88,7 +94,8 @@ def test_b_then_w_equals_one_backward() -> None:
     assert sorted(fired) == sorted(reference)
 
 
-def test_first_stage_splits_along_its_spine() -> None:
+@pytest.mark.parametrize("boxed", [False, True], ids=["graph", "saved_activations"])
+def test_first_stage_splits_along_its_spine(boxed: bool) -> None:
     # No stage input: B still computes the custom linear's input gradient (the spine runs through it
     # down to the first GEMM) and no weight gradient; W computes the rest, equal to one backward.
     stage = Stage()
@@ -97,7 +104,10 @@ def test_first_stage_splits_along_its_spine() -> None:
     reference = {name: p.grad.clone() for name, p in stage.named_parameters()}
     stage.zero_grad(set_to_none=True)
     stage.calls.clear()
-    deferred = backward_input(stage(x).square().sum(), None, None, stage.parameters())
+    saved = SavedActivations() if boxed else None
+    with saved.hooks() if saved is not None else contextlib.nullcontext():
+        loss = stage(x).square().sum()
+    deferred = backward_input(loss, None, None, stage.parameters(), saved)
     assert all(p.grad is None for p in stage.parameters())
     assert stage.calls == [(True, False)]
     deferred.run()

@@ -173,6 +173,13 @@ class DeferredWeightGrad:
         self._groups = groups
         self._whole = whole  # (output, grad): the first stage runs its ordinary backward here
 
+    def held_gradients(self) -> list[Tensor]:
+        """The gradients recorded at the frontier nodes, kept for this W (plus the whole backward's seed)."""
+        grads = [g for group in self._groups for recorded in group.grads.values() for g in recorded if g is not None]
+        if self._whole is not None and self._whole[1] is not None:
+            grads.append(self._whole[1])
+        return grads
+
     def run(self) -> None:
         """Accumulate this micro-batch's weight gradients into ``.grad``; the graph is released after."""
         if self._whole is not None:
@@ -244,24 +251,24 @@ def _upward(start: Node, consumers: dict[Node, list[Node]], stop: frozenset[Node
 def _post_order(root: Node) -> list[Node]:
     """Every node below `root`, each after all of its children (iterative: graphs are deep)."""
     order: list[Node] = []
-    seen = {root}
+    expanded: set[Node] = set()
     stack: list[tuple[Node, bool]] = [(root, False)]
     while stack:
-        node, expanded = stack.pop()
-        if expanded:
+        node, children_done = stack.pop()
+        if children_done:
             order.append(node)
             continue
+        if node in expanded:
+            continue  # a stale entry: the node was reached again by another path and finished there
+        expanded.add(node)
         stack.append((node, True))
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                stack.append((child, False))
+        stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in expanded)
     return order
 
 
 def _spine(root: Node, accumulators: set[Node]) -> frozenset[Node]:
     """The first stage's input-gradient path: nodes from which a node is reached where the gradients of
-    two or more parameters part ways (two of its children lead to parameters)."""
+    two or more parameters part ways (two of its children lead to parameters), widened by `_merge_points`."""
     reaches_param: dict[Node, bool] = {}
     on_spine: dict[Node, bool] = {}
     for node in _post_order(root):
@@ -269,7 +276,28 @@ def _spine(root: Node, accumulators: set[Node]) -> frozenset[Node]:
         leading = sum(1 for child in children if reaches_param[child])
         reaches_param[node] = node in accumulators or leading > 0
         on_spine[node] = leading >= 2 or any(on_spine[child] for child in children)
-    return frozenset(node for node, kept in on_spine.items() if kept)
+    spine = {node for node, kept in on_spine.items() if kept}
+    if spine:
+        consumers = _consumers(root)
+        while merged := _merge_points(spine, consumers):
+            spine |= merged
+    return frozenset(spine)
+
+
+def _merge_points(spine: set[Node], consumers: dict[Node, list[Node]]) -> set[Node]:
+    """Off-spine nodes (not parameter accumulators) whose gradient gathers from two spine nodes one above
+    the other, with the off-spine nodes between: the stream the first layer both normalizes and adds
+    back (the embedding output). Left off the spine, W would walk the spine from the residual add down
+    to the norm. (Weight slices read by two side-by-side GEMMs stay off it: W walks nothing there.)"""
+    found: set[Node] = set()
+    stop = frozenset(spine)
+    for node in consumers:
+        if node in spine or node in found or not node.next_functions:
+            continue
+        closure, met = _upward(node, consumers, stop=stop)
+        if len(met) >= 2 and any(met & (_upward(lower, consumers)[0] - {lower}) for lower in met):
+            found |= closure
+    return found
 
 
 def _weight_groups(root: Node, input_path: frozenset[Node], params: Iterable[Tensor]) -> list[_WeightGroup]:
@@ -290,6 +318,28 @@ def _weight_groups(root: Node, input_path: frozenset[Node], params: Iterable[Ten
             by_node[node] = merged
     unique = {id(g): g for g in by_node.values()}
     return list(unique.values())
+
+
+def _walked_by_weight(groups: list[_WeightGroup], input_path: frozenset[Node],
+                      consumers: dict[Node, list[Node]]) -> set[Node]:
+    """Input-path nodes W runs too: those between two frontier nodes of one group (a weight used twice in
+    sequence), which W walks from the upper frontier node to reach the weight through the lower one."""
+    walked: set[Node] = set()
+    for group in groups:
+        if len(group.nodes) < 2:
+            continue
+        above: set[Node] = set()
+        for node in group.nodes:
+            above |= _upward(node, consumers)[0]
+        below: set[Node] = set()
+        queue = collections.deque(group.nodes)
+        while queue:
+            for child, _ in queue.popleft().next_functions:
+                if child is not None and child in input_path and child not in below:
+                    below.add(child)
+                    queue.append(child)
+        walked |= (above & below) - set(group.nodes)
+    return walked
 
 
 def _record(groups: list[_WeightGroup]) -> list:
@@ -330,7 +380,7 @@ def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params:
     if not edges:  # nothing parts ways: no input path to walk, W is the whole backward
         return DeferredWeightGrad([], whole=(output, grad_output))
     handles = _record(groups)
-    frontier = [node for group in groups for node in group.nodes]
+    frontier = [node for group in groups for node in group.nodes] + list(_walked_by_weight(groups, spine, consumers))
     try:
         with saved.recording(frontier) if saved is not None else contextlib.nullcontext():
             captured = torch.autograd.grad(output, [GradientEdge(node, nr) for _, _, nr, node in edges],
@@ -367,10 +417,12 @@ def backward_input(output: Tensor, grad_output: Optional[Tensor], stage_input: O
     if stage_input is None or not stage_input.requires_grad:
         return _backward_first_stage(output, grad_output, wanted, saved)
     input_node = get_gradient_edge(stage_input).node
-    input_path = frozenset(_upward(input_node, _consumers(root))[0])
+    consumers = _consumers(root)
+    input_path = frozenset(_upward(input_node, consumers)[0])
     groups = _weight_groups(root, input_path, wanted)
     handles = _record(groups)
     frontier = [node for group in groups for node in group.nodes]
+    frontier += _walked_by_weight(groups, input_path, consumers)
     try:
         with saved.recording(frontier) if saved is not None else contextlib.nullcontext():
             (grad_input,) = torch.autograd.grad(output, stage_input, grad_outputs=grad_output, retain_graph=True)
