@@ -58,7 +58,7 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.norm(self.fc1(x)))
-        h = self.fc2(h) @ self.shared
+        h = F.gelu(self.fc2(h) @ self.shared)  # W walks this gelu from the second use of `shared`
         h = torch.tanh(h @ self.shared) + x
         h = _CountedLinear.apply(h, self.custom, self.calls)
         return self.conv(h.t().unsqueeze(0))[0, :, : x.shape[0]].t()
