@@ -350,6 +350,71 @@ def chunk_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: 
     return total
 
 
+def _norm_weight_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """What a norm holds from the input-gradient pass B to the weight pass W: what its weight-carrying
+    node saved (the reference RMSNorm's product with the weight keeps the fp32 x * rstd and, in 16-bit
+    runs, its fp32 weight copy; every other norm is one node keeping all of norm_bytes) and the
+    gradient recorded there (fp32 for the reference RMSNorm, else the activation dtype)."""
+    n, h = sh.residual_tokens, sh.hidden
+    if kernels == "fused" or cfg.model.norm == "layernorm":
+        saved = norm_bytes(cfg, sh, kernels)
+    else:
+        saved = n * h * FP32 + (h * FP32 if sh.act != FP32 else 0)
+    grad = n * h * (FP32 if kernels == "reference" and cfg.model.norm == "rmsnorm" else sh.act)
+    return saved + grad
+
+
+def _gemm_gradient_bytes(cfg: Config, sh: Shapes) -> float:
+    """The output gradients a layer's GEMMs keep for W: qkv, fc1 ([.., 2, ffn] for SwiGLU), and the
+    [s, b, h] ones of proj and fc2 (one, summed, in the parallel block)."""
+    fc1 = sh.per_token(sh.ffn * (2 if cfg.model.activation == "swiglu" else 1), sh.act)
+    residual = sh.residual_tokens * sh.hidden * sh.act
+    return _qkv_bytes(sh) + fc1 + residual * (1 if cfg.model.parallel_block else 2)
+
+
+def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
+    """What one transformer block holds from B to W in a zero-bubble schedule (split backward).
+
+    B releases every saved tensor only it reads (the attention core, the activation
+    function's input, dropout masks, the norms' inner statistics); W needs each GEMM's
+    input and output gradient and each norm's weight-side tensors and gradient. With full
+    recomputation the block input stays (W replays the block once more) beside the same
+    gradients.
+    """
+    norms = 1 if cfg.model.parallel_block else 2
+    gradients = _gemm_gradient_bytes(cfg, sh)
+    if recompute == "full":
+        grad_only = sh.residual_tokens * sh.hidden * (FP32 if kernels == "reference" and cfg.model.norm == "rmsnorm"
+                                                      else sh.act)
+        return sh.residual_tokens * sh.hidden * sh.act + gradients + norms * grad_only
+    linear_in = _linear_input_bytes(sh)
+    inputs = linear_in * (1 if cfg.model.parallel_block else 2)  # qkv and fc1 (one fused GEMM in the parallel block)
+    inputs += _heads_bytes(sh, sh.q_heads) + sh.per_token(sh.ffn, sh.act)  # proj and fc2
+    return norms * _norm_weight_bytes(cfg, sh, kernels) + inputs + gradients
+
+
+def weight_stash_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: int, first: bool,
+                       last: bool) -> float:
+    """What one micro-batch of a chunk holds from its input-gradient pass B to its weight pass W.
+
+    The layers' `layer_weight_stash_bytes`; on the first stage the embedding's saved
+    tensors (W runs it) and the gradient of its output; on the last stage the final norm,
+    the logits GEMM's input and the logits gradient (the cross entropy's buffers go with B).
+    Exact for plain and parallel blocks without LFA or context parallelism (there an estimate).
+    """
+    sh = Shapes.of(cfg, plan)
+    total = 0.0
+    for i in range(num_layers):
+        mode = layer_recompute(cfg, i)
+        total += layer_weight_stash_bytes(cfg, sh, kernels, mode)
+    if first:
+        total += embedding_bytes(cfg, sh, kernels) + sh.residual_tokens * sh.hidden * sh.act
+    if last:
+        total += (_norm_weight_bytes(cfg, sh, kernels) + _linear_input_bytes(sh)
+                  + sh.per_token(sh.vocab, sh.act))
+    return total
+
+
 def input_kept(cfg: Config, kernels: KernelProfile, first_mode: Recompute) -> bool:
     """Whether autograd keeps a chunk's input tensor itself (else only the pipeline executor holds it)."""
     return not (first_mode != "full" and kernels == "reference" and cfg.model.norm == "rmsnorm"
@@ -369,7 +434,9 @@ __all__ = [
     "input_kept",
     "layer_bytes",
     "layer_recompute",
+    "layer_weight_stash_bytes",
     "mlp_bytes",
     "norm_bytes",
     "spread_kv_heads",
+    "weight_stash_bytes",
 ]
