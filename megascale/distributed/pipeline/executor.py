@@ -61,11 +61,13 @@ class _PipelineRun:
     def __init__(self, chunks: Sequence[nn.Module], microbatches: list[dict], ctx: ParallelContext,
                  schedule: list[Action], tensor_shape: tuple[int, ...], dtype: torch.dtype,
                  loss_fn_scale: Callable[[Tensor], Tensor], before_last_backward: Optional[Callable[[int], None]],
-                 keep_graph: bool, timers: Optional[PhaseTimers] = None, v_shape: bool = False) -> None:
+                 keep_graph: bool, timers: Optional[PhaseTimers] = None, v_shape: bool = False,
+                 occupancy: Optional[list[tuple[int, int]]] = None) -> None:
         self.chunks, self.microbatches, self.ctx, self.schedule = chunks, microbatches, ctx, schedule
         self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
         self.loss_fn_scale, self.before_last_backward = loss_fn_scale, before_last_backward
         self.keep_graph, self.timers, self.v_shape = keep_graph, timers, v_shape
+        self.occupancy = occupancy
         self.pp, self.pp_rank, self.vpp = ctx.pp_size, ctx.pp_rank, len(chunks)
         self.num_stages = self.pp * self.vpp
         self.group = ctx.group("pp")
@@ -255,6 +257,8 @@ class _PipelineRun:
                 self.backward(i, action.chunk, action.microbatch, split=self.split)
             else:
                 self.weight(i, action.chunk, action.microbatch)
+            if self.occupancy is not None:  # (items between forward and B, items between B and W)
+                self.occupancy.append((len(self.outputs), len(self.deferred)))
             self.drop_finished_sends()
             i += 1
         self.wait_sends()
@@ -281,7 +285,8 @@ def forward_backward_pipelined(chunks: Sequence[nn.Module], microbatches: list[d
                                schedule: list[Action], tensor_shape: tuple[int, ...], dtype: torch.dtype,
                                loss_fn_scale: Callable[[Tensor], Tensor] = _identity,
                                before_last_backward: Optional[Callable[[int], None]] = None,
-                               timers: Optional[PhaseTimers] = None, v_shape: bool = False) -> list[Tensor]:
+                               timers: Optional[PhaseTimers] = None, v_shape: bool = False,
+                               occupancy: Optional[list[tuple[int, int]]] = None) -> list[Tensor]:
     """Run this rank's pipeline schedule over all micro-batches (forward and backward).
 
     chunks[c](hidden, microbatch) is chunk c's forward: hidden is None on the first
@@ -294,10 +299,12 @@ def forward_backward_pipelined(chunks: Sequence[nn.Module], microbatches: list[d
     losses on the last stage, in micro-batch order, and an empty list elsewhere. Gradients
     accumulate in .grad. `timers` times forward, backward (B), backward_weight (W) and the
     waits for receives and sends. v_shape: the chunks are placed as ZB-V places them.
+    occupancy, when given, receives after every compute the (chunk, micro-batch) items this
+    rank holds between their forward and their backward (B), and between B and W.
     """
     _check_args(chunks, microbatches, ctx, schedule)
     run = _PipelineRun(chunks, microbatches, ctx, schedule, tensor_shape, dtype, loss_fn_scale,
-                       before_last_backward, keep_graph=True, timers=timers, v_shape=v_shape)
+                       before_last_backward, keep_graph=True, timers=timers, v_shape=v_shape, occupancy=occupancy)
     return run.run()
 
 

@@ -39,8 +39,9 @@ as inputs), so the first stage's B and W split the work as every other stage's d
 
 Memory (`SavedActivations`): B keeps the graph (W restarts from its nodes), but not
 what the graph saved for B alone. Run the forward under a `SavedActivations`'
-hooks and pass it to `backward_input`: every saved tensor is boxed, B notes which
-boxes it reads outside a frontier node, and empties those afterwards. What stays
+hooks and pass it to `backward_input`: every saved tensor is boxed, and B empties
+each box it reads outside a frontier node as it reads it (the memory goes when the
+reading node is done, as in an ordinary backward). What stays
 until W is what W reads: the frontier nodes' saved tensors (a GEMM's input, a
 norm's normalized input or statistics), the parameter-side nodes' (never read in
 B), the recorded incoming gradients, and the inputs of recomputed regions that
@@ -86,11 +87,11 @@ def kept_for_weights() -> Iterator[None]:
 class _Box:
     """One saved tensor; emptied after B when only B needed it."""
 
-    __slots__ = ("tensor", "pinned", "read_in_b", "read_by_weight")
+    __slots__ = ("tensor", "pinned")
 
     def __init__(self, tensor: Tensor, pinned: bool) -> None:
         self.tensor: Optional[Tensor] = tensor
-        self.pinned, self.read_in_b, self.read_by_weight = pinned, False, False
+        self.pinned = pinned
 
 
 class SavedActivations:
@@ -109,7 +110,10 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: Tensor) -> _Box:
-        box = _Box(tensor, _KEPT_FOR_WEIGHTS.get())
+        # Detached: a saved output would otherwise hold its own node through the box (node -> saved
+        # variable -> unpack hook -> box -> tensor -> node), a cycle through C++ no collector breaks.
+        # Autograd rebuilds the unpacked tensor's history from its own records.
+        box = _Box(tensor.detach(), _KEPT_FOR_WEIGHTS.get())
         self._boxes.append(box)
         return box
 
@@ -118,16 +122,15 @@ class SavedActivations:
             raise RuntimeError("split backward: the weight pass W read a saved tensor that the input-gradient pass "
                                "B released; a recomputed region that holds weights must save its inputs under "
                                "split_backward.kept_for_weights()")
-        if self._recording:
-            if getattr(self._thread, "in_weight_node", False):
-                box.read_by_weight = True
-            else:
-                box.read_in_b = True
-        return box.tensor
+        tensor = box.tensor
+        if self._recording and not box.pinned and not getattr(self._thread, "in_weight_node", False):
+            box.tensor = None  # B alone reads it: gone once the reading node is done, as in an ordinary backward
+        return tensor
 
     @contextlib.contextmanager
     def recording(self, frontier: Iterable[Node]) -> Iterator[None]:
-        """Note, while B runs, which boxes it reads and whether a frontier node (W's too) reads them."""
+        """While B runs, empty the boxes it reads outside the given nodes (the frontier nodes, which W
+        runs again, and the nodes W walks between them)."""
         def enter(_grad_outputs: tuple) -> None:
             self._thread.in_weight_node = True
 
@@ -146,11 +149,14 @@ class SavedActivations:
                 handle.remove()
 
     def release_input_only(self) -> None:
-        """Empty the boxes that B read and W will not: after B, only W's part stays."""
-        for box in self._boxes:
-            if box.read_in_b and not box.read_by_weight and not box.pinned:
-                box.tensor = None
+        """Forget the boxes B emptied as it read them: after B, only W's part stays."""
         self._boxes = [box for box in self._boxes if box.tensor is not None]
+
+    def clear(self) -> None:
+        """Empty every box (after W: nothing reads them again)."""
+        for box in self._boxes:
+            box.tensor = None
+        self._boxes = []
 
     def held(self) -> list[Tensor]:
         """The saved tensors still held (all of them before B, W's part after)."""
@@ -169,9 +175,11 @@ class _WeightGroup:
 class DeferredWeightGrad:
     """The weight-gradient pass (W) of one stage and micro-batch, created by `backward_input`."""
 
-    def __init__(self, groups: list[_WeightGroup], whole: Optional[tuple[Tensor, Optional[Tensor]]] = None) -> None:
+    def __init__(self, groups: list[_WeightGroup], whole: Optional[tuple[Tensor, Optional[Tensor]]] = None,
+                 saved: Optional[SavedActivations] = None) -> None:
         self._groups = groups
-        self._whole = whole  # (output, grad): the first stage runs its ordinary backward here
+        self._whole = whole  # (output, grad): nothing to split, W runs the ordinary backward
+        self._saved = saved
 
     def held_gradients(self) -> list[Tensor]:
         """The gradients recorded at the frontier nodes, kept for this W (plus the whole backward's seed)."""
@@ -187,7 +195,9 @@ class DeferredWeightGrad:
             torch.autograd.backward(output, grad_tensors=grad)
         for group in self._groups:
             _run_group(group)
-        self._groups, self._whole = [], None
+        if self._saved is not None:
+            self._saved.clear()
+        self._groups, self._whole, self._saved = [], None, None
 
 
 def _run_group(group: _WeightGroup) -> None:
@@ -378,7 +388,7 @@ def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params:
     consumers = _consumers(root)
     edges = _lowest_edges(groups, spine, consumers)
     if not edges:  # nothing parts ways: no input path to walk, W is the whole backward
-        return DeferredWeightGrad([], whole=(output, grad_output))
+        return DeferredWeightGrad([], whole=(output, grad_output), saved=saved)
     handles = _record(groups)
     frontier = [node for group in groups for node in group.nodes] + list(_walked_by_weight(groups, spine, consumers))
     try:
@@ -399,7 +409,7 @@ def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params:
                 group.grads[index] = tuple(got.get(nr) for nr in range(max(got) + 1))
     if saved is not None:
         saved.release_input_only()
-    return DeferredWeightGrad(groups)
+    return DeferredWeightGrad(groups, saved=saved)
 
 
 def backward_input(output: Tensor, grad_output: Optional[Tensor], stage_input: Optional[Tensor],
@@ -413,7 +423,7 @@ def backward_input(output: Tensor, grad_output: Optional[Tensor], stage_input: O
     root = output.grad_fn
     wanted = [p for p in params if p.requires_grad]
     if root is None:
-        return DeferredWeightGrad([], whole=(output, grad_output))
+        return DeferredWeightGrad([], whole=(output, grad_output), saved=saved)
     if stage_input is None or not stage_input.requires_grad:
         return _backward_first_stage(output, grad_output, wanted, saved)
     input_node = get_gradient_edge(stage_input).node
@@ -432,4 +442,4 @@ def backward_input(output: Tensor, grad_output: Optional[Tensor], stage_input: O
     stage_input.grad = grad_input if stage_input.grad is None else stage_input.grad + grad_input
     if saved is not None:
         saved.release_input_only()
-    return DeferredWeightGrad(groups)
+    return DeferredWeightGrad(groups, saved=saved)
