@@ -416,7 +416,10 @@ def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, re
         inputs = linear_in * (1 if cfg.model.parallel_block else 2)
     else:  # v's GEMM reads the gathered input, beside its own gather of fc1's under SP (as layer_bytes)
         attention_in = _gathered_input_bytes(sh)
-        inputs = (attention_in + linear_in if sh.sp else linear_in) if cfg.model.parallel_block else attention_in + linear_in
+        if cfg.model.parallel_block:
+            inputs = attention_in + linear_in if sh.sp else linear_in
+        else:
+            inputs = attention_in + linear_in
         inputs += _lfa_weight_stash_bytes(cfg, sh, kernels)
     inputs += _heads_bytes(sh, sh.q_heads) + sh.per_token(sh.ffn, sh.act)  # proj and fc2
     return norms * _norm_weight_bytes(cfg, sh, kernels) + inputs + gradients

@@ -87,7 +87,7 @@ def kept_for_weights() -> Iterator[None]:
 class _Box:
     """One saved tensor; emptied after B when only B needed it."""
 
-    __slots__ = ("tensor", "pinned")
+    __slots__ = ("pinned", "tensor")
 
     def __init__(self, tensor: Tensor, pinned: bool) -> None:
         self.tensor: Optional[Tensor] = tensor
@@ -403,7 +403,7 @@ def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params:
         if grad is not None:
             arriving[(id(group), index)][nr] = grad
     for group in groups:
-        for index, node in enumerate(group.nodes):
+        for index in range(len(group.nodes)):
             got = arriving.get((id(group), index))
             if got:
                 group.grads[index] = tuple(got.get(nr) for nr in range(max(got) + 1))
