@@ -19,6 +19,11 @@ or the gathered input (parallel.sp_regather_input=false), and cp 2 Ulysses and r
 "fused" profile is checked by driving the csrc autograd fronts through the
 plain-torch stand-in of the extension (megascale.kernels.emulate) with dropout 0
 (on CPU, dropout masks and attention dropout take CPU-only paths).
+
+Zero-bubble schedules: what one micro-batch holds between its input-gradient pass B
+and its weight pass W (the saved tensors B did not release and the gradients it
+recorded for W) must equal `weight_stash_bytes` exactly; the measured peak of a
+pipelined step is checked for 1F1B, interleaved, ZB-H1 and ZB-V.
 """
 
 from __future__ import annotations
