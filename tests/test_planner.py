@@ -308,3 +308,28 @@ def test_search_puts_a_zero_bubble_schedule_first_where_its_bubble_wins(monkeypa
     estimates = stage_estimates(best.cfg, best.plan)
     assert best.prediction.memory_bytes == pytest.approx(max(e.total_bytes for e in estimates))
     assert estimates[0].inflight_microbatches == 2 and estimates[0].awaiting_weight_microbatches == 1
+
+
+def test_zero_bubble_with_full_recomputation_replays_in_the_weight_pass() -> None:
+    """Checkpointing recomputes per backward pass: with recompute=full the split backward's W replays the
+    layers' forward once more (B did already), so zb-h1 pays twice 1F1B's recomputation; selective
+    recomputation's attention core has no weights and is replayed in B only."""
+    path = os.path.join(CONFIGS, "llama3-8b.yaml")
+    spec = builtin_gpu("h100")
+    base = ["parallel.tp=8", "parallel.pp=4", "train.global_batch_size=8", "train.micro_batch_size=1"]
+
+    def recompute_s(schedule: str, mode: str) -> tuple[float, list[list[tuple[float, ...]]]]:
+        cfg = load_config(path, [*base, f"parallel.pipeline_schedule={schedule}", f"train.recompute={mode}"])
+        step = predict(cfg, resolve_plan(cfg, 32), spec).step
+        return step.compute["recompute"], step.chunk_times
+
+    full_1f1b, times_1f1b = recompute_s("1f1b", "full")
+    full_zb, times_zb = recompute_s("zb-h1", "full")
+    assert full_1f1b > 0 and full_zb == pytest.approx(2 * full_1f1b)
+    replay = full_1f1b / 8  # per micro-batch (8 of them), every rank holding 8 recomputed layers
+    forward, backward = times_1f1b[0][0]
+    f, b, w = times_zb[0][0]
+    assert f == pytest.approx(forward) and b + w == pytest.approx(backward + replay, rel=0.02)
+    selective_1f1b, _ = recompute_s("1f1b", "selective")
+    selective_zb, _ = recompute_s("zb-h1", "selective")
+    assert selective_1f1b > 0 and selective_zb == pytest.approx(selective_1f1b)
