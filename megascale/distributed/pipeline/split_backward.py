@@ -31,11 +31,13 @@ sums of gradients that reach one tensor along several paths.
 
 The first stage has no stage input. Its input-gradient path is the *spine* instead:
 the nodes above any node where the gradients of two or more parameters part ways
-(a GEMM: its input and its weight; a norm: its input, weight and bias). Below the
-lowest such nodes hang only parameter-side subgraphs (the embedding lookup, its
-dropout, the first norm's own weights), which W runs. B captures the gradients
-arriving at those lowest nodes (``torch.autograd.grad`` with their gradient edges
-as inputs), so the first stage's B and W split the work as every other stage's do.
+(a GEMM: its input and its weight; a norm: its input, weight and bias), widened
+by the embedding stream that the first layer both normalizes and adds back (else
+W would walk the first layer from the residual add down to the norm). Below the
+lowest spine nodes hang only parameter-side subgraphs (the embedding lookup, a
+norm's weight), which W runs. B captures the gradients arriving at those lowest
+nodes (``torch.autograd.grad`` with their gradient edges as inputs), so the first
+stage's B and W split the work as every other stage's do.
 
 Memory (`SavedActivations`): B keeps the graph (W restarts from its nodes), but not
 what the graph saved for B alone. Run the forward under a `SavedActivations`'
@@ -44,8 +46,11 @@ each box it reads outside a frontier node as it reads it (the memory goes when t
 reading node is done, as in an ordinary backward). What stays
 until W is what W reads: the frontier nodes' saved tensors (a GEMM's input, a
 norm's normalized input or statistics), the parameter-side nodes' (never read in
-B), the recorded incoming gradients, and the inputs of recomputed regions that
-hold weights (`kept_for_weights`; W replays them once more).
+B), those of the input-path nodes W walks between two uses of one weight, the
+recorded incoming gradients, and the inputs of recomputed regions that hold
+weights (`kept_for_weights`; W replays them once more). The boxes hold detached
+tensors: a saved output boxed with its history would hold its own node, a cycle
+through C++ that no collector breaks; W empties them when it is done.
 """
 
 from __future__ import annotations
