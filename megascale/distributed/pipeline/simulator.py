@@ -63,7 +63,8 @@ class SimResult:
     peak_weight: list[float] = field(default_factory=list)
     peak_until_weight: list[int] = field(default_factory=list)
     """Per rank, the peak number of micro-batches between forward and weight pass W (split backward;
-    equals peak_in_flight otherwise): what the executor keeps activations for."""
+    equals peak_in_flight otherwise): what the executor keeps something for (whole activations until B,
+    the weight stash from B to W)."""
     """Per rank, the peak over time of the summed chunk weights of live (chunk, micro-batch) items
     (with `chunk_weights`; e.g. each chunk's activation bytes, so chunks of unequal size count as such)."""
 
@@ -281,7 +282,8 @@ class _Simulator:
         if action.kind is not WEIGHT:
             self.in_flight[rank] += 1 if action.kind is FORWARD else -1
             self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
-        # Activations stay until the backward, or until W when the backward is split.
+        # Counted until the backward, or until W when the backward is split (from B on, only the weight
+        # stash stays; `peak_weight` weighs the item whole until W: `peak_live` takes the stash).
         release = WEIGHT if self.split else BACKWARD
         if action.kind in (FORWARD, release):
             step = 1 if action.kind is FORWARD else -1
