@@ -387,10 +387,14 @@ def _lfa_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, rep
 
 def _gemm_gradient_bytes(cfg: Config, sh: Shapes) -> float:
     """The output gradients a layer's GEMMs keep for W: qkv, fc1 ([.., 2, ffn] for SwiGLU), and the
-    [s, b, h] ones of proj and fc2 (one, summed, in the parallel block)."""
+    [s, b, h] ones of proj and fc2 (one, summed, in the parallel block): under sequence parallelism the
+    whole sequence's, gathered before the GEMM, and with a bias also the bias add's, still sharded."""
     fc1 = sh.per_token(sh.ffn * (2 if cfg.model.activation == "swiglu" else 1), sh.act)
-    residual = sh.residual_tokens * sh.hidden * sh.act
-    return _qkv_bytes(sh) + fc1 + residual * (1 if cfg.model.parallel_block else 2)
+    rows = 1 if cfg.model.parallel_block else 2
+    row_grads = sh.per_token(sh.hidden, sh.act)
+    if sh.sp and cfg.model.bias:
+        row_grads += sh.residual_tokens * sh.hidden * sh.act
+    return _qkv_bytes(sh) + fc1 + rows * row_grads
 
 
 def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
@@ -433,17 +437,20 @@ def weight_stash_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_l
     tensors (W runs it) and the gradient of its output; on the last stage the final norm,
     the logits GEMM's input and the logits gradient (the cross entropy's buffers go with B).
     Written to agree byte for byte with what the split backward keeps (checked in
-    tests/test_memory_model.py); context parallelism is an estimate (the attention
-    output the projection reads, as for cp 1).
+    tests/test_memory_model.py in one process and at tp 2; under sequence parallelism
+    it falls up to a few percent short); context parallelism is an estimate (the
+    attention output the projection reads, as for cp 1).
     """
     sh = Shapes.of(cfg, plan)
     total = 0.0
     for i in range(num_layers):
         mode = layer_recompute(cfg, i)
         total += layer_weight_stash_bytes(cfg, sh, kernels, mode)
-    if first:  # ids and positions; the dropout mask goes with B (the embedding output is on B's path)
-        total += (embedding_bytes(cfg, sh, kernels) - dropout_mask_bytes(cfg, sh, kernels)
-                  + sh.residual_tokens * sh.hidden * sh.act)
+    if first:  # ids and positions (the dropout mask goes with B) and the gradient
+        learned = cfg.model.position == "learned"
+        positions = sh.seq * sh.ulysses * INDEX if learned else 0
+        mask = sh.tokens if learned and sh.tp > 1 else 0  # below the position add, on the embedding's side
+        total += sh.tokens * INDEX + positions + mask + sh.residual_tokens * sh.hidden * sh.act
     if last:
         total += (_norm_weight_bytes(cfg, sh, kernels) + _linear_input_bytes(sh)
                   + sh.per_token(sh.vocab, sh.act))
