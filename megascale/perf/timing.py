@@ -111,6 +111,13 @@ def weight_pass_seconds(chunk: ChunkCost) -> float:
     return chunk.backward.gemm / 2
 
 
+def weight_replay_seconds(cfg: Config, chunk: ChunkCost) -> float:
+    """What W adds with full recomputation: the checkpointed layers' forward runs again (checkpointing
+    recomputes per backward pass, and W is one). Selective recomputation's attention core has no weights:
+    W does not replay it."""
+    return chunk.backward.recompute if cfg.train.recompute == "full" else 0.0
+
+
 def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
               rendezvous: bool) -> tuple[float, list[float]]:
     """(makespan, busy time per rank) of one step's forward/backward passes."""
@@ -226,7 +233,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     if plan.schedule in SPLIT_BACKWARD:
         # B keeps the blocking transfer (it sends a gradient); W sends nothing.
         times = [[(c.forward.total + blocking, c.backward.total - weight_pass_seconds(c) + blocking,
-                   weight_pass_seconds(c)) for c in chunks] for chunks in costs]
+                   weight_pass_seconds(c) + weight_replay_seconds(cfg, c)) for c in chunks] for chunks in costs]
     else:
         times = [[(c.forward.total + blocking, c.backward.total + blocking) for c in chunks] for chunks in costs]
     if simulate_pipeline:
@@ -255,6 +262,8 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         compute.add(chunk.forward.scaled(m))
         compute.add(chunk.backward.scaled(m))
     parts = compute.as_dict()
+    if plan.schedule in SPLIT_BACKWARD:
+        parts["recompute"] += m * sum(weight_replay_seconds(cfg, c) for c in costs[rank])
     if blocking:
         parts["pp_p2p"] = 2 * blocking * m * plan.vpp
     bubble = makespan - busy[rank]
@@ -268,4 +277,4 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
 
 
 __all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "rank_param_counts", "step_time",
-           "weight_pass_seconds"]
+           "weight_pass_seconds", "weight_replay_seconds"]
