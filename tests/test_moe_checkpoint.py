@@ -57,10 +57,11 @@ def _check_curve(recs: list[dict], uninterrupted: list[dict]) -> None:
         assert abs(got["grad_norm"] - ref["grad_norm"]) < 10 * RTOL * ref["grad_norm"], (got, ref)
 
 
-def test_expert_shards_are_written_once(saved_at_ep4: Path) -> None:
-    step_dir = saved_at_ep4 / "checkpoints" / (saved_at_ep4 / "checkpoints" / "latest").read_text().strip()
+def _check_written_once(run: Path, ep: int) -> None:
+    """Every tensor of the run's latest checkpoint is stored exactly once; routed experts in one block per ep rank."""
+    step_dir = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     meta = json.loads((step_dir / "metadata.json").read_text())
-    assert meta["layout"]["ep"] == 4
+    assert meta["layout"]["ep"] == ep
     tensors = meta["tensors"]
     expert = [name for name in tensors if ".mlp.experts." in name and not name.startswith("optim.")]
     assert expert and any(name.endswith("router.expert_bias") for name in tensors)
@@ -68,9 +69,14 @@ def test_expert_shards_are_written_once(saved_at_ep4: Path) -> None:
         stored = sum(math.prod(p["lengths"]) if p.get("flat_range") is None
                      else p["flat_range"][1] - p["flat_range"][0] for p in entry["pieces"])
         assert stored == math.prod(entry["global_shape"]), f"{name}: {stored} elements stored"
+    per_rank = 4 // ep  # experts of one ep rank
     for name in expert:  # one block of experts per ep rank, whatever the edp and tp replicas
         offsets = sorted(p["offsets"][0] for p in tensors[name]["pieces"])
-        assert offsets == [0, 1, 2, 3], (name, offsets)
+        assert offsets == list(range(0, 4, per_rank)), (name, offsets)
+
+
+def test_expert_shards_are_written_once(saved_at_ep4: Path) -> None:
+    _check_written_once(saved_at_ep4, 4)
 
 
 def test_ep4_checkpoint_resumes_at_ep2(saved_at_ep4: Path, tmp_path: Path, uninterrupted: list[dict]) -> None:
@@ -80,3 +86,14 @@ def test_ep4_checkpoint_resumes_at_ep2(saved_at_ep4: Path, tmp_path: Path, unint
 @pytest.mark.slow
 def test_ep4_checkpoint_resumes_at_ep1(saved_at_ep4: Path, tmp_path: Path, uninterrupted: list[dict]) -> None:
     _check_curve(_resume(saved_at_ep4, tmp_path), uninterrupted)
+
+
+@pytest.mark.slow
+def test_tp_sp_ep_checkpoint_writes_replicas_once_and_resumes_at_ep1(tmp_path: Path,
+                                                                     uninterrupted: list[dict]) -> None:
+    """tp 2 + SP + ep 2 + ZeRO-1 on 4 ranks: the experts' tp replicas are written once; one process resumes."""
+    saved = tmp_path / "saved"
+    _train(saved, 2, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.zero=1",
+           nproc=4)
+    _check_written_once(saved, 2)
+    _check_curve(_resume(saved, tmp_path / "resumed"), uninterrupted)
