@@ -5,7 +5,7 @@ expert-data-parallel ranks) trains 2 steps and saves. Its metadata must hold eve
 tensor exactly once: the pieces of each global tensor cover it with no overlap (the
 expert blocks of the 4 ep ranks, each written by one of its edp and tp replicas; the
 ZeRO-1 flat ranges of the state), the sigmoid router's expert_bias included. Copies of
-the run then resume at ep 2 (2 ranks, ZeRO-1) and at ep 1 (one process, replicated
+the run then resume at ep 2 (2 ranks, ZeRO-1, replicas read once and broadcast) and at ep 1 (one process, replicated
 optimizer) and must continue the uninterrupted single-process loss curve: the loader
 cuts the stored expert blocks and flat ranges into the new layout's pieces, so only
 float32 reduction order differs (1e-5 relative). optim.decay_steps is fixed so the
@@ -80,7 +80,9 @@ def test_expert_shards_are_written_once(saved_at_ep4: Path) -> None:
 
 
 def test_ep4_checkpoint_resumes_at_ep2(saved_at_ep4: Path, tmp_path: Path, uninterrupted: list[dict]) -> None:
-    _check_curve(_resume(saved_at_ep4, tmp_path, "parallel.ep=2", "parallel.zero=1", nproc=2), uninterrupted)
+    # broadcast_load: what both dp replicas hold alike is read once and broadcast; their expert blocks differ.
+    _check_curve(_resume(saved_at_ep4, tmp_path, "parallel.ep=2", "parallel.zero=1", "checkpoint.broadcast_load=true",
+                         nproc=2), uninterrupted)
 
 
 @pytest.mark.slow
