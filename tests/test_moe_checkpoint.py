@@ -5,8 +5,9 @@ expert-data-parallel ranks) trains 2 steps and saves. Its metadata must hold eve
 tensor exactly once: the pieces of each global tensor cover it with no overlap (the
 expert blocks of the 4 ep ranks, each written by one of its edp and tp replicas; the
 ZeRO-1 flat ranges of the state), the sigmoid router's expert_bias included. Copies of
-the run then resume at ep 2 (2 ranks, ZeRO-1, replicas read once and broadcast) and at ep 1 (one process, replicated
-optimizer) and must continue the uninterrupted single-process loss curve: the loader
+the run then resume at ep 2 (2 ranks, ZeRO-1, replicas read once and broadcast) and
+at ep 1 (one process, replicated optimizer) and must continue the uninterrupted
+single-process loss curve: the loader
 cuts the stored expert blocks and flat ranges into the new layout's pieces, so only
 float32 reduction order differs (1e-5 relative). optim.decay_steps is fixed so the
 schedule does not depend on train.steps.
