@@ -80,6 +80,12 @@ def test_expert_shards_are_written_once(saved_at_ep4: Path) -> None:
     _check_written_once(saved_at_ep4, 4)
 
 
+def test_expert_all_to_alls_are_timed(saved_at_ep4: Path) -> None:
+    records = [json.loads(line) for line in (saved_at_ep4 / "timers.jsonl").read_text().splitlines()]
+    assert {r["rank"] for r in records} == {0, 1, 2, 3}
+    assert all(r["phases_ms"].get("ep_all_to_all", 0) > 0 for r in records)
+
+
 def test_ep4_checkpoint_resumes_at_ep2(saved_at_ep4: Path, tmp_path: Path, uninterrupted: list[dict]) -> None:
     # broadcast_load: what both dp replicas hold alike is read once and broadcast; their expert blocks differ.
     _check_curve(_resume(saved_at_ep4, tmp_path, "parallel.ep=2", "parallel.zero=1", "checkpoint.broadcast_load=true",
