@@ -131,6 +131,10 @@ class ModelConfig:
     attention_dropout: float = _f(0.0, "attention-probability dropout")
     init_std: float = _f(0.02, "std of the normal weight init (output projections scaled by 1/sqrt(2*layers))")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"help": "Mixture-of-Experts layers"})
+    qk_norm: bool = _f(False, "RMSNorm over each head's query and key (per-head width, one weight shared by "
+                              "all heads, epsilon model.norm_eps) before RoPE, as in Qwen3 and OLMo 2")
+    kv_channels: Optional[int] = _f(None, "width of one attention head; null = hidden_size / num_heads "
+                                          "(Qwen3 sets it apart: 128 with hidden 2048 and 32 heads)")
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` (global, from 0) has a routed-expert MLP."""
@@ -156,8 +160,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Per-head width."""
-        return self.hidden_size // self.num_heads
+        """Per-head width: model.kv_channels, else hidden_size / num_heads."""
+        return self.kv_channels or self.hidden_size // self.num_heads
 
     @property
     def ffn_size(self) -> int:
@@ -596,12 +600,16 @@ def validate(cfg: Config) -> None:
         _positive("parallel.dp", p.dp)
     for key in ("steps", "global_batch_size", "micro_batch_size"):
         _positive(f"train.{key}", getattr(t, key))
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.kv_channels is not None:
+        _positive("model.kv_channels", m.kv_channels)
+    elif m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+                          "set model.kv_channels for a head width of its own")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.kv_heads}")
     if m.position == "rope" and m.head_dim % 2:
-        raise ConfigError(f"rotary positions need an even head dim; hidden_size/num_heads = {m.head_dim}")
+        raise ConfigError(f"rotary positions need an even head dim; model.kv_channels or hidden_size/num_heads "
+                          f"= {m.head_dim}")
     if m.attention == "sliding_window" and m.window_size < 1:
         raise ConfigError("model.attention=sliding_window needs model.window_size >= 1")
     if m.lfa and m.hidden_size % 2:

@@ -46,7 +46,6 @@ def _save(path: Path, kind: str, **fields) -> torch.nn.Module:
     ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("llama", {"attention_bias": True}, "attention_bias=True"),
     ("llama", {"mlp_bias": True}, "mlp_bias=True"),
-    ("llama", {"head_dim": 16}, "head_dim=16"),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
      "rope_parameters="),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),

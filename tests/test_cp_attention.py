@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_distributed, thread_count
 
 SEQ, BATCH, HEAD_DIM = 16, 2, 8
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
@@ -81,7 +81,7 @@ def _run(rank: int, world: int) -> dict:
     from megascale.distributed.topology import ParallelContext, RankLayout
 
     contexts = {2: ParallelContext(RankLayout(cp=2, dp=2), rank=rank), 4: ParallelContext(RankLayout(cp=4), rank=rank)}
-    results, ring_bytes = {}, {}
+    results, ring_bytes, hybrid_builds = {}, {}, []
     for index, (mode, cp, ulysses, heads, window) in enumerate(CASES):
         nq, nkv = HEADS[heads]
         overrides = [f"parallel.cp={cp}", f"parallel.cp_mode={mode}", f"model.num_heads={nq}",
@@ -90,6 +90,8 @@ def _run(rank: int, world: int) -> dict:
             overrides.append(f"parallel.ulysses_size={ulysses}")
         ctx = contexts[cp]
         settings = cpmod.build_cp_settings(ctx, load_config(None, overrides))
+        if mode == "hybrid":
+            hybrid_builds.append(_sub_groups(settings))
         gen = torch.Generator().manual_seed(index)  # the same on every rank
         q = torch.randn(SEQ, BATCH, nq, HEAD_DIM, generator=gen)
         k = torch.randn(SEQ, BATCH, nkv, HEAD_DIM, generator=gen)
@@ -107,7 +109,13 @@ def _run(rank: int, world: int) -> dict:
                                                                   local[2].grad)]
         results[(mode, cp, ulysses, heads, window)] = [float((a - b).abs().max()) for a, b in zip(got, ref)]
         ring_bytes[(mode, cp, ulysses, heads, window)] = (counter.total("forward", P2P), counter.total("backward", P2P))
-    return {"plain": results, "ring_bytes": ring_bytes, "dropout": _run_dropout(contexts[4])}
+    dropout = _run_dropout(contexts[4], hybrid_builds)
+    return {"plain": results, "ring_bytes": ring_bytes, "dropout": dropout, "hybrid_builds": hybrid_builds}
+
+
+def _sub_groups(settings: Any) -> tuple[tuple[str, str], int]:
+    """The hybrid sub-groups of a build (by group name) and the process's thread count after it."""
+    return (settings.ulysses_group.group_name, settings.ring_group.group_name), thread_count()
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +130,16 @@ def test_matches_full_sequence_sdpa(errors: dict, mode: str, cp: int, ulysses, h
     assert dq_err < TOL, f"dq differs by {dq_err}"
     assert dk_err < TOL, f"dk differs by {dk_err}"
     assert dv_err < TOL, f"dv differs by {dv_err}"
+
+
+def test_rebuilt_hybrid_settings_reuse_the_context_sub_groups(errors: dict) -> None:
+    """Five hybrid builds on one cp 4 context: the Ulysses and ring sub-groups are made by the first
+    and handed out again after it, so the process's thread count (gloo threads per group) stays put."""
+    builds = errors["hybrid_builds"]
+    assert len(builds) == 5
+    names, threads = builds[0]
+    assert len(set(names)) == 2
+    assert builds == [(names, threads)] * 5, builds
 
 
 RING_CASES = [c for c in CASES if c[0] != "ulysses"]
@@ -156,8 +174,9 @@ CP_CASES = [("ring", 4, None, (4, 2), 0), ("ring", 4, None, (4, 4), 5), ("hybrid
             ("hybrid", 4, 2, (4, 2), 7), ("ulysses", 4, None, (4, 4), 5)]
 
 
-def _run_dropout(ctx: Any) -> dict:
-    """Each CP_CASES attention with dropout P against the dense reference with the same keep masks."""
+def _run_dropout(ctx: Any, hybrid_builds: list) -> dict:
+    """Each CP_CASES attention with dropout P against the dense reference with the same keep masks;
+    appends every hybrid build's `_sub_groups` to hybrid_builds."""
     from test_attention_backends import _grads, _qkv, dense_reference
 
     from megascale.config import load_config
@@ -172,6 +191,8 @@ def _run_dropout(ctx: Any) -> dict:
         if ulysses:
             overrides.append(f"parallel.ulysses_size={ulysses}")
         settings = cpmod.build_cp_settings(ctx, load_config(None, overrides))
+        if mode == "hybrid":
+            hybrid_builds.append(_sub_groups(settings))
         q, k, v, dout = _qkv(DROP_SEQ, BATCH, nq, nkv, HEAD_DIM, 100 + index)
         pos = cpmod.local_positions(DROP_SEQ, settings)
         local = [t[pos].clone().requires_grad_(True) for t in (q, k, v)]

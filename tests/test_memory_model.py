@@ -3,11 +3,15 @@
 For one micro-batch's forward through one model chunk, a `saved_tensors_hooks`
 pack hook sees every tensor autograd keeps for backward. Each distinct storage is
 counted once (by its data pointer; saved tensors stay alive until backward, so
-pointers are not reused), parameter storages are left out, everything else is in:
-linear inputs, norm statistics, attention outputs and lse, dropout masks, the
-loss's softmax, token ids. `megascale.perf.activations.chunk_bytes` must agree
-within 5% (it is written to agree exactly; the margin is for torch versions that
-save an extra small tensor).
+pointers are not reused). What is counted is what one more micro-batch in flight
+costs: the chunk runs two micro-batches, each on its own copies of the inputs, the
+first one's graph still alive while the second runs, and the second's storages
+that the first saved as well are left out. Those are the ones that outlive a
+micro-batch: parameters, and the sequence layout's halo index tensors (LFA), made
+once and shared by every layer and micro-batch. Everything else is in: linear
+inputs, norm statistics, attention outputs and lse, dropout masks, the loss's
+softmax, token ids. `megascale.perf.activations.chunk_bytes` must agree to the
+byte.
 
 Grid: single-process chunks as first / middle / last / whole pipeline stage (the
 chunk's first/last flags), recompute none / selective / full / first layer only,
@@ -31,7 +35,7 @@ from typing import Any, Optional
 import parity
 import pytest
 import torch
-from dist_utils import Outcome, run_scenarios
+from dist_utils import Outcome, run_scenarios, thread_count
 
 BASE = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=500",
         "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2", "train.seed=3"]
@@ -56,27 +60,43 @@ RECOMPUTE = {
     "full_first1": ["train.recompute=full", "train.recompute_layers=1"],
 }
 STAGES = {"whole": (True, True), "first": (True, False), "middle": (False, False), "last": (False, True)}
-TOLERANCE = 0.05
+TOLERANCE = 0.05  # the step peaks: the allocator's records against the estimate
 
 
-def measure_saved_bytes(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves during chunk(hidden, batch)."""
-    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+def _saved_storages(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> tuple[dict, Any]:
+    """{data pointer: bytes} of the storages autograd saves during chunk(hidden, batch), and the output
+    (which keeps them alive)."""
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        saved.setdefault(storage.data_ptr(), storage.nbytes())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        chunk(hidden, batch)
-    return sum(saved.values())
+        out = chunk(hidden, batch)
+    return saved, out
 
 
-def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1) -> tuple[int, float]:
-    """(measured, modelled) saved bytes of one micro-batch through this rank's chunk of the layout."""
+def measure_saved_bytes(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> int:
+    """Bytes autograd saves for one more micro-batch through the chunk: storages a second forward
+    (on its own copies of the inputs, the first one's graph alive) saves that the first did not."""
+    def inputs() -> tuple[Optional[torch.Tensor], dict]:
+        copy = None if hidden is None else hidden.detach().clone().requires_grad_(hidden.requires_grad)
+        return copy, {key: value.clone() for key, value in batch.items()}
+
+    first, _graph = _saved_storages(chunk, *inputs())
+    second, _ = _saved_storages(chunk, *inputs())
+    return sum(nbytes for ptr, nbytes in second.items() if ptr not in first)
+
+
+def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1,
+            ctx: Any = None) -> tuple[int, float]:
+    """(measured, modelled) saved bytes of one micro-batch through this rank's chunk of the layout.
+
+    ctx: the layout's context when the caller builds it once for many cases (its process
+    groups are reused); built here from the overrides otherwise.
+    """
     from megascale.kernels import emulate
     from megascale.model import build_model
     from megascale.perf.activations import chunk_bytes
@@ -87,7 +107,11 @@ def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world
     dp = world // (p.tp * p.pp * p.cp)  # the rest of the ranks replicate the model: one micro-batch each
     cfg = parity.make_config([*overrides, f"train.global_batch_size={cfg.train.micro_batch_size * dp}"])
     plan = resolve_plan(cfg, world)
-    chunk = build_model(cfg, parity.layout_context(cfg, rank, world), plan=plan)[0]
+    if ctx is None:
+        ctx = parity.layout_context(cfg, rank, world)
+    p = cfg.parallel
+    assert (ctx.tp_size, ctx.cp_size, ctx.pp_size, ctx.rank) == (p.tp, p.cp, p.pp, rank), ctx.describe()
+    chunk = build_model(cfg, ctx, plan=plan)[0]
     if kernels == "fused":  # the csrc autograd fronts over the extension's plain-torch stand-in
         chunk.bc.ops._extension = lambda *tensors: emulate
     chunk.first, chunk.last = STAGES[stage]
@@ -116,8 +140,8 @@ def _grid(variants: list[str], dtypes: tuple[str, ...], recompute: list[str], st
 
 
 def _failures(results: list[tuple[str, int, float]]) -> list[str]:
-    return [f"{case}: autograd saved {got} bytes, model says {want:.0f} ({want / got - 1:+.1%})"
-            for case, got, want in results if abs(want - got) > TOLERANCE * got]
+    return [f"{case}: autograd saved {got} bytes, model says {want:.0f} ({want - got:+.0f})"
+            for case, got, want in results if want != got]
 
 
 # ----------------------------------------------------------------------------- single process
@@ -175,10 +199,10 @@ SLOW_LAYOUTS = {
 def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str]]:
     dropout = "llama_dropout" if "ring" in layout or "hybrid" in layout else "dropout"
     if full:
-        cases = _grid(["gpt", "llama", dropout, "lfa", "lfa_mha_window", "parallel_window", "parallel_llama"],
-                      ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
-        cases += _grid(["gpt", "llama", "lfa", "parallel_llama"], ("bf16",), ["none", "selective"], ["first", "last"],
-                       "fused")
+        cases = _grid(["gpt", "llama", dropout, "lfa", "lfa_mha_window", "parallel_window", "parallel_llama",
+                       "parallel_lfa"], ("fp32", "bf16"), list(RECOMPUTE), ["whole", "middle"], "reference")
+        cases += _grid(["gpt", "llama", "lfa", "parallel_llama", "parallel_lfa"], ("bf16",), ["none", "selective"],
+                       ["first", "last"], "fused")
     else:  # one case per setting: dtype, recompute mode, MHA/GQA, dropout, stage position, profile
         cases = (_grid(["gpt"], ("fp32",), ["none"], ["whole"], "reference")
                  + _grid(["llama"], ("bf16",), ["none"], ["whole"], "reference")
@@ -198,13 +222,34 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
 
 
 def _layout_case(layout: str, full: bool, rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
-    return [(f"{case} rank {rank}", *compare(overrides, kernels, stage, rank, world))
-            for case, overrides, kernels, stage in _layout_grid(layout, full)]
+    # One context for all of the layout's cases: its process groups (each with gloo's threads and
+    # sockets) are made once, not once per case. The first case makes every group the layout's
+    # models need (sub-groups included), so the thread count after it bounds the rest.
+    cases = _layout_grid(layout, full)
+    ctx = parity.layout_context(parity.make_config(cases[0][1]), rank, world)
+    rows, threads = [], 0
+    for case, overrides, kernels, stage in cases:
+        rows.append((case, *compare(overrides, kernels, stage, rank, world, ctx)))
+        threads = threads or thread_count()
+    if thread_count() > threads:
+        raise AssertionError(f"{layout}: {thread_count()} threads after {len(cases)} cases, {threads} after the first")
+    return rows
 
 
 def _check_layout(outcome: Outcome) -> None:
-    results = [row for rank_rows in outcome.check() for row in rank_rows]
-    assert len(results) >= 2 * 7
+    """The model, the same on every rank, against the rank that saves the most, case by case.
+
+    Ranks of one stage may differ: under ring attention a rank whose zigzag chunks
+    meet holds one run of positions instead of two, and LFA's filter keeps one halo
+    less. The model is the stage's largest rank; every other rank saves less.
+    """
+    results = []
+    for rows in zip(*outcome.check()):  # the same cases in the same order on every rank
+        cases = {(case, want) for case, _, want in rows}
+        assert len(cases) == 1, f"the ranks disagree on the case or the model's bytes: {sorted(cases)}"
+        (case, want), = cases
+        results.append((f"{case} (most of {len(rows)} ranks)", max(got for _, got, _ in rows), want))
+    assert len(results) >= 7
     assert not _failures(results), "\n".join(_failures(results))
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megascale.checkpoint import hf
-from megascale.checkpoint.hf import gpt2_config, llama_config, rename_coverage, to_hf
+from megascale.checkpoint.hf import HF_CONFIGS, rename_coverage, to_hf
 from megascale.checkpoint.simulate import (
     SimLayout,
     SimModel,
@@ -226,7 +226,12 @@ GPT2 = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64
                    vocab_pad_multiple=64, seq_length=16, norm="layernorm", activation="gelu", position="learned",
                    bias=True, tie_embeddings=True)
 HF_MODELS = {"llama_untied": (LLAMA, "llama"), "llama_tied": (dataclasses.replace(LLAMA, tie_embeddings=True), "llama"),
-             "gpt2_tied": (GPT2, "gpt2"), "gpt2_untied": (dataclasses.replace(GPT2, tie_embeddings=False), "gpt2")}
+             "gpt2_tied": (GPT2, "gpt2"), "gpt2_untied": (dataclasses.replace(GPT2, tie_embeddings=False), "gpt2"),
+             "qwen3_tied": (dataclasses.replace(LLAMA, qk_norm=True, tie_embeddings=True), "qwen3")}
+# transformers' classes of each family (MoE families are checked by loading in tests/test_moe_hf.py: transformers
+# 5 holds their experts fused, under other names than its checkpoints use)
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 @pytest.mark.parametrize("name", list(HF_MODELS))
@@ -237,11 +242,11 @@ def test_hf_rename_tables_cover_the_table(name: str) -> None:
 
 def test_hf_rename_coverage_finds_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
     renames = dict(hf._LAYER_RENAMES)
-    renames["llama"] = [r for r in renames["llama"] if r[0] != "mlp.fc2.weight"]
+    renames["llama"] = [r for r in renames["llama"] if r[0] != "attention.proj.weight"]
     monkeypatch.setattr(hf, "_LAYER_RENAMES", renames)
     problems = rename_coverage(LLAMA, "llama")
-    assert "parameter layers.0.mlp.fc2.weight has no HF name" in problems
-    assert "from_hf does not make parameter layers.1.mlp.fc2.weight" in problems
+    assert "parameter layers.0.attention.proj.weight has no HF name" in problems
+    assert "from_hf does not make parameter layers.1.attention.proj.weight" in problems
     renames["llama"] = [*list(hf._LAYER_RENAMES["llama"]), ("mlp.extra.weight", "mlp.extra.weight", False)]
     assert rename_coverage(LLAMA, "llama") == ["to_hf reads 'layers.0.mlp.extra.weight', which the model does not have"]
 
@@ -252,12 +257,10 @@ def test_hf_names_are_the_real_hf_models_parameters(name: str) -> None:
     import transformers
 
     model, arch = HF_MODELS[name]
-    if arch == "llama":
-        hf_cfg = transformers.LlamaConfig(**{k: v for k, v in llama_config(model).items() if k != "architectures"})
-        cls = transformers.LlamaForCausalLM
-    else:
-        hf_cfg = transformers.GPT2Config(**{k: v for k, v in gpt2_config(model).items() if k != "architectures"})
-        cls = transformers.GPT2LMHeadModel
+    config_cls, model_cls = HF_CLASSES[arch]
+    hf_cfg = getattr(transformers, config_cls)(**{k: v for k, v in HF_CONFIGS[arch](model).items()
+                                                  if k != "architectures"})
+    cls = getattr(transformers, model_cls)
     with torch.device("meta"):
         real = {n: tuple(p.shape) for n, p in cls(hf_cfg).named_parameters()}  # tied weights listed once
     state = {n: torch.empty(s, device="meta") for n, s in param_table(model).shapes().items()}

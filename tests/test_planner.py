@@ -28,19 +28,23 @@ PRESET_GPUS = {
     "tiny.yaml": 1, "gpt2-124m.yaml": 8, "llama-1.3b.yaml": 8, "gpt3-175b.yaml": 1024, "megascale-175b.yaml": 12288,
     "gpt3-530b.yaml": 8960, "llama3-8b.yaml": 64, "llama3-70b.yaml": 1024, "llama3-405b.yaml": 16384,
     "yuan-2b.yaml": 64, "yuan-51b.yaml": 1024, "yuan-102b.yaml": 2048, "long-context-32k.yaml": 8,
+    "mixtral-8x7b.yaml": 64, "qwen3-30b-a3b.yaml": 32, "deepseek-v3-moe.yaml": 2048,
 }
 # Presets whose header promises they fit the GPUs they are planned on (the memory model's peak <= usable memory).
-FITTING_PRESETS = ("yuan-2b.yaml", "yuan-51b.yaml", "yuan-102b.yaml", "long-context-32k.yaml", "llama3-405b.yaml")
+FITTING_PRESETS = ("yuan-2b.yaml", "yuan-51b.yaml", "yuan-102b.yaml", "long-context-32k.yaml", "llama3-405b.yaml",
+                   "mixtral-8x7b.yaml", "qwen3-30b-a3b.yaml", "deepseek-v3-moe.yaml")
 # Presets whose published layout must also keep the pipeline busy: the largest bubble the plan may report.
 PRESET_MAX_BUBBLE = {"yuan-51b.yaml": 0.25, "yuan-102b.yaml": 0.55}
 
 
 def test_every_gpu_spec_ships_the_named_parts() -> None:
-    assert set(BUILTIN_GPUS) == {"a100", "a100-40g", "h100", "h200"}
+    assert set(BUILTIN_GPUS) == {"a100", "a100-40g", "h100", "h200", "v100"}
     assert builtin_gpu("a100").peak("bf16") == 312.0 and builtin_gpu("h100").peak("bf16") == 989.0
     assert builtin_gpu("a100-40g").memory_gib == 40.0 and builtin_gpu("h200").memory_gib == 141.0
-    with pytest.raises(UserError, match="known GPUs: a100, a100-40g, h100, h200"):
-        builtin_gpu("v100")
+    assert builtin_gpu("v100").peak("fp16") == 125.0 and builtin_gpu("v100").node_nics == 1
+    assert builtin_gpu("a100").node_nics == 8  # one per GPU unless a spec says otherwise
+    with pytest.raises(UserError, match="known GPUs: a100, a100-40g, h100, h200, v100"):
+        builtin_gpu("p100")
 
 
 def test_gemm_curve_interpolates_in_log_size_and_clamps() -> None:
@@ -174,7 +178,7 @@ def test_plan_says_does_not_fit_instead_of_failing(capsys) -> None:
 def test_plan_unknown_gpu_lists_the_known_ones(capsys) -> None:
     code = cli_main(["plan", "--config", os.path.join(CONFIGS, "tiny.yaml"), "--gpus", "1", "--gpu", "tpu"])
     err = capsys.readouterr().err
-    assert code == 2 and "known GPUs: a100, a100-40g, h100, h200" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "known GPUs: a100, a100-40g, h100, h200, v100" in err and len(err.strip().splitlines()) == 1
 
 
 def test_small_search_ranks_fitting_layouts(capsys) -> None:
@@ -217,6 +221,41 @@ def test_cross_node_collectives_leave_on_every_member_nic() -> None:
                                                                "train.global_batch_size=768"])
     plan = resolve_plan(cfg, 1024)
     assert group_node_ranks(plan, ("tp",), 8) == 8 and group_node_ranks(plan, ("dp",), 8) == 1
+
+
+def test_a_node_with_one_nic_shares_it_between_the_groups_that_cross_nodes(tmp_path) -> None:
+    import dataclasses
+
+    v100 = builtin_gpu("v100")  # 8 GPUs and one 100 Gb/s adapter per node
+    size = 1e9
+    nic = 12.5e9 * 0.85
+    # A tp 16 group over two nodes (8 members in each) gets the node's one NIC; the bus formula by hand:
+    tp16 = collective_seconds("all_reduce", size, 16, v100, inter_node=True, node_ranks=8)
+    assert tp16 == pytest.approx(2 * 15 / 16 * size / nic + 2 * 15 * 20e-6)
+    # Eight dp groups of one GPU per node run at once and get an eighth of it each.
+    dp = collective_seconds("all_reduce", size, 16, v100, inter_node=True, node_ranks=1)
+    assert dp == pytest.approx(2 * 15 / 16 * size / (nic / 8) + 2 * 15 * 20e-6)
+    # With one NIC per GPU (rail-aligned) the same groups leave on 8 NICs and on 1.
+    rails = dataclasses.replace(v100, nics_per_node=8)
+    assert collective_seconds("all_reduce", size, 16, rails, inter_node=True, node_ranks=8) < tp16 / 7
+    assert collective_seconds("all_reduce", size, 16, rails, inter_node=True, node_ranks=1) == pytest.approx(tp16)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: v100\nnics_per_node: -1\n")
+    with pytest.raises(UserError, match="nics_per_node=-1 must be >= 0"):
+        load_gpu_spec(str(bad))
+
+
+def test_fp16_gradient_reduction_moves_half_the_bytes() -> None:
+    from megascale.perf.costs import SystemTraits
+    from megascale.perf.predict import predict
+
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["train.global_batch_size=768",
+                                                               "parallel.overlap_grad_reduce=false"])
+    plan = resolve_plan(cfg, 1024)
+    spec = builtin_gpu("a100")
+    fp32 = predict(cfg, plan, spec, SystemTraits()).step.exposed["dp_grad_reduce"]
+    fp16 = predict(cfg, plan, spec, SystemTraits(grad_reduce_bytes=2)).step.exposed["dp_grad_reduce"]
+    assert fp16 == pytest.approx(fp32 / 2, rel=0.01)  # the ring's latency terms are the same
 
 
 def test_unfused_attention_streams_the_score_matrix() -> None:

@@ -4,7 +4,10 @@ Each copy keeps its preset's structure and shrinks only widths and lengths by
 overrides: Yuan 2B keeps LFA, RMSNorm, SwiGLU, RoPE, no biases and a non-uniform
 pipeline split (here [1, 3] on 2 stages); the long-context preset keeps GQA,
 RoPE, the sliding window (narrower than a zigzag chunk's reach, so it crosses
-the ranks' boundaries) and ring context parallelism with zigzag order (cp 2).
+the ranks' boundaries) and ring context parallelism with zigzag order (cp 2); the
+DeepSeek-V3-sized MoE preset keeps its dense first layer, sigmoid router with the
+bias update and routed scaling, the shared expert and top-8 routing (of 16 experts),
+with expert parallelism (ep 2).
 The run goes through `megascale train --nproc 2` as a user starts it. A freshly
 initialised model predicts tokens about uniformly, so the first loss is close to
 ln(vocab); the slow variant also checks the loss curve against the same copy on
@@ -34,6 +37,11 @@ PRESETS = {
                           "model.seq_length=64", "model.window_size=8", "train.global_batch_size=2",
                           "parallel.tp=1"],
                          ["parallel.cp=2"]),
+    "deepseek-v3-moe": ("configs/deepseek-v3-moe.yaml",
+                        [*SHRINK, "model.num_layers=4", "model.ffn_hidden_size=256", "model.seq_length=32",
+                         "model.moe.num_experts=16", "model.moe.ffn_hidden_size=32", "model.moe.first_dense=1",
+                         "train.global_batch_size=4", "parallel.pp=1", "parallel.pipeline_layers=null"],
+                        ["parallel.ep=2"]),
 }
 
 
@@ -41,7 +49,8 @@ def _start(out: Path, name: str, layout: bool) -> list[dict]:
     config, shrink, parallel = PRESETS[name]
     if layout:
         return train(out, *parallel, nproc=2, config=config, base=shrink)
-    singles = [f"{key.split('=')[0]}=1" for key in parallel if key.split("=")[0] in ("parallel.pp", "parallel.cp")]
+    singles = [f"{key.split('=')[0]}=1" for key in parallel
+               if key.split("=")[0] in ("parallel.pp", "parallel.cp", "parallel.ep")]
     return train(out, *singles, "parallel.pipeline_layers=null", config=config, base=shrink)
 
 
@@ -54,6 +63,10 @@ def _check_started(out: Path, name: str, records: list[dict]) -> None:
     if name == "yuan-2b":  # the preset's structure survived the shrinking
         assert model["lfa"] and model["norm"] == "rmsnorm" and not model["bias"]
         assert parallel["pipeline_layers"] == [1, 3]
+    elif name == "deepseek-v3-moe":
+        moe = model["moe"]
+        assert (moe["router"], moe["top_k"], moe["shared_experts"], moe["routed_scaling"]) == ("sigmoid", 8, 1, 2.5)
+        assert parallel["ep"] == 2 and all(r["moe_layers"] == [1, 2, 3] for r in records)
     else:
         assert model["attention"] == "sliding_window" and model["window_size"] == 8
         assert parallel["cp"] == 2 and parallel["cp_mode"] == "ring"

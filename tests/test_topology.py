@@ -134,3 +134,10 @@ def test_real_process_groups(group_checks: dict[str, Outcome], world: int, dims:
         assert ctx.group("tp") is None and ctx.is_logging_rank
         return
     assert all(group_checks[f"{world}:{dims}"].check())
+
+
+def test_subgroup_of_one_rank_is_none_and_of_strangers_an_error() -> None:
+    ctx = ParallelContext(RankLayout(cp=4), rank=1, create_groups=False)
+    assert ctx.subgroup([1]) is None
+    with pytest.raises(ValueError, match=r"rank 1 asked for a sub-group \[0, 2\]"):
+        ctx.subgroup([2, 0])

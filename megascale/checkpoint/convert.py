@@ -1,6 +1,7 @@
 """`megascale convert`: megascale checkpoints <-> HuggingFace, and merging to one safetensors file.
 
-  megascale convert --to-hf   CKPT OUT_DIR [--arch auto|llama|gpt2] [--config FILE] [--dtype fp32|bf16|fp16]
+  megascale convert --to-hf   CKPT OUT_DIR [--arch auto|llama|qwen3|mixtral|qwen3_moe|gpt2] [--config FILE]
+                              [--dtype fp32|bf16|fp16]
                               [--tokenizer T]
   megascale convert --from-hf HF_DIR OUT_ROOT [--step N]
   megascale convert --merge   CKPT OUT.safetensors [--include-optim] [--dtype ...]
@@ -29,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megascale.checkpoint.format import DTYPES, records_of
-from megascale.checkpoint.hf import detect_arch, from_hf, to_hf
+from megascale.checkpoint.hf import ARCHES, detect_arch, from_hf, to_hf
 from megascale.checkpoint.hf_config import model_from_hf
 from megascale.checkpoint.hf_tokenizer_files import (
     export_tokenizer,
@@ -107,16 +108,25 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
 def hf_to_checkpoint(hf_dir: Path, out_root: Path, step: int = 0) -> Path:
     """Convert an HF model into a one-rank megascale checkpoint under out_root; returns the step dir."""
     state, hf_config = read_hf(hf_dir)
-    cfg = config_from_dict({"model": model_from_hf(hf_config), "checkpoint": {"async": False, "keep_last": 0}})
-    tensors = from_hf(state, cfg.model)
+    model = model_from_hf(hf_config)
+    tensors = from_hf(state, config_from_dict({"model": model}).model)
+    step_dir = write_model_checkpoint(out_root, model, tensors, step, f"huggingface:{hf_dir.name}")
+    import_tokenizer(hf_dir, out_root)
+    return step_dir
+
+
+def write_model_checkpoint(out_root: Path, model: dict, tensors: dict[str, torch.Tensor], step: int,
+                           source: str) -> Path:
+    """Whole global tensors of a `model:` section -> a one-rank checkpoint under out_root plus
+    out_root/model.yaml (the run directory `megascale generate --run` and `checkpoint.load=` read)."""
+    cfg = config_from_dict({"model": model, "checkpoint": {"async": False, "keep_last": 0}})
     ctx = ParallelContext(RankLayout(), rank=0, create_groups=False)
     manager = CheckpointManager(out_root, ctx, cfg)
     shards = [TensorShard(name, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t) for name, t in tensors.items()]
-    manager.save(step, shards, {"step": step, "source": f"huggingface:{hf_dir.name}"})
+    manager.save(step, shards, {"step": step, "source": source})
     if not manager.last_save_stats["ok"]:
         raise UserError(f"writing {out_root} failed: {manager.last_save_stats['error']}")
     (out_root / "model.yaml").write_text(yaml.safe_dump({"model": cfg.to_dict()["model"]}, sort_keys=False))
-    import_tokenizer(hf_dir, out_root)
     return out_root / manager.latest().name  # type: ignore[union-attr]
 
 
@@ -168,7 +178,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("src", help="source: checkpoint (step dir, checkpoints root, run dir, or "
                         "s3://bucket/prefix[/step_N]) or HF directory")
     parser.add_argument("dst", help="destination directory or file")
-    parser.add_argument("--arch", default="auto", choices=("auto", "llama", "gpt2"), help="--to-hf: target family")
+    parser.add_argument("--arch", default="auto", choices=("auto", *ARCHES),
+                        help="--to-hf: target family (auto: the one the model's variant matches)")
     parser.add_argument("--config", default=None, help="--to-hf: config YAML, when the checkpoint stores none")
     parser.add_argument("--tokenizer", default=None,
                         help="--to-hf: tokenizer to export (default: the run's data.tokenizer)")

@@ -1,6 +1,8 @@
-"""Tensor mapping between megascale global parameters and HuggingFace Llama / GPT-2 checkpoints.
+"""Tensor mapping between megascale global parameters and HuggingFace checkpoints.
 
-Works on whole (global) tensors keyed by name; convert.py does the file handling.
+Families: Llama, Qwen3 (Llama + per-head q/k RMSNorm), Mixtral and Qwen3-MoE
+(routed experts), GPT-2. Works on whole (global) tensors keyed by name;
+convert.py does the file handling.
   - Our fused qkv is grouped per kv head g: its nq/nkv query heads, then k_g, then v_g.
     HF Llama keeps separate q_proj/k_proj/v_proj; HF GPT-2 fuses c_attn in q, k, v order.
   - Our swiglu fc1 is [2, ffn, h] (0 = gate, 1 = up) = HF gate_proj / up_proj.
@@ -8,6 +10,10 @@ Works on whole (global) tensors keyed by name; convert.py does the file handling
   - Our embedding rows are padded to model.vocab_pad_multiple; HF has exactly vocab_size.
   - HF Llama's rotary embedding rotates halves (rotate_half), which is our convention,
     so q/k rows need no permutation.
+  - Our routed experts are stacked: fc1 [E, 2, F, h] (gate, up), fc2 [E, h, F]. HF checkpoints
+    hold one tensor per expert: Mixtral's experts.{j}.w1 (gate) / w3 (up) / w2 (down) under
+    block_sparse_moe, Qwen3-MoE's experts.{j}.gate_proj / up_proj / down_proj under mlp. The
+    router (HF `gate`) is our mlp.router.weight [E, h].
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from megascale.distributed.sharding import OUTPUT_WEIGHT, TIED_EMBEDDING
 from megascale.errors import UserError
 from megascale.model.params import param_table
 
-ARCHES = ("llama", "gpt2")
+ARCHES = ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt2")
+# The Llama family: the same embedding, norms, attention and SwiGLU MLP; Qwen3 adds q/k norms,
+# Mixtral and Qwen3-MoE routed experts.
+_LLAMA_FAMILY = {"llama": (False, False), "qwen3": (True, False), "mixtral": (False, True), "qwen3_moe": (True, True)}
 _LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False}
 _GPT2 = {"norm": "layernorm", "activation": ("gelu", "gelu_exact"), "position": "learned", "bias": True}
 # Our GPT-2 activations -> HF's activation_function (tanh form, erf form).
@@ -41,26 +50,56 @@ def refuse_lfa(model: ModelConfig) -> None:
 
 
 def detect_arch(model: ModelConfig) -> str:
-    """'llama' or 'gpt2' from the model's variant; UserError if it is neither (or uses LFA)."""
+    """The HF family of the model's variant (ARCHES); UserError if it is none of them (or uses LFA)."""
     refuse_lfa(model)
-    for arch, want in (("llama", _LLAMA), ("gpt2", _GPT2)):
-        if all(_matches(getattr(model, k), v) for k, v in want.items()):
-            return arch
+    if all(_matches(getattr(model, k), v) for k, v in _LLAMA.items()):
+        return {flags: arch for arch, flags in _LLAMA_FAMILY.items()}[(model.qk_norm, model.moe.enabled)]
+    if all(_matches(getattr(model, k), v) for k, v in _GPT2.items()):
+        return "gpt2"
     raise UserError(f"model (norm={model.norm}, activation={model.activation}, position={model.position}, "
-                    f"bias={model.bias}) matches neither Llama (rmsnorm, swiglu, rope, no bias) nor GPT-2 "
-                    "(layernorm, gelu, learned, bias); HuggingFace export supports only those two")
+                    f"bias={model.bias}) matches neither the Llama family (rmsnorm, swiglu, rope, no bias) nor "
+                    "GPT-2 (layernorm, gelu, learned, bias); HuggingFace export supports only those")
+
+
+def _moe_problems(model: ModelConfig, arch: str) -> list[str]:
+    """What keeps an MoE model from being an HF Mixtral / Qwen3-MoE."""
+    moe, wrong = model.moe, []
+    if moe.router != "softmax":
+        wrong.append(f"model.moe.router={moe.router} (HF {arch} routes by softmax, then top-k)")
+    if moe.shared_experts:
+        wrong.append(f"model.moe.shared_experts={moe.shared_experts} (HF {arch} has no shared experts)")
+    if moe.routed_scaling != 1.0:
+        wrong.append(f"model.moe.routed_scaling={moe.routed_scaling} (HF {arch} does not scale the gate weights)")
+    if arch == "mixtral":
+        if moe.first_dense or moe.frequency != 1:
+            wrong.append(f"model.moe.first_dense={moe.first_dense}, model.moe.frequency={moe.frequency} (every "
+                         "Mixtral layer is an MoE layer; dense layers need qk_norm and Qwen3-MoE)")
+        if not moe.norm_topk_prob:
+            wrong.append("model.moe.norm_topk_prob=false (Mixtral always renormalises the top-k weights)")
+    return wrong
 
 
 def _check_arch(model: ModelConfig, arch: str) -> None:
     refuse_lfa(model)
-    want = _LLAMA if arch == "llama" else _GPT2
+    want = _GPT2 if arch == "gpt2" else _LLAMA
     wrong = [f"model.{k}={getattr(model, k)} (needs {v})" for k, v in want.items()
              if not _matches(getattr(model, k), v)]
+    qk_norm, moe = _LLAMA_FAMILY.get(arch, (False, False))
+    if model.qk_norm != qk_norm:
+        wrong.append(f"model.qk_norm={model.qk_norm} ({arch} {'has' if qk_norm else 'has no'} q/k norms)")
+    if model.moe.enabled != moe:
+        wrong.append(f"model.moe.num_experts={model.moe.num_experts} ({arch} {'has' if moe else 'has no'} "
+                     "routed experts)")
+    elif moe:
+        wrong += _moe_problems(model, arch)
     if arch == "gpt2" and model.kv_heads != model.num_heads:
         wrong.append(f"model.num_kv_heads={model.kv_heads} (GPT-2 has no grouped-query attention)")
-    if model.parallel_block or model.attention != "causal":
+    if arch == "gpt2" and model.head_dim * model.num_heads != model.hidden_size:
+        wrong.append(f"model.kv_channels={model.kv_channels} (GPT-2's head width is n_embd / n_head)")
+    attention_ok = ("causal", "sliding_window") if arch == "mixtral" else ("causal",)
+    if model.parallel_block or model.attention not in attention_ok:
         wrong.append(f"model.parallel_block={model.parallel_block}, model.attention={model.attention} "
-                     "(HuggingFace models use the sequential block with plain causal attention)")
+                     f"(HuggingFace {arch} uses the sequential block with {' or '.join(attention_ok)} attention)")
     if wrong:
         raise UserError(f"cannot export as {arch}: " + "; ".join(wrong))
 
@@ -97,20 +136,21 @@ def _pad(t: torch.Tensor, model: ModelConfig) -> torch.Tensor:
 
 
 # Plain renames, one table for both directions: (ours, HF, HF stores it transposed).
-# HF GPT-2's Conv1D weights are [in, out]. The fused qkv, Llama's stacked gate/up fc1 and
-# the padded embeddings are converted by hand below.
+# HF GPT-2's Conv1D weights are [in, out]. The fused qkv, Llama's stacked gate/up fc1,
+# the stacked experts and the padded embeddings are converted by hand below.
 _LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt2": "transformer.h.{}."}
 _LAYER_RENAMES = {
     "llama": [("input_norm.weight", "input_layernorm.weight", False),
               ("post_attention_norm.weight", "post_attention_layernorm.weight", False),
-              ("attention.proj.weight", "self_attn.o_proj.weight", False),
-              ("mlp.fc2.weight", "mlp.down_proj.weight", False)],
+              ("attention.proj.weight", "self_attn.o_proj.weight", False)],
     "gpt2": [("input_norm.weight", "ln_1.weight", False), ("input_norm.bias", "ln_1.bias", False),
              ("attention.proj.weight", "attn.c_proj.weight", True), ("attention.proj.bias", "attn.c_proj.bias", False),
              ("post_attention_norm.weight", "ln_2.weight", False), ("post_attention_norm.bias", "ln_2.bias", False),
              ("mlp.fc1.weight", "mlp.c_fc.weight", True), ("mlp.fc1.bias", "mlp.c_fc.bias", False),
              ("mlp.fc2.weight", "mlp.c_proj.weight", True), ("mlp.fc2.bias", "mlp.c_proj.bias", False)],
 }
+_QK_NORM_RENAMES = [("attention.q_norm.weight", "self_attn.q_norm.weight", False),
+                    ("attention.k_norm.weight", "self_attn.k_norm.weight", False)]
 _TOP_RENAMES = {
     "llama": [("final_norm.weight", "model.norm.weight")],
     "gpt2": [("final_norm.weight", "transformer.ln_f.weight"), ("final_norm.bias", "transformer.ln_f.bias"),
@@ -118,34 +158,75 @@ _TOP_RENAMES = {
 }
 _WORD_EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
 _LLAMA_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+# An MoE layer's HF names: (router, expert {j}'s gate, up and down projections).
+_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{}.w1.weight",
+                "block_sparse_moe.experts.{}.w3.weight", "block_sparse_moe.experts.{}.w2.weight"),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight",
+                  "mlp.experts.{}.down_proj.weight"),
+}
+
+
+def _family(arch: str) -> str:
+    return "gpt2" if arch == "gpt2" else "llama"
+
+
+def _layer_renames(arch: str) -> list[tuple[str, str, bool]]:
+    qk_norm, _ = _LLAMA_FAMILY.get(arch, (False, False))
+    return _LAYER_RENAMES[_family(arch)] + (_QK_NORM_RENAMES if qk_norm else [])
 
 
 def _maybe_t(t: torch.Tensor, transpose: bool) -> torch.Tensor:
     return t.t().contiguous() if transpose else t
 
 
+def _mlp_to_hf(get: Any, src: str, model: ModelConfig, arch: str, index: int) -> dict[str, torch.Tensor]:
+    """One Llama-family layer's MLP (dense or routed experts) under HF names, relative to the layer."""
+    if not model.is_moe_layer(index):
+        fc1 = get(src + "mlp.fc1.weight")
+        return dict(zip(_DENSE_MLP, (fc1[0].contiguous(), fc1[1].contiguous(), get(src + "mlp.fc2.weight"))))
+    router, gate, up, down = _MOE_NAMES[arch]
+    fc1, fc2 = get(src + "mlp.experts.fc1.weight"), get(src + "mlp.experts.fc2.weight")
+    out = {router: get(src + "mlp.router.weight")}
+    for j in range(model.moe.num_experts):
+        out.update({gate.format(j): fc1[j, 0].contiguous(), up.format(j): fc1[j, 1].contiguous(),
+                    down.format(j): fc2[j].contiguous()})
+    return out
+
+
+def _mlp_from_hf(get: Any, src: str, model: ModelConfig, arch: str, index: int) -> dict[str, torch.Tensor]:
+    """Inverse of _mlp_to_hf: our names relative to the layer."""
+    if not model.is_moe_layer(index):
+        gate, up, down = (get(src + name) for name in _DENSE_MLP)
+        return {"mlp.fc1.weight": torch.stack([gate, up]), "mlp.fc2.weight": down}
+    router, gate, up, down = _MOE_NAMES[arch]
+    experts = range(model.moe.num_experts)
+    fc1 = torch.stack([torch.stack([get(src + gate.format(j)), get(src + up.format(j))]) for j in experts])
+    return {"mlp.router.weight": get(src + router), "mlp.experts.fc1.weight": fc1,
+            "mlp.experts.fc2.weight": torch.stack([get(src + down.format(j)) for j in experts])}
+
+
 def to_hf(state: dict[str, torch.Tensor], model: ModelConfig, arch: str) -> tuple[dict[str, torch.Tensor], dict]:
     """megascale global tensors -> (HF state dict, HF config.json dict)."""
     _check_arch(model, arch)
-    get = state.__getitem__
-    out = {_WORD_EMBEDDING[arch]: _unpad(get(TIED_EMBEDDING), model)}
-    out.update({theirs: get(ours) for ours, theirs in _TOP_RENAMES[arch]})
+    get, family = state.__getitem__, _family(arch)
+    out = {_WORD_EMBEDDING[family]: _unpad(get(TIED_EMBEDDING), model)}
+    out.update({theirs: get(ours) for ours, theirs in _TOP_RENAMES[family]})
     for i in range(model.num_layers):
-        src, dst = f"layers.{i}.", _LAYER_PREFIX[arch].format(i)
-        out.update({dst + theirs: _maybe_t(get(src + ours), t) for ours, theirs, t in _LAYER_RENAMES[arch]})
+        src, dst = f"layers.{i}.", _LAYER_PREFIX[family].format(i)
+        out.update({dst + theirs: _maybe_t(get(src + ours), t) for ours, theirs, t in _layer_renames(arch)})
         q, k, v = split_qkv(get(src + "attention.qkv.weight"), model)
-        if arch == "llama":
+        if family == "llama":
             out.update({dst + name: t for name, t in zip(_LLAMA_QKV, (q, k, v))})
-            fc1 = get(src + "mlp.fc1.weight")
-            out[dst + "mlp.gate_proj.weight"] = fc1[0].contiguous()
-            out[dst + "mlp.up_proj.weight"] = fc1[1].contiguous()
+            out.update({dst + name: t for name, t in _mlp_to_hf(get, src, model, arch, i).items()})
         else:
             qb, kb, vb = split_qkv(get(src + "attention.qkv.bias"), model)
             out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t().contiguous()
             out[dst + "attn.c_attn.bias"] = torch.cat([qb, kb, vb], 0)
     if not model.tie_embeddings:
         out["lm_head.weight"] = _unpad(get(OUTPUT_WEIGHT), model)
-    return out, (llama_config if arch == "llama" else gpt2_config)(model)
+    return out, HF_CONFIGS[arch](model)
 
 
 def llama_config(model: ModelConfig) -> dict:
@@ -160,6 +241,38 @@ def llama_config(model: ModelConfig) -> dict:
             "tie_word_embeddings": model.tie_embeddings, "initializer_range": model.init_std}
 
 
+def qwen3_config(model: ModelConfig) -> dict:
+    """HF Qwen3Config fields for this model (Llama plus per-head q/k norms)."""
+    base = {k: v for k, v in llama_config(model).items() if k != "mlp_bias"}
+    return {**base, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+            "sliding_window": None}
+
+
+def _router_fields(model: ModelConfig) -> dict:
+    # The load-balancing loss only matters when training in HF (output_router_logits); its coefficient
+    # is carried so that a fine-tune there starts from the same setting.
+    return {"num_experts_per_tok": model.moe.top_k, "output_router_logits": False,
+            "router_aux_loss_coef": model.moe.aux_loss_coeff}
+
+
+def mixtral_config(model: ModelConfig) -> dict:
+    """HF MixtralConfig fields for this model (every layer an MoE layer)."""
+    base = {k: v for k, v in llama_config(model).items() if k not in ("attention_bias", "mlp_bias")}
+    window = model.window_size if model.attention == "sliding_window" else None
+    return {**base, **_router_fields(model), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": model.expert_ffn_size, "num_local_experts": model.moe.num_experts,
+            "sliding_window": window, "router_jitter_noise": 0.0}
+
+
+def qwen3_moe_config(model: ModelConfig) -> dict:
+    """HF Qwen3MoeConfig fields: the dense layers are named in mlp_only_layers, every other one is MoE."""
+    dense = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
+    return {**qwen3_config(model), **_router_fields(model), "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe", "num_experts": model.moe.num_experts,
+            "moe_intermediate_size": model.expert_ffn_size, "norm_topk_prob": model.moe.norm_topk_prob,
+            "decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
 def gpt2_config(model: ModelConfig) -> dict:
     """HF GPT2Config fields for this model (our gelu is HF's tanh gelu_new, gelu_exact its erf gelu)."""
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model.vocab_size,
@@ -170,27 +283,31 @@ def gpt2_config(model: ModelConfig) -> dict:
             "initializer_range": model.init_std}
 
 
+HF_CONFIGS = {"llama": llama_config, "qwen3": qwen3_config, "mixtral": mixtral_config,
+              "qwen3_moe": qwen3_moe_config, "gpt2": gpt2_config}
+
+
 def from_hf(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF state dict -> megascale global tensors (vocab padded, qkv grouped, fc1 stacked)."""
+    """HF state dict -> megascale global tensors (vocab padded, qkv grouped, fc1 and experts stacked)."""
     arch = detect_arch(model)
     _check_arch(model, arch)
+    family = _family(arch)
 
     def get(name: str) -> torch.Tensor:
         if name not in hf:
             raise UserError(f"HF checkpoint lacks tensor {name}; is it a {arch} model saved with save_pretrained?")
         return hf[name]
 
-    out = {TIED_EMBEDDING: _pad(get(_WORD_EMBEDDING[arch]), model)}
-    out.update({ours: get(theirs) for ours, theirs in _TOP_RENAMES[arch]})
+    out = {TIED_EMBEDDING: _pad(get(_WORD_EMBEDDING[family]), model)}
+    out.update({ours: get(theirs) for ours, theirs in _TOP_RENAMES[family]})
     h = model.hidden_size
     for i in range(model.num_layers):
-        src, dst = _LAYER_PREFIX[arch].format(i), f"layers.{i}."
-        out.update({dst + ours: _maybe_t(get(src + theirs), t) for ours, theirs, t in _LAYER_RENAMES[arch]})
-        if arch == "llama":
+        src, dst = _LAYER_PREFIX[family].format(i), f"layers.{i}."
+        out.update({dst + ours: _maybe_t(get(src + theirs), t) for ours, theirs, t in _layer_renames(arch)})
+        if family == "llama":
             q, k, v = (get(src + name) for name in _LLAMA_QKV)
             out[dst + "attention.qkv.weight"] = merge_qkv(q, k, v, model)
-            out[dst + "mlp.fc1.weight"] = torch.stack([get(src + "mlp.gate_proj.weight"),
-                                                       get(src + "mlp.up_proj.weight")])
+            out.update({dst + name: t for name, t in _mlp_from_hf(get, src, model, arch, i).items()})
         else:
             w, b = get(src + "attn.c_attn.weight").t(), get(src + "attn.c_attn.bias")
             out[dst + "attention.qkv.weight"] = merge_qkv(w[:h], w[h:2 * h], w[2 * h:], model)

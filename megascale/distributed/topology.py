@@ -337,6 +337,12 @@ class ParallelContext:
 
     With world_size 1 no process group is created and every group is None, which
     the collectives in `megascale.distributed.comm` treat as a no-op.
+
+    The groups live as long as the world: every gloo group holds threads and sockets,
+    so a process that needs several models of one layout builds one context and reuses
+    it. Destroying a group and making it again does not work either: the locally
+    synchronised name repeats once the count of live groups is back where it was, and
+    the new group meets the old one's rendezvous keys in the store.
     """
 
     def __init__(self, layout: RankLayout, rank: int = 0, vpp: int = 1,
@@ -351,6 +357,7 @@ class ParallelContext:
         self.ep_rank, self.edp_rank = layout.expert_position(rank)
         self._ranks = group_members(layout, rank)
         self._groups: dict[str, Any] = {}
+        self._subgroups: dict[tuple[int, ...], Any] = {}
         if create_groups and layout.world_size > 1:
             self._create_groups()
 
@@ -404,6 +411,28 @@ class ParallelContext:
     def expert_parallel(self) -> ExpertParallel:
         """The expert-parallel handle the model's layers take: size, this rank's position, group."""
         return ExpertParallel(size=self.ep_size, rank=self.ep_rank, group=self.ep_group)
+
+    def subgroup(self, ranks: Iterable[int]) -> Optional[Any]:
+        """A process group over `ranks` (this rank among them), made once and kept with the context.
+
+        None for a single rank; the named group when one has the same members; otherwise
+        the group is created on first use, by its members only, and returned again on every
+        later call, so rebuilding a model on this context (context-parallel sub-groups, say)
+        makes no new group, and with it no new gloo threads or sockets. As for every locally
+        synchronised group, all members must ask for the same sub-groups in the same order.
+        """
+        members = tuple(sorted(ranks))
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} asked for a sub-group {list(members)} it is not in; "
+                             "ask only for groups that hold this rank")
+        if len(members) == 1:
+            return None
+        for name, group in self._groups.items():
+            if tuple(self._ranks[name]) == members:
+                return group
+        if members not in self._subgroups:
+            self._subgroups[members] = dist.new_group(ranks=list(members), use_local_synchronization=True)
+        return self._subgroups[members]
 
     def pp_neighbor(self, offset: int) -> int:
         """Global rank of the pipeline stage `offset` away (wrapping)."""

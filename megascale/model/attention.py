@@ -5,20 +5,30 @@ when this rank holds whole sequences, the context-parallel algorithms otherwise.
 With LFA (`model.lfa`) q and k are projected from the filtered input and v from
 the unfiltered one, by slicing the fused weight: no row is computed twice.
 With an inference cache (generation) the new tokens attend to the cached keys.
+With `model.qk_norm` each head's q and k pass an RMSNorm over the head width
+before RoPE (Qwen3); its two weights [d] are shared by all heads, so every tp
+rank holds them whole and its gradient (from this rank's heads only) is
+summed over tp.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megascale.distributed import comm
+from megascale.distributed.sharding import full_spec
 from megascale.distributed.tensor_parallel import overlap as tp_overlap
-from megascale.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_std
+from megascale.distributed.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    make_param,
+    scaled_std,
+)
 from megascale.model.kv_cache import LayerCache
 from megascale.model.layers import BuildContext
 from megascale.model.lfa import LFA_CONTEXT, LocalizedFiltering
@@ -51,6 +61,9 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(f"{name}.proj", (m.hidden_size, m.num_heads * m.head_dim), tp, m.bias,
                                       scaled_std(m.init_std, m.num_layers))
         self.lfa = LocalizedFiltering(f"{name}.lfa", bc) if m.lfa else None
+        self.q_norm = self.k_norm = None
+        if m.qk_norm:
+            self.q_norm, self.k_norm = (_head_norm(f"{name}.{which}_norm", bc) for which in ("q", "k"))
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
@@ -62,6 +75,8 @@ class Attention(nn.Module):
                rope: Optional[tuple[torch.Tensor, torch.Tensor]], cache: Optional[LayerCache] = None) -> torch.Tensor:
         """RoPE and attention of this rank's heads: the output projection's input [s, b, nq/tp * d]."""
         s, b = q.shape[:2]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = self.bc.ops.apply_rotary(q.contiguous(), k.contiguous(), rope[0], rope[1])
         if cache is not None:
@@ -125,3 +140,24 @@ class Attention(nn.Module):
         p = self.bc.model.attention_dropout if self.training else 0.0
         with self.bc.rng.fork():  # heads differ per tp rank: draw from the tensor-parallel stream
             return self.bc.sequence.attention(q, k, v, window=self.window, dropout_p=p)
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over the last (head) dim of [..., heads, d] with one weight [d] for every head."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, ops: Any) -> None:
+        super().__init__()
+        self.weight, self.eps, self.ops = weight, eps, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise each head vector of x."""
+        return self.ops.rms_norm(x.contiguous(), self.weight, self.eps)
+
+
+def _head_norm(name: str, bc: BuildContext) -> HeadNorm:
+    # Each tp rank sees only its own heads (whatever the sequence layout), so the weight's gradient
+    # is a partial sum over the tp group's heads: marked to be summed over tp whenever tp > 1.
+    m, tp = bc.model, bc.tp
+    weight = make_param(full_spec(f"{name}.weight", (m.head_dim,), tp.rank, tp.size), tp, "ones",
+                        sequence_parallel_grad=tp.size > 1)
+    return HeadNorm(weight, m.norm_eps, bc.ops)

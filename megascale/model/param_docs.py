@@ -31,12 +31,13 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "tie_embeddings": (True, False),
     "parallel_block": (False, True),
     "lfa": (False, True),
+    "qk_norm": (False, True),
 }
 
 # Sizes picked so that no two symbols share a value: h = nq d = 48 with nq 4, nkv 2, d 12.
 _BASE = ModelConfig(num_layers=2, hidden_size=48, num_heads=4, num_kv_heads=2, ffn_hidden_size=80, vocab_size=100,
                     vocab_pad_multiple=64, seq_length=40)
-_SYMBOLS = {48: "h", 24: "h/2", 96: "(nq + 2 nkv) d", 80: "ffn", 128: "Vp", 40: "seq", 2: "2"}
+_SYMBOLS = {48: "h", 24: "h/2", 96: "(nq + 2 nkv) d", 80: "ffn", 128: "Vp", 40: "seq", 2: "2", 12: "d"}
 _LAYOUT = ModelLayout(tp=1, pp=2)  # pp 2 shows which stage holds what
 
 

@@ -117,7 +117,14 @@ class ParamSpec:
     chunk: int
     stage: int
     tied_to: Optional[str] = None
-    ep_dim: Optional[int] = None  # the expert axis of a routed-expert weight (cut over expert parallelism)
+    ep_dim: Optional[int] = None
+    """A routed-expert weight's expert axis, cut over the expert-parallel group (None for every other
+    parameter). The table holds every expert: divide by parallel.ep for one rank's share."""
+
+    @property
+    def is_expert(self) -> bool:
+        """A routed-expert weight (sharded over the expert-parallel group)."""
+        return self.ep_dim is not None
 
     @property
     def tp_replicated(self) -> bool:
@@ -179,6 +186,11 @@ class ParamTable:
         """Elements one tp rank of pipeline rank pp_rank holds (its copies included)."""
         return sum(e.local_numel(self.layout.tp) for e in self.held_by(pp_rank))
 
+    def expert_local_numel(self, pp_rank: int) -> int:
+        """Elements of routed-expert weights one tp rank of pipeline rank pp_rank holds at ep 1
+        (an ep rank holds 1/ep of them)."""
+        return sum(e.local_numel(self.layout.tp) for e in self.held_by(pp_rank) if e.is_expert)
+
     def rank_shards(self, tp_rank: int, pp_rank: int) -> list[ShardSpec]:
         """The ShardSpecs of the (tp_rank, pp_rank) model rank, in the order its chunks hold them."""
         return [e.shard(tp_rank, self.layout.tp) for e in self.held_by(pp_rank)]
@@ -198,13 +210,14 @@ class ParamTable:
 
 
 def _as_config(model_or_cfg: Union[Config, ModelConfig], layout: ModelLayout) -> Config:
-    """A Config whose model and parallel sections describe the table to build (cp 1: no groups needed)."""
+    """A Config whose model and parallel sections describe the table to build (cp 1, ep 1: no groups needed)."""
     if isinstance(model_or_cfg, ModelConfig):
         cfg = Config(model=model_or_cfg)
     else:
         cfg = copy.copy(model_or_cfg)
     parallel = copy.copy(cfg.parallel)
     parallel.tp, parallel.pp, parallel.vpp, parallel.cp = layout.tp, layout.pp, layout.vpp, 1
+    parallel.ep = 1  # every expert in the table: an ep rank's share is 1/ep of the expert weights
     layers = layout.pipeline_layers
     parallel.pipeline_layers = layers if layers is None or isinstance(layers, str) else list(layers)
     parallel.sequence_parallel, parallel.tp_overlap = False, False

@@ -21,12 +21,26 @@ output are views, so saving one of them keeps the whole qkv output alive
 column-parallel GEMM keeps its input shard (re-gathered in backward) or, with
 parallel.sp_regather_input false, the all-gathered (full local sequence) input;
 the parallel block's qkv and fc1 outputs are views of one GEMM output.
-`tests/test_memory_model.py` checks these numbers against autograd's saved
-tensors on the real model for a grid of layouts.
+
+A Mixture-of-Experts layer (`model.moe`) keeps, beside the shared-expert MLP (an
+ordinary MLP of the shared width, when configured), what its routed path saves
+for the n = tokens / tp tokens this rank routes and the m = n * top_k rows its
+experts compute (dropless, and balanced over the ep group; a capacity factor
+below 1 keeps fewer): the router's fp32 input (the norm output itself in fp32
+runs), an fp32 copy of a 16-bit router weight, the [n, E] fp32 scores, the [n, E]
+int64 sort indices the chosen ids are a view of, the renormalised gate weights,
+the rows' token and assignment indices and gate weights (with ep > 1 also the
+received rows' expert-major order and its inverse), the dispatched rows [m, h],
+the experts' activation on [m, (2) F] like a dense MLP's, the fp32 expert output
+the combine weights and the weighted rows it sums, and the small tensors of the
+z-loss ([n, E] logits) and the balancing loss when they train.
+`tests/test_memory_model.py` and `tests/test_moe_planner.py` check these numbers
+against autograd's saved tensors on the real model for a grid of layouts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -76,6 +90,8 @@ class Shapes:
     """Ranks of the attention ring (1 without context parallelism)."""
     regather: bool = False
     """Sequence-parallel column GEMMs keep their input shard, re-gathered in backward (parallel.sp_regather_input)."""
+    param_bytes: int = FP32
+    """Bytes per parameter element (16-bit runs keep 16-bit weights)."""
 
     @staticmethod
     def of(cfg: Config, plan: RunPlan) -> Shapes:
@@ -88,7 +104,8 @@ class Shapes:
                       vocab=m.padded_vocab_size // tp, act=plan.precision.compute_bytes, tp=tp,
                       sp=plan.sequence_parallel, ulysses=plan.ulysses_size if plan.cp > 1 else 1,
                       ring=plan.ring_size if plan.cp > 1 else 1,
-                      regather=plan.sequence_parallel and cfg.parallel.sp_regather_input)
+                      regather=plan.sequence_parallel and cfg.parallel.sp_regather_input,
+                      param_bytes=plan.precision.param_bytes)
 
     @property
     def group(self) -> int:
@@ -226,14 +243,84 @@ def _ring_bytes(cfg: Config, sh: Shapes) -> float:
     return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
 
 
-def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
-    """fc1 output, activation and fc2 input (fc1's own input is counted with the norm output)."""
-    ffn = sh.per_token(sh.ffn, sh.act)
+def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, width: Optional[int] = None,
+              rows: Optional[int] = None) -> float:
+    """fc1 output, activation and fc2 input (fc1's own input is counted with the norm output).
+
+    width / rows: the MLP's width on this rank and the rows it computes (default the dense MLP's
+    and the micro-batch's tokens; an MoE layer's experts and shared experts pass theirs).
+    """
+    ffn = (sh.tokens if rows is None else rows) * (sh.ffn if width is None else width) * sh.act
     if cfg.model.activation == "swiglu":
         # reference: the [.., 2, ffn] fc1 output (gate and up views), silu(gate), the product;
         # fused: contiguous copies of gate and up, the product.
         return 4 * ffn if kernels == "reference" else 3 * ffn
     return 2 * ffn  # GeLU input and output
+
+
+def routed_tokens(sh: Shapes) -> int:
+    """Tokens an MoE layer routes on this rank: its sequence shard (SP) or its 1/tp slice of the sequence."""
+    return sh.tokens // sh.tp
+
+
+def routed_rows(cfg: Config, sh: Shapes) -> int:
+    """Rows this rank's experts compute: tokens x top_k (dropless; balanced over the ep group), fewer under
+    a capacity factor below 1."""
+    factor = cfg.model.moe.capacity_factor
+    kept = 1.0 if factor is None else min(1.0, factor)
+    return int(routed_tokens(sh) * cfg.model.moe.top_k * kept)
+
+
+def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+    """What an MoE layer's router, dispatch, experts and combine keep (see the module docstring), its
+    fp32 router input excepted (`_router_input_bytes`)."""
+    moe = cfg.model.moe
+    n, experts, h = routed_tokens(sh), moe.num_experts, sh.hidden
+    m = routed_rows(cfg, sh)
+    weight_copy = experts * h * FP32 if sh.param_bytes != FP32 else 0.0  # W.float() of a 16-bit weight
+    router = n * experts * (FP32 + INDEX) + weight_copy  # scores; the sort indices the top-k ids view
+    if moe.norm_topk_prob:
+        router += n * moe.top_k * FP32 + n * FP32  # the chosen weights and their sum
+    if moe.router == "sigmoid":
+        router += n * FP32  # the per-token sum normalising the affinities for the balancing statistics
+    if moe.z_loss_coeff > 0:
+        router += n * experts * FP32 + n * FP32  # logsumexp keeps the logits and its result
+    if moe.aux_loss_coeff > 0:
+        router += experts * FP32 + (2 * experts + 2) * FP32  # f_i / (n k) and the all-reduced statistics row
+    rows = m * (2 * INDEX + FP32)  # assignment and token index, gate weight of each row
+    if cfg.parallel.ep > 1:  # the all-to-all dispatcher's expert-major order of the received rows and its inverse
+        rows += 2 * m * INDEX
+    # The dispatched rows, the experts' activation, and the combine's fp32 expert output (the output
+    # itself in fp32 runs) and gate-weighted rows (index_add keeps its source).
+    experts_kept = (m * h * sh.act + mlp_bytes(cfg, sh, kernels, cfg.model.expert_ffn_size, m)
+                    + 2 * m * h * FP32)
+    return router + rows + experts_kept
+
+
+def _keeps_norm_output(sh: Shapes) -> bool:
+    """Whether a column-parallel GEMM keeps the norm output itself (not an all-gathered copy of it)."""
+    return not sh.sp or sh.regather
+
+
+def _router_input_bytes(cfg: Config, sh: Shapes, norm_output_kept: bool) -> float:
+    """The router's fp32 input: a new fp32 copy in 16-bit runs; in fp32 the norm output itself (its 1/tp
+    slice without SP is a view of it), counted once with the other tensors that keep it."""
+    if sh.act != FP32:
+        return routed_tokens(sh) * sh.hidden * FP32
+    return 0.0 if norm_output_kept else sh.residual_tokens * sh.hidden * FP32
+
+
+def moe_mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm_output_kept: bool = False) -> float:
+    """An MoE layer's MLP part: the routed path and, with shared experts, their kept input and activations.
+
+    norm_output_kept: the norm output's storage is already counted (the parallel block's attention keeps it).
+    """
+    shared = cfg.model.shared_ffn_size // sh.tp
+    total = _router_input_bytes(cfg, sh, norm_output_kept or (shared > 0 and _keeps_norm_output(sh)))
+    if shared:
+        kept_input = 0.0 if norm_output_kept and _keeps_norm_output(sh) else _linear_input_bytes(sh)
+        total += kept_input + mlp_bytes(cfg, sh, kernels, shared)
+    return total + moe_routed_bytes(cfg, sh, kernels)
 
 
 def dropout_mask_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -244,11 +331,13 @@ def dropout_mask_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float
     return sh.residual_tokens * sh.hidden * per
 
 
-def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
-    """Saved bytes of one transformer block for one micro-batch (its input included)."""
+def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute, moe: bool = False) -> float:
+    """Saved bytes of one transformer block (with `moe`, an MoE layer) for one micro-batch (its input included)."""
     m = cfg.model
     if recompute == "full":
         return sh.residual_tokens * sh.hidden * sh.act  # the checkpoint keeps the block input only
+    if moe:
+        return _moe_layer_bytes(cfg, sh, kernels, recompute)
     norm = norm_bytes(cfg, sh, kernels)
     lfa_filter = _lfa_bytes(cfg, sh, kernels) if m.lfa else 0.0
     core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
@@ -260,10 +349,26 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
         if not m.lfa:  # one GEMM for qkv and fc1: one kept input, one output both branches read
             fused = _fused_block_output_bytes(cfg, sh, kernels, recompute)
             return norm + linear_in + core + mlp_bytes(cfg, sh, kernels) + fused + mask
-        # One norm feeds both branches; under SP each gathers its own copy.
-        inputs = attention_in + linear_in if sh.sp else linear_in
+        # One norm feeds both branches. With tp the attention branch's filtered and plain inputs enter
+        # the tp region as one new tensor (all-gathered under SP) beside the MLP's own input.
+        inputs = attention_in + linear_in if sh.tp > 1 else linear_in
         return norm + inputs + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + mask
     return 2 * norm + attention_in + linear_in + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+
+
+def _moe_layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
+    """An MoE block: attention as in a dense block, the MoE MLP in place of the dense one (the parallel
+    block keeps its branches apart around an MoE layer, so each keeps its own input)."""
+    norm = norm_bytes(cfg, sh, kernels)
+    lfa_filter = _lfa_bytes(cfg, sh, kernels) if cfg.model.lfa else 0.0
+    core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
+    mask = dropout_mask_bytes(cfg, sh, kernels)
+    attention_in = _gathered_input_bytes(sh) if cfg.model.lfa else _linear_input_bytes(sh)
+    if cfg.model.parallel_block:  # one norm output feeds both branches
+        attention_keeps_it = not sh.sp or (sh.regather and not cfg.model.lfa)
+        mlp = moe_mlp_bytes(cfg, sh, kernels, norm_output_kept=attention_keeps_it)
+        return norm + attention_in + lfa_filter + core + mlp + mask
+    return 2 * norm + attention_in + lfa_filter + core + moe_mlp_bytes(cfg, sh, kernels) + 2 * mask
 
 
 def _fused_block_output_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
@@ -324,9 +429,13 @@ def head_working_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> tuple
 
 def backward_gradient_bytes(cfg: Config, sh: Shapes) -> float:
     """Activation gradients alive at once inside one layer's backward: the MLP's widest one
-    (its fc1 output, [.., 2, ffn] for SwiGLU) beside the gradient of a [s, b, h] tensor."""
-    width = sh.ffn * (2 if cfg.model.activation == "swiglu" else 1)
-    return sh.per_token(width + sh.hidden, sh.act)
+    (its fc1 output, [.., 2, ffn] for SwiGLU; an MoE layer's experts' fc1 output over their rows)
+    beside the gradient of a [s, b, h] tensor."""
+    gated = 2 if cfg.model.activation == "swiglu" else 1
+    widest = sh.per_token(sh.ffn * gated, sh.act)
+    if cfg.model.moe.enabled:
+        widest = max(widest, routed_rows(cfg, sh) * cfg.model.expert_ffn_size * gated * sh.act)
+    return widest + sh.per_token(sh.hidden, sh.act)
 
 
 def layer_recompute(cfg: Config, position: int) -> Recompute:
@@ -336,11 +445,15 @@ def layer_recompute(cfg: Config, position: int) -> Recompute:
 
 
 def chunk_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: int, first: bool,
-                last: bool) -> float:
-    """Saved bytes of one micro-batch's forward through a chunk of num_layers layers."""
+                last: bool, layer_ids: Optional[Sequence[int]] = None) -> float:
+    """Saved bytes of one micro-batch's forward through a chunk of num_layers layers.
+
+    layer_ids: the chunk's global layer ids (which of them are MoE layers); default 0..num_layers-1.
+    """
     sh = Shapes.of(cfg, plan)
+    ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
     modes = [layer_recompute(cfg, i) for i in range(num_layers)]
-    total = sum(layer_bytes(cfg, sh, kernels, mode) for mode in modes)
+    total = sum(layer_bytes(cfg, sh, kernels, mode, cfg.model.is_moe_layer(layer)) for mode, layer in zip(modes, ids))
     if kernels == "fused" and cfg.model.position == "rope" and any(mode != "full" for mode in modes):
         total += sh.seq * sh.head_dim * FP32  # the chunk's fp32 cos/sin tables, shared by its layers
     if first:
@@ -370,6 +483,10 @@ __all__ = [
     "layer_bytes",
     "layer_recompute",
     "mlp_bytes",
+    "moe_mlp_bytes",
+    "moe_routed_bytes",
     "norm_bytes",
+    "routed_rows",
+    "routed_tokens",
     "spread_kv_heads",
 ]

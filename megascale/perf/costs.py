@@ -21,7 +21,13 @@ plan's layout, the model config and a `GpuSpec`:
 - recomputation (selective: the attention core again; full: the layer's forward
   again; only the first `train.recompute_layers` of each chunk);
 - Yuan's LFA filter (`model.lfa`): its convolution GEMMs, memory-bound work and
-  halo exchange (megascale/perf/lfa.py), and the extra column-parallel input.
+  halo exchange (megascale/perf/lfa.py), and the extra column-parallel input;
+- Mixture-of-Experts layers (`model.moe`): the shared-expert MLP in place of the
+  dense one (none without shared experts), the fp32 router GEMM, the routed
+  experts' grouped GEMMs on the rows this rank receives, the permutations, the
+  dispatch and combine all-to-alls over the ep group (megascale/perf/moe.py), the
+  forward dispatch hidden behind the shared expert, and without sequence
+  parallelism the all-gather of the routed output over tp.
 
 `SystemTraits` names implementation facts that differ between systems (the
 MegaScale reproduction models Megatron-LM and MegaScale with them); megascale's
@@ -33,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megascale.config import Config
-from megascale.perf import lfa
+from megascale.perf import lfa, moe
 from megascale.perf.collectives import (
     collective_seconds,
     group_node_ranks,
@@ -73,6 +79,16 @@ class SystemTraits:
       asynchronously (Megatron-LM 2022, megascale): the input gradient's
       all-reduce (no SP) or reduce-scatter (SP) under the weight-gradient GEMM,
       and the SP re-gather of the input under the input-gradient GEMM.
+    shared_expert_overlap: an MoE layer's token all-to-all (the dispatch) runs
+      while its shared-expert MLP computes, hiding up to the shared expert's
+      forward GEMM time (megascale with ep > 1 and shared experts).
+    shared_expert_overlap_backward: the same in the backward, the combine's
+      gradient all-to-all under the shared expert's backward GEMMs (Megatron-LM's
+      --moe-shared-expert-overlap overlaps both passes).
+    grad_reduce_bytes: bytes per gradient element the data-parallel reduction
+      moves: 4 for fp32 gradient buckets (megascale, Megatron-LM with
+      --accumulate-allreduce-grads-in-fp32), 2 where a 16-bit model's gradients
+      are reduced in its own precision (Megatron-LM 2021 without that flag).
 
     Whether sequence parallelism re-gathers a column-parallel GEMM's input in the
     backward (instead of saving the gathered input) is the config key
@@ -85,11 +101,16 @@ class SystemTraits:
     flash_attention: bool = True
     pp_scatter_gather: bool = False
     tp_async_grad_reduce: bool = False
+    shared_expert_overlap: bool = False
+    shared_expert_overlap_backward: bool = False
+    grad_reduce_bytes: int = 4
 
 
-MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True)
+MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True,
+                         shared_expert_overlap=True)
 """What megascale's trainer does: one gather and one reduce-scatter per parallel block around one
-fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives."""
+fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives, an MoE layer's shared experts
+computing while its token all-to-all is in flight (forward only)."""
 
 
 @dataclass
@@ -103,16 +124,17 @@ class Cost:
     cp_comm: float = 0.0
     recompute: float = 0.0
     hidden: dict[str, float] = field(default_factory=dict)
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
         """Exposed time of the pass."""
-        return self.gemm + self.attention + self.memory + self.tp_comm + self.cp_comm + self.recompute
+        return self.gemm + self.attention + self.memory + self.tp_comm + self.cp_comm + self.recompute + self.ep_comm
 
     def scaled(self, k: float) -> Cost:
         """This cost k times (k layers)."""
         return Cost(self.gemm * k, self.attention * k, self.memory * k, self.tp_comm * k, self.cp_comm * k,
-                    self.recompute * k, {name: v * k for name, v in self.hidden.items()})
+                    self.recompute * k, {name: v * k for name, v in self.hidden.items()}, self.ep_comm * k)
 
     def add(self, other: Cost) -> None:
         """Accumulate another cost in place."""
@@ -122,13 +144,14 @@ class Cost:
         self.tp_comm += other.tp_comm
         self.cp_comm += other.cp_comm
         self.recompute += other.recompute
+        self.ep_comm += other.ep_comm
         for name, value in other.hidden.items():
             self.hidden[name] = self.hidden.get(name, 0.0) + value
 
     def as_dict(self) -> dict[str, float]:
         """Named parts, for the breakdown."""
         return {"gemm": self.gemm, "attention": self.attention, "memory_bound": self.memory,
-                "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "recompute": self.recompute}
+                "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "ep_comm": self.ep_comm, "recompute": self.recompute}
 
 
 # ----------------------------------------------------------------------------- one layer
@@ -143,7 +166,7 @@ class LayerShape:
     heads: int  # query heads on this tp rank
     kv_heads: int  # key/value heads on this tp rank
     head_dim: int
-    ffn: int  # MLP width on this tp rank
+    ffn: int  # MLP width on this tp rank (an MoE layer's shared-expert MLP; 0 without one)
     gated: bool
     tp: int
     sp: bool
@@ -158,20 +181,22 @@ class LayerShape:
     batch: int = 1  # sequences per micro-batch
     lfa: bool = False  # Yuan's localized filtering before the q/k projection
     regather: bool = False  # SP: column GEMMs re-gather their input in backward (parallel.sp_regather_input)
+    moe: bool = False  # an MoE layer: routed experts beside the (shared-expert) MLP
 
     @classmethod
-    def of(cls, cfg: Config, plan: RunPlan) -> LayerShape:
-        """The layer shape of cfg under plan."""
+    def of(cls, cfg: Config, plan: RunPlan, moe: bool = False) -> LayerShape:
+        """The layer shape of cfg under plan: a dense layer, or with `moe` an MoE layer."""
         m = cfg.model
+        ffn = m.shared_ffn_size if moe else m.ffn_size
         return cls(tokens=plan.local_seq_length * plan.micro_batch_size, hidden=m.hidden_size,
                    heads=m.num_heads // plan.tp, kv_heads=max(m.kv_heads // plan.tp, 1), head_dim=m.head_dim,
-                   ffn=m.ffn_size // plan.tp, gated=m.activation == "swiglu", tp=plan.tp,
+                   ffn=ffn // plan.tp, gated=m.activation == "swiglu", tp=plan.tp,
                    sp=plan.sequence_parallel, seq=plan.seq_length,
                    window=m.window_size if m.attention == "sliding_window" else 0, cp=plan.cp,
                    ulysses=plan.ulysses_size, ring=plan.ring_size, dtype=plan.precision.name,
                    parallel_block=m.parallel_block, dropout=m.dropout > 0 or m.attention_dropout > 0,
                    batch=plan.micro_batch_size, lfa=m.lfa,
-                   regather=plan.sequence_parallel and cfg.parallel.sp_regather_input)
+                   regather=plan.sequence_parallel and cfg.parallel.sp_regather_input, moe=moe)
 
     @property
     def bytes(self) -> int:
@@ -191,6 +216,11 @@ class LayerShape:
     def shared_block(self, traits: SystemTraits) -> bool:
         """The parallel block's branches share one tp entry and exit (LFA's filtered q/k input keeps them apart)."""
         return self.parallel_block and not self.lfa and traits.shared_block_comm
+
+    @property
+    def mlp_branches(self) -> int:
+        """Tensor-parallel MLPs of the layer: the dense MLP or the shared experts (1), or none (0)."""
+        return 1 if self.ffn > 0 else 0
 
     @property
     def fc1_width(self) -> int:
@@ -226,7 +256,15 @@ def _gemms(shape: LayerShape, traits: SystemTraits) -> list[tuple[str, int, int]
         column = [("column", shape.qkv_width + shape.fc1_width, h)]
     else:
         column = [("column", shape.qkv_width, h), ("column", shape.fc1_width, h)]
-    return [*column, ("row", h, shape.heads * shape.head_dim), ("row", h, shape.ffn)]
+    gemms = [*column, ("row", h, shape.heads * shape.head_dim), ("row", h, shape.ffn)]
+    return [(role, n, k) for role, n, k in gemms if n > 0 and k > 0]  # an MoE layer may have no shared MLP
+
+
+def _shared_gemms(shape: LayerShape) -> list[tuple[int, int]]:
+    """(N, K) of the MLP's fc1 and fc2 on this rank (an MoE layer's shared experts), M = tokens."""
+    if not shape.ffn:
+        return []
+    return [(shape.fc1_width, shape.hidden), (shape.hidden, shape.ffn)]
 
 
 def _gemm_time(spec: GpuSpec, m: int, n: int, k: int, dtype: str, pieces: int = 1) -> float:
@@ -287,7 +325,7 @@ def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, 
     """
     if shape.tp == 1:
         return {}, {}
-    outputs = 1 if shape.shared_block(traits) else 2
+    outputs = 1 if shape.shared_block(traits) else 1 + shape.mlp_branches
     inputs = outputs + (1 if shape.lfa else 0)
     if not shape.sp:
         return {"all_reduce": outputs}, {"all_reduce": inputs}
@@ -305,8 +343,8 @@ def _regathers(shape: LayerShape, traits: SystemTraits) -> int:
     if shape.tp == 1 or not shape.regather:
         return 0
     if shape.lfa:
-        return 1
-    return 1 if shape.shared_block(traits) else 2
+        return shape.mlp_branches
+    return 1 if shape.shared_block(traits) else 1 + shape.mlp_branches
 
 
 @dataclass(frozen=True)
@@ -434,7 +472,7 @@ def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTrait
     """
     msg = shape.tokens * shape.hidden * shape.bytes
     node_ranks = min(shape.tp, spec.gpus_per_node)
-    inputs = 1 if shape.shared_block(traits) else 2
+    inputs = 1 if shape.shared_block(traits) else 1 + shape.mlp_branches
     inputs += 1 if shape.lfa else 0
     kind = "reduce_scatter" if shape.sp else "all_reduce"
     hideable = (inputs * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
@@ -456,9 +494,54 @@ def _pass_gap(compute: float, tp_counts: dict[str, int], cp_collectives: int, st
     return compute * stretch / collectives if collectives else 0.0
 
 
-def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> LayerCosts:
-    """Forward/backward seconds of one transformer layer for one micro-batch on one GPU."""
-    shape = LayerShape.of(cfg, plan)
+def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, traits: SystemTraits,
+               shared_gemm: tuple[float, float], gaps: tuple[float, float]) -> tuple[Cost, Cost]:
+    """Forward/backward of an MoE layer's routed part on this rank (megascale/perf/moe.py): the fp32 router,
+    the local experts' GEMMs on the rows they receive, the permutations and the combine, the dispatch and
+    combine all-to-alls, and without sequence parallelism the all-gather of the routed output over tp.
+
+    shared_gemm: forward and backward GEMM seconds of the shared-expert MLP, which the dispatch (forward,
+    `shared_expert_overlap`) and the combine's gradient (backward, `shared_expert_overlap_backward`)
+    all-to-alls run under.
+    """
+    m, dtype, e = cfg.model, shape.dtype, shape.bytes
+    layout = moe.expert_layout(cfg, plan, spec.gpus_per_node)
+    n, h, experts, f = moe.routed_tokens(plan), shape.hidden, m.moe.num_experts, m.expert_ffn_size
+    rows = moe.routed_rows(cfg, plan)
+    per_expert = max(rows // layout.local_experts, 1)
+    fc1 = f * (2 if shape.gated else 1)
+    fwd, bwd = Cost(), Cost()
+    fwd.gemm = spec.gemm_seconds(n, experts, h, "fp32")  # the router runs in fp32 whatever the dtype
+    bwd.gemm = spec.gemm_seconds(n, h, experts, "fp32") + spec.gemm_seconds(experts, h, n, "fp32")
+    for out, inner in ((fc1, h), (h, f)):  # fc1, then fc2, of every local expert
+        fwd.gemm += layout.local_experts * spec.gemm_seconds(per_expert, out, inner, dtype)
+        bwd.gemm += layout.local_experts * (spec.gemm_seconds(per_expert, inner, out, dtype)
+                                            + spec.gemm_seconds(out, inner, per_expert, dtype))
+    # Router scores (fp32 logits, probabilities), the permutation into expert order and back, the
+    # experts' activation, the fp32 weighted combine.
+    streamed = (3 * n * experts * 4 + 2 * rows * h * e + (3 if shape.gated else 2) * rows * f * e
+                + 2 * rows * h * e + n * h * (4 + e))
+    fwd.memory = spec.memory_seconds(streamed)
+    bwd.memory = 2 * fwd.memory
+    overlaps = (traits.shared_expert_overlap, traits.shared_expert_overlap_backward)
+    for cost, gap, shared, overlap in zip((fwd, bwd), gaps, shared_gemm, overlaps):
+        one_way = moe.dispatch_seconds(cfg, plan, spec, layout, gap)
+        hidden = min(one_way, shared) if overlap and not shares_cores(spec) else 0.0
+        cost.ep_comm = 2 * one_way - hidden
+        cost.hidden["ep"] = hidden
+    if shape.tp > 1 and not shape.sp:  # each tp rank routed its 1/tp slice: gather the outputs (and grads)
+        inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
+        for cost, gap in ((fwd, gaps[0]), (bwd, gaps[1])):
+            cost.tp_comm = pass_collective_seconds("all_gather", shape.tokens * h * e, shape.tp, spec, inter, gap,
+                                                   min(shape.tp, spec.gpus_per_node))
+    return fwd, bwd
+
+
+def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE,
+                moe_layer: bool = False) -> LayerCosts:
+    """Forward/backward seconds of one transformer layer (with `moe_layer`, an MoE layer) for one micro-batch
+    on one GPU."""
+    shape = LayerShape.of(cfg, plan, moe_layer)
     dtype, t = shape.dtype, shape.tokens
     tp_overlap = cfg.parallel.tp_overlap and shape.tp > 1
     pieces = shape.tp if tp_overlap else 1
@@ -493,6 +576,13 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
         lfa_fwd, lfa_bwd = _lfa_costs(shape, spec, tp_inter, cp_inter)
         forward.add(lfa_fwd)
         backward.add(lfa_bwd)
+    if shape.moe:
+        shared_f = sum(_gemm_time(spec, t, n, k, dtype) for n, k in _shared_gemms(shape))
+        shared_b = sum(_gemm_time(spec, t, k, n, dtype) + spec.gemm_seconds(n, k, t, dtype)
+                       for n, k in _shared_gemms(shape))
+        moe_fwd, moe_bwd = _moe_costs(cfg, plan, spec, shape, traits, (shared_f, shared_b), (gap_f, gap_b))
+        forward.add(moe_fwd)
+        backward.add(moe_bwd)
     return LayerCosts(forward, backward, recompute_selective=attn_fwd + cp_f, recompute_full=forward.total)
 
 
@@ -505,10 +595,12 @@ def embedding_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Co
     nbytes = shape.tokens * shape.hidden * shape.bytes
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
     kind = "reduce_scatter" if shape.sp else "all_reduce"
-    comm = pass_collective_seconds(kind, nbytes, shape.tp, spec, inter, 0.0)
+    node_ranks = min(shape.tp, spec.gpus_per_node)
+    comm = pass_collective_seconds(kind, nbytes, shape.tp, spec, inter, 0.0, node_ranks)
     forward = Cost(memory=spec.memory_seconds(2 * nbytes), tp_comm=comm)
     # The backward scatter-adds into fp32 embedding gradients (and all-gathers under SP).
-    back_comm = pass_collective_seconds("all_gather", nbytes, shape.tp, spec, inter, 0.0) if shape.sp else 0.0
+    back_comm = (pass_collective_seconds("all_gather", nbytes, shape.tp, spec, inter, 0.0, node_ranks)
+                 if shape.sp else 0.0)
     backward = Cost(memory=spec.memory_seconds(nbytes + 2 * shape.tokens * shape.hidden * 4), tp_comm=back_comm)
     return forward, backward
 
@@ -520,7 +612,9 @@ def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
     t, h, e, dtype = shape.tokens, shape.hidden, shape.bytes, shape.dtype
     region = shape.region
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
-    gather = pass_collective_seconds("all_gather", t * h * e, shape.tp, spec, inter, 0.0) if shape.sp else 0.0
+    node_ranks = min(shape.tp, spec.gpus_per_node)
+    gather = (pass_collective_seconds("all_gather", t * h * e, shape.tp, spec, inter, 0.0, node_ranks)
+              if shape.sp else 0.0)
     # Fused loss: one read of the logits forward, one read and one write of their gradient backward.
     loss_fwd = spec.memory_seconds(t * vocab * e + t * 8)
     loss_bwd = spec.memory_seconds(2 * t * vocab * e)
@@ -528,7 +622,7 @@ def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
     forward = Cost(gemm=spec.gemm_seconds(t, vocab, h, dtype), memory=norm + loss_fwd, tp_comm=gather)
     backward_gemm = spec.gemm_seconds(t, h, vocab, dtype) + spec.gemm_seconds(vocab, h, t, dtype)
     back_comm = pass_collective_seconds("reduce_scatter" if shape.sp else "all_reduce", t * h * e, shape.tp, spec,
-                                        inter, 0.0)
+                                        inter, 0.0, node_ranks)
     backward = Cost(gemm=backward_gemm, memory=spec.memory_seconds(3 * region * h * e) + loss_bwd, tp_comm=back_comm)
     return forward, backward
 
@@ -543,17 +637,31 @@ class ChunkCost:
 
 
 def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], first: bool, last: bool,
-               traits: SystemTraits = MEGASCALE, layer: LayerCosts | None = None) -> ChunkCost:
-    """Cost of one chunk holding `layer_ids`; recomputation follows train.recompute(_layers) per chunk."""
-    layer = layer or layer_costs(cfg, plan, spec, traits)
-    n = len(layer_ids)
-    forward, backward = layer.forward.scaled(n), layer.backward.scaled(n)
+               traits: SystemTraits = MEGASCALE, layer: LayerCosts | None = None,
+               moe_layer: LayerCosts | None = None) -> ChunkCost:
+    """Cost of one chunk holding `layer_ids`; recomputation follows train.recompute(_layers) per chunk.
+
+    layer / moe_layer: the costs of one dense and one MoE layer when already computed.
+    """
+    forward, backward = Cost(), Cost()
     mode, k = cfg.train.recompute, cfg.train.recompute_layers
-    recomputed = 0 if mode == "none" else (n if k is None else min(k, n))
-    if mode == "selective":
-        backward.recompute += recomputed * layer.recompute_selective
-    elif mode == "full":
-        backward.recompute += recomputed * layer.recompute_full
+    recomputed = 0 if mode == "none" else len(layer_ids) if k is None else min(k, len(layer_ids))
+    for is_moe in (False, True):
+        positions = [i for i, layer_id in enumerate(layer_ids) if cfg.model.is_moe_layer(layer_id) == is_moe]
+        if not positions:
+            continue
+        if is_moe:
+            costs = moe_layer = moe_layer or layer_costs(cfg, plan, spec, traits, moe_layer=True)
+        else:
+            costs = layer = layer or layer_costs(cfg, plan, spec, traits)
+        forward.add(costs.forward.scaled(len(positions)))
+        backward.add(costs.backward.scaled(len(positions)))
+        again = sum(1 for i in positions if i < recomputed)
+        if mode == "selective":
+            backward.recompute += again * costs.recompute_selective
+        elif mode == "full":
+            backward.recompute += again * costs.recompute_full
+    n = len(layer_ids)
     if first:
         f, b = embedding_costs(cfg, plan, spec)
         forward.add(f)

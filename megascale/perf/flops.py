@@ -2,8 +2,9 @@
 
 The FLOPs count itself is a model fact and lives in `megascale.model.flops`
 (Narayanan et al. 2021, no recompute counted, attention not halved for the
-causal mask); it is re-exported here for callers that read MFU's inputs in one
-place. Peaks are dense bf16 tensor-core numbers (never the 2x sparse figure).
+causal mask; an MoE layer counts its active parameters: top_k routed experts,
+the shared experts and the router); it is re-exported here for callers that read
+MFU's inputs in one place. Peaks are dense bf16 tensor-core numbers (never the 2x sparse figure).
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from megascale.model.flops import (  # noqa: F401 - re-exported: MFU's numerator
     forward_flops_per_token,
     gpt_train_flops_per_token,
     hardware_flops_per_token,
+    layer_dims,
     layer_forward_flops,
+    layer_forward_flops_list,
     lfa_conv_flops,
     logits_forward_flops,
+    mlp_forward_flops,
+    router_forward_flops,
     train_flops_per_token,
 )
 

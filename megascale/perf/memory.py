@@ -5,10 +5,12 @@ schedule, micro-batches, precision) and the model's own parameter table:
 
 - parameters: `param_table` (the real model on the meta device) for this pipeline
   rank, in the parameter dtype; they live in the data-parallel parameter buffer.
+  Routed-expert weights count 1/ep (`parallel.ep`: each rank holds num_experts / ep).
 - gradients: the fp32 bucket buffer of the data-parallel optimizer (4 bytes per
   parameter whatever the model dtype; reductions run in place on it).
 - optimizer: two fp32 moments plus, for 16-bit models, an fp32 master copy, over the
-  rank's owned range: divided over dp x cp with ZeRO-1.
+  rank's owned range: divided over dp x cp with ZeRO-1, routed-expert weights over
+  their expert-data-parallel replicas (dp x cp / ep).
 - activations: what autograd keeps per micro-batch and chunk (`megascale.perf.activations`,
   checked against autograd's saved tensors in the tests), plus the chunk output the
   pipeline executor keeps until its backward, for the (chunk, micro-batch) items live
@@ -144,7 +146,7 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
     for v, layer_ids in enumerate(layers):
         stage = plan.global_stage(rank, v)
         first, last = stage == 0, stage == plan.num_stages - 1
-        saved = act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last)
+        saved = act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last, layer_ids)
         if plan.pp > 1:
             # The executor keeps a chunk's output (sent on) and its received input until the backward.
             saved += 0.0 if last else message
@@ -198,11 +200,14 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
     kernels = _profile(cfg, kernels)
     sh = Shapes.of(cfg, plan)
     window = cfg.model.window_size if cfg.model.attention == "sliding_window" else 0
-    count = table.local_numel(stage)
-    optimizer: float = count * (8 + (4 if plan.precision.master_weights else 0))
-    if plan.zero == 1:
-        optimizer /= dp * cp
-    largest = max((e.local_numel(tp) for e in table.held_by(stage)), default=0)
+    ep = cfg.parallel.ep
+    experts = table.expert_local_numel(stage) // ep
+    count = table.local_numel(stage) - table.expert_local_numel(stage) + experts
+    per_param = 8 + (4 if plan.precision.master_weights else 0)
+    optimizer: float = count * per_param
+    if plan.zero == 1:  # dense weights sharded over dp x cp, routed experts over their dp x cp / ep replicas
+        optimizer = (count - experts) * per_param / (dp * cp) + experts * per_param / (dp * cp // ep)
+    largest = max((e.local_numel(tp) // (ep if e.is_expert else 1) for e in table.held_by(stage)), default=0)
     chunks = _chunks(cfg, plan, kernels, stage, largest)
     peak, live, at = _rank_peak(plan.schedule, pp, plan.vpp, plan.num_microbatches, stage, chunks)
     saved = sum(n * c.saved for n, c in zip(live, chunks))

@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(fields of megascale.perf.gpus.GpuSpec; `megascale bench calibrate` writes one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--search", action="store_true",
-                        help="search tp, pp, vpp, cp, micro-batch, SP, ZeRO and recompute; rank by predicted MFU")
+                        help="search tp, pp, vpp, cp, ep (MoE models), micro-batch, SP, ZeRO and recompute; rank by "
+                             "predicted MFU")
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument("--reproduce", default=None, metavar="TABLE",
                         help="predict a published table beside its numbers, with constants fitted on the other "
@@ -90,7 +91,7 @@ def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> i
     result = search(cfg, gpus, spec, top=top)
     if as_json:
         print(json.dumps({"considered": result.considered, "dropped": dict(result.dropped),
-                          "ranked": [{"layout": c.label(), **c.prediction.to_json()} for c in result.ranked],
+                          "ranked": [{**c.prediction.to_json(), "label": c.label()} for c in result.ranked],
                           "why": explain(result)}, indent=2))
         return 0
     print(f"searched {result.considered} layouts on {gpus} x {spec.name}; "
@@ -118,6 +119,15 @@ def format_prediction(pred: Prediction) -> str:
     lines = [f"layout: {plan.describe()}",
              f"gpu: {spec.name} ({spec.description}; {spec.source}), usable memory "
              f"{spec.usable_memory_bytes / GIB:.1f} GiB of {spec.memory_gib:g}"]
+    if pred.params_active != pred.params_total:
+        lines.append(f"parameters: {pred.params_total / 1e9:.2f}B, {pred.params_active / 1e9:.2f}B active per token "
+                     f"(routed experts: top_k of num_experts)")
+    if pred.experts is not None and pred.experts.ep > 1:
+        e = pred.experts
+        where = (f"across nodes ({e.node_ranks} of its ranks per node): all-to-all on the NICs" if e.inter_node
+                 else "inside one node: all-to-all on NVLink")
+        lines.append(f"expert parallel: ep {e.ep} x edp {e.edp}, {e.local_experts} of each MoE layer's experts per "
+                     f"rank; an ep group spans {e.span} global ranks, {where}")
     lines.append(f"memory per pipeline rank at its peak, GiB ({pred.memory[0].kernels} kernels; "
                  "modelled from what autograd saves, docs/planner.md):")
     parts = list(memory_parts(pred.memory[0]))

@@ -8,6 +8,7 @@ keeps a second copy of the stage split, the schedule or the parameter count.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.memory import GIB, MemoryEstimate, stage_estimates
+from megascale.perf.moe import ExpertLayout, active_numel, expert_layout
 from megascale.perf.timing import StepTime, step_time
 from megascale.perf.uncertainty import band
 from megascale.run_plan import RunPlan
@@ -34,6 +36,12 @@ class Prediction:
     memory: list[MemoryEstimate]
     step: StepTime
     model_flops_per_step: float
+    params_total: int = 0
+    """Parameters of the model (each global parameter once)."""
+    params_active: int = 0
+    """Parameters one token runs through (MoE: top_k of the routed experts; dense: params_total)."""
+    experts: Optional[ExpertLayout] = None
+    """MoE models: where the expert-parallel group sits (None for a dense model)."""
 
     @property
     def step_time_s(self) -> float:
@@ -83,6 +91,9 @@ class Prediction:
                   for e in self.memory]
         return {
             "layout": self.plan.describe(),
+            "params_total": self.params_total,
+            "params_active": self.params_active,
+            "expert_parallel": None if self.experts is None else dataclasses.asdict(self.experts),
             "gpu": self.spec.name,
             "gpus": self.plan.world_size,
             "step_time_s": self.step_time_s,
@@ -121,7 +132,9 @@ def predict(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = ME
         table = param_table(cfg, ModelLayout.from_plan(plan))
     memory = stage_estimates(cfg, plan, "fused", table)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step_time(cfg, plan, spec, table, traits),
-                      model_flops_per_step=model_flops_per_step(cfg, plan))
+                      model_flops_per_step=model_flops_per_step(cfg, plan), params_total=table.numel(),
+                      params_active=active_numel(table, cfg.model) if cfg.model.moe.enabled else table.numel(),
+                      experts=expert_layout(cfg, plan, spec.gpus_per_node) if cfg.model.moe.enabled else None)
 
 
 __all__ = ["MFU_PEAK_DTYPE", "Prediction", "memory_parts", "model_flops_per_step", "predict"]

@@ -1,5 +1,8 @@
-"""Layout search: every (tp, pp, vpp, cp, micro-batch, sequence parallel, ZeRO, recompute, pipeline schedule)
-that fits, ranked by MFU.
+"""Layout search: every (tp, pp, vpp, cp, ep, micro-batch, sequence parallel, ZeRO, recompute, pipeline
+schedule) that fits, ranked by MFU.
+
+An MoE model (`model.moe`) also varies the expert-parallel size: every ep dividing
+both dp x cp and the expert count (the ep group is taken from the dp x cp ranks).
 
 Sequence parallelism comes in its two memory modes (`parallel.sp_regather_input`):
 column-parallel GEMMs keep their input shard and re-gather it in the backward, or
@@ -50,6 +53,7 @@ class Candidate:
         p, t = self.plan, self.cfg.train
         sp = "" if not p.sequence_parallel else "+sp" if self.cfg.parallel.sp_regather_input else "+sp(gathered)"
         cp = f" cp{p.cp}" if p.cp > 1 else ""
+        cp += f" ep{self.cfg.parallel.ep}" if self.cfg.model.moe.enabled else ""
         schedule = f" {p.schedule}" if p.pp > 1 else ""
         return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
                 f"recompute={t.recompute}")
@@ -73,6 +77,7 @@ class Choice:
     recompute: Recompute
     sp_regather: bool = True
     schedule: PipelineScheduleName = "auto"
+    ep: int = 1
 
 
 def _schedules(pp: int, vpp: int) -> tuple[PipelineScheduleName, ...]:
@@ -104,7 +109,14 @@ def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
                             for zero in (1, 0):
                                 for recompute in RECOMPUTE_MODES:
                                     for schedule in _schedules(pp, vpp):
-                                        yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather, schedule)
+                                        for ep in _expert_parallel_sizes(m.moe.num_experts, gpus // (tp * pp)):
+                                            yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather,
+                                                         schedule, ep)
+
+
+def _expert_parallel_sizes(num_experts: int, data_ranks: int) -> list[int]:
+    """ep sizes to try: those dividing both the dp x cp ranks and the expert count (1 for a dense model)."""
+    return [ep for ep in _divisors(data_ranks) if num_experts % ep == 0] if num_experts else [1]
 
 
 def _sp_modes(tp: int) -> list[tuple[bool, bool]]:
@@ -115,7 +127,7 @@ def _sp_modes(tp: int) -> list[tuple[bool, bool]]:
 def _apply(cfg: Config, choice: Choice) -> Config:
     new = copy.deepcopy(cfg)
     p, t = new.parallel, new.train
-    p.tp, p.cp, p.pp, p.vpp, p.dp = choice.tp, choice.cp, choice.pp, choice.vpp, None
+    p.tp, p.cp, p.pp, p.vpp, p.dp, p.ep = choice.tp, choice.cp, choice.pp, choice.vpp, None, choice.ep
     p.pipeline_layers, p.pipeline_schedule = None, choice.schedule
     p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
     p.sp_regather_input = choice.sp_regather

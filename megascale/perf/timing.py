@@ -43,6 +43,7 @@ from megascale.perf.costs import (
 )
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.host import ranks_per_core, shared_makespan
+from megascale.perf.moe import expert_layout
 from megascale.run_plan import RunPlan
 
 # Optimizer bytes per parameter it updates: read the fp32 gradient (4), read and write the two fp32
@@ -77,12 +78,13 @@ class StepTime:
 def chunk_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> list[list[ChunkCost]]:
     """Cost of every (pipeline rank, local chunk) for one micro-batch."""
     layer = layer_costs(cfg, plan, spec, traits)
+    moe_layer = layer_costs(cfg, plan, spec, traits, moe_layer=True) if cfg.model.moe.enabled else None
     costs = []
     for rank in range(plan.pp):
         chunks = plan.chunk_layers(rank)
         stages = [plan.global_stage(rank, v) for v in range(len(chunks))]
         costs.append([chunk_cost(cfg, plan, spec, ids, first=stage == 0, last=stage == plan.num_stages - 1,
-                                 traits=traits, layer=layer)
+                                 traits=traits, layer=layer, moe_layer=moe_layer)
                       for stage, ids in zip(stages, chunks)])
     return costs
 
@@ -126,34 +128,55 @@ def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
 
 
 def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
-                chunks: list[ChunkCost]) -> tuple[dict[str, float], dict[str, float]]:
-    """(exposed, hidden) seconds of the data-parallel reduction and the ZeRO-1 parameter gather."""
+                chunks: list[ChunkCost], expert_params: int = 0,
+                traits: SystemTraits = MEGASCALE) -> tuple[dict[str, float], dict[str, float]]:
+    """(exposed, hidden) seconds of the data-parallel reduction and the ZeRO-1 parameter gather.
+
+    local_params: the elements this rank holds, of which expert_params are routed-expert weights
+    (reduced and gathered over the expert-data-parallel group instead of dp x cp).
+    """
     ranks = plan.dp * plan.cp
     if ranks == 1:
         return {}, {}
     p = cfg.parallel
     inter = group_spans_nodes(plan, ("dp", "cp"), spec.gpus_per_node)
     node_ranks = group_node_ranks(plan, ("dp", "cp"), spec.gpus_per_node)
-    grad_bytes = local_params * 4  # fp32 gradient buckets
+    groups = [(local_params - expert_params, ranks, inter, node_ranks)]
+    if expert_params:
+        layout = expert_layout(cfg, plan, spec.gpus_per_node)
+        groups.append((expert_params, layout.edp, layout.edp_inter_node, layout.edp_node_ranks))
+    grad_bytes = local_params * traits.grad_reduce_bytes  # fp32 gradient buckets unless the system says otherwise
     buckets = max(1.0, grad_bytes / (p.grad_bucket_mb * 2**20))
     exposed, hidden = {}, {}
     reduce_kind = "reduce_scatter" if plan.zero == 1 else "all_reduce"
-    reduce = collective_seconds(reduce_kind, grad_bytes, ranks, spec, inter, node_ranks)
+    reduce = sum(collective_seconds(reduce_kind, n * traits.grad_reduce_bytes, g, spec, i, nr)
+                 for n, g, i, nr in groups)
     window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce else 0.0
     exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
     hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
     if plan.zero == 1:
-        gather = collective_seconds("all_gather", local_params * plan.precision.param_bytes, ranks, spec, inter,
-                                    node_ranks)
+        gather = sum(collective_seconds("all_gather", n * plan.precision.param_bytes, g, spec, i, nr)
+                     for n, g, i, nr in groups)
         window = sum(c.forward.total for c in chunks) if p.overlap_param_gather else 0.0
         exposed["dp_param_gather"] = max(gather / buckets, gather - window) if window else gather
         hidden["dp_param_gather"] = gather - exposed["dp_param_gather"]
     return exposed, hidden
 
 
-def optimizer_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int) -> float:
-    """Memory-bound optimizer update over the parameters this rank updates."""
-    updated = local_params / (plan.dp * plan.cp) if plan.zero == 1 else local_params
+def rank_param_counts(cfg: Config, table: ParamTable, pp_rank: int) -> tuple[int, int]:
+    """(elements, routed-expert elements among them) one rank of pipeline rank pp_rank holds: its tp
+    slices, and 1/ep of the routed experts."""
+    experts = table.expert_local_numel(pp_rank) // cfg.parallel.ep
+    return table.local_numel(pp_rank) - table.expert_local_numel(pp_rank) + experts, experts
+
+
+def optimizer_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int, expert_params: int = 0) -> float:
+    """Memory-bound optimizer update over the parameters this rank updates (ZeRO-1: its shard; routed-expert
+    weights, expert_params of local_params, are sharded over the expert-data-parallel group)."""
+    updated: float = local_params
+    if plan.zero == 1:
+        edp = plan.dp * plan.cp // cfg.parallel.ep
+        updated = (local_params - expert_params) / (plan.dp * plan.cp) + expert_params / edp
     per_param = _ADAM_BYTES + (plan.precision.param_bytes if plan.precision.master_weights else 0)
     if cfg.optim.name == "lamb":
         per_param += _LAMB_EXTRA_BYTES
@@ -211,15 +234,16 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     else:
         makespan, busy = _analytic_pipeline(plan, times, p2p)
     # CPU hosts: ranks beyond the cores time-share them (zero for GPU specs); reported as its own part.
-    waits = [m * sum(c.forward.tp_comm + c.forward.cp_comm + c.backward.tp_comm + c.backward.cp_comm for c in chunks)
+    waits = [m * sum(c.forward.tp_comm + c.forward.cp_comm + c.forward.ep_comm
+                     + c.backward.tp_comm + c.backward.cp_comm + c.backward.ep_comm for c in chunks)
              for chunks in costs]
     core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
     sharing = ranks_per_core(plan, spec)
     step_parts = []
     for rank in range(plan.pp):
-        local = table.local_numel(rank)
-        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank])
-        exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local)
+        local, experts = rank_param_counts(cfg, table, rank)
+        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank], experts, traits)
+        exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local, experts)
         exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
         if sharing > 1.0:
             exposed = {name: value * sharing for name, value in exposed.items()}
@@ -243,4 +267,5 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
                     compute=parts, exposed=exposed, hidden=hidden, chunk_times=times)
 
 
-__all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "step_time", "weight_pass_seconds"]
+__all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "rank_param_counts", "step_time",
+           "weight_pass_seconds"]

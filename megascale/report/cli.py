@@ -1,5 +1,7 @@
 """`megascale report RUN_DIR [--heatmap METRIC ...]`: PNGs and timeline.json into RUN_DIR/report/.
 
+For an MoE run it also draws expert_load.png, the routed-expert load per layer and step.
+
 Reads only what the run wrote (metrics.jsonl, timers.jsonl, events.jsonl), so it works on a
 finished run, a running one, or a copy of its directory on a laptop.
 """
@@ -32,7 +34,8 @@ def write_report(run: RunRecords, heatmaps: list[str], timeline_steps: int = 3) 
     """Draw everything the run's records allow into RUN_DIR/report/; returns the files written."""
     out = run.run_dir / "report"
     out.mkdir(exist_ok=True)
-    written = [plots.plot_loss(run, out), plots.plot_throughput(run, out), plots.plot_memory(run, out)]
+    written = [plots.plot_loss(run, out), plots.plot_throughput(run, out), plots.plot_memory(run, out),
+               plots.plot_expert_load(run, out)]
     if run.timers:
         written += [plots.plot_heatmap(run, out, metric) for metric in heatmaps]
         written += [plots.plot_phases(run, out), plots.plot_timeline(run, out, timeline_steps)]

@@ -1,8 +1,11 @@
 """The report's pictures (matplotlib, headless): curves over steps, the rank x step heat map,
-the phase breakdown per rank and a rendered slice of the merged timeline."""
+the phase breakdown per rank, a rendered slice of the merged timeline and, for MoE runs, the
+expert-load heat map."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -185,5 +188,91 @@ def plot_timeline(run: RunRecords, out: Path, last_steps: int = 3) -> Optional[P
     return _save(fig, out / "timeline.png")
 
 
-__all__ = ["heat_values", "plot_heatmap", "plot_loss", "plot_memory", "plot_phases", "plot_throughput",
-           "plot_timeline", "pyplot"]
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Routed-expert load of an MoE run, from metrics.jsonl's moe_layers / moe_tokens_per_expert.
+
+    relative[t][l][e]: (token, slot) assignments routed to expert e of MoE layer layers[l] at
+    steps[t], divided by the balanced share (that layer's assignments / num_experts), so 1.0 is a
+    perfectly balanced expert, 0.0 an idle one and 2.0 one with twice its share.
+    """
+
+    steps: list[int]
+    layers: list[int]
+    num_experts: int
+    relative: list[list[list[float]]]
+
+    def mean_over_steps(self) -> list[list[float]]:
+        """Layer x expert: the relative load averaged over the logged steps in which the layer got tokens."""
+        return [[_mean([step[layer][e] for step in self.relative]) for e in range(self.num_experts)]
+                for layer in range(len(self.layers))]
+
+    def rows_by_step(self) -> list[list[float]]:
+        """(layer, expert) rows, layer-major, x steps: the picture's main panel."""
+        return [[step[layer][e] for step in self.relative]
+                for layer in range(len(self.layers)) for e in range(self.num_experts)]
+
+
+def _mean(values: list[float]) -> float:
+    defined = [v for v in values if not math.isnan(v)]
+    return sum(defined) / len(defined) if defined else math.nan
+
+
+def _relative(counts: list[float]) -> list[float]:
+    mean = sum(counts) / len(counts)
+    return [c / mean if mean > 0 else math.nan for c in counts]
+
+
+def expert_load(run: RunRecords) -> Optional[ExpertLoad]:
+    """The run's expert loads (None when its metrics carry no MoE fields); steps whose layer list
+    differs from the last record's (a run resumed with another model) are left out."""
+    records = [r for r in run.metrics if r.get("moe_tokens_per_expert") and r.get("moe_layers")]
+    if not records:
+        return None
+    layers = [int(i) for i in records[-1]["moe_layers"]]
+    experts = len(records[-1]["moe_tokens_per_expert"][0])
+    kept = [r for r in records if [int(i) for i in r["moe_layers"]] == layers
+            and all(len(row) == experts for row in r["moe_tokens_per_expert"])]
+    return ExpertLoad(steps=[int(r["step"]) for r in kept], layers=layers, num_experts=experts,
+                      relative=[[_relative([float(c) for c in row]) for row in r["moe_tokens_per_expert"]]
+                                for r in kept])
+
+
+def plot_expert_load(run: RunRecords, out: Path) -> Optional[Path]:
+    """expert_load.png: left, every (layer, expert) over steps; right, layer x expert averaged over steps.
+    Colour = load relative to the balanced share: white balanced, red overloaded, blue starved, grey
+    no tokens routed at all."""
+    load = expert_load(run)
+    if load is None:
+        return None
+    from matplotlib import colormaps
+    from matplotlib.colors import TwoSlopeNorm
+
+    cmap = colormaps["RdBu_r"].with_extremes(bad="0.7")  # grey: the layer routed no token that step
+    rows, mean = load.rows_by_step(), load.mean_over_steps()
+    finite = [v for row in rows for v in row if not math.isnan(v)]
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, max(finite, default=2.0)))
+    height = min(12.0, max(3.5, 0.12 * len(rows) + 1.5))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(12, height), gridspec_kw={"width_ratios": [3, 1.4]})
+    steps, experts = load.steps, load.num_experts
+    left.imshow(rows, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+    # One column per logged step (log.interval apart): ticks name the steps, at most ~12 of them.
+    ticks = list(range(0, len(steps), max(1, -(-len(steps) // 12))))
+    left.set_xticks(ticks, [str(steps[i]) for i in ticks])
+    for boundary in range(experts, len(rows), experts):
+        left.axhline(boundary - 0.5, color="0.2", linewidth=0.8)
+    left.set_yticks([i * experts + (experts - 1) / 2 for i in range(len(load.layers))],
+                    [f"layer {layer}" for layer in load.layers], fontsize=8)
+    left.set(xlabel="step (logged)", ylabel=f"MoE layer (rows: its {experts} experts)",
+             title="Expert load over steps (1 = balanced share)")
+    image = right.imshow(mean, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+    right.set_yticks(range(len(load.layers)), [f"layer {layer}" for layer in load.layers], fontsize=8)
+    right.set(xlabel="expert", title=f"Mean over {len(steps)} logged steps")
+    if experts <= 32:
+        right.set_xticks(range(experts), [str(e) for e in range(experts)], fontsize=7)
+    fig.colorbar(image, ax=right, label="load / balanced share")
+    return _save(fig, out / "expert_load.png")
+
+
+__all__ = ["ExpertLoad", "expert_load", "heat_values", "plot_expert_load", "plot_heatmap", "plot_loss", "plot_memory",
+           "plot_phases", "plot_throughput", "plot_timeline", "pyplot"]

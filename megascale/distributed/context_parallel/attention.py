@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megascale.config import Config, ConfigError
 from megascale.distributed import comm
@@ -80,7 +79,8 @@ def build_cp_settings(ctx: ParallelContext, cfg: Config, timers: Any = None,
     kernels: the run's attention kernels (resolved from cfg and ctx.device when not given).
 
     Hybrid sub-groups are created with local synchronisation: each rank creates
-    only the two groups it belongs to.
+    only the two groups it belongs to, once per context (`ParallelContext.subgroup`
+    keeps them), however many times a model is built on it.
     """
     cp = ctx.cp_size
     ulysses = check_context_parallel(cfg, cp, ctx.tp_size)
@@ -95,18 +95,10 @@ def build_cp_settings(ctx: ParallelContext, cfg: Config, timers: Any = None,
     ring_ranks = cp_ranks[ulysses_rank::ulysses]
     return CPSettings(size=cp, rank=ctx.cp_rank, group=group, mode=cfg.parallel.cp_mode,
                       ulysses_size=ulysses, ulysses_rank=ulysses_rank,
-                      ulysses_group=_sub_group(ulysses_ranks, cp_ranks, group),
-                      ring_size=ring, ring_rank=ring_rank, ring_group=_sub_group(ring_ranks, cp_ranks, group),
+                      ulysses_group=ctx.subgroup(ulysses_ranks),
+                      ring_size=ring, ring_rank=ring_rank, ring_group=ctx.subgroup(ring_ranks),
                       ring_ranks=tuple(ring_ranks), kernels=kernels or attention_kernels_for(cfg, ctx.device),
                       timers=timers)
-
-
-def _sub_group(ranks: list[int], cp_ranks: list[int], cp_group: Any) -> Optional[Any]:
-    if len(ranks) == 1:
-        return None
-    if ranks == cp_ranks:
-        return cp_group
-    return dist.new_group(ranks=ranks, use_local_synchronization=True)
 
 
 def local_positions(seq: int, cp: CPSettings) -> torch.Tensor:

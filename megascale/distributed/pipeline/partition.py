@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from megascale.config import ConfigError
 from megascale.distributed.pipeline.schedules import stage_of
-from megascale.model.flops import LayerDims, layer_forward_flops, logits_forward_flops
+from megascale.model.flops import layer_forward_flops_list, logits_forward_flops
 
 if TYPE_CHECKING:
     from megascale.config import ModelConfig
@@ -65,10 +65,12 @@ def gpt_stage_cost(model: ModelConfig) -> StageCost:
 
     The same per-layer count as MFU (`megascale.model.flops`). The output layer costs
     2*h*Vp per token: for GPT-2 small (h 768, V 50k) that is about four layers, which
-    is why the last stage should hold fewer layers.
+    is why the last stage should hold fewer layers. An MoE model's dense and MoE layers
+    differ, so it gets one cost per layer; every layer of a dense model costs the same.
     """
-    return StageCost(layer=layer_forward_flops(LayerDims.of(model)), embedding=0.0,
-                     head=logits_forward_flops(model.hidden_size, model.padded_vocab_size))
+    costs = layer_forward_flops_list(model)
+    layer: Union[float, list[float]] = costs[0] if len(set(costs)) == 1 else costs
+    return StageCost(layer=layer, embedding=0.0, head=logits_forward_flops(model.hidden_size, model.padded_vocab_size))
 
 
 def _check_sizes(num_layers: int, pp: int, vpp: int) -> None:

@@ -1,0 +1,425 @@
+"""The planner on Mixture-of-Experts models: saved activations against autograd, parameters against the
+published models, expert-parallel memory sharding, the all-to-all's placement and time, and the search over ep.
+
+Saved bytes: as in tests/test_memory_model.py, a `saved_tensors_hooks` pack hook sees every
+tensor autograd keeps during one micro-batch's forward through a chunk of the real MoE model,
+each storage counted once, parameters left out; `chunk_bytes` must equal it to the byte for
+dropless routing (every token reaches top_k experts, so the routed rows are tokens x top_k
+whatever the router chose), single process and on two gloo ranks with tp 2 (with and
+without sequence parallelism) and cp 2 (ring and Ulysses). With ep 2 each rank computes
+the rows the routers sent its experts, and with a capacity factor the rows kept depend
+on the routing: the model counts balanced routing (nothing dropped at a factor >= 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from functools import partial
+from typing import Any
+
+import parity
+import pytest
+import torch
+from dist_utils import Outcome, run_scenarios
+from test_memory_model import (
+    BASE,
+    LLAMA,
+    PEAK_BASE,
+    STAGES,
+    _working_bytes,
+    _zero_grads,
+    measure_peak_bytes,
+    measure_saved_bytes,
+)
+
+from megascale.cli import main as cli_main
+from megascale.config import load_config
+from megascale.model.params import ModelLayout, param_table
+from megascale.perf.costs import layer_costs
+from megascale.perf.gpus import builtin_gpu
+from megascale.perf.memory import stage_estimates
+from megascale.perf.moe import active_numel, all_to_all_seconds, dispatch_seconds, expert_layout
+from megascale.perf.timing import step_time
+from megascale.run_plan import resolve_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden_size=48"]
+VARIANTS = {
+    "gpt": [],
+    "llama": LLAMA,
+    "shared": [*LLAMA, "model.moe.shared_experts=1"],
+    "sigmoid_dense_first": [*LLAMA, "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.001",
+                            "model.moe.routed_scaling=2.5", "model.moe.first_dense=1"],
+    "losses": [*LLAMA, "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001"],
+    "unnormalised": [*LLAMA, "model.moe.norm_topk_prob=false", "model.moe.shared_experts=2"],
+    "dropout": ["model.dropout=0.1", "model.moe.shared_experts=1"],
+    "parallel_block": [*LLAMA, "model.parallel_block=true", "model.moe.shared_experts=1"],
+}
+RECOMPUTE = {"none": [], "selective": ["train.recompute=selective"],
+             "full_first1": ["train.recompute=full", "train.recompute_layers=1"]}
+
+
+def _context(cfg: Any, rank: int, world: int) -> Any:
+    """The layout's context; with expert parallelism (and no model parallelism) ep of the dp ranks."""
+    from megascale.distributed.topology import ParallelContext, RankLayout
+
+    if cfg.parallel.ep > 1:
+        return ParallelContext(RankLayout(dp=world, ep=cfg.parallel.ep), rank=rank)
+    return parity.layout_context(cfg, rank, world)
+
+
+def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1) -> tuple[int, float]:
+    """(measured, modelled) saved bytes of one micro-batch through this rank's chunk of the layout."""
+    from megascale.kernels import emulate
+    from megascale.model import build_model
+    from megascale.perf.activations import chunk_bytes
+
+    cfg = parity.make_config(overrides)
+    plan = resolve_plan(cfg, world)
+    chunk = build_model(cfg, _context(cfg, rank, world), plan=plan)[0]
+    if kernels == "fused":  # the csrc autograd fronts over the extension's plain-torch stand-in
+        chunk.bc.ops._extension = lambda *tensors: emulate
+    chunk.first, chunk.last = STAGES[stage]
+    generator = torch.Generator().manual_seed(rank)
+    m = cfg.model
+    tokens, labels = (torch.randint(0, m.vocab_size, (plan.micro_batch_size, m.seq_length), generator=generator)
+                      for _ in range(2))
+    hidden = None
+    if not chunk.first:
+        hidden = torch.randn(plan.activation_shape, generator=generator).to(plan.precision.compute_dtype)
+        hidden.requires_grad_(True)
+    got = measure_saved_bytes(chunk, hidden, {"tokens": tokens, "labels": labels})
+    return got, chunk_bytes(cfg, plan, kernels, len(chunk.layer_ids), chunk.first, chunk.last, chunk.layer_ids)
+
+
+def _cases(variants: list[str], dtypes: tuple[str, ...], recompute: list[str], stages: list[str],
+           kernels: str) -> list[tuple[str, list[str], str, str]]:
+    cases = []
+    for variant, dtype, mode, stage in itertools.product(variants, dtypes, recompute, stages):
+        if kernels == "fused" and "dropout" in variant:
+            continue  # CPU dropout takes CPU-only paths
+        overrides = [*BASE, *MOE, *VARIANTS[variant], *RECOMPUTE[mode], f"train.dtype={dtype}"]
+        cases.append((f"{kernels}-{variant}-{dtype}-{mode}-{stage}", overrides, kernels, stage))
+    return cases
+
+
+def _mismatches(results: list[tuple[str, int, float]]) -> list[str]:
+    return [f"{case}: autograd saved {got} bytes, model says {want:.0f} ({want / got - 1:+.2%})"
+            for case, got, want in results if want != got]
+
+
+SINGLE = (_cases(list(VARIANTS), ("fp32", "bf16"), ["none"], ["middle"], "reference")
+          + _cases(list(VARIANTS), ("bf16",), ["none"], ["whole"], "fused")
+          + _cases(["llama", "shared"], ("bf16",), ["selective", "full_first1"], ["first", "last"], "reference"))
+
+
+def test_moe_saved_bytes_single_process_are_exact() -> None:
+    results = [(case, *compare(overrides, kernels, stage)) for case, overrides, kernels, stage in SINGLE]
+    assert not _mismatches(results), "\n".join(_mismatches(results))
+
+
+def test_capacity_keeps_at_most_the_balanced_rows() -> None:
+    # Factor 1: an expert takes tokens x top_k / E rows; overloaded experts drop, so at most the
+    # balanced count survives. A factor of E drops nothing: exact again.
+    overrides = [*BASE, *MOE, *LLAMA, "train.dtype=bf16"]
+    got, want = compare([*overrides, "model.moe.capacity_factor=1.0"], "reference", "middle")
+    assert got < want < 1.1 * got
+    got, want = compare([*overrides, "model.moe.capacity_factor=8.0"], "reference", "middle")
+    assert got == want
+
+
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2_sp_saved": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_regather_input=false"],
+    "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
+    "cp2_ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses"],
+}
+
+
+def _layout_case(layout: str, rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
+    cases = (_cases(["llama", "shared"], ("fp32", "bf16"), ["none"], ["middle"], "reference")
+             + _cases(["gpt"], ("bf16",), ["none"], ["whole"], "fused"))
+    return [(f"{layout}-{case} rank {rank}", *compare([*overrides, *LAYOUTS[layout]], kernels, stage, rank, world))
+            for case, overrides, kernels, stage in cases]
+
+
+def _ep_case(rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
+    cases = _cases(["llama", "shared"], ("fp32", "bf16"), ["none"], ["middle"], "reference")
+    return [(f"ep2-{case} rank {rank}", *compare([*overrides, "parallel.ep=2", "train.global_batch_size=4"], kernels,
+                                                 stage, rank, world))
+            for case, overrides, kernels, stage in cases]
+
+
+def _dispatch_traffic(rank: int, world: int, shared: Any) -> tuple[dict[str, int], dict[str, float]]:
+    """(bytes the all-to-all dispatcher counted, the planner's bytes) for one MoE layer's forward and backward
+    on balanced routing: each rank's token t goes to experts (t k + j) mod E, so every expert gets the same
+    rows from every rank."""
+    from megascale.distributed.expert_parallel.dispatch import AllToAllDispatcher
+    from megascale.distributed.topology import ParallelContext, RankLayout
+    from megascale.model.moe_dispatch import Routing
+    from megascale.perf.moe import dispatch_bytes
+
+    cfg = parity.make_config([*BASE, *MOE, "model.moe.num_experts=8", "model.moe.top_k=4", "train.dtype=bf16",
+                              "parallel.ep=2", "train.global_batch_size=4"])
+    plan = resolve_plan(cfg, world)
+    ctx = ParallelContext(RankLayout(dp=world, ep=2), rank=rank)
+    dispatcher = AllToAllDispatcher(8, ctx.expert_parallel())
+    n, k, h = plan.micro_batch_size * plan.local_seq_length, 4, cfg.model.hidden_size
+    tokens = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
+    ids = (torch.arange(n * k) % 8).view(n, k)
+    dispatched = dispatcher.dispatch(tokens, Routing(ids, torch.full((n, k), 1.0 / k)))
+    dispatcher.combine(dispatched.expert_input * 2, dispatched).float().sum().backward()
+    traffic = dispatcher.traffic
+    counted = {"dispatch": traffic.dispatch, "combine": traffic.combine, "backward": traffic.backward,
+               "counts": traffic.counts}
+    planned = dispatch_bytes(cfg, plan)
+    return counted, {"dispatch": planned.off_rank_rows, "combine": planned.off_rank_rows,
+                     "backward": 2 * planned.off_rank_rows, "counts": planned.off_rank_counts}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> dict[str, Outcome]:
+    return run_scenarios({**{name: partial(_layout_case, name) for name in LAYOUTS}, "ep2": _ep_case,
+                          "traffic": _dispatch_traffic}, 2)
+
+
+def test_planned_all_to_all_bytes_are_what_the_dispatcher_sends(two_rank_results: dict[str, Outcome]) -> None:
+    for counted, planned in two_rank_results["traffic"].check():
+        assert counted == planned and counted["dispatch"] > 0
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_saved_bytes_two_ranks_are_exact(two_rank_results: dict[str, Outcome], layout: str) -> None:
+    results = [row for rank_rows in two_rank_results[layout].check() for row in rank_rows]
+    assert len(results) == 2 * 5
+    assert not _mismatches(results), "\n".join(_mismatches(results))
+
+
+def test_moe_saved_bytes_with_expert_parallelism_are_the_balanced_count(
+        two_rank_results: dict[str, Outcome]) -> None:
+    # ep 2: each rank computes the rows the two ranks' routers sent its 4 experts, which depends on
+    # the routing; the model counts the balanced share (tokens x top_k). Every row lands on one of
+    # the two ranks, so their sum is exactly twice the model's; each is off by its imbalance
+    # (measured: 0.6% at most).
+    rank0, rank1 = two_rank_results["ep2"].check()
+    assert len(rank0) == len(rank1) == 4
+    for (case, got0, want0), (_, got1, want1) in zip(rank0, rank1):
+        assert want0 == want1 and got0 + got1 == 2 * want0, case
+        assert abs(got0 / want0 - 1) < 0.01, (case, got0, want0)
+
+
+@pytest.mark.parametrize("extra", [
+    ["train.dtype=fp32", "model.vocab_size=2000"],
+    ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "model.moe.shared_experts=1", "train.recompute=full"],
+    ["train.dtype=bf16", "model.vocab_size=2048", *LLAMA, "model.moe.top_k=4", "model.moe.ffn_hidden_size=512"],
+], ids=["gpt_fp32", "llama_bf16_shared_full_recompute", "llama_bf16_wide_experts"])
+def test_estimate_matches_measured_peak_of_an_moe_micro_batch(extra: list[str]) -> None:
+    # The whole step's working set (saved tensors, the loss's buffers, a layer's backward with the
+    # experts' fc1 gradient over their rows) against the CPU allocator's peak: measured within 0.4%.
+    from megascale.model import build_model
+
+    cfg = parity.make_config([*PEAK_BASE, "train.global_batch_size=4", *MOE[:2], "model.moe.ffn_hidden_size=128",
+                              *extra])
+    plan = resolve_plan(cfg, 1)
+    chunks = build_model(cfg, parity.single_context(), plan=plan)
+    _zero_grads(chunks)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
+    measured = measure_peak_bytes(lambda: chunks[0](None, {"tokens": tokens, "labels": tokens}).backward())
+    assert _working_bytes(cfg, plan, 0) == pytest.approx(measured, rel=0.01)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _preset(name: str, *overrides: str) -> Any:
+    return load_config(os.path.join(ROOT, "configs", name), list(overrides))
+
+
+def _counts(name: str) -> tuple[int, int]:
+    cfg = _preset(name)
+    table = param_table(cfg, ModelLayout())
+    return table.numel(), active_numel(table, cfg.model)
+
+
+def test_mixtral_parameters_are_the_published_ones() -> None:
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active (HF: 46,702,792,704). Every tensor is represented.
+    total, active = _counts("mixtral-8x7b.yaml")
+    assert total == 46_702_792_704
+    assert active == pytest.approx(12.9e9, rel=0.01)
+
+
+def test_qwen3_parameters_differ_from_the_published_ones_by_the_head_width() -> None:
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (HF: 30,532,122,624). Its heads are 128 wide
+    # (q 2048 -> 4096, k/v 2048 -> 512 each, o 4096 -> 2048) and q/k are RMS-normalised per head
+    # (128 + 128 weights per layer); the preset's heads are hidden / heads = 64 wide.
+    total, active = _counts("qwen3-30b-a3b.yaml")
+    layers, h = 48, 2048
+    published_attention = h * (32 + 2 * 4) * 128 + 32 * 128 * h + 2 * 128
+    preset_attention = h * (32 + 2 * 4) * 64 + 32 * 64 * h
+    missing = layers * (published_attention - preset_attention)
+    assert total + missing == pytest.approx(30_532_122_624, rel=2e-5)
+    assert active + missing == pytest.approx(3.3e9, rel=0.02)
+    assert total == pytest.approx(30.5e9, rel=0.02)  # the routed experts, 95% of the model, are exact
+
+
+def test_deepseek_v3_sized_parameters_are_near_the_published_ones() -> None:
+    # DeepSeek-V3: 671B parameters, 37B active, with MLA attention (~187M parameters a layer); the
+    # preset's multi-head attention has 4 h^2 = 205.5M a layer, the experts and embeddings are exact.
+    total, active = _counts("deepseek-v3-moe.yaml")
+    assert total == pytest.approx(671e9, rel=0.01)
+    attention_excess = 61 * (4 * 7168 ** 2 - 187_000_000)
+    assert active - attention_excess == pytest.approx(37e9, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- memory with ep
+
+
+SMALL = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=8", "model.vocab_size=1024",
+         "model.seq_length=256", "model.activation=swiglu", "model.norm=rmsnorm", "model.position=rope",
+         "model.bias=false", "model.moe.num_experts=16", "model.moe.top_k=4", "model.moe.ffn_hidden_size=128",
+         "train.dtype=bf16", "train.global_batch_size=64", "parallel.zero=1"]
+
+
+def test_expert_weights_and_their_state_shard_over_ep_and_edp() -> None:
+    cfg1 = load_config(None, [*SMALL, "parallel.ep=1"])
+    cfg4 = load_config(None, [*SMALL, "parallel.ep=4"])
+    plan = resolve_plan(cfg1, 8)  # dp 8
+    table = param_table(cfg1, ModelLayout.from_plan(plan))
+    experts = table.expert_local_numel(0)
+    assert experts == 4 * 16 * 3 * 256 * 128
+    one, four = (stage_estimates(c, plan, "fused", table)[0] for c in (cfg1, cfg4))
+    assert one.num_params - four.num_params == experts * 3 // 4
+    assert one.params_bytes - four.params_bytes == 2 * experts * 3 // 4  # bf16 weights
+    assert one.grads_bytes - four.grads_bytes == 4 * experts * 3 // 4  # fp32 gradient buffers
+    # ZeRO-1: 12 bytes of state per weight (two fp32 moments, an fp32 master) over dp 8, the experts'
+    # over their edp 8 / 4 = 2 replicas
+    dense = one.num_params - experts
+    assert one.optimizer_bytes == pytest.approx(12 * one.num_params / 8)
+    assert four.optimizer_bytes == pytest.approx(12 * dense / 8 + 12 * (experts / 4) / 2)
+
+
+# ----------------------------------------------------------------------------- all-to-all placement and time
+
+
+def _plan(*overrides: str, gpus: int) -> tuple[Any, Any]:
+    cfg = load_config(None, [*SMALL, *overrides])
+    return cfg, resolve_plan(cfg, gpus)
+
+
+@pytest.mark.parametrize("overrides,gpus,inter,node_ranks,span", [
+    (["parallel.tp=2", "parallel.ep=4"], 16, False, 4, 7),  # ranks 0, 2, 4, 6: one node
+    (["parallel.tp=2", "parallel.ep=8"], 16, True, 4, 15),  # ranks 0, 2, ..., 14: two nodes, 4 in each
+    (["parallel.tp=8", "parallel.ep=2"], 16, True, 1, 9),  # ranks 0 and 8: one GPU per node
+    (["parallel.tp=1", "parallel.ep=8"], 16, False, 8, 8),
+    (["parallel.tp=2", "parallel.ep=4", "parallel.order=tp-pp-dp-cp", "parallel.pp=2"], 16, True, 2, 13),
+], ids=["tp2-ep4", "tp2-ep8", "tp8-ep2", "tp1-ep8", "pp-between"])
+def test_ep_group_placement_follows_the_rank_order(overrides: list[str], gpus: int, inter: bool, node_ranks: int,
+                                                   span: int) -> None:
+    cfg, plan = _plan(*overrides, gpus=gpus)
+    layout = expert_layout(cfg, plan, 8)
+    assert (layout.inter_node, layout.node_ranks, layout.span) == (inter, node_ranks, span)
+    assert layout.edp == plan.dp * plan.cp // cfg.parallel.ep
+
+
+def test_all_to_all_bytes_and_links() -> None:
+    spec = builtin_gpu("h100")
+    cfg, plan = _plan("parallel.tp=2", "parallel.ep=4", gpus=16)
+    layout = expert_layout(cfg, plan, 8)
+    tokens = plan.micro_batch_size * plan.local_seq_length // plan.tp
+    nbytes = tokens * 4 * 256 * 2  # tokens x top_k rows of h bf16 values
+    nvlink = spec.nvlink_gbps * spec.nvlink_efficiency * 1e9
+    expected = 3 * spec.intra_latency_us * 1e-6 + 3 / 4 * nbytes / nvlink
+    assert all_to_all_seconds(nbytes, layout, spec) == pytest.approx(expected)
+    counts = all_to_all_seconds(16 * 8, layout, spec)
+    assert dispatch_seconds(cfg, plan, spec, layout) == pytest.approx(counts + expected)
+    # Spanning two nodes: 4 of the 8 destinations are on the other node, through each GPU's own NIC.
+    cfg8, plan8 = _plan("parallel.tp=2", "parallel.ep=8", gpus=16)
+    wide = expert_layout(cfg8, plan8, 8)
+    nic = spec.nic_gbps * spec.nic_efficiency * 1e9
+    assert all_to_all_seconds(nbytes, wide, spec) == pytest.approx(
+        7 * spec.inter_latency_us * 1e-6 + max(4 / 8 * nbytes / nic, 3 / 8 * nbytes / nvlink))
+
+
+def test_moe_layer_time_has_the_all_to_all_and_the_routed_gemms() -> None:
+    spec = builtin_gpu("h100")
+    cfg1, plan = _plan("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=1", gpus=16)
+    cfg4, _ = _plan("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", gpus=16)
+    dense = layer_costs(cfg1, plan, spec)
+    local, spread = (layer_costs(c, plan, spec, moe_layer=True) for c in (cfg1, cfg4))
+    assert local.forward.ep_comm == 0.0 and local.backward.ep_comm == 0.0
+    one_way = dispatch_seconds(cfg4, plan, spec, expert_layout(cfg4, plan, 8))
+    assert spread.forward.ep_comm == pytest.approx(2 * one_way)  # dispatch and combine
+    assert spread.backward.ep_comm == pytest.approx(2 * one_way)  # their gradients
+    assert spread.recompute_full == pytest.approx(spread.forward.total)  # a recomputed layer sends again
+    # No shared expert and sequence parallelism: the MLP's tp gather / reduce-scatter pair is gone.
+    assert local.forward.tp_comm < dense.forward.tp_comm
+    # Four experts of 128 per token against a dense MLP of 8h/3 = 704 (rounded to 64): more GEMM time.
+    assert local.forward.gemm > dense.forward.gemm
+    # The step's breakdown names the all-to-all, and it adds up.
+    table = param_table(cfg4, ModelLayout.from_plan(plan))
+    step = step_time(cfg4, plan, spec, table)
+    assert step.compute["ep_comm"] > 0
+    assert sum(step.breakdown().values()) == pytest.approx(step.step_time_s)
+
+
+def test_shared_expert_overlap_hides_the_dispatch() -> None:
+    # megascale runs the shared experts while the token all-to-all is in flight (forward only);
+    # Megatron-LM's --moe-shared-expert-overlap also hides the combine's gradient in the backward.
+    import dataclasses
+
+    from megascale.perf.costs import MEGASCALE
+
+    spec = builtin_gpu("h100")
+    cfg, plan = _plan("parallel.tp=8", "parallel.ep=2", "model.moe.shared_experts=2", gpus=16)
+    plain = layer_costs(cfg, plan, spec, dataclasses.replace(MEGASCALE, shared_expert_overlap=False), moe_layer=True)
+    ours = layer_costs(cfg, plan, spec, MEGASCALE, moe_layer=True)
+    both = layer_costs(cfg, plan, spec, dataclasses.replace(MEGASCALE, shared_expert_overlap_backward=True),
+                       moe_layer=True)
+    hidden = ours.forward.hidden["ep"]
+    assert 0 < hidden <= plain.forward.ep_comm / 2
+    assert ours.forward.ep_comm == pytest.approx(plain.forward.ep_comm - hidden)
+    assert ours.backward.ep_comm == plain.backward.ep_comm and ours.backward.hidden["ep"] == 0.0
+    assert both.backward.hidden["ep"] > 0 and both.backward.ep_comm < plain.backward.ep_comm
+    # Without shared experts there is nothing to hide behind.
+    bare_cfg, _ = _plan("parallel.tp=8", "parallel.ep=2", gpus=16)
+    assert layer_costs(bare_cfg, plan, spec, MEGASCALE, moe_layer=True).forward.hidden["ep"] == 0.0
+
+
+def test_search_enumerates_ep_dividing_dp_cp_and_the_experts() -> None:
+    from megascale.perf.search import _layouts
+
+    cfg = load_config(None, [*SMALL, "model.moe.num_experts=12"])
+    choices = list(_layouts(cfg, 16, builtin_gpu("h100")))
+    for tp in (1, 2, 4, 8):
+        eps = {c.ep for c in choices if c.tp == tp and c.pp == 1 and c.cp == 1}
+        assert eps == {ep for ep in (1, 2, 4, 8, 16) if (16 // tp) % ep == 0 and 12 % ep == 0}, tp
+    dense = load_config(None, [*SMALL, "model.moe.num_experts=0"])
+    assert {c.ep for c in _layouts(dense, 16, builtin_gpu("h100"))} == {1}
+
+
+@pytest.mark.slow
+def test_search_picks_ep_and_keeps_the_all_to_all_in_a_node(capsys) -> None:
+    # 16 layers of 64 experts of 2048: 6.4 GB of bf16 expert weights, ~40 GB with their gradients and
+    # state, so ep 1 does not fit a 40 GB A100; ep 16 would cross nodes (tp 1: ep ranks are consecutive).
+    args = [*SMALL, "model.num_layers=16", "model.seq_length=4096", "model.hidden_size=1024",
+            "model.moe.num_experts=64", "model.moe.ffn_hidden_size=2048", "train.global_batch_size=32"]
+    assert cli_main(["plan", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--gpus", "16", "--gpu",
+                     "a100-40g", "--search", "--json", "--top", "5", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    labels = [r["label"] for r in out["ranked"]]
+    assert labels and not any(" ep1 " in label or " ep16 " in label for label in labels), labels
+    assert out["ranked"][0]["params_active"] < out["ranked"][0]["params_total"]
+    assert out["ranked"][0]["breakdown"]["ep_comm"] > 0
+
+
+@pytest.mark.parametrize("ep,where", [(4, "inside one node: all-to-all on NVLink"),
+                                      (8, "across nodes (4 of its ranks per node): all-to-all on the NICs")])
+def test_plan_says_where_the_all_to_all_runs(ep: int, where: str, capsys) -> None:
+    args = [*SMALL, "train.micro_batch_size=1", "parallel.tp=2", "parallel.sequence_parallel=true", f"parallel.ep={ep}"]
+    assert cli_main(["plan", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--gpus", "16", *args]) == 0
+    text = capsys.readouterr().out
+    assert f"expert parallel: ep {ep} x edp {8 // ep}, {16 // ep} of each MoE layer's experts per rank" in text
+    assert where in text and "active per token" in text
