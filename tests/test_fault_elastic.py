@@ -55,6 +55,15 @@ def test_micro_batch_size_is_lowered_only_where_the_batch_would_not_split() -> N
         elastic_config(cfg, 10)
 
 
+def test_elastic_keeps_expert_parallelism_where_it_divides_dp_cp() -> None:
+    cfg = load_config("configs/tiny.yaml", ["fault.elastic=dp", "parallel.dp=4", "train.global_batch_size=12",
+                                            "train.micro_batch_size=1", "model.moe.num_experts=4",
+                                            "parallel.ep=2"])
+    assert resolve_plan(elastic_config(cfg, 2), 2).ep == 2
+    with pytest.raises(ConfigError, match=r"dp 3 \* cp 1 = 3 is not divisible by parallel.ep=2"):
+        elastic_config(cfg, 3)
+
+
 def test_elastic_none_keeps_the_world_size_check() -> None:
     cfg = load_config("configs/tiny.yaml", ["parallel.dp=4", "fault.elastic=none"])  # the default
     assert elastic_config(cfg, 3) is cfg

@@ -5,8 +5,9 @@ expert-data-parallel ranks) trains 2 steps and saves. Its metadata must hold eve
 tensor exactly once: the pieces of each global tensor cover it with no overlap (the
 expert blocks of the 4 ep ranks, each written by one of its edp and tp replicas; the
 ZeRO-1 flat ranges of the state), the sigmoid router's expert_bias included. Copies of
-the run then resume at ep 2 (2 ranks, ZeRO-1) and at ep 1 (one process, replicated
-optimizer) and must continue the uninterrupted single-process loss curve: the loader
+the run then resume at ep 2 (2 ranks, ZeRO-1, replicas read once and broadcast) and
+at ep 1 (one process, replicated optimizer) and must continue the uninterrupted
+single-process loss curve: the loader
 cuts the stored expert blocks and flat ranges into the new layout's pieces, so only
 float32 reduction order differs (1e-5 relative). optim.decay_steps is fixed so the
 schedule does not depend on train.steps.
@@ -57,10 +58,11 @@ def _check_curve(recs: list[dict], uninterrupted: list[dict]) -> None:
         assert abs(got["grad_norm"] - ref["grad_norm"]) < 10 * RTOL * ref["grad_norm"], (got, ref)
 
 
-def test_expert_shards_are_written_once(saved_at_ep4: Path) -> None:
-    step_dir = saved_at_ep4 / "checkpoints" / (saved_at_ep4 / "checkpoints" / "latest").read_text().strip()
+def _check_written_once(run: Path, ep: int) -> None:
+    """Every tensor of the run's latest checkpoint is stored exactly once; routed experts in one block per ep rank."""
+    step_dir = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     meta = json.loads((step_dir / "metadata.json").read_text())
-    assert meta["layout"]["ep"] == 4
+    assert meta["layout"]["ep"] == ep
     tensors = meta["tensors"]
     expert = [name for name in tensors if ".mlp.experts." in name and not name.startswith("optim.")]
     assert expert and any(name.endswith("router.expert_bias") for name in tensors)
@@ -68,15 +70,39 @@ def test_expert_shards_are_written_once(saved_at_ep4: Path) -> None:
         stored = sum(math.prod(p["lengths"]) if p.get("flat_range") is None
                      else p["flat_range"][1] - p["flat_range"][0] for p in entry["pieces"])
         assert stored == math.prod(entry["global_shape"]), f"{name}: {stored} elements stored"
+    per_rank = 4 // ep  # experts of one ep rank
     for name in expert:  # one block of experts per ep rank, whatever the edp and tp replicas
         offsets = sorted(p["offsets"][0] for p in tensors[name]["pieces"])
-        assert offsets == [0, 1, 2, 3], (name, offsets)
+        assert offsets == list(range(0, 4, per_rank)), (name, offsets)
+
+
+def test_expert_shards_are_written_once(saved_at_ep4: Path) -> None:
+    _check_written_once(saved_at_ep4, 4)
+
+
+def test_expert_all_to_alls_are_timed(saved_at_ep4: Path) -> None:
+    records = [json.loads(line) for line in (saved_at_ep4 / "timers.jsonl").read_text().splitlines()]
+    assert {r["rank"] for r in records} == {0, 1, 2, 3}
+    assert all(r["phases_ms"].get("ep_all_to_all", 0) > 0 for r in records)
 
 
 def test_ep4_checkpoint_resumes_at_ep2(saved_at_ep4: Path, tmp_path: Path, uninterrupted: list[dict]) -> None:
-    _check_curve(_resume(saved_at_ep4, tmp_path, "parallel.ep=2", "parallel.zero=1", nproc=2), uninterrupted)
+    # broadcast_load: what both dp replicas hold alike is read once and broadcast; their expert blocks differ.
+    _check_curve(_resume(saved_at_ep4, tmp_path, "parallel.ep=2", "parallel.zero=1", "checkpoint.broadcast_load=true",
+                         nproc=2), uninterrupted)
 
 
 @pytest.mark.slow
 def test_ep4_checkpoint_resumes_at_ep1(saved_at_ep4: Path, tmp_path: Path, uninterrupted: list[dict]) -> None:
     _check_curve(_resume(saved_at_ep4, tmp_path), uninterrupted)
+
+
+@pytest.mark.slow
+def test_tp_sp_ep_checkpoint_writes_replicas_once_and_resumes_at_ep1(tmp_path: Path,
+                                                                     uninterrupted: list[dict]) -> None:
+    """tp 2 + SP + ep 2 + ZeRO-1 on 4 ranks: the experts' tp replicas are written once; one process resumes."""
+    saved = tmp_path / "saved"
+    _train(saved, 2, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.zero=1",
+           nproc=4)
+    _check_written_once(saved, 2)
+    _check_curve(_resume(saved, tmp_path / "resumed"), uninterrupted)

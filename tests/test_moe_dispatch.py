@@ -153,6 +153,7 @@ def test_single_rank_dispatch_is_the_reference() -> None:
     scenario_dispatch(1, True, 0, 1, None)
 
 
+@pytest.mark.slow
 def test_moe_bench_counts_dispatch_bytes_exactly() -> None:
     """`megascale bench moe` on 2 gloo ranks: the counted bytes equal the formula (its exit status says so)."""
     import os

@@ -49,6 +49,9 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "cp2_ep4_zero1": ("parallel.cp=2", "parallel.ep=4", "parallel.zero=1"),
     # Capacity is per micro-batch of the tokens a rank routes, which ep leaves as they are.
     "ep2_capacity": ("parallel.ep=2", "model.moe.capacity_factor=1.0"),
+    # Full recomputation replays each layer's forward, all-to-alls included, inside the backward.
+    "ep2_recompute": ("parallel.ep=2", "train.recompute=full"),
+    "pp2_ep2_interleaved": ("parallel.pp=2", "parallel.vpp=2", "parallel.ep=2", "model.num_layers=4"),
     "ep2_lamb_zero0": ("parallel.ep=2", "optim.name=lamb"),
     "ep2_lamb_zero1": ("parallel.ep=2", "parallel.zero=1", "optim.name=lamb"),
 }

@@ -136,8 +136,10 @@ def _run_scenario(contexts: dict, name: str) -> None:
     def before_last_backward(c: int) -> None:
         # Called exactly once per chunk, after m - 1 of its backwards and before the last; with a
         # split backward, after all m input-gradient passes and before the last weight pass (the
-        # first stage has no input gradient: its whole backward runs in W).
-        done = m if split_backward and stages[c] > 0 else m - 1
+        # first stage's B walks its spine, so its output's gradient hook fires in B too; a first stage
+        # holding only the embedding has no spine, and its whole backward runs in W).
+        walks_spine = stages[c] > 0 or bool(chunks[c].layer_ids) or chunks[c].last
+        done = m if split_backward and walks_spine else m - 1
         assert chunks[c].backward_count == done, (c, chunks[c].backward_count)
         calls.append(c)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import parity
 import pytest
@@ -59,11 +60,18 @@ def _reference(overrides: list[str], micro: int) -> tuple[list[float], dict[str,
                                                                                parity.single_context()).items()}
 
 
-def _pipelined(overrides: list[str], micro: int, rank: int, world: int,
+def _pipelined(overrides: list[str], micro: int, rank: int, world: int, problems: Optional[list[str]] = None,
                ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and merged gradients of one pipelined step; into `problems`, any difference between what the
+    executor held (items to B, items to B and W together) and the simulator's counts for this rank."""
     import torch.distributed as dist
 
-    from megascale.distributed.pipeline import build_schedule, forward_backward_pipelined
+    from megascale.distributed.pipeline import (
+        build_all_schedules,
+        build_schedule,
+        forward_backward_pipelined,
+        simulate,
+    )
 
     cfg = parity.make_config(overrides)
     p = cfg.parallel
@@ -72,8 +80,16 @@ def _pipelined(overrides: list[str], micro: int, rank: int, world: int,
     seq = cfg.model.seq_length // (p.tp if p.sequence_parallel else 1)
     shape = (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)
     schedule = build_schedule(p.pipeline_schedule, p.pp, p.vpp, micro, ctx.pp_rank, v_shape=ctx.v_shape)
+    occupancy: list[tuple[int, int]] = []
     losses = forward_backward_pipelined(chunks, parity.micro_batches(cfg, micro), ctx, schedule, shape,
-                                        torch.float32, v_shape=ctx.v_shape)
+                                        torch.float32, v_shape=ctx.v_shape, occupancy=occupancy)
+    if problems is not None:
+        sim = simulate([list(a) for a in build_all_schedules(p.pipeline_schedule, p.pp, p.vpp, micro)],
+                       v_shape=ctx.v_shape)
+        held = (max(b for b, _ in occupancy), max(b + w for b, w in occupancy))
+        expected = (sim.peak_in_flight[ctx.pp_rank], sim.peak_until_weight[ctx.pp_rank])
+        if held != expected:
+            problems.append(f"executor held {held} items (to B, to W), the simulator counts {expected}")
     params = parity.parameters(chunks)
     parity.reduce_grads(params, ctx, tied=cfg.model.tie_embeddings)
     merged = parity.merge_stages(parity.gather_global(params, ctx), ctx.group("pp"), ctx.pp_size)
@@ -85,14 +101,15 @@ def _pipelined(overrides: list[str], micro: int, rank: int, world: int,
 def _case(extra: list[str], micro: int, rank: int, world: int, shared: object) -> list[str]:
     """Problems of the zero-bubble run against 1F1B and against one process (empty when all match)."""
     ref_losses, ref_grads = _reference(parity.reference_overrides(BASE + extra), micro)
-    losses, grads = _pipelined(BASE + extra, micro, rank, world)
+    held: list[str] = []
+    losses, grads = _pipelined(BASE + extra, micro, rank, world, held)
     # The same ranks under 1F1B: one stage per rank (names and gradients are layout-independent).
     dropped = ("parallel.pipeline_schedule", "parallel.vpp")
     if "parallel.vpp=2" in extra:
         dropped += ("parallel.pipeline_layers",)  # per virtual stage: no meaning with one stage per rank
     plain = [o for o in extra if not o.startswith(dropped)] + ["parallel.pipeline_schedule=1f1b"]
     base_losses, base_grads = _pipelined(BASE + plain, micro, rank, world)
-    return (parity.loss_mismatch(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    return (held + parity.loss_mismatch(losses, ref_losses, rtol=1e-5, atol=1e-6)
             + parity.mismatches(grads, ref_grads, rtol=1e-4, atol=1e-5)
             + [f"vs 1f1b: {p}" for p in parity.loss_mismatch(losses, base_losses, rtol=1e-6, atol=1e-7)]
             + [f"vs 1f1b: {p}" for p in parity.mismatches(grads, base_grads, rtol=1e-5, atol=1e-6)])

@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import os
+from typing import Any
 
 import pytest
 
@@ -38,11 +39,13 @@ PRESET_MAX_BUBBLE = {"yuan-51b.yaml": 0.25, "yuan-102b.yaml": 0.55}
 
 
 def test_every_gpu_spec_ships_the_named_parts() -> None:
-    assert set(BUILTIN_GPUS) == {"a100", "a100-40g", "h100", "h200"}
+    assert set(BUILTIN_GPUS) == {"a100", "a100-40g", "h100", "h200", "v100"}
     assert builtin_gpu("a100").peak("bf16") == 312.0 and builtin_gpu("h100").peak("bf16") == 989.0
     assert builtin_gpu("a100-40g").memory_gib == 40.0 and builtin_gpu("h200").memory_gib == 141.0
-    with pytest.raises(UserError, match="known GPUs: a100, a100-40g, h100, h200"):
-        builtin_gpu("v100")
+    assert builtin_gpu("v100").peak("fp16") == 125.0 and builtin_gpu("v100").node_nics == 1
+    assert builtin_gpu("a100").node_nics == 8  # one per GPU unless a spec says otherwise
+    with pytest.raises(UserError, match="known GPUs: a100, a100-40g, h100, h200, v100"):
+        builtin_gpu("p100")
 
 
 def test_gemm_curve_interpolates_in_log_size_and_clamps() -> None:
@@ -176,7 +179,7 @@ def test_plan_says_does_not_fit_instead_of_failing(capsys) -> None:
 def test_plan_unknown_gpu_lists_the_known_ones(capsys) -> None:
     code = cli_main(["plan", "--config", os.path.join(CONFIGS, "tiny.yaml"), "--gpus", "1", "--gpu", "tpu"])
     err = capsys.readouterr().err
-    assert code == 2 and "known GPUs: a100, a100-40g, h100, h200" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "known GPUs: a100, a100-40g, h100, h200, v100" in err and len(err.strip().splitlines()) == 1
 
 
 def test_small_search_ranks_fitting_layouts(capsys) -> None:
@@ -219,6 +222,41 @@ def test_cross_node_collectives_leave_on_every_member_nic() -> None:
                                                                "train.global_batch_size=768"])
     plan = resolve_plan(cfg, 1024)
     assert group_node_ranks(plan, ("tp",), 8) == 8 and group_node_ranks(plan, ("dp",), 8) == 1
+
+
+def test_a_node_with_one_nic_shares_it_between_the_groups_that_cross_nodes(tmp_path) -> None:
+    import dataclasses
+
+    v100 = builtin_gpu("v100")  # 8 GPUs and one 100 Gb/s adapter per node
+    size = 1e9
+    nic = 12.5e9 * 0.85
+    # A tp 16 group over two nodes (8 members in each) gets the node's one NIC; the bus formula by hand:
+    tp16 = collective_seconds("all_reduce", size, 16, v100, inter_node=True, node_ranks=8)
+    assert tp16 == pytest.approx(2 * 15 / 16 * size / nic + 2 * 15 * 20e-6)
+    # Eight dp groups of one GPU per node run at once and get an eighth of it each.
+    dp = collective_seconds("all_reduce", size, 16, v100, inter_node=True, node_ranks=1)
+    assert dp == pytest.approx(2 * 15 / 16 * size / (nic / 8) + 2 * 15 * 20e-6)
+    # With one NIC per GPU (rail-aligned) the same groups leave on 8 NICs and on 1.
+    rails = dataclasses.replace(v100, nics_per_node=8)
+    assert collective_seconds("all_reduce", size, 16, rails, inter_node=True, node_ranks=8) < tp16 / 7
+    assert collective_seconds("all_reduce", size, 16, rails, inter_node=True, node_ranks=1) == pytest.approx(tp16)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: v100\nnics_per_node: -1\n")
+    with pytest.raises(UserError, match="nics_per_node=-1 must be >= 0"):
+        load_gpu_spec(str(bad))
+
+
+def test_fp16_gradient_reduction_moves_half_the_bytes() -> None:
+    from megascale.perf.costs import SystemTraits
+    from megascale.perf.predict import predict
+
+    cfg = load_config(os.path.join(CONFIGS, "gpt3-175b.yaml"), ["train.global_batch_size=768",
+                                                               "parallel.overlap_grad_reduce=false"])
+    plan = resolve_plan(cfg, 1024)
+    spec = builtin_gpu("a100")
+    fp32 = predict(cfg, plan, spec, SystemTraits()).step.exposed["dp_grad_reduce"]
+    fp16 = predict(cfg, plan, spec, SystemTraits(grad_reduce_bytes=2)).step.exposed["dp_grad_reduce"]
+    assert fp16 == pytest.approx(fp32 / 2, rel=0.01)  # the ring's latency terms are the same
 
 
 def test_unfused_attention_streams_the_score_matrix() -> None:
@@ -283,3 +321,58 @@ def test_search_ranks_zero_bubble_schedules() -> None:
     schedules = {(c.pp > 1, c.vpp, c.schedule) for c in _layouts(cfg, 32, builtin_gpu("h100"))}
     assert (True, 1, "zb-h1") in schedules and (True, 2, "zbv") in schedules
     assert (True, 1, "1f1b") in schedules and (True, 2, "interleaved") in schedules
+
+
+def test_search_puts_a_zero_bubble_schedule_first_where_its_bubble_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 3 8B on 32 H100, 64 sequences a step, tp 2 with SP, one micro-batch, no recomputation: among
+    pp 2, 4, 8 with one or two chunks per rank and every schedule, the search's ranking (simulated
+    pipelines) puts ZB-V at pp 2 first and ZB-H1 ahead of 1F1B; they fit with their weight stash, counted
+    as the memory model counts it."""
+    from megascale.perf import search as search_mod
+    from megascale.perf.memory import stage_estimates
+
+    def layouts(cfg: Any, gpus: int, spec: Any) -> Any:
+        for pp in (2, 4, 8):
+            for vpp in (1, 2):
+                for schedule in search_mod._schedules(pp, vpp):
+                    yield search_mod.Choice(2, 1, pp, vpp, 1, True, 1, "none", True, schedule)
+
+    monkeypatch.setattr(search_mod, "_layouts", layouts)
+    cfg = load_config(os.path.join(CONFIGS, "llama3-8b.yaml"), ["train.global_batch_size=64"])
+    result = search_mod.search(cfg, 32, builtin_gpu("h100"), top=12)
+    assert len(result.ranked) == 12 and not result.dropped
+    ranked = [(c.plan.schedule, c.plan.pp) for c in result.ranked]
+    assert ranked[0] == ("zbv", 2), ranked[:4]
+    assert ranked.index(("zb-h1", 2)) < ranked.index(("1f1b", 2)), ranked
+    by_name = {(c.plan.schedule, c.plan.pp): c for c in result.ranked}
+    zb_h1, one_f_one_b = by_name[("zb-h1", 2)], by_name[("1f1b", 2)]
+    assert zb_h1.prediction.step.bubble_s < 0.6 * one_f_one_b.prediction.step.bubble_s
+    estimates = stage_estimates(zb_h1.cfg, zb_h1.plan)
+    assert zb_h1.prediction.memory_bytes == pytest.approx(max(e.total_bytes for e in estimates))
+    assert estimates[0].inflight_microbatches == 2 and estimates[0].awaiting_weight_microbatches == 1
+    assert zb_h1.prediction.memory_bytes > one_f_one_b.prediction.memory_bytes  # the stash is not free
+
+
+def test_zero_bubble_with_full_recomputation_replays_in_the_weight_pass() -> None:
+    """Checkpointing recomputes per backward pass: with recompute=full the split backward's W replays the
+    layers' forward once more (B did already), so zb-h1 pays twice 1F1B's recomputation; selective
+    recomputation's attention core has no weights and is replayed in B only."""
+    path = os.path.join(CONFIGS, "llama3-8b.yaml")
+    spec = builtin_gpu("h100")
+    base = ["parallel.tp=8", "parallel.pp=4", "train.global_batch_size=8", "train.micro_batch_size=1"]
+
+    def recompute_s(schedule: str, mode: str) -> tuple[float, list[list[tuple[float, ...]]]]:
+        cfg = load_config(path, [*base, f"parallel.pipeline_schedule={schedule}", f"train.recompute={mode}"])
+        step = predict(cfg, resolve_plan(cfg, 32), spec).step
+        return step.compute["recompute"], step.chunk_times
+
+    full_1f1b, times_1f1b = recompute_s("1f1b", "full")
+    full_zb, times_zb = recompute_s("zb-h1", "full")
+    assert full_1f1b > 0 and full_zb == pytest.approx(2 * full_1f1b)
+    replay = full_1f1b / 8  # per micro-batch (8 of them), every rank holding 8 recomputed layers
+    forward, backward = times_1f1b[0][0]
+    f, b, w = times_zb[0][0]
+    assert f == pytest.approx(forward) and b + w == pytest.approx(backward + replay, rel=0.02)
+    selective_1f1b, _ = recompute_s("1f1b", "selective")
+    selective_zb, _ = recompute_s("zb-h1", "selective")
+    assert selective_1f1b > 0 and selective_zb == pytest.approx(selective_1f1b)

@@ -23,7 +23,12 @@ launcher), so everything is measured on one thread of one process:
   the tp pattern of a layer in autograd on both ranks with and without its
   all-reduces, at two compute sizes between collectives, beyond the message's
   transfer: `pass_latency_us` per collective and `pass_drift` per second of
-  compute since the previous one.
+  compute since the previous one;
+- what a training process makes of those rates and cores
+  (`megascale.bench._train_probe`): a short real `megascale train --nproc 2`
+  run, its ranks' main-thread CPU seconds from /proc against its timers:
+  `train_work_factor` (CPU seconds per second of compute the rates above give)
+  and `train_core_share` (the fraction of `host_cores` its compute threads get).
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from megascale.bench._sessions import own_session
 from megascale.kernels.norm import add_rms_norm_reference
 from megascale.kernels.swiglu import swiglu_reference
 from megascale.perf.gpus import GpuSpec, spec_from_dict
@@ -135,6 +142,7 @@ def memory_op_efficiency(copy_gbps: float, tokens: int = 2048, hidden: int = 256
 
 def _gemm_worker(seconds: float, queue: Any) -> None:
     """Run 256-GEMMs for `seconds` on one thread and report the FLOP/s reached."""
+    own_session()
     torch.set_num_threads(1)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     for _ in range(5):
@@ -172,8 +180,9 @@ def host_cores(seconds: float = 2.0) -> float:
 
 
 def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, int, int, int],
-                     gloo: bool = True) -> GpuSpec:
-    """Measure this host and return its spec (one thread per rank; gloo between two local ranks)."""
+                     gloo: bool = True, train_probe: bool = True) -> GpuSpec:
+    """Measure this host and return its spec (one thread per rank; gloo between two local ranks; a short
+    real training run for what a training process makes of the rates and cores)."""
     from megascale.bench._gloo_probe import measure_collectives
 
     torch.set_num_threads(1)
@@ -203,7 +212,27 @@ def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, i
                   "peak": "measured: the best one-thread fp32 GEMM rate (bf16/fp16 entries repeat it: CPU runs "
                           "train in fp32)", "attention_shape": list(attention_shape)},
     }
-    return spec_from_dict(data, "bench calibrate --device cpu")
+    spec = spec_from_dict(data, "bench calibrate --device cpu")
+    return with_training_probe(spec) if train_probe else spec
+
+
+def with_training_probe(spec: GpuSpec) -> GpuSpec:
+    """`spec` with `train_work_factor` and `train_core_share` measured on a short real training run.
+
+    `host_cores` becomes the mean of its measurement before the probe and one right after it, and the
+    share is relative to that mean: the load of other jobs moves both, the share is the training's own.
+    """
+    from megascale.bench._train_probe import run_train_probe
+
+    probe = run_train_probe(spec)
+    cores = round((spec.host_cores + host_cores()) / 2, 2)
+    extra = {**dict(spec.extra), "training_probe": {
+        "config": "2 layers, hidden 256, seq 128, dp 2, one micro-batch of 4 per rank (bench/_train_probe.py)",
+        "steps": probe.steps, "cpu_s_per_step": round(sum(r.cpu_s for r in probe.ranks) / len(probe.ranks)
+                                                      / probe.steps, 4),
+        "modelled_s_per_step": round(probe.modelled_s, 4), "cores_of_compute_threads": round(probe.cores, 3)}}
+    return replace(spec, host_cores=cores, train_work_factor=round(probe.work_factor, 3),
+                   train_core_share=round(probe.core_share(cores), 3), extra=extra)
 
 
 def in_pass_cost(collectives: dict[str, tuple[float, float]]) -> tuple[float, float]:
@@ -245,8 +274,9 @@ def summary(spec: GpuSpec) -> str:
             + f"; SDPA fwd {spec.attention_fwd_efficiency:.0%} bwd {spec.attention_bwd_efficiency:.0%}; "
             f"copy {spec.hbm_gbps:.1f} GB/s (memory-bound ops {spec.hbm_efficiency:.0%} of it); "
             f"{spec.host_cores:g} cores; gloo: {coll}; in a pass: {spec.pass_latency_us:.0f} us + "
-            f"{spec.pass_drift:.3f} x compute gap per collective")
+            f"{spec.pass_drift:.3f} x compute gap per collective; training: {spec.train_work_factor:.2f} CPU s "
+            f"per modelled compute s, compute threads get {spec.train_core_share:.0%} of the cores")
 
 
 __all__ = ["attention_efficiency", "copy_bandwidth", "gemm_curve", "host_cores", "in_pass_cost", "measure_cpu_spec",
-           "memory_op_efficiency", "summary", "time_best", "total_memory_gib"]
+           "memory_op_efficiency", "summary", "time_best", "total_memory_gib", "with_training_probe"]

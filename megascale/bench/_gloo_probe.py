@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megascale.bench._sessions import own_session
+
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 PROBE_BYTES = (8 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
@@ -83,6 +85,7 @@ def _time_op(fn: Callable[[], None], nbytes: int, compute: Callable[[], None]) -
 
 
 def _worker(rank: int, init_file: str, out: Any) -> None:
+    own_session()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     results: dict[str, list[tuple[int, float]]] = {}

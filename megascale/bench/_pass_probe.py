@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megascale.bench._sessions import own_session
 from megascale.distributed.comm import copy_to_group, reduce_from_group
 
 TOKENS, HIDDEN = 512, 256
@@ -83,6 +84,7 @@ def _measure(width: int, group: Any) -> tuple[float, float]:
 
 
 def _worker(rank: int, init_file: str, out: Any) -> None:
+    own_session()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     group = dist.new_group([0, 1])

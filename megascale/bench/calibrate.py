@@ -108,6 +108,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--attention-shape", default="256,4,64,4", metavar="SEQ,HEADS,HEAD_DIM,BATCH",
                         help="--device cpu: the SDPA shape to time (a CPU's attention efficiency depends on it)")
     parser.add_argument("--no-gloo", action="store_true", help="--device cpu: skip the gloo collectives")
+    parser.add_argument("--no-train-probe", action="store_true",
+                        help="--device cpu: skip the short real training run (train_work_factor, train_core_share)")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         return _main_cpu(args)
@@ -154,7 +156,7 @@ def _main_cpu(args: argparse.Namespace) -> int:
         raise UserError(f"--attention-shape {args.attention_shape!r}: give four positive integers "
                         "SEQ,HEADS,HEAD_DIM,BATCH, for example 256,4,64,4")
     spec = measure_cpu_spec(args.name or "cpu", total_memory_gib(), (shape[0], shape[1], shape[2], shape[3]),
-                            gloo=not args.no_gloo)
+                            gloo=not args.no_gloo, train_probe=not args.no_train_probe)
     write_gpu_spec(spec, args.out)
     print(summary(spec) + f"\nwrote {args.out} (megascale plan --gpu-spec {args.out})")
     return 0

@@ -170,12 +170,13 @@ def _worker(rank: int, pp: int, init_file: str, args: dict, out_file: str) -> No
         batches = [{"x": torch.randn(shape)} for _ in range(m)]
         schedule = build_schedule(name, pp, v, m, rank)
         steps, computes, busies = [], [], []
+        occupancy: list[tuple[int, int]] = []
         for step in range(args["steps"] + 1):  # the first step warms up allocator and connections
             dist.barrier(group=ctx.group("pp"))
             timers.begin_step(step + 1)
             start = time.perf_counter()
             forward_backward_pipelined(chunks, batches, ctx, schedule, shape, torch.float32, timers=timers,
-                                       v_shape=v_shape)
+                                       v_shape=v_shape, occupancy=occupancy)
             elapsed = time.perf_counter() - start
             busy = _busy_seconds(timers)
             dist.barrier(group=ctx.group("pp"))
@@ -187,7 +188,9 @@ def _worker(rank: int, pp: int, init_file: str, args: dict, out_file: str) -> No
         # Contention only ever slows a run down, so the fastest repeat is the best estimate.
         best = min(range(len(steps)), key=lambda i: steps[i])
         rows.append({"schedule": name, "v": v, "m": m, "rank": rank, "step_s": steps[best],
-                     "compute_s": min(computes), "busy_s": busies[best]})
+                     "compute_s": min(computes), "busy_s": busies[best],
+                     "to_b": max(b for b, _ in occupancy), "to_w": max(w for _, w in occupancy),
+                     "held": max(b + w for b, w in occupancy)})
     gathered: list = [None] * pp
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -237,20 +240,29 @@ def run(pp: int, vpps: list[int], microbatches: list[int], hidden: int, tokens: 
         timed_idle = [(step_s - r["busy_s"]) / r["busy_s"] for r in per_rank]
         table.append({"schedule": name, "pp": pp, "v": v, "m": m, "formula": (pp - 1) / (v * m),
                       "simulated": _simulated_bubble(name, pp, v, m), "bubble": bubbles,
-                      "timer_bubble": timed_idle, "step_s": step_s})
+                      "timer_bubble": timed_idle, "step_s": step_s,
+                      "to_b": [r["to_b"] for r in per_rank], "to_w": [r["to_w"] for r in per_rank],
+                      "held": [r["held"] for r in per_rank]})
     return table
 
 
 def format_table(table: list[dict]) -> str:
-    """Markdown table: one row per (schedule, v, m)."""
+    """Markdown table: one row per (schedule, v, m).
+
+    The last three columns are what the executor held, per rank, at most: chunk items
+    between forward and B (whole activations), between B and W (the weight stash only;
+    zero-bubble schedules), and both together at one moment.
+    """
     lines = ["| schedule | pp | v | m | (p-1)/(v*m) | simulated | measured bubble per stage | mean | "
-             "phase-timer idle, max | step s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "phase-timer idle, max | step s | forward to B | B to W | held at once |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in table:
         stages = " ".join(f"{b:.3f}" for b in row["bubble"])
+        counts = [" ".join(str(n) for n in row[key]) for key in ("to_b", "to_w", "held")]
         lines.append(f"| {row['schedule']} | {row['pp']} | {row['v']} | {row['m']} | {row['formula']:.3f} | "
                      f"{row['simulated']:.3f} | {stages} | {statistics.mean(row['bubble']):.3f} | "
-                     f"{max(row['timer_bubble']):.3f} | {row['step_s']:.3f} |")
+                     f"{max(row['timer_bubble']):.3f} | {row['step_s']:.3f} | {counts[0]} | {counts[1]} | "
+                     f"{counts[2]} |")
     return "\n".join(lines)
 
 

@@ -14,7 +14,10 @@ the means of the measurements just before and just after it. Prints measured
 against predicted per run, as a markdown table, with the load average.
 
 Nothing here is fitted to the runs: every constant comes from the calibration's
-micro-benchmarks (GEMM curve, SDPA, copy bandwidth, gloo collectives, cores).
+micro-benchmarks (GEMM curve, SDPA, copy bandwidth, gloo collectives, cores) and
+its short training probe of a model and layout of its own
+(`train_work_factor`, `train_core_share`: megascale/bench/_train_probe.py),
+measured once at the start; the eleven runs are held out.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class RunResult:
     run_cores: float = 0.0
     """Cores the run's ranks got (CPU seconds over wall seconds), for the record."""
     given_cores: Prediction | None = None
-    """The prediction with host_cores set to run_cores: the time model with the load it really met."""
+    """The prediction with host_cores set to run_cores (and the whole of them to compute): the time model
+    with the load it really met."""
 
     @property
     def error(self) -> float:
@@ -176,7 +180,9 @@ def format_table(results: list[RunResult], spec: GpuSpec) -> str:
     lines.append("")
     lines.append(f"{within} of {len(results)} runs within 15%; mean absolute error {statistics.fmean(errors):.1%}, "
                  f"worst {max(errors):.1%}. Spec: {spec.description}, fp32 GEMM peak "
-                 f"{spec.peak('fp32') * 1e3:.1f} GFLOP/s, {spec.host_cores:g} cores. With the cores each run "
+                 f"{spec.peak('fp32') * 1e3:.1f} GFLOP/s, {spec.host_cores:g} cores; a training rank: "
+                 f"{spec.train_work_factor:.2f} CPU s per modelled compute s, compute threads on "
+                 f"{spec.train_core_share:.0%} of the cores. With the cores each run "
                  f"got: {sum(abs(r.given_error) <= 0.15 for r in results)} of {len(results)} within 15%.")
     return "\n".join(lines)
 
@@ -201,25 +207,31 @@ def main(argv: list[str]) -> int:
     runs = list(RUNS) if args.runs is None else [RUNS[int(i)] for i in args.runs.split(",")]
     from megascale.bench._calibrate_cpu import measure_cpu_spec, summary, total_memory_gib
 
-    def calibrate() -> GpuSpec:
+    def calibrate(first: GpuSpec | None = None) -> GpuSpec:
         cfg = load_config(args.config, [])
         shape = (cfg.model.seq_length, cfg.model.num_heads // 2, cfg.model.head_dim, 4)
-        return measure_cpu_spec("cpu", total_memory_gib(), shape)
+        if first is None:
+            return measure_cpu_spec("cpu", total_memory_gib(), shape)
+        # What a training process makes of the rates and cores is the process's, not the load's: measured once.
+        spec = measure_cpu_spec("cpu", total_memory_gib(), shape, train_probe=False)
+        return replace(spec, train_work_factor=first.train_work_factor, train_core_share=first.train_core_share,
+                       extra={**dict(spec.extra), "training_probe": first.extra.get("training_probe")})
 
     results: list[RunResult] = []
     started = time.time()
-    spec = calibrate()
+    first = spec = calibrate()
     print(summary(spec), file=sys.stderr)
     with tempfile.TemporaryDirectory() as workdir:
         for index, run in enumerate(runs):
             if index and index % args.recalibrate_every == 0:
-                spec = calibrate()
+                spec = calibrate(first)
                 print(summary(spec), file=sys.stderr)
             steps, run_cores = train_and_measure(run, args.steps, args.warmup, workdir, args.config)
             load = load_average()
             bracketed = bracket_load(spec, remeasure_load(spec))
             pred = predict_run(run, bracketed, args.steps, args.config)
-            given = predict_run(run, replace(bracketed, host_cores=round(run_cores, 2)), args.steps, args.config)
+            given = predict_run(run, replace(bracketed, host_cores=round(run_cores, 2), train_core_share=1.0),
+                                args.steps, args.config)
             result = RunResult(run, statistics.median(steps), steps, pred, bracketed, load, run_cores, given)
             results.append(result)
             print(f"{run.label}: measured {result.measured_s:.3f} s, predicted {pred.step_time_s:.3f} s "
@@ -233,7 +245,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps([{"run": r.run.label, "ranks": r.run.ranks, "overrides": list(r.run.overrides),
                            "measured_s": r.measured_s, "steps_s": r.steps, "predicted_s": r.prediction.step_time_s,
                            "host_cores": r.spec.host_cores, "pass_latency_us": r.spec.pass_latency_us,
-                           "pass_drift": r.spec.pass_drift, "load": r.load, "run_cores": r.run_cores,
+                           "pass_drift": r.spec.pass_drift, "train_work_factor": r.spec.train_work_factor,
+                           "train_core_share": r.spec.train_core_share, "load": r.load, "run_cores": r.run_cores,
                            "predicted_with_run_cores_s": r.given_step_s,
                            "error": r.error, "breakdown": r.prediction.step.breakdown()} for r in results], indent=2))
     else:

@@ -82,7 +82,7 @@ class Attention(nn.Module):
         if cache is not None:
             out = cache.attend(q, k, v, self.window, self.bc.sequence.attention)
         elif self.recompute_core:
-            out = recompute(self._core, self.bc.rng, q, k, v)
+            out = recompute(self._core, self.bc.rng, q, k, v, weights=False)
         else:
             out = self._core(q, k, v)
         return out.reshape(s, b, -1)

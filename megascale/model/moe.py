@@ -92,7 +92,7 @@ def build_dispatcher(bc: BuildContext) -> TokenDispatcher:
     """The dispatcher of this rank's expert-parallel position: a local permutation without expert parallelism."""
     if bc.ep.size == 1:
         return LocalDispatcher(bc.model.moe.num_experts)
-    return AllToAllDispatcher(bc.model.moe.num_experts, bc.ep)
+    return AllToAllDispatcher(bc.model.moe.num_experts, bc.ep, timers=bc.tp.timers)
 
 
 class MoELayer(nn.Module):

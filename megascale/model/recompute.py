@@ -9,10 +9,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megascale.distributed.pipeline.split_backward import kept_for_weights
 from megascale.distributed.random import RNGTracker
 
 
-def recompute(fn: Callable[..., torch.Tensor], rng: RNGTracker, *args: Any) -> torch.Tensor:
+def recompute(fn: Callable[..., torch.Tensor], rng: RNGTracker, *args: Any, weights: bool = True) -> torch.Tensor:
     """fn(*args) under non-reentrant activation checkpointing; its activations are rebuilt in backward.
 
     torch.utils.checkpoint restores the default generator for the replay; the
@@ -20,11 +21,16 @@ def recompute(fn: Callable[..., torch.Tensor], rng: RNGTracker, *args: Any) -> t
     the forward started from and puts the current one back afterwards. Dropout
     masks (default or tensor-parallel stream) are therefore identical in both
     passes. Without autograd there is nothing to save, and fn runs directly.
+
+    weights: fn uses parameters. A zero-bubble pipeline's weight pass then replays fn
+    too, so its saved inputs stay until then (`split_backward.kept_for_weights`);
+    without weights (the attention core) they go with the input-gradient pass.
     """
     if not torch.is_grad_enabled():
         return fn(*args)
     replay = _Replay(rng, rng.snapshot())
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay))
+    with kept_for_weights() if weights else contextlib.nullcontext():
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay))
 
 
 class _Replay:

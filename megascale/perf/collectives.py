@@ -28,11 +28,24 @@ def group_node_ranks(plan: RunPlan, axes: tuple[str, ...], gpus_per_node: int) -
     return sum(1 for rank in members if rank // gpus_per_node == node)
 
 
+def node_nic_share(spec: GpuSpec, node_ranks: int) -> float:
+    """NICs a group with `node_ranks` members in each node leaves the node on.
+
+    Every GPU of a node runs the same collective (or sends its pipeline message) at
+    the same time, each in its own group, so the node's adapters are shared in
+    proportion: node_ranks x NICs / GPUs per node. With one NIC per GPU
+    (rail-aligned) that is node_ranks NICs; with one NIC for eight GPUs a tp 16
+    group spanning two nodes (8 members each) gets the whole NIC, a dp group of one
+    GPU per node an eighth of it.
+    """
+    return max(node_ranks, 1) * spec.node_nics / spec.gpus_per_node
+
+
 def _link(kind: str, spec: GpuSpec, inter_node: bool, node_ranks: int) -> tuple[float, float]:
     """(bus bytes/s, per-step latency s) of a collective of `kind` on spec's links."""
     if inter_node:
         bandwidth = min(spec.nvlink_gbps * spec.nvlink_efficiency,
-                        max(node_ranks, 1) * spec.nic_gbps * spec.nic_efficiency) * 1e9
+                        node_nic_share(spec, node_ranks) * spec.nic_gbps * spec.nic_efficiency) * 1e9
         return bandwidth, spec.inter_latency_us * 1e-6
     if kind in spec.collectives:  # measured for this kind (a CPU host's gloo: each kind differs)
         return spec.collectives[kind][0] * 1e9, spec.collectives[kind][1] * 1e-6
@@ -62,11 +75,12 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inte
     n-1 (twice for all-reduce) steps, or the tree's 2 log2(n) for all-reduce when
     that is faster; p2p moves the tensor once.
 
-    Across nodes, `node_ranks` members of the group sit in each node, each with its
-    own NIC (one per GPU, rail-aligned): the ring runs through them on NVLink and
-    leaves the node on all of their NICs at once, so the bus bandwidth is the
-    smaller of NVLink and node_ranks NICs (a tp 16 group spanning two nodes runs at
-    8 NICs' speed, a dp group of one GPU per node at one NIC's).
+    Across nodes, `node_ranks` members of the group sit in each node: the ring runs
+    through them on NVLink and leaves the node on their share of its NICs
+    (`node_nic_share`), so the bus bandwidth is the smaller of NVLink and that
+    share. With one NIC per GPU (rail-aligned) a tp 16 group spanning two nodes runs
+    at 8 NICs' speed and a dp group of one GPU per node at one NIC's; with one NIC
+    per node, at one NIC's and an eighth of one.
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
@@ -98,4 +112,5 @@ def shares_cores(spec: GpuSpec) -> bool:
     return spec.host_cores > 0
 
 
-__all__ = ["collective_seconds", "group_node_ranks", "group_spans_nodes", "pass_collective_seconds", "shares_cores"]
+__all__ = ["collective_seconds", "group_node_ranks", "group_spans_nodes", "node_nic_share", "pass_collective_seconds",
+           "shares_cores"]

@@ -18,6 +18,9 @@ plan's layout, the model config and a `GpuSpec`:
   pass also pays the meeting of the ranks that `bench calibrate --device cpu`
   measured (`pass_latency_us`, `pass_drift` x the compute since the previous
   one), and nothing overlaps: one thread per rank has no idle core for it;
+- every compute second (GEMMs, attention, memory-bound ops) times the spec's
+  `train_work_factor` (1 on GPUs; on a CPU host the CPU seconds a training rank
+  was measured to spend per second of the micro-benchmarks' rates);
 - recomputation (selective: the attention core again; full: the layer's forward
   again; only the first `train.recompute_layers` of each chunk);
 - Yuan's LFA filter (`model.lfa`): its convolution GEMMs, memory-bound work and
@@ -85,6 +88,10 @@ class SystemTraits:
     shared_expert_overlap_backward: the same in the backward, the combine's
       gradient all-to-all under the shared expert's backward GEMMs (Megatron-LM's
       --moe-shared-expert-overlap overlaps both passes).
+    grad_reduce_bytes: bytes per gradient element the data-parallel reduction
+      moves: 4 for fp32 gradient buckets (megascale, Megatron-LM with
+      --accumulate-allreduce-grads-in-fp32), 2 where a 16-bit model's gradients
+      are reduced in its own precision (Megatron-LM 2021 without that flag).
 
     Whether sequence parallelism re-gathers a column-parallel GEMM's input in the
     backward (instead of saving the gathered input) is the config key
@@ -99,6 +106,7 @@ class SystemTraits:
     tp_async_grad_reduce: bool = False
     shared_expert_overlap: bool = False
     shared_expert_overlap_backward: bool = False
+    grad_reduce_bytes: int = 4
 
 
 MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True,
@@ -293,7 +301,7 @@ def _attention_seconds(shape: LayerShape, spec: GpuSpec, traits: SystemTraits = 
         return _unfused_attention_seconds(shape, spec)
     flops = 4.0 * shape.attention_pairs() * shape.heads * shape.head_dim * (shape.tokens * shape.cp / shape.seq)
     flops /= shape.cp  # Ulysses: heads / cp of whole sequences; ring: queries / cp of all keys
-    peak = spec.peak(shape.dtype) * 1e12
+    peak = spec.peak(shape.dtype) * 1e12 / spec.train_work_factor
     forward = flops / (peak * spec.attention_fwd_efficiency)
     backward = ATTENTION_BACKWARD_FLOPS * flops / (peak * spec.attention_bwd_efficiency)
     return forward, backward
@@ -594,10 +602,12 @@ def embedding_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Co
     nbytes = shape.tokens * shape.hidden * shape.bytes
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
     kind = "reduce_scatter" if shape.sp else "all_reduce"
-    comm = pass_collective_seconds(kind, nbytes, shape.tp, spec, inter, 0.0)
+    node_ranks = min(shape.tp, spec.gpus_per_node)
+    comm = pass_collective_seconds(kind, nbytes, shape.tp, spec, inter, 0.0, node_ranks)
     forward = Cost(memory=spec.memory_seconds(2 * nbytes), tp_comm=comm)
     # The backward scatter-adds into fp32 embedding gradients (and all-gathers under SP).
-    back_comm = pass_collective_seconds("all_gather", nbytes, shape.tp, spec, inter, 0.0) if shape.sp else 0.0
+    back_comm = (pass_collective_seconds("all_gather", nbytes, shape.tp, spec, inter, 0.0, node_ranks)
+                 if shape.sp else 0.0)
     backward = Cost(memory=spec.memory_seconds(nbytes + 2 * shape.tokens * shape.hidden * 4), tp_comm=back_comm)
     return forward, backward
 
@@ -609,7 +619,9 @@ def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
     t, h, e, dtype = shape.tokens, shape.hidden, shape.bytes, shape.dtype
     region = shape.region
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
-    gather = pass_collective_seconds("all_gather", t * h * e, shape.tp, spec, inter, 0.0) if shape.sp else 0.0
+    node_ranks = min(shape.tp, spec.gpus_per_node)
+    gather = (pass_collective_seconds("all_gather", t * h * e, shape.tp, spec, inter, 0.0, node_ranks)
+              if shape.sp else 0.0)
     # Fused loss: one read of the logits forward, one read and one write of their gradient backward.
     loss_fwd = spec.memory_seconds(t * vocab * e + t * 8)
     loss_bwd = spec.memory_seconds(2 * t * vocab * e)
@@ -617,7 +629,7 @@ def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
     forward = Cost(gemm=spec.gemm_seconds(t, vocab, h, dtype), memory=norm + loss_fwd, tp_comm=gather)
     backward_gemm = spec.gemm_seconds(t, h, vocab, dtype) + spec.gemm_seconds(vocab, h, t, dtype)
     back_comm = pass_collective_seconds("reduce_scatter" if shape.sp else "all_reduce", t * h * e, shape.tp, spec,
-                                        inter, 0.0)
+                                        inter, 0.0, node_ranks)
     backward = Cost(gemm=backward_gemm, memory=spec.memory_seconds(3 * region * h * e) + loss_bwd, tp_comm=back_comm)
     return forward, backward
 

@@ -54,9 +54,12 @@ class GpuSpec:
     nvlink_gbps: float
     """NVLink/NVSwitch bandwidth per GPU per direction, GB/s."""
     nic_gbps: float
-    """Inter-node network bandwidth per GPU per direction (one NIC per GPU), GB/s."""
+    """Bandwidth of one inter-node network adapter (NIC) per direction, GB/s."""
     gpus_per_node: int = 8
     """GPUs joined by NVLink/NVSwitch in one node."""
+    nics_per_node: int = 0
+    """Inter-node adapters per node; 0 = one per GPU, rail-aligned (DGX/HGX). With fewer, the GPUs of a node
+    that talk across nodes at once share them (`megascale.perf.collectives`)."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ((256, 0.30), (1024, 0.60), (4096, 0.80), (16384, 0.85))
     """(geometric-mean GEMM size, fraction of peak) points, ascending in size."""
     attention_fwd_efficiency: float = 0.65
@@ -86,6 +89,13 @@ class GpuSpec:
     pass_drift: float = 0.0
     """CPU specs: seconds the two ranks drift apart per second of compute between two in-pass collectives,
     paid at the next one on top of pass_latency_us."""
+    train_work_factor: float = 1.0
+    """CPU specs: CPU seconds a training rank's thread spends per second of compute (GEMMs, attention,
+    memory-bound ops, optimizer) the micro-benchmarks' rates give, measured on a short real training run
+    (autograd and Python dispatch, ops the model does not count). 1 = the rates as measured (GPUs)."""
+    train_core_share: float = 1.0
+    """CPU specs: the fraction of `host_cores` the ranks' compute threads get while they train (the rest goes
+    to gloo's threads, the launcher and other jobs), measured on the same training run. 1 for GPUs."""
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Measured (bus GB/s, latency us) per collective kind (all_reduce, all_gather, reduce_scatter,
     all_to_all, p2p) inside a node; a kind listed here replaces nvlink_gbps/intra_latency_us for it."""
@@ -93,6 +103,11 @@ class GpuSpec:
     """Where the numbers came from (built-in table, a file, or a calibration run)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Free-form notes kept with the spec (calibration details)."""
+
+    @property
+    def node_nics(self) -> int:
+        """Inter-node adapters of one node (one per GPU unless nics_per_node says otherwise)."""
+        return self.nics_per_node or self.gpus_per_node
 
     def peak(self, dtype: str) -> float:
         """Dense peak TFLOP/s for matmuls in `dtype` (fp32, bf16, fp16)."""
@@ -108,13 +123,13 @@ class GpuSpec:
     def gemm_seconds(self, m: float, n: float, k: float, dtype: str) -> float:
         """Time of one GEMM: its FLOPs at the curve's efficiency, or its bytes at HBM speed if slower."""
         flops = 2.0 * m * n * k
-        compute = flops / (self.peak(dtype) * 1e12 * self.gemm_fraction(m, n, k))
+        compute = flops / (self.peak(dtype) * 1e12 * self.gemm_fraction(m, n, k)) * self.train_work_factor
         nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
         return max(compute, self.memory_seconds(nbytes))
 
     def memory_seconds(self, nbytes: float) -> float:
         """Time to stream `nbytes` through HBM in a memory-bound kernel."""
-        return nbytes / (self.hbm_gbps * GB * self.hbm_efficiency)
+        return nbytes / (self.hbm_gbps * GB * self.hbm_efficiency) * self.train_work_factor
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -166,6 +181,17 @@ _H100 = GpuSpec(
     nvlink_gbps=450.0, nic_gbps=50.0, gemm_efficiency=_H100_GEMM,
     attention_fwd_efficiency=0.55, attention_bwd_efficiency=0.40)
 
+# V100: the datasheet's SXM2 figures (125 TFLOP/s fp16 tensor core, 900 GB/s HBM2, six NVLink 2.0 links of
+# 25 GB/s each way); the node is the 8-GPU SXM2 server with one 100 Gb/s EDR InfiniBand adapter. V100 has no
+# bf16 kernels: its fp16 peak stands in for the 16-bit peak MFU is quoted against. No GEMM sweep of a V100 is in
+# the record: the curve is the A100 curve's fractions of peak (an assumption; `megascale bench calibrate` on a
+# V100 replaces it).
+_V100 = GpuSpec(
+    name="v100", description="NVIDIA V100 16GB SXM2, 8 per node on NVLink 2.0, one 100 Gb/s EDR InfiniBand per node",
+    peak_tflops={"bf16": 125.0, "fp16": 125.0, "fp32": 15.7}, memory_gib=16.0, hbm_gbps=900.0,
+    nvlink_gbps=150.0, nic_gbps=12.5, nics_per_node=1, gemm_efficiency=_A100_GEMM,
+    attention_fwd_efficiency=0.68, attention_bwd_efficiency=0.52, memory_reserve_gib=1.5)
+
 BUILTIN_GPUS: Mapping[str, GpuSpec] = MappingProxyType({
     "a100": _A100,
     "a100-40g": replace(_A100, name="a100-40g", memory_gib=40.0, hbm_gbps=1555.0,
@@ -173,6 +199,7 @@ BUILTIN_GPUS: Mapping[str, GpuSpec] = MappingProxyType({
     "h100": _H100,
     "h200": replace(_H100, name="h200", memory_gib=141.0, hbm_gbps=4800.0,
                     description="NVIDIA H200 141GB SXM, 8 per node on NVSwitch, 8 x 400 Gb/s NDR InfiniBand"),
+    "v100": _V100,
 })
 """The GPU specs shipped with the package, by the name `--gpu` takes."""
 
@@ -238,6 +265,11 @@ def _check_spec(spec: GpuSpec, source: str) -> None:
     if spec.pass_latency_us < 0 or spec.pass_drift < 0:
         raise UserError(f"GPU spec {source}: pass_latency_us={spec.pass_latency_us} and "
                         f"pass_drift={spec.pass_drift} must be >= 0")
+    if spec.nics_per_node < 0:
+        raise UserError(f"GPU spec {source}: nics_per_node={spec.nics_per_node} must be >= 0 (0 = one per GPU)")
+    if not spec.train_work_factor > 0 or not 0 < spec.train_core_share <= 1:
+        raise UserError(f"GPU spec {source}: train_work_factor={spec.train_work_factor} must be > 0 and "
+                        f"train_core_share={spec.train_core_share} a fraction in (0, 1]")
     if spec.host_cores < 0:
         raise UserError(f"GPU spec {source}: host_cores={spec.host_cores} must be >= 0")
     if not spec.gemm_efficiency:

@@ -1,8 +1,10 @@
 """Ranks that share a host's cores (CPU specs): the time-sharing bound on a step.
 
 A CPU run starts one single-threaded process per rank on one host. With more
-ranks than cores (`GpuSpec.host_cores`, measured by `bench calibrate --device
-cpu` as the cores the host really gives), the ranks time-share the cores: a
+ranks than cores (`compute_cores`: `GpuSpec.host_cores`, measured by `bench
+calibrate --device cpu` as the cores the host gives an idle probe, times
+`train_core_share`, the fraction of them a training run's compute threads were
+measured to get), the ranks time-share the cores: a
 step can finish no sooner than the work of all ranks spread over the cores,
 whatever the schedule's critical path says. A pipeline's idle ranks free their
 core for the busy ones, so the bound applies to the summed busy time, not to the
@@ -16,12 +18,17 @@ from megascale.perf.gpus import GpuSpec
 from megascale.run_plan import RunPlan
 
 
+def compute_cores(spec: GpuSpec) -> float:
+    """Cores the ranks' compute threads get on a CPU host (0 for a spec with a device per rank)."""
+    return spec.host_cores * spec.train_core_share
+
+
 def ranks_per_core(plan: RunPlan, spec: GpuSpec) -> float:
     """Ranks per core on one host (>= 1), or 1 for a spec with a device per rank."""
     if spec.host_cores <= 0:
         return 1.0
     ranks_on_host = min(plan.world_size, spec.gpus_per_node)
-    return max(1.0, ranks_on_host / spec.host_cores)
+    return max(1.0, ranks_on_host / compute_cores(spec))
 
 
 def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[float],
@@ -38,7 +45,7 @@ def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[fl
     waits = waits or [0.0] * len(busy)
     peers = plan.world_size / plan.pp
     work = sum(b - w for b, w in zip(busy, waits))
-    return max(makespan, work * peers / min(plan.world_size, spec.host_cores) + max(waits))
+    return max(makespan, work * peers / min(plan.world_size, compute_cores(spec)) + max(waits))
 
 
-__all__ = ["ranks_per_core", "shared_makespan"]
+__all__ = ["compute_cores", "ranks_per_core", "shared_makespan"]

@@ -14,7 +14,8 @@ schedule, micro-batches, precision) and the model's own parameter table:
 - activations: what autograd keeps per micro-batch and chunk (`megascale.perf.activations`,
   checked against autograd's saved tensors in the tests), plus the chunk output the
   pipeline executor keeps until its backward, for the (chunk, micro-batch) items live
-  at the peak of this rank's compute order in the real schedule.
+  at the peak of this rank's compute order in the real schedule; with a split backward
+  (zb-h1, zbv) also what each item past its B holds until its W (the weight stash).
 - logits: the loss head's saved buffers of the live last-chunk items, plus, when the
   peak falls while the loss runs, the logits-sized buffers of that moment (the logits,
   their padded-vocabulary clone, the reference path's fp32 intermediates, or the
@@ -41,7 +42,7 @@ from typing import Optional
 
 from megascale.config import Config
 from megascale.distributed.context_parallel.ring_hops import ring_hops
-from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, ActionKind, compute_order
+from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BACKWARD, ActionKind, compute_order
 from megascale.distributed.pipeline.simulator import peak_live
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf import activations as act
@@ -72,6 +73,9 @@ class MemoryEstimate:
     stage: int
     inflight_microbatches: float
     """Live (chunk, micro-batch) items at the peak divided by chunks per rank: micro-batches of a whole rank."""
+    awaiting_weight_microbatches: float
+    """Items past their input-gradient pass B, waiting for their weight pass W at the peak (split-backward
+    schedules), per chunk of the rank like inflight_microbatches; each holds only W's stash."""
     layers: int
     kernels: str
     description: str
@@ -114,6 +118,9 @@ class _Chunk:
     """Alive only during this chunk's backward (recomputed layer, gradients, the logits gradient)."""
     backward_is_loss: bool = False
     """The loss's logits gradient is the larger part of backward_work."""
+    stash: float = 0.0
+    """Held from the input-gradient pass B to the weight pass W in a split-backward (zero-bubble)
+    schedule: the saved tensors and recorded gradients W needs (`activations.weight_stash_bytes`)."""
 
     def loss_work_at(self, in_forward: bool) -> bool:
         """Whether what this chunk's forward (or backward) adds at the peak belongs to the loss head."""
@@ -122,8 +129,9 @@ class _Chunk:
 
 @functools.lru_cache(maxsize=256)
 def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int, chunks: tuple[_Chunk, ...],
-               ) -> tuple[float, tuple[int, ...], Optional[tuple[bool, int]]]:
-    """(peak bytes, live items per chunk, (in a forward?, chunk) at the peak) of one pipeline rank.
+               ) -> tuple[float, tuple[int, ...], Optional[tuple[bool, int]], tuple[int, ...]]:
+    """(peak bytes, live items per chunk, (in a forward?, chunk) at the peak, items per chunk waiting for
+    their weight pass at the peak) of one pipeline rank.
 
     Cached: a layout search asks for the same schedules many times.
     """
@@ -131,9 +139,10 @@ def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int, c
         order: list[tuple[ActionKind, int, int]] = [(FORWARD, 0, 0), (BACKWARD, 0, 0)]
     else:
         order = compute_order(schedule, pp, vpp, microbatches, rank)
-    peak, live, action = peak_live(order, [c.saved for c in chunks],
-                                   [(c.forward_work, c.backward_work) for c in chunks])
-    return peak, tuple(live), None if action is None else (action[0] is FORWARD, action[1])
+    peak, live, action, held = peak_live(order, [c.saved for c in chunks],
+                                         [(c.forward_work, c.backward_work) for c in chunks],
+                                         [c.stash for c in chunks])
+    return peak, tuple(live), None if action is None else (action[0] is FORWARD, action[1]), tuple(held)
 
 
 def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, largest_param: int) -> tuple[_Chunk, ...]:
@@ -142,6 +151,7 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
     message = sh.residual_tokens * sh.hidden * sh.act  # the activation passed between stages
     layer_work = _backward_work(cfg, plan, sh, kernels, largest_param)
     layers = plan.chunk_layers(rank)
+    split = plan.schedule in SPLIT_BACKWARD
     out = []
     for v, layer_ids in enumerate(layers):
         stage = plan.global_stage(rank, v)
@@ -153,9 +163,10 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
             if not first and not act.input_kept(cfg, kernels, act.layer_recompute(cfg, 0)):
                 saved += message
         head_forward, head_backward = act.head_working_bytes(cfg, sh, kernels) if last else (0.0, 0.0)
+        stash = act.weight_stash_bytes(cfg, plan, kernels, len(layer_ids), first, last) if split else 0.0
         out.append(_Chunk(saved=saved, head=act.head_bytes(cfg, sh, kernels) if last else 0.0,
                           forward_work=head_forward, backward_work=max(layer_work, head_backward),
-                          backward_is_loss=head_backward > layer_work))
+                          backward_is_loss=head_backward > layer_work, stash=stash))
     return tuple(out)
 
 
@@ -209,8 +220,8 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
         optimizer = (count - experts) * per_param / (dp * cp) + experts * per_param / (dp * cp // ep)
     largest = max((e.local_numel(tp) // (ep if e.is_expert else 1) for e in table.held_by(stage)), default=0)
     chunks = _chunks(cfg, plan, kernels, stage, largest)
-    peak, live, at = _rank_peak(plan.schedule, pp, plan.vpp, plan.num_microbatches, stage, chunks)
-    saved = sum(n * c.saved for n, c in zip(live, chunks))
+    peak, live, at, held = _rank_peak(plan.schedule, pp, plan.vpp, plan.num_microbatches, stage, chunks)
+    saved = sum(n * c.saved for n, c in zip(live, chunks)) + sum(n * c.stash for n, c in zip(held, chunks))
     head = sum(n * c.head for n, c in zip(live, chunks))
     # What the compute at the peak adds on top of the live items: the loss's buffers, or a backward's.
     work = peak - saved
@@ -224,6 +235,7 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
         logits_bytes=head + (work if loss_work else 0.0), comm_buffers_bytes=_comm_buffers(plan, sh, window),
         transient_bytes=0.0 if loss_work else work,
         num_params=count, stage=stage, inflight_microbatches=sum(live) / plan.vpp,
+        awaiting_weight_microbatches=sum(held) / plan.vpp,
         layers=plan.rank_layer_counts[stage], kernels=kernels, description=desc)
 
 
@@ -254,9 +266,10 @@ def _size(nbytes: float) -> str:
 def format_memory(est: MemoryEstimate) -> str:
     """One-line summary, e.g. for the trainer's start-up banner."""
     logits = f", logits {_size(est.logits_bytes)}" if est.logits_bytes else ""
+    awaiting = f", {est.awaiting_weight_microbatches:.3g} awaiting W" if est.awaiting_weight_microbatches else ""
     return (f"memory estimate per rank ({est.description}; {est.layers} layers, {est.num_params / 1e6:.2f}M params): "
             f"params {_size(est.params_bytes)}, grads {_size(est.grads_bytes)}, "
             f"optimizer {_size(est.optimizer_bytes)}, activations {_size(est.activations_bytes)} "
-            f"({est.inflight_microbatches:.3g} micro-batches in flight){logits}, "
+            f"({est.inflight_microbatches:.3g} micro-batches in flight{awaiting}){logits}, "
             f"buffers {_size(est.comm_buffers_bytes)}, transient {_size(est.transient_bytes)}, "
             f"total {_size(est.total_bytes)}")

@@ -59,6 +59,12 @@ SYSTEMS: Mapping[str, System] = MappingProxyType({
         "adamw", "megatron",
         "Megatron-LM as of the SC21 paper: unfused attention (batched GEMMs + fused softmax), blocking p2p, "
         "gradient all-reduce after the backward, no sequence parallelism"),
+    "megatron-2021-fp16-grads": System(
+        "megatron-2021-fp16-grads", SystemTraits(async_p2p=False, flash_attention=False, pp_scatter_gather=True,
+                                                 grad_reduce_bytes=2), _GPT_2021, _MEGATRON_PARALLEL,
+        "adamw", "megatron",
+        "Megatron-LM of early 2021 run with --fp16 and without --accumulate-allreduce-grads-in-fp32: as "
+        "megatron-2021, with the data-parallel all-reduce on the fp16 gradients"),
     "megatron-2022-full": System(
         "megatron-2022-full", SystemTraits(async_p2p=False, flash_attention=False, pp_scatter_gather=True,
                                            tp_async_grad_reduce=True), _GPT_2021,

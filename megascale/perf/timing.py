@@ -111,6 +111,13 @@ def weight_pass_seconds(chunk: ChunkCost) -> float:
     return chunk.backward.gemm / 2
 
 
+def weight_replay_seconds(cfg: Config, chunk: ChunkCost) -> float:
+    """What W adds with full recomputation: the checkpointed layers' forward runs again (checkpointing
+    recomputes per backward pass, and W is one). Selective recomputation's attention core has no weights:
+    W does not replay it."""
+    return chunk.backward.recompute if cfg.train.recompute == "full" else 0.0
+
+
 def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
               rendezvous: bool) -> tuple[float, list[float]]:
     """(makespan, busy time per rank) of one step's forward/backward passes."""
@@ -128,7 +135,8 @@ def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
 
 
 def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
-                chunks: list[ChunkCost], expert_params: int = 0) -> tuple[dict[str, float], dict[str, float]]:
+                chunks: list[ChunkCost], expert_params: int = 0,
+                traits: SystemTraits = MEGASCALE) -> tuple[dict[str, float], dict[str, float]]:
     """(exposed, hidden) seconds of the data-parallel reduction and the ZeRO-1 parameter gather.
 
     local_params: the elements this rank holds, of which expert_params are routed-expert weights
@@ -144,11 +152,12 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     if expert_params:
         layout = expert_layout(cfg, plan, spec.gpus_per_node)
         groups.append((expert_params, layout.edp, layout.edp_inter_node, layout.edp_node_ranks))
-    grad_bytes = local_params * 4  # fp32 gradient buckets
+    grad_bytes = local_params * traits.grad_reduce_bytes  # fp32 gradient buckets unless the system says otherwise
     buckets = max(1.0, grad_bytes / (p.grad_bucket_mb * 2**20))
     exposed, hidden = {}, {}
     reduce_kind = "reduce_scatter" if plan.zero == 1 else "all_reduce"
-    reduce = sum(collective_seconds(reduce_kind, n * 4, g, spec, i, nr) for n, g, i, nr in groups)
+    reduce = sum(collective_seconds(reduce_kind, n * traits.grad_reduce_bytes, g, spec, i, nr)
+                 for n, g, i, nr in groups)
     window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce else 0.0
     exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
     hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
@@ -224,7 +233,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     if plan.schedule in SPLIT_BACKWARD:
         # B keeps the blocking transfer (it sends a gradient); W sends nothing.
         times = [[(c.forward.total + blocking, c.backward.total - weight_pass_seconds(c) + blocking,
-                   weight_pass_seconds(c)) for c in chunks] for chunks in costs]
+                   weight_pass_seconds(c) + weight_replay_seconds(cfg, c)) for c in chunks] for chunks in costs]
     else:
         times = [[(c.forward.total + blocking, c.backward.total + blocking) for c in chunks] for chunks in costs]
     if simulate_pipeline:
@@ -240,7 +249,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     step_parts = []
     for rank in range(plan.pp):
         local, experts = rank_param_counts(cfg, table, rank)
-        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank], experts)
+        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank], experts, traits)
         exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local, experts)
         exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
         if sharing > 1.0:
@@ -253,6 +262,8 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         compute.add(chunk.forward.scaled(m))
         compute.add(chunk.backward.scaled(m))
     parts = compute.as_dict()
+    if plan.schedule in SPLIT_BACKWARD:
+        parts["recompute"] += m * sum(weight_replay_seconds(cfg, c) for c in costs[rank])
     if blocking:
         parts["pp_p2p"] = 2 * blocking * m * plan.vpp
     bubble = makespan - busy[rank]
@@ -266,4 +277,4 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
 
 
 __all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "rank_param_counts", "step_time",
-           "weight_pass_seconds"]
+           "weight_pass_seconds", "weight_replay_seconds"]

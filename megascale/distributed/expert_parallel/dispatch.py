@@ -36,6 +36,9 @@ from torch import Tensor
 
 from megascale.distributed.expert_parallel import ExpertParallel
 from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_assignments
+from megascale.timers import PhaseTimers, timed
+
+PHASE = "ep_all_to_all"  # the phase timer of every expert-parallel all-to-all (and of waiting for one)
 
 
 @dataclass
@@ -88,10 +91,11 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, rows: Tensor, output_splits: list[int], input_splits: list[int], ep: ExpertParallel,
-                traffic: DispatchTraffic, kind: str, pending: Optional[list]) -> Tensor:
-        ctx.splits, ctx.ep, ctx.traffic = (output_splits, input_splits), ep, traffic
+                traffic: DispatchTraffic, kind: str, pending: Optional[list], timers: Optional[PhaseTimers]) -> Tensor:
+        ctx.splits, ctx.ep, ctx.traffic, ctx.timers = (output_splits, input_splits), ep, traffic, timers
         setattr(traffic, kind, getattr(traffic, kind) + off_rank_bytes(input_splits, ep.rank, row_bytes_of(rows)))
-        out, work = all_to_all_rows(rows, output_splits, input_splits, ep.group, async_op=pending is not None)
+        with timed(timers if ep.group is not None else None, PHASE):
+            out, work = all_to_all_rows(rows, output_splits, input_splits, ep.group, async_op=pending is not None)
         if pending is not None:
             pending.append(work)
         return out
@@ -100,8 +104,9 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple:
         output_splits, input_splits = ctx.splits
         ctx.traffic.backward += off_rank_bytes(output_splits, ctx.ep.rank, row_bytes_of(grad))
-        back, _ = all_to_all_rows(grad, input_splits, output_splits, ctx.ep.group)
-        return back, None, None, None, None, None, None
+        with timed(ctx.timers if ctx.ep.group is not None else None, PHASE):
+            back, _ = all_to_all_rows(grad, input_splits, output_splits, ctx.ep.group)
+        return back, None, None, None, None, None, None, None
 
 
 def expert_major_order(received_counts: Tensor) -> Tensor:
@@ -141,12 +146,15 @@ class PendingDispatch:
     counts: Tensor  # [ep, L] rows received from each source for each local expert (CPU)
     handle: _AllToAllHandle
     works: list = field(default_factory=list)
+    timers: Optional[PhaseTimers] = None
 
     def wait(self) -> Dispatched:
         """Block until the rows have arrived; they come grouped expert-major."""
-        for work in self.works:
-            if work is not None:
-                work.wait()
+        works = [work for work in self.works if work is not None]
+        if works:
+            with timed(self.timers, PHASE):
+                for work in works:
+                    work.wait()
         self.works = []
         expert_input = self.received.index_select(0, self.handle.order.to(self.received.device))
         return Dispatched(expert_input, self.counts.sum(0), self.handle)
@@ -158,10 +166,13 @@ class AllToAllDispatcher:
     With ep size 1 the all-to-alls are copies and it computes what the single-rank dispatcher does.
     """
 
-    def __init__(self, num_experts: int, ep: ExpertParallel, traffic: Optional[DispatchTraffic] = None) -> None:
+    def __init__(self, num_experts: int, ep: ExpertParallel, traffic: Optional[DispatchTraffic] = None,
+                 timers: Optional[PhaseTimers] = None) -> None:
+        """traffic: where to count the bytes sent (a fresh counter by default); timers: the rank's phase timers,
+        on which every all-to-all is timed as `ep_all_to_all`."""
         if num_experts % ep.size:
             raise ValueError(f"{num_experts} experts are not divisible by ep={ep.size}")
-        self.num_experts, self.ep = num_experts, ep
+        self.num_experts, self.ep, self.timers = num_experts, ep, timers
         self.local_experts = num_experts // ep.size
         self.traffic = traffic if traffic is not None else DispatchTraffic()
 
@@ -189,8 +200,8 @@ class AllToAllDispatcher:
         works: list = []
         self.traffic.calls += 1
         received = _AllToAll.apply(tokens[token_index], recv_splits, send_splits, self.ep, self.traffic, "dispatch",
-                                   works if async_op else None)
-        return PendingDispatch(received, recv_counts, handle, works)
+                                   works if async_op else None, self.timers)
+        return PendingDispatch(received, recv_counts, handle, works, self.timers)
 
     def _exchange_counts(self, counts: Tensor) -> Tensor:
         """Per-expert row counts in, per-(source, local expert) counts out: one all_to_all_single of E ints."""
@@ -198,7 +209,8 @@ class AllToAllDispatcher:
             return counts.clone()
         received = torch.empty_like(counts)
         self.traffic.counts += (self.ep.size - 1) * self.local_experts * counts.element_size()
-        dist.all_to_all_single(received, counts, group=self.ep.group)
+        with timed(self.timers, PHASE):
+            dist.all_to_all_single(received, counts, group=self.ep.group)
         return received
 
     def combine(self, expert_output: Tensor, dispatched: Dispatched) -> Tensor:
@@ -206,7 +218,7 @@ class AllToAllDispatcher:
         handle: _AllToAllHandle = dispatched.handle
         source_major = expert_output.index_select(0, handle.inverse)
         returned = _AllToAll.apply(source_major, handle.send_splits, handle.recv_splits, self.ep, self.traffic,
-                                   "combine", None)
+                                   "combine", None, self.timers)
         weighted = returned.float() * handle.weights.unsqueeze(1)
         out = weighted.new_zeros((handle.num_tokens, expert_output.shape[1]))
         return out.index_add(0, handle.token_index, weighted).to(handle.dtype)

@@ -14,7 +14,10 @@ ends of every pair of ranks, which NCCL needs to avoid deadlocks.
 Split-backward schedules (ZB-H1, ZB-V) run each backward as B, the input
 gradient only (`split_backward.backward_input`), and a later W action that
 accumulates the weight gradients; the gradients of a chunk are final, and its
-data-parallel reduction may start, only at its last W. In ZB-V the last stage of
+data-parallel reduction may start, only at its last W. The forward runs under
+`SavedActivations` hooks, so B releases the saved tensors only it reads: from B to
+W a micro-batch holds what its weight gradients need (GEMM inputs, norm
+statistics, the gradients arriving at those nodes), not its whole activations. In ZB-V the last stage of
 chunk 0 and the first stage of chunk 1 are on the same rank: the activation and
 its gradient pass between the chunks in memory.
 """
@@ -43,7 +46,7 @@ from megascale.distributed.pipeline.schedules import (
     rank_of,
     stage_of,
 )
-from megascale.distributed.pipeline.split_backward import DeferredWeightGrad, backward_input
+from megascale.distributed.pipeline.split_backward import DeferredWeightGrad, SavedActivations, backward_input
 from megascale.distributed.topology import ParallelContext
 from megascale.timers import PhaseTimers, timed
 
@@ -58,11 +61,13 @@ class _PipelineRun:
     def __init__(self, chunks: Sequence[nn.Module], microbatches: list[dict], ctx: ParallelContext,
                  schedule: list[Action], tensor_shape: tuple[int, ...], dtype: torch.dtype,
                  loss_fn_scale: Callable[[Tensor], Tensor], before_last_backward: Optional[Callable[[int], None]],
-                 keep_graph: bool, timers: Optional[PhaseTimers] = None, v_shape: bool = False) -> None:
+                 keep_graph: bool, timers: Optional[PhaseTimers] = None, v_shape: bool = False,
+                 occupancy: Optional[list[tuple[int, int]]] = None) -> None:
         self.chunks, self.microbatches, self.ctx, self.schedule = chunks, microbatches, ctx, schedule
         self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
         self.loss_fn_scale, self.before_last_backward = loss_fn_scale, before_last_backward
         self.keep_graph, self.timers, self.v_shape = keep_graph, timers, v_shape
+        self.occupancy = occupancy
         self.pp, self.pp_rank, self.vpp = ctx.pp_size, ctx.pp_rank, len(chunks)
         self.num_stages = self.pp * self.vpp
         self.group = ctx.group("pp")
@@ -72,6 +77,7 @@ class _PipelineRun:
         self.sends: list[tuple[Optional[dist.Work], Tensor]] = []  # (work, tensor kept alive until sent)
         self.losses: dict[int, Tensor] = {}
         self.deferred: dict[tuple[int, int], DeferredWeightGrad] = {}  # (chunk, mb) -> its pending W
+        self.saved: dict[tuple[int, int], SavedActivations] = {}  # (chunk, mb) -> its boxed saved tensors
         # The pass after which a chunk's gradients are final: its last W when the backward is split.
         self.split = any(a.kind is WEIGHT for a in schedule)
         final = WEIGHT if self.split else BACKWARD
@@ -178,7 +184,12 @@ class _PipelineRun:
             if self.keep_graph:
                 hidden.requires_grad_(True)
         with timed(self.timers, "forward"):
-            output = self.chunks[chunk](hidden, self.microbatches[microbatch])
+            if self.split and self.keep_graph:  # B releases what only it needs (split_backward)
+                saved = self.saved[(chunk, microbatch)] = SavedActivations()
+                with saved.hooks():
+                    output = self.chunks[chunk](hidden, self.microbatches[microbatch])
+            else:
+                output = self.chunks[chunk](hidden, self.microbatches[microbatch])
         if stage == self.num_stages - 1:
             self.losses[microbatch] = output.detach()
             if not self.keep_graph:
@@ -215,7 +226,7 @@ class _PipelineRun:
             if split:
                 params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
                 self.deferred[(chunk, microbatch)] = backward_input(
-                    output, grad, self.inputs.get((chunk, microbatch)), params)
+                    output, grad, self.inputs.get((chunk, microbatch)), params, self.saved.pop((chunk, microbatch)))
             else:
                 torch.autograd.backward(output, grad_tensors=grad)
         if self.stage(chunk) == 0:
@@ -246,6 +257,8 @@ class _PipelineRun:
                 self.backward(i, action.chunk, action.microbatch, split=self.split)
             else:
                 self.weight(i, action.chunk, action.microbatch)
+            if self.occupancy is not None:  # (items between forward and B, items between B and W)
+                self.occupancy.append((len(self.outputs), len(self.deferred)))
             self.drop_finished_sends()
             i += 1
         self.wait_sends()
@@ -272,7 +285,8 @@ def forward_backward_pipelined(chunks: Sequence[nn.Module], microbatches: list[d
                                schedule: list[Action], tensor_shape: tuple[int, ...], dtype: torch.dtype,
                                loss_fn_scale: Callable[[Tensor], Tensor] = _identity,
                                before_last_backward: Optional[Callable[[int], None]] = None,
-                               timers: Optional[PhaseTimers] = None, v_shape: bool = False) -> list[Tensor]:
+                               timers: Optional[PhaseTimers] = None, v_shape: bool = False,
+                               occupancy: Optional[list[tuple[int, int]]] = None) -> list[Tensor]:
     """Run this rank's pipeline schedule over all micro-batches (forward and backward).
 
     chunks[c](hidden, microbatch) is chunk c's forward: hidden is None on the first
@@ -285,10 +299,12 @@ def forward_backward_pipelined(chunks: Sequence[nn.Module], microbatches: list[d
     losses on the last stage, in micro-batch order, and an empty list elsewhere. Gradients
     accumulate in .grad. `timers` times forward, backward (B), backward_weight (W) and the
     waits for receives and sends. v_shape: the chunks are placed as ZB-V places them.
+    occupancy, when given, receives after every compute the (chunk, micro-batch) items this
+    rank holds between their forward and their backward (B), and between B and W.
     """
     _check_args(chunks, microbatches, ctx, schedule)
     run = _PipelineRun(chunks, microbatches, ctx, schedule, tensor_shape, dtype, loss_fn_scale,
-                       before_last_backward, keep_graph=True, timers=timers, v_shape=v_shape)
+                       before_last_backward, keep_graph=True, timers=timers, v_shape=v_shape, occupancy=occupancy)
     return run.run()
 
 

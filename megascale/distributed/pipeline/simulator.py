@@ -63,7 +63,8 @@ class SimResult:
     peak_weight: list[float] = field(default_factory=list)
     peak_until_weight: list[int] = field(default_factory=list)
     """Per rank, the peak number of micro-batches between forward and weight pass W (split backward;
-    equals peak_in_flight otherwise): what the executor keeps activations for."""
+    equals peak_in_flight otherwise): what the executor keeps something for (whole activations until B,
+    the weight stash from B to W)."""
     """Per rank, the peak over time of the summed chunk weights of live (chunk, micro-batch) items
     (with `chunk_weights`; e.g. each chunk's activation bytes, so chunks of unequal size count as such)."""
 
@@ -281,7 +282,8 @@ class _Simulator:
         if action.kind is not WEIGHT:
             self.in_flight[rank] += 1 if action.kind is FORWARD else -1
             self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
-        # Activations stay until the backward, or until W when the backward is split.
+        # Counted until the backward, or until W when the backward is split (from B on, only the weight
+        # stash stays; `peak_weight` weighs the item whole until W: `peak_live` takes the stash).
         release = WEIGHT if self.split else BACKWARD
         if action.kind in (FORWARD, release):
             step = 1 if action.kind is FORWARD else -1
@@ -364,35 +366,48 @@ def simulate(schedules: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2
 
 
 def peak_live(order: Sequence[tuple[ActionKind, int, int]], weights: Sequence[float],
-              working: Optional[Sequence[tuple[float, float]]] = None,
-              ) -> tuple[float, list[int], Optional[tuple[ActionKind, int, int]]]:
+              working: Optional[Sequence[tuple[float, float]]] = None, stash: Optional[Sequence[float]] = None,
+              ) -> tuple[float, list[int], Optional[tuple[ActionKind, int, int]], list[int]]:
     """Weighted peak of live (chunk, micro-batch) items along one rank's compute order.
 
-    An item is live from its forward to the end of its backward, or of its weight pass W
-    when the backward is split (the executor keeps the micro-batch's autograd graph, and
-    so its saved activations, until W). Memory depends only on
-    the order a rank runs its computes in, not on when, so this equals the simulator's
-    `peak_weight` for that rank without simulating the others. working[chunk], when
-    given, is (bytes alive only during that chunk's forward, ... during its backward),
-    added at those moments. Returns the peak, how many items of each chunk are live at
-    it (the first time it is reached) and the compute action it happens in.
+    An item weighs weights[chunk] from its forward to its backward. When the backward is
+    split, it then weighs stash[chunk] until its weight pass W (what W needs: the
+    executor's B releases the rest; by default the whole item, as if B released nothing),
+    and during B the larger of the two.
+    Memory depends only on the order a rank runs its computes in, not on when, so with
+    the default stash this equals the simulator's `peak_weight` for that rank without
+    simulating the others. working[chunk], when given, is (bytes alive only during that
+    chunk's forward, ... during its backward), added at those moments. Returns the
+    peak, how many items of each chunk are live (forward done, backward not) at it (the
+    first time it is reached), the compute action it happens in, and how many items of
+    each chunk wait for their W at it.
     """
     live = [0] * len(weights)
-    total, peak, at_peak = 0.0, 0.0, list(live)
+    held = [0] * len(weights)
+    kept = list(weights) if stash is None else list(stash)
+    total, peak, at_peak, held_at_peak = 0.0, 0.0, list(live), list(held)
     action: Optional[tuple[ActionKind, int, int]] = None
-    release = WEIGHT if any(kind is WEIGHT for kind, _, _ in order) else BACKWARD
+    split = any(kind is WEIGHT for kind, _, _ in order)
     for item in order:
         kind, chunk, _ = item
         if kind is FORWARD:
             live[chunk] += 1
             total += weights[chunk]
         extra = 0.0 if working is None else working[chunk][0 if kind is FORWARD else 1]
+        if split and kind is BACKWARD:  # B ends holding the stash, which may outweigh the activations
+            extra += max(0.0, kept[chunk] - weights[chunk])
         if total + extra > peak:
-            peak, at_peak, action = total + extra, list(live), item
-        if kind is release:
+            peak, at_peak, held_at_peak, action = total + extra, list(live), list(held), item
+        if kind is BACKWARD:
             live[chunk] -= 1
             total -= weights[chunk]
-    return peak, at_peak, action
+            if split:
+                held[chunk] += 1
+                total += kept[chunk]
+        elif kind is WEIGHT:
+            held[chunk] -= 1
+            total -= kept[chunk]
+    return peak, at_peak, action, held_at_peak
 
 
 __all__ = ["WEIGHT_SHARE", "ScheduleError", "SimResult", "check_coverage", "peak_live", "simulate"]

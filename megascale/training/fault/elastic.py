@@ -54,6 +54,10 @@ def elastic_config(cfg: Config, world_size: int) -> Config:
     if world_size % model_parallel:
         raise ConfigError(f"fault.elastic=dp: world size {world_size} is not a multiple of tp {p.tp} * pp {p.pp} * "
                           f"cp {p.cp} = {model_parallel}; run a multiple of {model_parallel} ranks")
+    if (world_size // model_parallel * p.cp) % p.ep:  # the experts stay split over ep of the dp x cp ranks
+        raise ConfigError(f"fault.elastic=dp: on world size {world_size}, dp {world_size // model_parallel} * cp "
+                          f"{p.cp} = {world_size // model_parallel * p.cp} is not divisible by parallel.ep={p.ep}; "
+                          f"run a world size whose dp x cp is a multiple of {p.ep}")
     planned = copy.deepcopy(cfg)
     planned.parallel.dp = None  # derived from the world size
     first_error: Optional[ConfigError] = None
