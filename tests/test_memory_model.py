@@ -239,7 +239,9 @@ STASH = (_grid(list(VARIANTS), ("bf16",), ["none"], ["middle"], "reference")
                  ["first", "last"], "reference")
          + _grid(["lfa_mha_window", "parallel_lfa"], ("bf16",), ["full"], ["middle"], "reference")
          + _grid(["gpt", "llama", "parallel_llama", "lfa_mha_window"], ("bf16",), ["none", "full"],
-                 ["first", "last"], "fused"))
+                 ["first", "last"], "fused")
+         + _grid(["qwen3", "qk_norm_learned"], ("bf16",), ["none", "full"], ["middle"], "fused")
+         + _grid(["qwen3", "lfa_qk_norm"], ("fp32",), ["selective", "full"], ["middle"], "reference"))
 
 
 def test_weight_stash_bytes_exact() -> None:
@@ -335,7 +337,8 @@ STASH_TP = (_grid(["gpt"], ("fp32",), ["none"], ["middle"], "reference")
             + _grid(["llama"], ("bf16",), ["none"], ["first"], "reference")
             + _grid(["llama"], ("bf16",), ["full"], ["last"], "reference")
             + _grid(["parallel_llama"], ("bf16",), ["none"], ["middle"], "reference")
-            + _grid(["llama"], ("bf16",), ["none"], ["middle"], "fused"))
+            + _grid(["llama"], ("bf16",), ["none"], ["middle"], "fused")
+            + _grid(["qwen3"], ("bf16",), ["none"], ["middle"], "reference"))
 
 
 def _stash_case(rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:

@@ -495,14 +495,32 @@ def _norm_weight_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Op
     runs, its fp32 weight copy; every other norm is one node keeping all of norm_bytes) and the
     gradient recorded there (fp32 for the reference RMSNorm, else the activation dtype).
     norm: the kind of norm (default model.norm)."""
-    n, h = sh.residual_tokens, sh.hidden
-    kind = norm or cfg.model.norm
+    return _norm_rows_weight_bytes(norm or cfg.model.norm, sh.residual_tokens, sh.hidden, sh, kernels)
+
+
+def _norm_rows_weight_bytes(kind: str, n: int, h: int, sh: Shapes, kernels: KernelProfile) -> float:
+    """`_norm_weight_bytes` of a norm over n rows of width h."""
     if kernels == "fused" or kind == "layernorm":
-        saved = norm_bytes(cfg, sh, kernels, norm=kind)
+        saved = _norm_rows_bytes(kind, n, h, sh, kernels)
     else:
         saved = n * h * FP32 + (h * FP32 if sh.act != FP32 else 0)
-    grad = n * h * (FP32 if kernels == "reference" and kind == "rmsnorm" else sh.act)
-    return saved + grad
+    return saved + n * h * _norm_grad_bytes(kind, sh, kernels)
+
+
+def _norm_grad_bytes(kind: str, sh: Shapes, kernels: KernelProfile) -> int:
+    """Bytes per element of the gradient a norm's weight node records (fp32 for the reference RMSNorm)."""
+    return FP32 if kernels == "reference" and kind == "rmsnorm" else sh.act
+
+
+def _qk_norm_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, replayed: bool = False) -> float:
+    """What the q and k head norms (model.qk_norm) hold from B to W: each one's weight-side tensors and
+    gradient over its rows of one head; replayed (full recomputation): only the gradients."""
+    if not cfg.model.qk_norm:
+        return 0.0
+    rows = [sh.tokens * heads for heads in (sh.q_heads, sh.kv_heads)]
+    if replayed:
+        return sum(n * sh.head_dim * _norm_grad_bytes("rmsnorm", sh, kernels) for n in rows)
+    return sum(_norm_rows_weight_bytes("rmsnorm", n, sh.head_dim, sh, kernels) for n in rows)
 
 
 def _lfa_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, replayed: bool = False) -> float:
@@ -541,7 +559,8 @@ def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, re
 
     B releases every saved tensor only it reads (the attention core, the activation
     function's input, dropout masks, the norms' inner statistics); W needs each GEMM's
-    input and output gradient and each norm's weight-side tensors and gradient. With full
+    input and output gradient and each norm's (the q/k head norms' too) weight-side
+    tensors and gradient. With full
     recomputation the block input stays (W replays the block once more) beside the same
     gradients.
     """
@@ -550,7 +569,8 @@ def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, re
     if recompute == "full":
         grad_only = sh.residual_tokens * sh.hidden * (FP32 if kernels == "reference" and cfg.model.norm == "rmsnorm"
                                                       else sh.act)
-        kept = sh.residual_tokens * sh.hidden * sh.act + gradients + norms * grad_only
+        kept = (sh.residual_tokens * sh.hidden * sh.act + gradients + norms * grad_only
+                + _qk_norm_weight_stash_bytes(cfg, sh, kernels, replayed=True))
         if cfg.model.lfa:  # the filter's recorded gradients (its convolutions' and its norm's)
             kept += _lfa_weight_stash_bytes(cfg, sh, kernels, replayed=True)
         return kept
@@ -565,7 +585,8 @@ def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, re
             inputs = attention_in + linear_in
         inputs += _lfa_weight_stash_bytes(cfg, sh, kernels)
     inputs += _heads_bytes(sh, sh.q_heads) + sh.per_token(sh.ffn, sh.act)  # proj and fc2
-    return norms * _norm_weight_bytes(cfg, sh, kernels) + inputs + gradients
+    qk_norms = _qk_norm_weight_stash_bytes(cfg, sh, kernels)
+    return norms * _norm_weight_bytes(cfg, sh, kernels) + qk_norms + inputs + gradients
 
 
 def weight_stash_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: int, first: bool,
