@@ -9,8 +9,9 @@ rotate_half([x1, x2]) = [-x2, x1].
 The CUDA path rotates q and k in place and marks them dirty for autograd:
 one launch for both when neither is a view, one launch each when they are
 views (e.g. `narrow`/slices of a fused qkv output, handled through strides).
-q/k must not be outputs of `split`/`chunk`: autograd forbids modifying those
-in place.
+q/k must not be outputs of `split`/`chunk`, nor views a custom autograd Function
+returned: autograd forbids modifying those in place (the fused norms return
+tensors of their own, so the q/k norms' outputs rotate in place).
 """
 
 from __future__ import annotations
