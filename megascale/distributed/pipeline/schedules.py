@@ -170,23 +170,28 @@ def _zero_bubble_orders(name: str, pp: int, m: int) -> tuple[tuple[Compute, ...]
     """Compute orders of ZB-H1 / ZB-V from a list schedule on unit-time F, B and W.
 
     Every rank, whenever it is free, runs the first ready item of: a backward (B, the
-    input gradient, on the critical path of the ranks before it); a forward, while
-    fewer than `limit` items are between their forward and B; else a deferred weight
-    pass W, which also runs first once more than pp - 1 are pending (so W keeps
-    interleaving with the rest, and the order stays good when real pass times are
-    not equal). W therefore fills the waits that 1F1B spends idle (Qi et al., "Zero
-    Bubble Pipeline Parallelism", 2023):
+    input gradient, on the critical path of the ranks before it) and a forward, while
+    fewer than `limit` items are between their forward and B (ZB-H1 tries the forward
+    first, as 1F1B's steady state does); else a deferred weight pass W, which also runs
+    first once more than `deferred` are pending (so W keeps interleaving with the
+    rest, and the order stays good when real pass times are not equal). W therefore
+    fills the waits that 1F1B spends idle (Qi et al., "Zero Bubble Pipeline
+    Parallelism", 2023):
 
-    * ZB-H1: limit = 1F1B's pp - rank. With equal F, B and W times the bubble is
-      (pp - 1) units against 1F1B's 3 (pp - 1).
+    * ZB-H1: limit = 1F1B's pp - rank, deferred = rank, and no forward while pp
+      micro-batches are between their forward and W. Every rank then holds at most
+      pp micro-batches, 1F1B's peak (its first rank's), and the first rank runs each W
+      right after its B. With equal F, B and W times the bubble is (pp - 1) units
+      against 1F1B's 3 (pp - 1).
     * ZB-V: limit = 2 * pp half-size chunk items on every rank, the activation bytes
-      1F1B holds on its first rank.
+      1F1B holds on its first rank; deferred = pp - 1.
     """
     v_shape = is_v_shape(name)
     vpp = 2 if v_shape else 1
     stages = pp * vpp
     limit = [2 * pp if v_shape else pp - r for r in range(pp)]
-    deferred_cap = pp - 1
+    deferred_cap = [pp - 1 if v_shape else r for r in range(pp)]
+    held_cap = None if v_shape else pp  # ZB-H1: micro-batches between forward and W, on any rank
     finished: dict[tuple[ActionKind, int, int], int] = {}
     orders: list[list[Compute]] = [[] for _ in range(pp)]
     free_at = [0] * pp
@@ -198,28 +203,41 @@ def _zero_bubble_orders(name: str, pp: int, m: int) -> tuple[tuple[Compute, ...]
     def ready(key: tuple[ActionKind, int, int]) -> bool:
         return key in finished and finished[key] <= clock
 
-    def pick(rank: int) -> Optional[Compute]:
-        if len(waiting_w[rank]) > deferred_cap:
-            return (WEIGHT, *waiting_w[rank][0])
+    def ready_backward(rank: int) -> Optional[Compute]:
         backwards = []
         for chunk, mb in waiting_b[rank]:
             stage = stage_of(pp, rank, chunk, v_shape)
             dep = (BACKWARD, stage + 1, mb) if stage < stages - 1 else (FORWARD, stage, mb)
             if ready(dep):
                 backwards.append((mb, -stage, chunk))
-        if backwards:
-            mb, _, chunk = min(backwards)
-            return (BACKWARD, chunk, mb)
-        if len(waiting_b[rank]) < limit[rank]:
-            forwards = []
-            for chunk in range(vpp):
-                mb = next_forward[rank][chunk]
-                stage = stage_of(pp, rank, chunk, v_shape)
-                if mb < m and (stage == 0 or ready((FORWARD, stage - 1, mb))):
-                    forwards.append((-stage, mb, chunk))
-            if forwards:
-                _, mb, chunk = min(forwards)
-                return (FORWARD, chunk, mb)
+        if not backwards:
+            return None
+        mb, _, chunk = min(backwards)
+        return (BACKWARD, chunk, mb)
+
+    def ready_forward(rank: int) -> Optional[Compute]:
+        held = len(waiting_b[rank]) + len(waiting_w[rank])
+        if len(waiting_b[rank]) >= limit[rank] or (held_cap is not None and held >= held_cap):
+            return None
+        forwards = []
+        for chunk in range(vpp):
+            mb = next_forward[rank][chunk]
+            stage = stage_of(pp, rank, chunk, v_shape)
+            if mb < m and (stage == 0 or ready((FORWARD, stage - 1, mb))):
+                forwards.append((-stage, mb, chunk))
+        if not forwards:
+            return None
+        _, mb, chunk = min(forwards)
+        return (FORWARD, chunk, mb)
+
+    def pick(rank: int) -> Optional[Compute]:
+        if len(waiting_w[rank]) > deferred_cap[rank]:
+            return (WEIGHT, *waiting_w[rank][0])
+        finders = (ready_backward, ready_forward) if v_shape else (ready_forward, ready_backward)
+        for find in finders:
+            item = find(rank)
+            if item is not None:
+                return item
         if waiting_w[rank]:
             return (WEIGHT, *waiting_w[rank][0])
         return None
