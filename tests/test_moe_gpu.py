@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts paths that only run on GPUs, against the paths CPU runs test.
+"""The Mixture-of-Experts paths that only run on GPUs, against the paths the CPU tests cover.
 
 1. Grouped expert GEMM (`megascale/model/experts.py`): on CUDA in bf16 each projection
    of the routed experts is one `torch._grouped_mm` over the rows grouped expert-major;
@@ -34,7 +34,6 @@ import torch.multiprocessing as mp
 from megascale.model import experts as experts_mod
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
 
 
 def _assert_bf16_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
