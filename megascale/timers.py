@@ -27,7 +27,8 @@ import torch
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
 COMM_PHASES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "tp_overlap_wait", "cp_all_to_all", "cp_ring",
                "dp_reduce_scatter", "dp_all_reduce", "dp_param_all_gather", "pp_send_wait", "pp_recv_wait",
-               "embedding_all_reduce", "loss_all_reduce", "grad_norm_all_reduce", "ep_all_to_all")
+               "embedding_all_reduce", "loss_all_reduce", "grad_norm_all_reduce", "ep_dispatch",
+               "ep_combine")
 # "pipeline" spans a pipelined forward/backward; "pp_bubble" is derived from it: the part of it
 # spent in neither forward nor backward (waiting for a neighbour stage).
 OTHER_PHASES = ("data_wait", "checkpoint_blocking", "pipeline", "pp_bubble", "logging")

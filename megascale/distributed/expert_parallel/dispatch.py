@@ -38,7 +38,9 @@ from megascale.distributed.expert_parallel import ExpertParallel
 from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_assignments
 from megascale.timers import PhaseTimers, timed
 
-PHASE = "ep_all_to_all"  # the phase timer of every expert-parallel all-to-all (and of waiting for one)
+# Phase timers: the dispatch all-to-all (and its count exchange, and waiting for it) and the combine one,
+# each in the pass it runs in (a dispatch's backward is timed under the dispatch).
+PHASES = {"dispatch": "ep_dispatch", "combine": "ep_combine"}
 
 
 @dataclass
@@ -93,8 +95,9 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, rows: Tensor, output_splits: list[int], input_splits: list[int], ep: ExpertParallel,
                 traffic: DispatchTraffic, kind: str, pending: Optional[list], timers: Optional[PhaseTimers]) -> Tensor:
         ctx.splits, ctx.ep, ctx.traffic, ctx.timers = (output_splits, input_splits), ep, traffic, timers
+        ctx.phase = PHASES[kind]
         setattr(traffic, kind, getattr(traffic, kind) + off_rank_bytes(input_splits, ep.rank, row_bytes_of(rows)))
-        with timed(timers if ep.group is not None else None, PHASE):
+        with timed(timers if ep.group is not None else None, ctx.phase):
             out, work = all_to_all_rows(rows, output_splits, input_splits, ep.group, async_op=pending is not None)
         if pending is not None:
             pending.append(work)
@@ -104,7 +107,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple:
         output_splits, input_splits = ctx.splits
         ctx.traffic.backward += off_rank_bytes(output_splits, ctx.ep.rank, row_bytes_of(grad))
-        with timed(ctx.timers if ctx.ep.group is not None else None, PHASE):
+        with timed(ctx.timers if ctx.ep.group is not None else None, ctx.phase):
             back, _ = all_to_all_rows(grad, input_splits, output_splits, ctx.ep.group)
         return back, None, None, None, None, None, None, None
 
@@ -152,7 +155,7 @@ class PendingDispatch:
         """Block until the rows have arrived; they come grouped expert-major."""
         works = [work for work in self.works if work is not None]
         if works:
-            with timed(self.timers, PHASE):
+            with timed(self.timers, PHASES["dispatch"]):
                 for work in works:
                     work.wait()
         self.works = []
@@ -169,7 +172,7 @@ class AllToAllDispatcher:
     def __init__(self, num_experts: int, ep: ExpertParallel, traffic: Optional[DispatchTraffic] = None,
                  timers: Optional[PhaseTimers] = None) -> None:
         """traffic: where to count the bytes sent (a fresh counter by default); timers: the rank's phase timers,
-        on which every all-to-all is timed as `ep_all_to_all`."""
+        on which the all-to-alls are timed as `ep_dispatch` and `ep_combine`."""
         if num_experts % ep.size:
             raise ValueError(f"{num_experts} experts are not divisible by ep={ep.size}")
         self.num_experts, self.ep, self.timers = num_experts, ep, timers
@@ -209,7 +212,7 @@ class AllToAllDispatcher:
             return counts.clone()
         received = torch.empty_like(counts)
         self.traffic.counts += (self.ep.size - 1) * self.local_experts * counts.element_size()
-        with timed(self.timers, PHASE):
+        with timed(self.timers, PHASES["dispatch"]):
             dist.all_to_all_single(received, counts, group=self.ep.group)
         return received
 
