@@ -329,7 +329,7 @@ def test_qk_norm_with_fused_kernels_matches_reference_kernels() -> None:
                     p.copy_(1.0 + 0.3 * torch.sin(torch.arange(p.numel(), dtype=p.dtype) + 1.0))
         loss = chunk(None, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
         loss.backward()
-        runs.append((float(loss), {name: p.grad.clone() for name, p in chunk.named_parameters()}))
+        runs.append((float(loss.detach()), {name: p.grad.clone() for name, p in chunk.named_parameters()}))
     (ref_loss, ref_grads), (loss, grads) = runs
     assert abs(loss - ref_loss) < 1e-5
     worst, err = parity.worst(parity.max_abs_errors(ref_grads, grads))
