@@ -18,17 +18,14 @@ gather overlapped with the next forward or not). Exposed communication time is
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from megascale.bench._spawned import resolve_backend, spawn_and_collect
 from megascale.config import Config, ZeroStage
 from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, set_shard
@@ -162,16 +159,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     args = parser.parse_args(argv)
-    if args.backend == "auto":
-        args.backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "gloo"
-    device = torch.cuda.get_device_name(0) if args.backend == "nccl" else f"CPU ({os.cpu_count()} cores)"
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "times.tsv")
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), out_file), nprocs=args.nproc, join=True)
-        times: dict[str, Any] = {}
-        with open(out_file) as lines:
-            for line in lines:
-                label, value = line.rstrip("\n").split("\t")
-                times[label] = float(value)
+    device = resolve_backend(args)
+    times = spawn_and_collect(_worker, args)
     print(format_table(times, args, device))
     return 0

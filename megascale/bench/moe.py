@@ -18,18 +18,16 @@ with the same active width (top_k x expert width + shared width), and reports:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+from megascale.bench._spawned import resolve_backend, spawn_and_collect
 from megascale.config import Config, load_config
 from megascale.distributed.expert_parallel.dispatch import all_to_all_rows
 from megascale.distributed.topology import ParallelContext, RankLayout
@@ -216,16 +214,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     args = parser.parse_args(argv)
-    if args.backend == "auto":
-        args.backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "gloo"
-    device = torch.cuda.get_device_name(0) if args.backend == "nccl" else f"CPU ({os.cpu_count()} cores)"
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "results.tsv")
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), out_file), nprocs=args.nproc, join=True)
-        res: dict[str, float] = {}
-        with open(out_file) as lines:
-            for line in lines:
-                name, value = line.rstrip("\n").split("\t")
-                res[name] = float(value)
+    device = resolve_backend(args)
+    res = spawn_and_collect(_worker, args)
     print(format_report(res, args, device))
     return 0 if res["counted"] == res["formula"] and not res["mismatch"] else 1
