@@ -225,7 +225,7 @@ def measure_stash_bytes(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], 
 def compare_stash(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1,
                   ) -> tuple[int, float]:
     """(measured, modelled) bytes one micro-batch holds from B to W through this rank's chunk of the layout."""
-    from megascale.perf.activations import weight_stash_bytes
+    from megascale.perf.weight_stash import weight_stash_bytes
 
     return _run_chunk(overrides, kernels, stage, measure_stash_bytes,
                       lambda cfg, plan, chunk: weight_stash_bytes(cfg, plan, kernels, len(chunk.layer_ids),

@@ -127,10 +127,10 @@ def norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Optional[s
 
     norm: the kind of norm (default model.norm; LFA's filter always ends in an RMSNorm).
     """
-    return _norm_rows_bytes(norm or cfg.model.norm, sh.residual_tokens, sh.hidden, sh, kernels)
+    return norm_rows_bytes(norm or cfg.model.norm, sh.residual_tokens, sh.hidden, sh, kernels)
 
 
-def _norm_rows_bytes(kind: str, n: int, h: int, sh: Shapes, kernels: KernelProfile) -> float:
+def norm_rows_bytes(kind: str, n: int, h: int, sh: Shapes, kernels: KernelProfile) -> float:
     """What a norm of n rows of width h keeps, its input included."""
     if kernels == "fused":  # input rows + fp32 rstd (+ fp32 mean for LayerNorm); weight is the parameter
         return n * h * sh.act + n * FP32 * (1 if kind == "rmsnorm" else 2)
@@ -146,7 +146,7 @@ def qk_norm_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     of q and k (their input, new tensors: q and k are strided slices of the projection output)."""
     if not cfg.model.qk_norm:
         return 0.0
-    return sum(_norm_rows_bytes("rmsnorm", sh.tokens * heads, sh.head_dim, sh, kernels)
+    return sum(norm_rows_bytes("rmsnorm", sh.tokens * heads, sh.head_dim, sh, kernels)
                for heads in (sh.q_heads, sh.kv_heads))
 
 
@@ -155,20 +155,20 @@ def _fresh_q_k(cfg: Config) -> bool:
     return cfg.model.position == "rope" or cfg.model.qk_norm
 
 
-def _linear_input_bytes(sh: Shapes) -> float:
+def linear_input_bytes(sh: Shapes) -> float:
     """A column-parallel GEMM keeps its input: the norm output, under SP this rank's shard of it
     (re-gathered in backward) or the all-gathered sequence (parallel.sp_regather_input false)."""
     if sh.regather:
         return sh.residual_tokens * sh.hidden * sh.act
-    return _gathered_input_bytes(sh)
+    return gathered_input_bytes(sh)
 
 
-def _gathered_input_bytes(sh: Shapes) -> float:
+def gathered_input_bytes(sh: Shapes) -> float:
     """A [s, b, h] input of the tp region: the all-gathered sequence under SP."""
     return sh.per_token(sh.hidden, sh.act)
 
 
-def _qkv_bytes(sh: Shapes) -> float:
+def qkv_bytes(sh: Shapes) -> float:
     return sh.per_token((sh.q_heads + 2 * sh.kv_heads) * sh.head_dim, sh.act)
 
 
@@ -181,12 +181,12 @@ def _qkv_kept_bytes(cfg: Config, sh: Shapes) -> float:
     attention reads q and k from it.
     """
     if not cfg.model.lfa:
-        return _qkv_bytes(sh)
-    v = _heads_bytes(sh, sh.kv_heads)
-    return v + (_qkv_bytes(sh) - v if not _fresh_q_k(cfg) else 0.0)
+        return qkv_bytes(sh)
+    v = heads_bytes(sh, sh.kv_heads)
+    return v + (qkv_bytes(sh) - v if not _fresh_q_k(cfg) else 0.0)
 
 
-def _heads_bytes(sh: Shapes, heads: int) -> float:
+def heads_bytes(sh: Shapes, heads: int) -> float:
     return sh.per_token(heads * sh.head_dim, sh.act)
 
 
@@ -198,8 +198,8 @@ def _q_k_copies(cfg: Config, sh: Shapes) -> float:
     must be gathered into one tensor.
     """
     if _fresh_q_k(cfg):
-        return _heads_bytes(sh, sh.q_heads) + _heads_bytes(sh, sh.kv_heads)
-    return _heads_bytes(sh, sh.q_heads) if sh.group > 1 and sh.kv_heads > 1 else 0.0
+        return heads_bytes(sh, sh.q_heads) + heads_bytes(sh, sh.kv_heads)
+    return heads_bytes(sh, sh.q_heads) if sh.group > 1 and sh.kv_heads > 1 else 0.0
 
 
 def spread_kv_heads(sh: Shapes) -> int:
@@ -221,8 +221,8 @@ def _kernel_bytes(sh: Shapes, local_inputs: bool) -> float:
     by the caller; otherwise they are the all-to-all outputs, new tensors (k/v with
     the Ulysses spread's kv heads).
     """
-    q_bytes = _heads_bytes(sh, sh.q_heads)
-    inputs = 0.0 if local_inputs else q_bytes + 2 * _heads_bytes(sh, spread_kv_heads(sh))
+    q_bytes = heads_bytes(sh, sh.q_heads)
+    inputs = 0.0 if local_inputs else q_bytes + 2 * heads_bytes(sh, spread_kv_heads(sh))
     return inputs + q_bytes + sh.tokens * sh.q_heads * FP32
 
 
@@ -231,7 +231,7 @@ def attention_core_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, select
     rope_tables = 4 * sh.seq * sh.head_dim * FP32 if cfg.model.position == "rope" and kernels == "reference" else 0.0
     # The q/k norms and RoPE run before the core (outside its selective-recompute checkpoint).
     before_core = rope_tables + qk_norm_bytes(cfg, sh, kernels)
-    proj_input = _heads_bytes(sh, sh.q_heads)
+    proj_input = heads_bytes(sh, sh.q_heads)
     if selective:
         # The checkpoint keeps q, k, v as they enter the core (v a view of qkv) and the core's output.
         return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + before_core + proj_input
@@ -263,9 +263,9 @@ def _ring_bytes(cfg: Config, sh: Shapes) -> float:
     heads = sh.q_heads * sh.head_dim
     fp32_out = sh.per_token(heads, FP32) + sh.tokens * sh.q_heads * FP32
     if sh.ulysses > 1:  # hybrid: the ring runs on the all-to-all outputs
-        q_kv = _heads_bytes(sh, sh.q_heads) + 2 * _heads_bytes(sh, spread_kv_heads(sh))
-        return q_kv + fp32_out + _heads_bytes(sh, sh.q_heads)
-    proj_input = 0.0 if sh.act == FP32 else _heads_bytes(sh, sh.q_heads)
+        q_kv = heads_bytes(sh, sh.q_heads) + 2 * heads_bytes(sh, spread_kv_heads(sh))
+        return q_kv + fp32_out + heads_bytes(sh, sh.q_heads)
+    proj_input = 0.0 if sh.act == FP32 else heads_bytes(sh, sh.q_heads)
     return _qkv_kept_bytes(cfg, sh) + _q_k_copies(cfg, sh) + fp32_out + proj_input
 
 
@@ -344,7 +344,7 @@ def moe_mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm_output_k
     shared = cfg.model.shared_ffn_size // sh.tp
     total = _router_input_bytes(cfg, sh, norm_output_kept or (shared > 0 and _keeps_norm_output(sh)))
     if shared:
-        kept_input = 0.0 if norm_output_kept and _keeps_norm_output(sh) else _linear_input_bytes(sh)
+        kept_input = 0.0 if norm_output_kept and _keeps_norm_output(sh) else linear_input_bytes(sh)
         total += kept_input + mlp_bytes(cfg, sh, kernels, shared)
     return total + moe_routed_bytes(cfg, sh, kernels)
 
@@ -368,9 +368,9 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
     lfa_filter = _lfa_bytes(cfg, sh, kernels) if m.lfa else 0.0
     core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
     mask = dropout_mask_bytes(cfg, sh, kernels)
-    linear_in = _linear_input_bytes(sh)
+    linear_in = linear_input_bytes(sh)
     # LFA's q/k and v projections enter the tp region together and keep their gathered inputs.
-    attention_in = _gathered_input_bytes(sh) if m.lfa else linear_in
+    attention_in = gathered_input_bytes(sh) if m.lfa else linear_in
     if m.parallel_block:
         if not m.lfa:  # one GEMM for qkv and fc1: one kept input, one output both branches read
             fused = _fused_block_output_bytes(cfg, sh, kernels, recompute)
@@ -389,7 +389,7 @@ def _moe_layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute:
     lfa_filter = _lfa_bytes(cfg, sh, kernels) if cfg.model.lfa else 0.0
     core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
     mask = dropout_mask_bytes(cfg, sh, kernels)
-    attention_in = _gathered_input_bytes(sh) if cfg.model.lfa else _linear_input_bytes(sh)
+    attention_in = gathered_input_bytes(sh) if cfg.model.lfa else linear_input_bytes(sh)
     if cfg.model.parallel_block:  # one norm output feeds both branches
         attention_keeps_it = not sh.sp or (sh.regather and not cfg.model.lfa)
         mlp = moe_mlp_bytes(cfg, sh, kernels, norm_output_kept=attention_keeps_it)
@@ -406,7 +406,7 @@ def _fused_block_output_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, r
     if qkv_kept and not fc1_kept:
         return sh.per_token(sh.ffn * (2 if cfg.model.activation == "swiglu" else 1), sh.act)
     if fc1_kept and not qkv_kept:
-        return _qkv_bytes(sh)
+        return qkv_bytes(sh)
     return 0.0
 
 
@@ -417,7 +417,7 @@ def _lfa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     runs = lfa.halo_runs(sh.ring, split)
     filters = lfa.filter_saved_bytes(sh.residual_tokens, sh.batch, sh.hidden, sh.act, runs)
     weights = lfa.weight_copy_elements(sh.kv_heads, sh.group, sh.head_dim, sh.hidden) * sh.act
-    return filters + norm_bytes(cfg, sh, kernels, norm="rmsnorm") + _gathered_input_bytes(sh) + weights
+    return filters + norm_bytes(cfg, sh, kernels, norm="rmsnorm") + gathered_input_bytes(sh) + weights
 
 
 def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -433,7 +433,7 @@ def head_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     """Last stage: final norm, the logits GEMM input and the cross entropy's saved buffers."""
     ce = (sh.per_token(sh.vocab, FP32) + sh.tokens * (INDEX + 2 + FP32) if kernels == "reference"
           else sh.per_token(sh.vocab, sh.act) + sh.tokens * (INDEX + FP32))
-    return norm_bytes(cfg, sh, kernels) + _linear_input_bytes(sh) + ce
+    return norm_bytes(cfg, sh, kernels) + linear_input_bytes(sh) + ce
 
 
 def head_working_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> tuple[float, float]:
@@ -489,134 +489,6 @@ def chunk_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: 
     return total
 
 
-def _norm_weight_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm: Optional[str] = None) -> float:
-    """What a norm holds from the input-gradient pass B to the weight pass W: what its weight-carrying
-    node saved (the reference RMSNorm's product with the weight keeps the fp32 x * rstd and, in 16-bit
-    runs, its fp32 weight copy; every other norm is one node keeping all of norm_bytes) and the
-    gradient recorded there (fp32 for the reference RMSNorm, else the activation dtype).
-    norm: the kind of norm (default model.norm)."""
-    return _norm_rows_weight_bytes(norm or cfg.model.norm, sh.residual_tokens, sh.hidden, sh, kernels)
-
-
-def _norm_rows_weight_bytes(kind: str, n: int, h: int, sh: Shapes, kernels: KernelProfile) -> float:
-    """`_norm_weight_bytes` of a norm over n rows of width h."""
-    if kernels == "fused" or kind == "layernorm":
-        saved = _norm_rows_bytes(kind, n, h, sh, kernels)
-    else:
-        saved = n * h * FP32 + (h * FP32 if sh.act != FP32 else 0)
-    return saved + n * h * _norm_grad_bytes(kind, sh, kernels)
-
-
-def _norm_grad_bytes(kind: str, sh: Shapes, kernels: KernelProfile) -> int:
-    """Bytes per element of the gradient a norm's weight node records (fp32 for the reference RMSNorm)."""
-    return FP32 if kernels == "reference" and kind == "rmsnorm" else sh.act
-
-
-def _qk_norm_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, replayed: bool = False) -> float:
-    """What the q and k head norms (model.qk_norm) hold from B to W: each one's weight-side tensors and
-    gradient over its rows of one head; replayed (full recomputation): only the gradients."""
-    if not cfg.model.qk_norm:
-        return 0.0
-    rows = [sh.tokens * heads for heads in (sh.q_heads, sh.kv_heads)]
-    if replayed:
-        return sum(n * sh.head_dim * _norm_grad_bytes("rmsnorm", sh, kernels) for n in rows)
-    return sum(_norm_rows_weight_bytes("rmsnorm", n, sh.head_dim, sh, kernels) for n in rows)
-
-
-def _lfa_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, replayed: bool = False) -> float:
-    """What LFA's filter holds from B to W: both convolutions' inputs and output gradients, its RMSNorm's
-    weight-side tensors and gradient, the filtered input of the q/k GEMM, the weight slices that are copies.
-    replayed (full recomputation): only the gradients stay, W's replay rebuilds the rest."""
-    split = sh.ulysses * (sh.tp if sh.sp else 1)
-    runs = lfa.halo_runs(sh.ring, split)
-    filters = lfa.filter_saved_bytes(sh.residual_tokens, sh.batch, sh.hidden, sh.act, runs)
-    conv_grads = ((sh.residual_tokens + runs * sh.batch) * (sh.hidden // 2) + sh.residual_tokens * sh.hidden) * sh.act
-    norm_grad = sh.residual_tokens * sh.hidden * (FP32 if kernels == "reference" else sh.act)
-    # With a bias the v GEMM's output gradient is a copy of the one its bias add records (a strided view
-    # of the attention's v gradient, reshaped).
-    v_grad = _heads_bytes(sh, sh.kv_heads) if cfg.model.bias else 0.0
-    if replayed:
-        return conv_grads + norm_grad + v_grad
-    weights = lfa.weight_copy_elements(sh.kv_heads, sh.group, sh.head_dim, sh.hidden) * sh.act
-    return (filters + conv_grads + v_grad + _norm_weight_bytes(cfg, sh, kernels, norm="rmsnorm")
-            + _gathered_input_bytes(sh) + weights)
-
-
-def _gemm_gradient_bytes(cfg: Config, sh: Shapes) -> float:
-    """The output gradients a layer's GEMMs keep for W: qkv, fc1 ([.., 2, ffn] for SwiGLU), and the
-    [s, b, h] ones of proj and fc2 (one, summed, in the parallel block): under sequence parallelism the
-    whole sequence's, gathered before the GEMM, and with a bias also the bias add's, still sharded."""
-    fc1 = sh.per_token(sh.ffn * (2 if cfg.model.activation == "swiglu" else 1), sh.act)
-    rows = 1 if cfg.model.parallel_block else 2
-    row_grads = sh.per_token(sh.hidden, sh.act)
-    if sh.sp and cfg.model.bias:
-        row_grads += sh.residual_tokens * sh.hidden * sh.act
-    return _qkv_bytes(sh) + fc1 + rows * row_grads
-
-
-def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
-    """What one transformer block holds from B to W in a zero-bubble schedule (split backward).
-
-    B releases every saved tensor only it reads (the attention core, the activation
-    function's input, dropout masks, the norms' inner statistics); W needs each GEMM's
-    input and output gradient and each norm's (the q/k head norms' too) weight-side
-    tensors and gradient. With full
-    recomputation the block input stays (W replays the block once more) beside the same
-    gradients.
-    """
-    norms = 1 if cfg.model.parallel_block else 2
-    gradients = _gemm_gradient_bytes(cfg, sh)
-    if recompute == "full":
-        grad_only = sh.residual_tokens * sh.hidden * (FP32 if kernels == "reference" and cfg.model.norm == "rmsnorm"
-                                                      else sh.act)
-        kept = (sh.residual_tokens * sh.hidden * sh.act + gradients + norms * grad_only
-                + _qk_norm_weight_stash_bytes(cfg, sh, kernels, replayed=True))
-        if cfg.model.lfa:  # the filter's recorded gradients (its convolutions' and its norm's)
-            kept += _lfa_weight_stash_bytes(cfg, sh, kernels, replayed=True)
-        return kept
-    linear_in = _linear_input_bytes(sh)
-    if not cfg.model.lfa:  # qkv and fc1 (one fused GEMM in the parallel block)
-        inputs = linear_in * (1 if cfg.model.parallel_block else 2)
-    else:  # v's GEMM reads the gathered input, beside its own gather of fc1's under SP (as layer_bytes)
-        attention_in = _gathered_input_bytes(sh)
-        if cfg.model.parallel_block:
-            inputs = attention_in + linear_in if sh.sp else linear_in
-        else:
-            inputs = attention_in + linear_in
-        inputs += _lfa_weight_stash_bytes(cfg, sh, kernels)
-    inputs += _heads_bytes(sh, sh.q_heads) + sh.per_token(sh.ffn, sh.act)  # proj and fc2
-    qk_norms = _qk_norm_weight_stash_bytes(cfg, sh, kernels)
-    return norms * _norm_weight_bytes(cfg, sh, kernels) + qk_norms + inputs + gradients
-
-
-def weight_stash_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: int, first: bool,
-                       last: bool) -> float:
-    """What one micro-batch of a chunk holds from its input-gradient pass B to its weight pass W.
-
-    The layers' `layer_weight_stash_bytes`; on the first stage the embedding's saved
-    tensors (W runs it) and the gradient of its output; on the last stage the final norm,
-    the logits GEMM's input and the logits gradient (the cross entropy's buffers go with B).
-    Written to agree byte for byte with what the split backward keeps (checked in
-    tests/test_memory_model.py in one process and at tp 2; under sequence parallelism
-    it falls up to a few percent short); context parallelism is an estimate (the
-    attention output the projection reads, as for cp 1).
-    """
-    sh = Shapes.of(cfg, plan)
-    total = 0.0
-    for i in range(num_layers):
-        mode = layer_recompute(cfg, i)
-        total += layer_weight_stash_bytes(cfg, sh, kernels, mode)
-    if first:  # ids and positions (the dropout mask goes with B) and the gradient
-        learned = cfg.model.position == "learned"
-        positions = sh.seq * sh.ulysses * INDEX if learned else 0
-        mask = sh.tokens if learned and sh.tp > 1 else 0  # below the position add, on the embedding's side
-        total += sh.tokens * INDEX + positions + mask + sh.residual_tokens * sh.hidden * sh.act
-    if last:
-        total += (_norm_weight_bytes(cfg, sh, kernels) + _linear_input_bytes(sh)
-                  + sh.per_token(sh.vocab, sh.act))
-    return total
-
-
 def input_kept(cfg: Config, kernels: KernelProfile, first_mode: Recompute) -> bool:
     """Whether autograd keeps a chunk's input tensor itself (else only the pipeline executor holds it)."""
     return not (first_mode != "full" and kernels == "reference" and cfg.model.norm == "rmsnorm"
@@ -636,7 +508,6 @@ __all__ = [
     "input_kept",
     "layer_bytes",
     "layer_recompute",
-    "layer_weight_stash_bytes",
     "mlp_bytes",
     "moe_mlp_bytes",
     "moe_routed_bytes",
@@ -645,5 +516,4 @@ __all__ = [
     "routed_rows",
     "routed_tokens",
     "spread_kv_heads",
-    "weight_stash_bytes",
 ]

@@ -47,6 +47,7 @@ from megascale.distributed.pipeline.simulator import peak_live
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf import activations as act
 from megascale.perf.activations import KernelProfile, Shapes
+from megascale.perf.weight_stash import weight_stash_bytes
 from megascale.run_plan import NO_PIPELINE, RunPlan
 
 GIB = 2 ** 30
@@ -120,7 +121,7 @@ class _Chunk:
     """The loss's logits gradient is the larger part of backward_work."""
     stash: float = 0.0
     """Held from the input-gradient pass B to the weight pass W in a split-backward (zero-bubble)
-    schedule: the saved tensors and recorded gradients W needs (`activations.weight_stash_bytes`)."""
+    schedule: the saved tensors and recorded gradients W needs (`weight_stash.weight_stash_bytes`)."""
 
     def loss_work_at(self, in_forward: bool) -> bool:
         """Whether what this chunk's forward (or backward) adds at the peak belongs to the loss head."""
@@ -163,7 +164,7 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
             if not first and not act.input_kept(cfg, kernels, act.layer_recompute(cfg, 0)):
                 saved += message
         head_forward, head_backward = act.head_working_bytes(cfg, sh, kernels) if last else (0.0, 0.0)
-        stash = act.weight_stash_bytes(cfg, plan, kernels, len(layer_ids), first, last) if split else 0.0
+        stash = weight_stash_bytes(cfg, plan, kernels, len(layer_ids), first, last) if split else 0.0
         out.append(_Chunk(saved=saved, head=act.head_bytes(cfg, sh, kernels) if last else 0.0,
                           forward_work=head_forward, backward_work=max(layer_work, head_backward),
                           backward_is_loss=head_backward > layer_work, stash=stash))
