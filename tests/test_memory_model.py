@@ -118,8 +118,6 @@ def _run_chunk(overrides: list[str], kernels: str, stage: str, measure: Callable
                model: Callable[..., float], rank: int = 0, world: int = 1, ctx: Any = None) -> tuple[int, float]:
     """(measure(chunk, hidden, batch), model(cfg, plan, chunk)) for this rank's chunk of the layout, placed
     as `stage`, on one micro-batch; ctx as in `compare`."""
-    from megascale.kernels import emulate
-    from megascale.model import build_model
     from megascale.run_plan import resolve_plan
 
     cfg = parity.make_config(overrides)
@@ -131,11 +129,22 @@ def _run_chunk(overrides: list[str], kernels: str, stage: str, measure: Callable
         ctx = parity.layout_context(cfg, rank, world)
     p = cfg.parallel
     assert (ctx.tp_size, ctx.cp_size, ctx.pp_size, ctx.rank) == (p.tp, p.cp, p.pp, rank), ctx.describe()
+    chunk, hidden, batch = chunk_and_inputs(cfg, plan, ctx, kernels, stage)
+    return measure(chunk, hidden, batch), model(cfg, plan, chunk)
+
+
+def chunk_and_inputs(cfg: Any, plan: Any, ctx: Any, kernels: str, stage: str,
+                     seed: int = 0) -> tuple[Any, Optional[torch.Tensor], dict]:
+    """This rank's first chunk of the layout placed as `stage`, and one micro-batch for it: its input
+    hidden state (None on a first stage) and its tokens and labels."""
+    from megascale.kernels import emulate
+    from megascale.model import build_model
+
     chunk = build_model(cfg, ctx, plan=plan)[0]
     if kernels == "fused":  # the csrc autograd fronts over the extension's plain-torch stand-in
         chunk.bc.ops._extension = lambda *tensors: emulate
     chunk.first, chunk.last = STAGES[stage]
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     m = cfg.model
     tokens, labels = (torch.randint(0, m.vocab_size, (plan.micro_batch_size, m.seq_length), generator=generator)
                       for _ in range(2))
@@ -143,8 +152,7 @@ def _run_chunk(overrides: list[str], kernels: str, stage: str, measure: Callable
     if not chunk.first:
         hidden = torch.randn(plan.activation_shape, generator=generator).to(plan.precision.compute_dtype)
         hidden.requires_grad_(True)
-    got = measure(chunk, hidden, {"tokens": tokens, "labels": labels})
-    return got, model(cfg, plan, chunk)
+    return chunk, hidden, {"tokens": tokens, "labels": labels}
 
 
 def _grid(variants: list[str], dtypes: tuple[str, ...], recompute: list[str], stages: list[str],

@@ -27,9 +27,9 @@ from test_memory_model import (
     BASE,
     LLAMA,
     PEAK_BASE,
-    STAGES,
     _working_bytes,
     _zero_grads,
+    chunk_and_inputs,
     measure_peak_bytes,
     measure_saved_bytes,
 )
@@ -73,25 +73,12 @@ def _context(cfg: Any, rank: int, world: int) -> Any:
 
 def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1) -> tuple[int, float]:
     """(measured, modelled) saved bytes of one micro-batch through this rank's chunk of the layout."""
-    from megascale.kernels import emulate
-    from megascale.model import build_model
     from megascale.perf.activations import chunk_bytes
 
     cfg = parity.make_config(overrides)
     plan = resolve_plan(cfg, world)
-    chunk = build_model(cfg, _context(cfg, rank, world), plan=plan)[0]
-    if kernels == "fused":  # the csrc autograd fronts over the extension's plain-torch stand-in
-        chunk.bc.ops._extension = lambda *tensors: emulate
-    chunk.first, chunk.last = STAGES[stage]
-    generator = torch.Generator().manual_seed(rank)
-    m = cfg.model
-    tokens, labels = (torch.randint(0, m.vocab_size, (plan.micro_batch_size, m.seq_length), generator=generator)
-                      for _ in range(2))
-    hidden = None
-    if not chunk.first:
-        hidden = torch.randn(plan.activation_shape, generator=generator).to(plan.precision.compute_dtype)
-        hidden.requires_grad_(True)
-    got = measure_saved_bytes(chunk, hidden, {"tokens": tokens, "labels": labels})
+    chunk, hidden, batch = chunk_and_inputs(cfg, plan, _context(cfg, rank, world), kernels, stage, seed=rank)
+    got = measure_saved_bytes(chunk, hidden, batch)
     return got, chunk_bytes(cfg, plan, kernels, len(chunk.layer_ids), chunk.first, chunk.last, chunk.layer_ids)
 
 
