@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from megascale.config import load_config
@@ -159,6 +161,27 @@ def test_lfa_flops_match_counted_published_structure() -> None:
     assert counter.get_total_flops() == lfa_conv_flops(h) * b * s
 
 
+def counted_forward_flops(overrides: list[str]) -> tuple[Any, int]:
+    """(model config, FLOPs) of one forward of two sequences through the real single-process model:
+    torch's FLOP counter over every GEMM, plus the attention core's hand count (SDPA's CPU kernel is
+    not registered by the counter)."""
+    import parity
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megascale.perf.flops import LayerDims, attention_core_flops
+
+    overrides = [*overrides, "train.micro_batch_size=2", "kernels.attention=sdpa"]
+    m = load_config(None, overrides).model
+    chunk = parity.reference_chunk(overrides)
+    generator = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, m.vocab_size, (2, m.seq_length), generator=generator) for _ in range(2))
+    with FlopCounterMode(display=False) as counter:
+        chunk(None, {"tokens": tokens, "labels": labels})
+    core = m.num_layers * attention_core_flops(LayerDims.of(m))
+    return m, counter.get_total_flops() + core * 2 * m.seq_length
+
+
 @pytest.mark.parametrize("extra", [
     [],
     ["model.parallel_block=true", "model.num_kv_heads=2"],
@@ -176,25 +199,11 @@ def test_model_flops_match_the_real_models_counted_matmuls(extra: list[str]) -> 
     blockwise kernel computes whole blocks, more than the model's count) is added
     to what it counts: every projection, MLP, LFA and logits GEMM.
     """
-    import parity
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from megascale.perf.flops import LayerDims, attention_core_flops
-
-    overrides = [*LFA_BASE, "train.micro_batch_size=2", "kernels.attention=sdpa", *extra]
-    m = load_config(None, overrides).model
-    chunk = parity.reference_chunk(overrides)
-    generator = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, m.vocab_size, (2, m.seq_length), generator=generator) for _ in range(2))
-    with FlopCounterMode(display=False) as counter:
-        chunk(None, {"tokens": tokens, "labels": labels})
-    core = m.num_layers * attention_core_flops(LayerDims.of(m))
+    m, counted = counted_forward_flops([*LFA_BASE, *extra])
     # LFA also runs conv1 on the token before each run (position -1 here) to feed conv2's first tap:
     # one extra row of 2 h^2 per sequence per layer, executed but not a model FLOP.
     halo = m.num_layers * 2 * (2 * m.hidden_size * m.hidden_size) if m.lfa else 0
-    model = forward_flops_per_token(m) * 2 * m.seq_length
-    assert counter.get_total_flops() + core * 2 * m.seq_length == model + halo
+    assert counted == forward_flops_per_token(m) * 2 * m.seq_length + halo
 
 
 def test_attention_core_flops_use_the_head_width_of_kv_channels() -> None:

@@ -4,6 +4,7 @@ torch's FLOP counter on the real MoE model."""
 from __future__ import annotations
 
 import pytest
+from test_flops import counted_forward_flops
 
 from megascale.config import load_config
 from megascale.distributed.pipeline.partition import gpt_stage_cost
@@ -99,18 +100,5 @@ def test_moe_flops_match_the_real_models_counted_matmuls(extra: list[str]) -> No
     the counter sees are the model count whatever the router chose. The attention core runs in
     SDPA's CPU kernel, which the counter does not register: it is added from the hand count.
     """
-    import parity
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from megascale.perf.flops import LayerDims, attention_core_flops
-
-    overrides = [*SMALL, *MOE, "train.micro_batch_size=2", "kernels.attention=sdpa", *extra]
-    m = load_config(None, overrides).model
-    chunk = parity.reference_chunk(overrides)
-    generator = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, m.vocab_size, (2, m.seq_length), generator=generator) for _ in range(2))
-    with FlopCounterMode(display=False) as counter:
-        chunk(None, {"tokens": tokens, "labels": labels})
-    core = m.num_layers * attention_core_flops(LayerDims.of(m))
-    assert counter.get_total_flops() + core * 2 * m.seq_length == forward_flops_per_token(m) * 2 * m.seq_length
+    m, counted = counted_forward_flops([*SMALL, *MOE, *extra])
+    assert counted == forward_flops_per_token(m) * 2 * m.seq_length
