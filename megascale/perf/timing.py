@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megascale.config import Config
-from megascale.distributed.pipeline.schedules import SPLIT_BACKWARD, build_all_schedules
+from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BACKWARD, Action, build_all_schedules
+from megascale.distributed.pipeline.shared_cores import simulate_shared
 from megascale.distributed.pipeline.simulator import simulate
 from megascale.model.params import ParamTable
 from megascale.perf.costs import (
@@ -42,7 +43,7 @@ from megascale.perf.costs import (
     shares_cores,
 )
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.host import ranks_per_core, shared_makespan
+from megascale.perf.host import host_share, ranks_per_core, shared_makespan
 from megascale.perf.moe import expert_layout
 from megascale.run_plan import RunPlan
 
@@ -132,6 +133,39 @@ def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
     if result.deadlock:
         raise RuntimeError(f"the {plan.schedule} schedule does not finish in simulation: {result.deadlock}")
     return result.makespan, list(result.busy)
+
+
+def _pass_waits(cost: Cost) -> float:
+    """Seconds of a pass spent waiting in in-pass collectives (tp, cp, ep): a rank sleeps there, on no core."""
+    return cost.tp_comm + cost.cp_comm + cost.ep_comm
+
+
+def _shared_pipeline(plan: RunPlan, spec: GpuSpec, costs: list[list[ChunkCost]],
+                     times: list[list[tuple[float, ...]]], p2p: float, blocking: float) -> float:
+    """Makespan of one step's passes on a CPU host whose ranks share its cores (`simulate_shared`).
+
+    Each pass is its blocking receive (a meeting: no core), then one piece per layer of the chunk: that
+    layer's share of the pass's compute (on the core share the clock gives it), then its share of the
+    pass's in-pass collective waits (no core). A weight pass W (split backward) is compute only.
+    """
+    m = plan.num_microbatches
+    cores, threads = host_share(plan, spec)
+
+    def segments(rank: int, action: Action) -> list[tuple[float, float]]:
+        chunk, duration = costs[rank][action.chunk], times[rank][action.chunk]
+        if action.kind is FORWARD:
+            total, waits, receive = duration[0], _pass_waits(chunk.forward), blocking
+        elif action.kind is BACKWARD:
+            total, waits, receive = duration[1], _pass_waits(chunk.backward), blocking
+        else:
+            total, waits, receive = duration[2], 0.0, 0.0
+        pieces = max(1, chunk.layers)
+        work = max(0.0, total - waits - receive)
+        return [(0.0, receive)] + [(work / pieces, waits / pieces)] * pieces
+
+    schedules = build_all_schedules(plan.schedule if plan.pp > 1 else "1f1b", plan.pp, plan.vpp, m)
+    return simulate_shared(schedules, segments, cores, threads, t_comm=p2p if plan.pp > 1 else 0.0,
+                           v_shape=plan.v_shape).makespan
 
 
 def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
@@ -240,11 +274,14 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         makespan, busy = _pipeline(plan, times, p2p, rendezvous=not traits.async_p2p)
     else:
         makespan, busy = _analytic_pipeline(plan, times, p2p)
-    # CPU hosts: ranks beyond the cores time-share them (zero for GPU specs); reported as its own part.
-    waits = [m * sum(c.forward.tp_comm + c.forward.cp_comm + c.forward.ep_comm
-                     + c.backward.tp_comm + c.backward.cp_comm + c.backward.ep_comm for c in chunks)
-             for chunks in costs]
-    core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
+    # CPU hosts: the schedule on shared cores (zero for GPU specs), reported as its own part so the bubble
+    # stays the schedule's own; the layout search's bubble formula takes the aggregate bound instead.
+    core_sharing = 0.0
+    if shares_cores(spec) and simulate_pipeline:
+        core_sharing = max(0.0, _shared_pipeline(plan, spec, costs, times, p2p, blocking) - makespan)
+    elif shares_cores(spec):
+        waits = [m * sum(_pass_waits(c.forward) + _pass_waits(c.backward) for c in chunks) for chunks in costs]
+        core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
     sharing = ranks_per_core(plan, spec)
     step_parts = []
     for rank in range(plan.pp):
