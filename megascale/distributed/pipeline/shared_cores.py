@@ -104,6 +104,8 @@ def compute_graph(schedules: Sequence[Sequence[Action]], v_shape: bool = False) 
                                    False))
                 continue
             send = Action(SEND_FWD if action.kind is FORWARD else SEND_BWD, src_chunk, action.microbatch)
+            if (src_rank, send) not in sent_after:
+                raise ValueError(f"rank {rank}: {action} needs {send} from rank {src_rank}, which never sends it")
             steps.append(_Step(action, (src_rank, sent_after[(src_rank, send)]), True))
         graph.append(steps)
     return graph
@@ -228,4 +230,4 @@ def _start_ready(graph: list[list[_Step]], ranks: list[_Rank], finished: list[li
     return arrivals
 
 
-__all__ = ["SharedResult", "Segments", "compute_graph", "simulate_shared"]
+__all__ = ["Segments", "SharedResult", "compute_graph", "simulate_shared"]
