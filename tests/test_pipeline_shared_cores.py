@@ -22,8 +22,8 @@ from megascale.distributed.pipeline.simulator import simulate
 UNIT = {FORWARD: 1.0, BACKWARD: 2.0}
 
 
-def _unit(rank: int, action: Action) -> list[tuple[float, float]]:
-    return [(UNIT[action.kind], 0.0)]
+def _unit(rank: int, action: Action) -> tuple[float, float]:
+    return UNIT[action.kind], 0.0
 
 
 def test_four_ranks_always_busy_on_two_cores_take_twice_as_long() -> None:
@@ -35,12 +35,26 @@ def test_four_ranks_always_busy_on_two_cores_take_twice_as_long() -> None:
     assert shared.work == [pytest.approx(9.0)] and shared.active == [pytest.approx(18.0)]
 
 
-def test_waits_use_no_core_and_are_not_stretched() -> None:
+def test_meetings_are_not_stretched_but_keep_the_rank_busy() -> None:
     schedules = build_all_schedules("1f1b", 1, 1, 3)
-    # Each pass: its work, then a collective's meeting of 0.5 s in which the ranks sleep.
-    result = simulate_shared(schedules, lambda r, a: [(UNIT[a.kind], 0.5)], cores=2.0, threads=4)
+    # Each pass: its work and a collective's meeting of 0.5 s, which takes its measured wall time.
+    result = simulate_shared(schedules, lambda r, a: (UNIT[a.kind], 0.5), cores=2.0, threads=4)
     assert result.makespan == pytest.approx(2 * 9.0 + 6 * 0.5)
     assert result.work == [pytest.approx(9.0)]
+    # pp 2, one micro-batch: the stages never compute together, and nothing is shared on one core.
+    chain = build_all_schedules("1f1b", 2, 1, 1)
+    assert simulate_shared(chain, lambda r, a: (UNIT[a.kind], 0.5), cores=1.0).makespan == pytest.approx(8.0)
+    # pp 2, two micro-batches on one core, rank 1's forwards all meeting (hold 1 s, no work): a meeting is not
+    # slowed, but the rank in it is busy, so the other rank's compute beside it runs at half speed.
+    def meeting_forward(rank: int, action: Action) -> tuple[float, float]:
+        return (0.0, 1.0) if (rank, action.kind) == (1, FORWARD) else (UNIT[action.kind], 0.0)
+
+    two = simulate_shared(build_all_schedules("1f1b", 2, 1, 2), meeting_forward, cores=1.0)
+    # [0, 1] rank 0 F0 alone; [1, 2] rank 1 F0 (meeting) beside rank 0 F1 at 0.5; [2, 3] rank 0 finishes F1
+    # beside rank 1 B0 at 0.5; [3, 4.5] rank 1 finishes B0 alone; [4.5, 5.5] rank 1 F1 (meeting) beside rank 0
+    # B0 at 0.5; [5.5, 8.5] rank 0 finishes B0 beside rank 1 B1 at 0.5; [8.5, 9] rank 1 finishes B1 alone;
+    # [9, 11] rank 0 B1 alone.
+    assert two.finish == [pytest.approx(11.0), pytest.approx(9.0)]
 
 
 def test_two_stages_on_one_and_a_half_cores_stretch_only_where_both_compute() -> None:
@@ -75,16 +89,16 @@ def test_a_core_for_every_thread_reproduces_the_schedule(name: str, pp: int, vpp
     schedules = build_all_schedules(name, pp, vpp, m)
     plain = simulate(schedules, t_comm=0.1, durations=durations, v_shape=is_v_shape(name))
 
-    def segments(rank: int, action: Action) -> list[tuple[float, float]]:
+    def passes(rank: int, action: Action) -> tuple[float, float]:
         t = durations[(rank, action.chunk)][index[action.kind]]
-        return [(0.0, 0.2 * t), (0.8 * t, 0.0)]  # a wait, then the work: on a core of its own, the same time
+        return 0.8 * t, 0.2 * t  # work and meetings: on a core of its own, the same time
 
-    shared = simulate_shared(schedules, segments, cores=2.0 * pp, threads=2, t_comm=0.1, v_shape=is_v_shape(name))
+    shared = simulate_shared(schedules, passes, cores=2.0 * pp, threads=2, t_comm=0.1, v_shape=is_v_shape(name))
     assert shared.makespan == pytest.approx(plain.makespan)
     assert shared.finish == pytest.approx(plain.finish)
     assert shared.active == pytest.approx(plain.busy)
     # Fewer cores can only slow it, and never below the work spread over them.
-    tight = simulate_shared(schedules, segments, cores=1.0, threads=2, t_comm=0.1, v_shape=is_v_shape(name))
+    tight = simulate_shared(schedules, passes, cores=1.0, threads=2, t_comm=0.1, v_shape=is_v_shape(name))
     assert tight.makespan >= max(plain.makespan, 2 * sum(tight.work) / 1.0) - 1e-9
 
 
@@ -107,3 +121,5 @@ def test_a_receive_nobody_sends_is_refused() -> None:
         compute_graph(schedules)
     with pytest.raises(ValueError, match="cores"):
         simulate_shared(build_all_schedules("1f1b", 1, 1, 1), _unit, cores=0.0)
+    with pytest.raises(ValueError, match="hold"):
+        simulate_shared(build_all_schedules("1f1b", 1, 1, 1), lambda r, a: (1.0, -0.5), cores=1.0)

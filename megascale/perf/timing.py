@@ -144,27 +144,25 @@ def _shared_pipeline(plan: RunPlan, spec: GpuSpec, costs: list[list[ChunkCost]],
                      times: list[list[tuple[float, ...]]], p2p: float, blocking: float) -> float:
     """Makespan of one step's passes on a CPU host whose ranks share its cores (`simulate_shared`).
 
-    Each pass is its blocking receive (a meeting: no core), then one piece per layer of the chunk: that
-    layer's share of the pass's compute (on the core share the clock gives it), then its share of the
-    pass's in-pass collective waits (no core). A weight pass W (split backward) is compute only.
+    A pass's compute runs on the core share the clock gives it; its meetings (the blocking receive and
+    the in-pass tp, cp and ep collectives) take the wall time their probe measured, the rank counting as
+    busy throughout. A weight pass W (split backward) is compute only.
     """
-    m = plan.num_microbatches
     cores, threads = host_share(plan, spec)
 
-    def segments(rank: int, action: Action) -> list[tuple[float, float]]:
+    def passes(rank: int, action: Action) -> tuple[float, float]:
         chunk, duration = costs[rank][action.chunk], times[rank][action.chunk]
         if action.kind is FORWARD:
-            total, waits, receive = duration[0], _pass_waits(chunk.forward), blocking
+            total, hold = duration[0], _pass_waits(chunk.forward) + blocking
         elif action.kind is BACKWARD:
-            total, waits, receive = duration[1], _pass_waits(chunk.backward), blocking
+            total, hold = duration[1], _pass_waits(chunk.backward) + blocking
         else:
-            total, waits, receive = duration[2], 0.0, 0.0
-        pieces = max(1, chunk.layers)
-        work = max(0.0, total - waits - receive)
-        return [(0.0, receive)] + [(work / pieces, waits / pieces)] * pieces
+            total, hold = duration[2], 0.0
+        return max(0.0, total - hold), min(hold, total)
 
-    schedules = build_all_schedules(plan.schedule if plan.pp > 1 else "1f1b", plan.pp, plan.vpp, m)
-    return simulate_shared(schedules, segments, cores, threads, t_comm=p2p if plan.pp > 1 else 0.0,
+    schedules = build_all_schedules(plan.schedule if plan.pp > 1 else "1f1b", plan.pp, plan.vpp,
+                                    plan.num_microbatches)
+    return simulate_shared(schedules, passes, cores, threads, t_comm=p2p if plan.pp > 1 else 0.0,
                            v_shape=plan.v_shape).makespan
 
 

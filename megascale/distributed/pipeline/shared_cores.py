@@ -3,22 +3,25 @@
 `simulate` (the executor's model) gives every rank a processor of its own. When
 the ranks are one-thread processes on a host with fewer cores than ranks, a
 rank runs only as fast as its share of the cores: at every instant the ranks
-that compute share `cores` fairly, each progressing at min(1, cores / busy)
-(busy counts threads: each pipeline rank stands for `threads` identical ranks,
-its tensor/context/data-parallel peers, which compute in lockstep), while a
-rank that waits (for an activation from a neighbour stage, or inside a pass for
-a collective's peers) sleeps and uses no core. So one stage's critical path is
-stretched exactly while other stages compute beside it, and runs at full speed
-while they idle in the bubble.
+inside a compute action share `cores` fairly, each progressing at
+min(1, cores / busy threads) (each pipeline rank stands for `threads`
+identical ranks, its tensor/context/data-parallel peers, which run in
+lockstep), while a rank between actions (waiting for an activation or a
+gradient from a neighbour stage, in the bubble) sleeps and uses no core. So one
+stage's critical path is stretched exactly while other stages compute beside
+it, and runs at full speed while they idle.
 
-Each compute action is a list of segments (work, wait): `work` core-seconds run
-at the sharing rate, then `wait` wall seconds without a core. Messages follow
-the executor's buffered transport, as `simulate`'s default: the input of a
-compute is there `t_comm` after its sender posted the send, at the end of the
-sender's last compute before the send. Between two events (a segment ends, a
-message arrives) the number of computing ranks is constant, so the event-driven
-simulation below is exact; with cores for every thread it reproduces
-`simulate`'s times.
+Each compute action is (work, hold): `work` core-seconds, run at the rank's
+share, and `hold` wall seconds that the share does not stretch but during which
+the rank counts as busy: the meetings inside a pass (a receive, a collective
+with its peers), whose cost is measured in wall time and which keep the host
+busy (the late partner computing, the transfer copying bytes, the wake-ups).
+Messages follow the executor's buffered transport, as `simulate`'s default: the
+input of a compute is there `t_comm` after its sender posted the send, at the
+end of the sender's last compute before the send. Between two events (an
+action ends, a message arrives) the number of busy ranks is constant, so the
+event-driven simulation below is exact; with cores for every thread it
+reproduces `simulate`'s times.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from megascale.distributed.pipeline.schedules import (
     stage_of,
 )
 
-Segments = Sequence[tuple[float, float]]
-"""One compute action's (work core-seconds, then wait wall seconds) pieces, in order."""
+Pass = tuple[float, float]
+"""One compute action's (work core-seconds, hold wall seconds): see the module docstring."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class SharedResult:
     makespan: float
     finish: list[float]
     active: list[float]
-    """Per rank, wall seconds inside its compute actions (stretched work plus waits)."""
+    """Per rank, wall seconds inside its compute actions (stretched work plus holds)."""
     work: list[float]
     """Per rank, core-seconds computed: the CPU seconds of one of its threads."""
 
@@ -112,14 +115,12 @@ def compute_graph(schedules: Sequence[Sequence[Action]], v_shape: bool = False) 
 
 
 class _Rank:
-    """Where one rank is: its current action and segment, and what is left of that segment."""
+    """Where one rank is: its current action and the fraction of it left."""
 
-    def __init__(self, segments: list[list[tuple[float, float]]]) -> None:
-        self.segments = segments
+    def __init__(self, passes: list[Pass]) -> None:
+        self.passes = passes
         self.step = 0  # index of the current (or next) compute action
-        self.piece = 0  # segment within it
-        self.in_work = True  # in the segment's work (else its wait)
-        self.left = 0.0  # work (core-seconds) or wait (seconds) left in the current phase
+        self.left = 0.0  # fraction of the current action still to run
         self.running = False
         self.started = 0.0
         self.active = 0.0
@@ -127,80 +128,68 @@ class _Rank:
 
     @property
     def done(self) -> bool:
-        return self.step >= len(self.segments)
+        return self.step >= len(self.passes)
 
     def begin(self, now: float) -> None:
         """Start the current action at `now`."""
-        self.running, self.started, self.piece, self.in_work = True, now, 0, True
-        self.left = self.segments[self.step][0][0]
+        self.running, self.started, self.left = True, now, 1.0
 
-    def advance_phase(self) -> bool:
-        """Move past a finished phase; True when that finished the action."""
-        segments = self.segments[self.step]
-        if self.in_work:
-            self.in_work, self.left = False, segments[self.piece][1]
-            return False
-        self.piece += 1
-        if self.piece == len(segments):
-            return True
-        self.in_work, self.left = True, segments[self.piece][0]
-        return False
+    def finish(self, now: float, finished: list[float]) -> None:
+        """End the current action at `now`."""
+        finished.append(now)
+        self.active += now - self.started
+        self.running, self.left = False, 0.0
+        self.step += 1
 
 
-def simulate_shared(schedules: Sequence[Sequence[Action]], segments: Callable[[int, Action], Segments],
+def simulate_shared(schedules: Sequence[Sequence[Action]], passes: Callable[[int, Action], Pass],
                     cores: float, threads: float = 1.0, t_comm: float = 0.0, v_shape: bool = False) -> SharedResult:
     """Run all ranks' schedules on `cores` shared cores; see the module docstring.
 
-    segments(rank, action): the (work, wait) pieces of a compute action on that rank.
+    passes(rank, action): the (work, hold) of a compute action on that rank.
     threads: the one-thread processes each pipeline rank stands for (busy ranks count that many each).
-    Raises RuntimeError if the schedules cannot finish (a compute waits for a result never produced).
+    Raises ValueError for a schedule whose computes wait for a result never sent, RuntimeError if the
+    schedules cannot finish.
     """
     if cores <= 0 or threads <= 0:
         raise ValueError(f"cores={cores} and threads={threads} must be > 0")
     graph = compute_graph(schedules, v_shape)
-    ranks = [_Rank([[(max(0.0, w), max(0.0, s)) for w, s in segments(r, step.action)] or [(0.0, 0.0)]
-                    for step in steps]) for r, steps in enumerate(graph)]
+    ranks = [_Rank([_checked(passes(r, step.action)) for step in steps]) for r, steps in enumerate(graph)]
     finished: list[list[float]] = [[] for _ in graph]
     now = 0.0
     while True:
         arrivals = _start_ready(graph, ranks, finished, now, t_comm)
         if all(rank.done for rank in ranks):
             break
-        running = [rank for rank in ranks if rank.running]
-        computing = sum(1 for rank in running if rank.in_work)
-        rate = min(1.0, cores / (threads * computing)) if computing else 1.0
-        horizons = [rank.left / (rate if rank.in_work else 1.0) for rank in running] + [t - now for t in arrivals]
+        running = [r for r, rank in enumerate(ranks) if rank.running]
+        rate = min(1.0, cores / (threads * len(running))) if running else 1.0
+        # Seconds each running action takes in all at the current share.
+        spans = {r: ranks[r].passes[ranks[r].step][0] / rate + ranks[r].passes[ranks[r].step][1] for r in running}
+        horizons = [ranks[r].left * spans[r] for r in running] + [t - now for t in arrivals]
         if not horizons:
             blocked = [f"rank {r} at {graph[r][rank.step].action}" for r, rank in enumerate(ranks) if not rank.done]
             raise RuntimeError("the schedule does not finish on shared cores: " + ", ".join(blocked))
         dt = max(0.0, min(horizons))
         now += dt
-        for r, rank in enumerate(ranks):
-            if not rank.running:
-                continue
-            step = rate * dt if rank.in_work else dt
-            if rank.in_work:
-                rank.work += min(step, rank.left)
-            # A phase ends at this event when what is left of it is within rounding of this step.
-            if rank.left - step <= 1e-12 * max(1.0, now):
-                _finish_phases(rank, finished, now, r)
+        for r in running:
+            rank, span = ranks[r], spans[r]
+            ran = min(rank.left, dt / span)
+            rank.work += ran * rank.passes[rank.step][0]
+            # An action ends at this event when what is left of it is within rounding of this step.
+            if (rank.left - ran) * span <= 1e-12 * max(1.0, now):
+                rank.finish(now, finished[r])
             else:
-                rank.left -= step
+                rank.left -= ran
     finish = [max(f, default=0.0) for f in finished]
     return SharedResult(max(finish, default=0.0), finish, [rank.active for rank in ranks],
                         [rank.work for rank in ranks])
 
 
-def _finish_phases(rank: _Rank, finished: list[list[float]], now: float, r: int) -> None:
-    """End the rank's current phase at `now`, and any zero-length ones after it."""
-    rank.left = 0.0
-    while rank.left <= 0.0:
-        if rank.advance_phase():
-            finished[r].append(now)
-            rank.active += now - rank.started
-            rank.running = False
-            rank.step += 1
-            return
+def _checked(one: Pass) -> Pass:
+    work, hold = one
+    if work < 0 or hold < 0:
+        raise ValueError(f"a compute action's work and hold must be >= 0, not {one}")
+    return work, hold
 
 
 def _start_ready(graph: list[list[_Step]], ranks: list[_Rank], finished: list[list[float]], now: float,
@@ -224,10 +213,10 @@ def _start_ready(graph: list[list[_Step]], ranks: list[_Rank], finished: list[li
                 arrivals.append(ready)
                 continue
             rank.begin(now)
-            if rank.left <= 0.0:
-                _finish_phases(rank, finished, now, r)
+            if sum(rank.passes[rank.step]) <= 0.0:
+                rank.finish(now, finished[r])
                 progressed = True
     return arrivals
 
 
-__all__ = ["Segments", "SharedResult", "compute_graph", "simulate_shared"]
+__all__ = ["Pass", "SharedResult", "compute_graph", "simulate_shared"]
