@@ -6,10 +6,11 @@ calibrate --device cpu` as the cores the host gives an idle probe, times
 `train_core_share`, the fraction of them a training run's compute threads were
 measured to get), the ranks time-share the cores. The step's passes run on a
 processor-sharing clock (`megascale.distributed.pipeline.shared_cores`, with
-`host_share`'s cores and threads): the ranks computing at an instant share the
-cores, the waiting ones (a pipeline's bubble, a collective's meeting) use
-none. The step's tail (gradient reduction, optimizer), which every rank runs at
-once, is stretched by ranks / cores. `shared_makespan` is the aggregate floor
+`host_share`'s cores and threads): the ranks inside a pass at an instant share
+the cores (its meetings are not stretched but keep it busy), the ranks between
+passes (a pipeline's bubble) use none. The step's tail (gradient reduction,
+optimizer), which every rank runs at once, is stretched by ranks / cores.
+`shared_makespan` is the aggregate floor
 of that clock (every rank's compute spread over the cores), for the layout
 search's bubble formula, which has no schedule to run.
 """

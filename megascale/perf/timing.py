@@ -136,7 +136,7 @@ def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
 
 
 def _pass_waits(cost: Cost) -> float:
-    """Seconds of a pass spent waiting in in-pass collectives (tp, cp, ep): a rank sleeps there, on no core."""
+    """Seconds of a pass in its in-pass collectives' meetings (tp, cp, ep): wall time core sharing does not stretch."""
     return cost.tp_comm + cost.cp_comm + cost.ep_comm
 
 
