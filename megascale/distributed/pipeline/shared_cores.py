@@ -57,7 +57,7 @@ class SharedResult:
 
 
 @dataclass(frozen=True)
-class _Step:
+class ComputeStep:
     """One compute action of a rank and what must have finished before it can start."""
 
     action: Action
@@ -76,7 +76,7 @@ def _input_stage(action: Action, stage: int, stages: int) -> int | None:
     return None
 
 
-def compute_graph(schedules: Sequence[Sequence[Action]], v_shape: bool = False) -> list[list[_Step]]:
+def compute_graph(schedules: Sequence[Sequence[Action]], v_shape: bool = False) -> list[list[ComputeStep]]:
     """Per rank, its compute actions in order, each with the compute whose result it waits for."""
     pp = len(schedules)
     vpp = 1 + max((a.chunk for s in schedules for a in s), default=0)
@@ -91,7 +91,7 @@ def compute_graph(schedules: Sequence[Sequence[Action]], v_shape: bool = False) 
                 count += 1
             elif action.kind in (SEND_FWD, SEND_BWD):
                 sent_after[(rank, action)] = count - 1
-    graph: list[list[_Step]] = []
+    graph: list[list[ComputeStep]] = []
     for rank, actions in enumerate(schedules):
         steps = []
         for action in actions:
@@ -99,17 +99,17 @@ def compute_graph(schedules: Sequence[Sequence[Action]], v_shape: bool = False) 
                 continue
             source_stage = _input_stage(action, stage_of(pp, rank, action.chunk, v_shape), stages)
             if source_stage is None:
-                steps.append(_Step(action, None, False))
+                steps.append(ComputeStep(action, None, False))
                 continue
             src_rank, src_chunk = rank_of(pp, source_stage, v_shape)
             if src_rank == rank:
-                steps.append(_Step(action, (rank, index[(rank, Action(action.kind, src_chunk, action.microbatch))]),
-                                   False))
+                turn = index[(rank, Action(action.kind, src_chunk, action.microbatch))]
+                steps.append(ComputeStep(action, (rank, turn), False))
                 continue
             send = Action(SEND_FWD if action.kind is FORWARD else SEND_BWD, src_chunk, action.microbatch)
             if (src_rank, send) not in sent_after:
                 raise ValueError(f"rank {rank}: {action} needs {send} from rank {src_rank}, which never sends it")
-            steps.append(_Step(action, (src_rank, sent_after[(src_rank, send)]), True))
+            steps.append(ComputeStep(action, (src_rank, sent_after[(src_rank, send)]), True))
         graph.append(steps)
     return graph
 
@@ -192,7 +192,7 @@ def _checked(one: Pass) -> Pass:
     return work, hold
 
 
-def _start_ready(graph: list[list[_Step]], ranks: list[_Rank], finished: list[list[float]], now: float,
+def _start_ready(graph: list[list[ComputeStep]], ranks: list[_Rank], finished: list[list[float]], now: float,
                  t_comm: float) -> list[float]:
     """Start every idle rank whose next input is there; the future arrival times of the inputs on their way."""
     arrivals = []
@@ -219,4 +219,4 @@ def _start_ready(graph: list[list[_Step]], ranks: list[_Rank], finished: list[li
     return arrivals
 
 
-__all__ = ["Pass", "SharedResult", "compute_graph", "simulate_shared"]
+__all__ = ["ComputeStep", "Pass", "SharedResult", "compute_graph", "simulate_shared"]
