@@ -16,13 +16,19 @@ The default suite runs one layout (tp 2 + SP + ep 2 + etp 2, sigmoid router); th
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from dist_utils import Outcome, run_scenarios
 from moe_utils import MOE_MODEL, compare, own_groups, train_steps
 from test_moe_parallel import PARAM_RTOL, ROUTERS, RTOL, WORLD
+from train_utils import train
 
 # name -> the layout's overrides
 ETP_LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -78,3 +84,65 @@ def test_expert_tensor_parallel_layouts_match_single_process(slow_outcomes: dict
                                                              router: str) -> None:
     problems = slow_outcomes[f"{layout}-{router}"].check()[0]
     assert not problems, "\n".join(problems)
+
+
+# Softmax routing, no shared expert: a model HF's Mixtral represents, so the export can be checked too.
+CKPT_MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32",
+            "model.moe.aux_loss_coeff=0.01", "optim.warmup_steps=1", "optim.decay_steps=4", "optim.eps=1e-4"]
+ETP_LAYOUT = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=2", "parallel.zero=1"]
+
+
+def _expert_pieces(run: Path) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Routed-expert weight name -> (offsets, lengths) of each stored piece, after checking that every tensor of the
+    run's latest checkpoint is stored exactly once."""
+    step_dir = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    tensors = json.loads((step_dir / "metadata.json").read_text())["tensors"]
+    for name, entry in tensors.items():
+        stored = sum(math.prod(p["lengths"]) if p.get("flat_range") is None
+                     else p["flat_range"][1] - p["flat_range"][0] for p in entry["pieces"])
+        assert stored == math.prod(entry["global_shape"]), f"{name}: {stored} elements stored"
+    return {name: sorted((tuple(p["offsets"]), tuple(p["lengths"])) for p in entry["pieces"])
+            for name, entry in tensors.items() if ".mlp.experts." in name and not name.startswith("optim.")}
+
+
+def _hf_tensors(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    from megascale.cli import main as cli_main
+
+    assert cli_main(["convert", "--to-hf", str(checkpoint), str(out)]) == 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = f.keys()  # a safe_open handle is not iterable
+        return {name: f.get_tensor(name) for name in names}
+
+
+@pytest.mark.slow
+def test_etp2_checkpoint_resumes_at_etp1_and_exports_to_hf(tmp_path: Path) -> None:
+    """tp 2 + SP + ep 2 + etp 2 + ZeRO-1 saves each expert tensor as 2 x 2 boxes (ep blocks of experts x tp
+    halves of the FFN dim), each once; tp 2 with whole experts (etp 1, ep 1) resumes on the uninterrupted
+    single-process loss curve; `convert --to-hf` of the etp checkpoint gives the single-process run's weights."""
+    saved = tmp_path / "etp2"
+    train(saved, "train.steps=2", *CKPT_MOE, *ETP_LAYOUT, nproc=4)
+    pieces = _expert_pieces(saved)
+    assert len(pieces) == 8  # fc1 [E, 2, F, h] and fc2 [E, h, F] of 4 MoE layers: the FFN dim is dim 2 of both
+    for name, boxes in pieces.items():
+        assert sorted((o[0], o[2], n[0], n[2]) for o, n in boxes) == [(0, 0, 2, 16), (0, 16, 2, 16), (2, 0, 2, 16),
+                                                                      (2, 16, 2, 16)], (name, boxes)
+
+    single = tmp_path / "single"
+    uninterrupted = train(single, "train.steps=4", *CKPT_MOE, "checkpoint.interval=2")
+    resumed_run = tmp_path / "resumed"
+    shutil.copytree(saved, resumed_run)
+    resumed = train(resumed_run, "train.steps=4", *CKPT_MOE, "parallel.tp=2", "checkpoint.save_final=false", nproc=2)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for got, ref in zip(resumed[2:], uninterrupted[2:]):
+        assert abs(got["loss"] - ref["loss"]) < RTOL * ref["loss"], (got["step"], got["loss"], ref["loss"])
+        assert abs(got["grad_norm"] - ref["grad_norm"]) < 10 * RTOL * ref["grad_norm"], (got, ref)
+
+    exported = _hf_tensors(saved / "checkpoints", tmp_path / "hf_etp2")
+    step_dir = (saved / "checkpoints" / "latest").read_text().strip()  # the single run's step 2 as well
+    reference = _hf_tensors(single / "checkpoints" / step_dir, tmp_path / "hf_single")
+    assert set(exported) == set(reference)
+    for name, tensor in reference.items():
+        scale = float(tensor.abs().max())
+        assert float((exported[name] - tensor).abs().max()) <= PARAM_RTOL * scale, name

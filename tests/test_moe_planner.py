@@ -124,6 +124,7 @@ LAYOUTS = {
     "tp2_sp_saved": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_regather_input=false"],
     "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
     "cp2_ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses"],
+    "tp2_sp_etp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2"],
 }
 
 
