@@ -100,8 +100,9 @@ def check_expert_tensor_parallel(m: ModelConfig, tp: int, etp: int) -> None:
         raise ConfigError(f"parallel.etp={etp} splits routed experts, and the model has none; set parallel.etp=1 or "
                           "model.moe.num_experts")
     if etp != tp:
-        raise ConfigError(f"parallel.etp={etp} must be 1 or parallel.tp={tp} (the experts split over the whole tp "
-                          f"group); set parallel.etp=1 or parallel.etp={tp}")
+        fix = f"set parallel.tp={etp} or parallel.etp=1" if tp == 1 else f"set parallel.etp={tp} or parallel.etp=1"
+        raise ConfigError(f"parallel.etp={etp} must be 1 or parallel.tp={tp} (each expert is split over the whole "
+                          f"tp group); {fix}")
     if m.expert_ffn_size % tp:
         raise ConfigError(f"model.moe.ffn_hidden_size={m.expert_ffn_size} is not divisible by parallel.etp={etp}; "
                           "choose an expert width divisible by tp, or parallel.etp=1")

@@ -21,7 +21,7 @@ import math
 import shutil
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -29,6 +29,8 @@ from dist_utils import Outcome, run_scenarios
 from moe_utils import MOE_MODEL, compare, own_groups, train_steps
 from test_moe_parallel import PARAM_RTOL, ROUTERS, RTOL, WORLD
 from train_utils import train
+
+from megascale.config import load_config
 
 # name -> the layout's overrides
 ETP_LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -56,14 +58,90 @@ def scenario(layout: str, router: str, rank: int, world: int, shared: Any) -> li
     return compare(got, references[model], RTOL, PARAM_RTOL)
 
 
-def _run(cases: list[tuple[str, str]]) -> dict[str, Outcome]:
+def pooling(rank: int, world: int, shared: Any) -> tuple[list[str], dict[str, int], dict[str, float]]:
+    """The tp pooling alone on the tp groups of tp 2 x dp 2: (problems, bytes counted, bytes the planner gives).
+
+    Uneven counts: rank r of a tp group holds c[r][e] rows of local expert e, each row tagged with
+    (rank, expert, position). The pooled rows must be expert-major over the group's ranks in rank order,
+    and the reduce-scatter must return each rank the sum of both ranks' partial outputs of its own rows;
+    backward, each rank's input gradient sums the tp ranks' gradients of its rows. Balanced counts (the
+    planner's assumption) must send exactly the bytes perf.moe.expert_tp_bytes gives.
+    """
+    from megascale.distributed.expert_parallel.expert_tp import ExpertTensorParallel
+    from megascale.distributed.topology import ParallelContext, RankLayout
+    from megascale.perf.moe import expert_tp_bytes
+    from megascale.run_plan import resolve_plan
+
+    ctx = ParallelContext(RankLayout(tp=2, dp=2), rank=rank)
+    pool = ExpertTensorParallel(ctx.group("tp"), ctx.tp_rank, 2)
+    problems = []
+    counts = [[3, 0, 2], [1, 4, 0]]  # [tp rank][local expert]
+
+    def tagged(tp_rank: int) -> torch.Tensor:
+        return torch.tensor([[tp_rank, e, i] for e, c in enumerate(counts[tp_rank]) for i in range(c)],
+                            dtype=torch.float32).view(-1, 3)
+
+    rows = tagged(ctx.tp_rank).requires_grad_(True)
+    pooled = pool.gather(rows, torch.tensor(counts[ctx.tp_rank]))
+    expected = torch.cat([tagged(r)[tagged(r)[:, 1] == e] for e in range(3) for r in range(2)])
+    if not torch.equal(pooled.rows, expected) or pooled.tokens_per_expert.tolist() != [4, 4, 2]:
+        problems.append(f"pooled rows {pooled.rows.tolist()} != {expected.tolist()}")
+    # Rank t's partial output of a row: (t + 1) x the row, so the sum over both ranks is 3 x the row.
+    out = pool.scatter(pooled.rows * (ctx.tp_rank + 1), pooled)
+    if not torch.equal(out, 3 * rows.detach()):
+        problems.append(f"returned rows {out.tolist()} != 3 x {rows.tolist()}")
+    # Loss sum_t (t + 1) out_t with out_t = sum_u (u + 1) x_t: rank t's rows get the gradient 3 (t + 1), which
+    # reaches them through both ranks' pooled copies (the reduce-scatter's backward pools, the pool's reduces).
+    out.backward(torch.full_like(out, float(ctx.tp_rank + 1)))
+    want = 3.0 * (ctx.tp_rank + 1)
+    if rows.grad is None or not torch.equal(rows.grad, torch.full_like(rows, want)):
+        problems.append(f"input gradient {None if rows.grad is None else rows.grad.tolist()} != {want}")
+
+    cfg = load_config(None, [*MOE_MODEL, "parallel.tp=2", "parallel.etp=2", "train.dtype=bf16"])
+    plan = resolve_plan(cfg, world)
+    balanced = plan.micro_batch_size * plan.local_seq_length // 2 * cfg.model.moe.top_k
+    pool.traffic.reset()
+    x = torch.randn(balanced, cfg.model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    per_expert = torch.full((cfg.model.moe.num_experts,), balanced // cfg.model.moe.num_experts)
+    balanced_pool = pool.gather(x, per_expert)
+    pool.scatter(balanced_pool.rows * 2, balanced_pool).float().sum().backward()
+    t = pool.traffic
+    counted = {"gather": t.gather, "scatter": t.scatter, "backward": t.backward, "counts": t.counts}
+    planned = expert_tp_bytes(cfg, plan)
+    return problems, counted, {"gather": planned.gather_off_rank, "scatter": planned.scatter_off_rank,
+                               "backward": planned.gather_off_rank + planned.scatter_off_rank,
+                               "counts": planned.off_rank_counts}
+
+
+def _run(cases: list[tuple[str, str]], extra: Optional[dict[str, Any]] = None) -> dict[str, Outcome]:
     scenarios = {f"{layout}-{router}": partial(scenario, layout, router) for layout, router in cases}
-    return run_scenarios(scenarios, WORLD, setup=own_groups, timeout=900.0, pg_timeout=300.0)
+    return run_scenarios({**scenarios, **(extra or {})}, WORLD, setup=own_groups, timeout=900.0, pg_timeout=300.0)
 
 
 @pytest.fixture(scope="module")
 def default_outcomes() -> dict[str, Outcome]:
-    return _run([case for case in CASES if case in DEFAULT])
+    return _run([case for case in CASES if case in DEFAULT], {"pooling": pooling})
+
+
+def test_pooling_orders_sums_and_sends_the_planned_bytes(default_outcomes: dict[str, Outcome]) -> None:
+    for problems, counted, planned in default_outcomes["pooling"].check():
+        assert not problems, "\n".join(problems)
+        assert counted == planned and counted["gather"] > 0, (counted, planned)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.moe.num_experts=0", "parallel.tp=2", "parallel.etp=2"], "set parallel.etp=1 or model.moe.num_experts"),
+    (["parallel.tp=4", "parallel.etp=2"], "set parallel.etp=4 or parallel.etp=1"),
+    (["parallel.etp=2"], "set parallel.tp=2 or parallel.etp=1"),
+    (["parallel.tp=4", "parallel.etp=4", "model.moe.ffn_hidden_size=30", "model.moe.shared_experts=0"],
+     "model.moe.ffn_hidden_size=30 is not divisible by parallel.etp=4"),
+])
+def test_expert_tensor_parallel_preflight(overrides: list[str], needle: str) -> None:
+    from megascale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle) as info:
+        load_config(None, [*MOE_MODEL, *overrides])
+    assert "\n" not in str(info.value)
 
 
 @pytest.fixture(scope="module")
