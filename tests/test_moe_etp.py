@@ -224,3 +224,19 @@ def test_etp2_checkpoint_resumes_at_etp1_and_exports_to_hf(tmp_path: Path) -> No
     for name, tensor in reference.items():
         scale = float(tensor.abs().max())
         assert float((exported[name] - tensor).abs().max()) <= PARAM_RTOL * scale, name
+
+
+@pytest.mark.slow
+def test_moe_bench_counts_expert_tp_bytes_exactly() -> None:
+    """`megascale bench moe --nproc 4 --etp 2` on gloo: the pooling bytes equal the formula (its exit status)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "megascale.cli", "bench", "moe", "--rounds", "1", "--hidden", "64",
+                           "--expert-ffn", "64", "--shared-ffn", "64", "--tokens", "32", "--nproc", "4", "--etp", "2"],
+                          cwd=root, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "etp pooling bytes sent off-rank" in proc.stdout and proc.stdout.count("(exact)") == 2, proc.stdout
