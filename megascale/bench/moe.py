@@ -200,6 +200,13 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
     dist.destroy_process_group()
 
 
+def _etp_lines(res: dict[str, float]) -> list[str]:
+    """The report's line on the expert tensor-parallel pooling bytes, and a blank line."""
+    counted, formula = int(res["etp counted"]), int(res["etp formula"])
+    return [f"etp pooling bytes sent off-rank (forward + backward, all ranks): counted {counted}, formula {formula} "
+            f"({'exact' if counted == formula else 'MISMATCH'})", ""]
+
+
 def format_report(res: dict[str, float], args: argparse.Namespace, device: str) -> str:
     """Markdown summary: traffic check, throughput table, overlap."""
     total_tokens = args.tokens * args.nproc
@@ -211,9 +218,7 @@ def format_report(res: dict[str, float], args: argparse.Namespace, device: str) 
              "interleaved rounds", "",
              f"dispatch bytes sent off-rank: counted {int(res['counted'])}, formula {int(res['formula'])} "
              f"({'exact' if res['counted'] == res['formula'] else 'MISMATCH'})", "",
-             *([f"etp pooling bytes sent off-rank (forward + backward, all ranks): counted {int(res['etp counted'])}, "
-                f"formula {int(res['etp formula'])} "
-                f"({'exact' if res['etp counted'] == res['etp formula'] else 'MISMATCH'})", ""] if args.etp > 1 else []),
+             *(_etp_lines(res) if args.etp > 1 else []),
              "| layer (forward + backward) | ms | tokens/s |", "|---|---|---|"]
     for name in ("dense", "moe"):
         lines.append(f"| {name} | {res[name] * 1e3:.2f} | {total_tokens / res[name]:,.0f} |")
