@@ -58,14 +58,44 @@ def scenario(layout: str, router: str, rank: int, world: int, shared: Any) -> li
     return compare(got, references[model], RTOL, PARAM_RTOL)
 
 
+def pool_problems(pool: Any, tp_rank: int, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """What is wrong with a tp group of 2's pooling of uneven rows (empty if nothing), on `device` in `dtype`.
+
+    Rank r holds c[r][e] rows of local expert e, each row tagged with (rank, expert, position)
+    (small integers: exact in bf16 too). The pooled rows must be expert-major over the group's
+    ranks in rank order, the reduce-scatter must return each rank the sum of both ranks' partial
+    outputs of its own rows, and backward each rank's rows must get the tp ranks' summed gradient.
+    """
+    counts = [[3, 0, 2], [1, 4, 0]]  # [tp rank][local expert]
+
+    def tagged(r: int) -> torch.Tensor:
+        return torch.tensor([[r, e, i] for e, c in enumerate(counts[r]) for i in range(c)],
+                            dtype=dtype, device=device).view(-1, 3)
+
+    problems = []
+    rows = tagged(tp_rank).requires_grad_(True)
+    pooled = pool.gather(rows, torch.tensor(counts[tp_rank]))
+    expected = torch.cat([tagged(r)[tagged(r)[:, 1] == e] for e in range(3) for r in range(2)])
+    if not torch.equal(pooled.rows, expected) or pooled.tokens_per_expert.tolist() != [4, 4, 2]:
+        problems.append(f"pooled rows {pooled.rows.tolist()} != {expected.tolist()}")
+    # Rank t's partial output of a row: (t + 1) x the row, so the sum over both ranks is 3 x the row.
+    out = pool.scatter(pooled.rows * (tp_rank + 1), pooled)
+    if not torch.equal(out, 3 * rows.detach()):
+        problems.append(f"returned rows {out.tolist()} != 3 x {rows.tolist()}")
+    # Loss sum_t (t + 1) out_t with out_t = sum_u (u + 1) x_t: rank t's rows get the gradient 3 (t + 1), which
+    # reaches them through both ranks' pooled copies (the reduce-scatter's backward pools, the pool's reduces).
+    out.backward(torch.full_like(out, float(tp_rank + 1)))
+    want = 3.0 * (tp_rank + 1)
+    if rows.grad is None or not torch.equal(rows.grad, torch.full_like(rows, want)):
+        problems.append(f"input gradient {None if rows.grad is None else rows.grad.tolist()} != {want}")
+    return problems
+
+
 def pooling(rank: int, world: int, shared: Any) -> tuple[list[str], dict[str, int], dict[str, float]]:
     """The tp pooling alone on the tp groups of tp 2 x dp 2: (problems, bytes counted, bytes the planner gives).
 
-    Uneven counts: rank r of a tp group holds c[r][e] rows of local expert e, each row tagged with
-    (rank, expert, position). The pooled rows must be expert-major over the group's ranks in rank order,
-    and the reduce-scatter must return each rank the sum of both ranks' partial outputs of its own rows;
-    backward, each rank's input gradient sums the tp ranks' gradients of its rows. Balanced counts (the
-    planner's assumption) must send exactly the bytes perf.moe.expert_tp_bytes gives.
+    `pool_problems` on uneven rows; then balanced counts (the planner's assumption) must send exactly
+    the bytes perf.moe.expert_tp_bytes gives.
     """
     from megascale.distributed.expert_parallel.expert_tp import ExpertTensorParallel
     from megascale.distributed.topology import ParallelContext, RankLayout
@@ -74,28 +104,7 @@ def pooling(rank: int, world: int, shared: Any) -> tuple[list[str], dict[str, in
 
     ctx = ParallelContext(RankLayout(tp=2, dp=2), rank=rank)
     pool = ExpertTensorParallel(ctx.group("tp"), ctx.tp_rank, 2)
-    problems = []
-    counts = [[3, 0, 2], [1, 4, 0]]  # [tp rank][local expert]
-
-    def tagged(tp_rank: int) -> torch.Tensor:
-        return torch.tensor([[tp_rank, e, i] for e, c in enumerate(counts[tp_rank]) for i in range(c)],
-                            dtype=torch.float32).view(-1, 3)
-
-    rows = tagged(ctx.tp_rank).requires_grad_(True)
-    pooled = pool.gather(rows, torch.tensor(counts[ctx.tp_rank]))
-    expected = torch.cat([tagged(r)[tagged(r)[:, 1] == e] for e in range(3) for r in range(2)])
-    if not torch.equal(pooled.rows, expected) or pooled.tokens_per_expert.tolist() != [4, 4, 2]:
-        problems.append(f"pooled rows {pooled.rows.tolist()} != {expected.tolist()}")
-    # Rank t's partial output of a row: (t + 1) x the row, so the sum over both ranks is 3 x the row.
-    out = pool.scatter(pooled.rows * (ctx.tp_rank + 1), pooled)
-    if not torch.equal(out, 3 * rows.detach()):
-        problems.append(f"returned rows {out.tolist()} != 3 x {rows.tolist()}")
-    # Loss sum_t (t + 1) out_t with out_t = sum_u (u + 1) x_t: rank t's rows get the gradient 3 (t + 1), which
-    # reaches them through both ranks' pooled copies (the reduce-scatter's backward pools, the pool's reduces).
-    out.backward(torch.full_like(out, float(ctx.tp_rank + 1)))
-    want = 3.0 * (ctx.tp_rank + 1)
-    if rows.grad is None or not torch.equal(rows.grad, torch.full_like(rows, want)):
-        problems.append(f"input gradient {None if rows.grad is None else rows.grad.tolist()} != {want}")
+    problems = pool_problems(pool, ctx.tp_rank, torch.device("cpu"), torch.float32)
 
     cfg = load_config(None, [*MOE_MODEL, "parallel.tp=2", "parallel.etp=2", "train.dtype=bf16"])
     plan = resolve_plan(cfg, world)
