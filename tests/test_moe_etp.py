@@ -40,6 +40,9 @@ ETP_LAYOUTS: dict[str, tuple[str, ...]] = {
     "tp2_sp_ep2_etp2_zero1_lamb": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
                                    "parallel.etp=2", "parallel.zero=1", "optim.name=lamb"),
     "tp2_ep2_etp2_lamb": ("parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "optim.name=lamb"),
+    "tp2_sp_cp2_ep2_etp2": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2", "parallel.ep=2",
+                            "parallel.etp=2"),
+    "tp2_pp2_etp2": ("parallel.tp=2", "parallel.pp=2", "parallel.etp=2"),
 }
 DEFAULT = {("tp2_sp_ep2_etp2", "sigmoid")}
 CASES = [(layout, router) for layout in ETP_LAYOUTS for router in ROUTERS]
