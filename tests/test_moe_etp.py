@@ -43,6 +43,9 @@ ETP_LAYOUTS: dict[str, tuple[str, ...]] = {
     "tp2_sp_cp2_ep2_etp2": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2", "parallel.ep=2",
                             "parallel.etp=2"),
     "tp2_pp2_etp2": ("parallel.tp=2", "parallel.pp=2", "parallel.etp=2"),
+    # Full recomputation replays the pooling's collectives inside the backward.
+    "tp2_sp_ep2_etp2_recompute": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
+                                  "parallel.etp=2", "train.recompute=full"),
 }
 DEFAULT = {("tp2_sp_ep2_etp2", "sigmoid")}
 CASES = [(layout, router) for layout in ETP_LAYOUTS for router in ROUTERS]
