@@ -194,11 +194,11 @@ def rank_shards(model: Model, layout: SimLayout, rank: int, value_fn: ValueFn,
     optim_states (add "master" for a 16-bit run). table: `model.table(layout)`, when the caller
     already has it (it is the same for every rank).
     """
-    c = layout.coords(rank)
     if table is None:
         table = model.table(layout)
     else:
         layout.check(model.model_config())
+    c = layout.coords(rank)
     held = [(entry, entry.shard(c["tp"], layout.tp, c["ep"], layout.ep)) for entry in table.held_by(c["pp"])]
     shards = [TensorShard(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape,
                           value_fn(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape).to(dtype))

@@ -1,0 +1,130 @@
+"""The checkpoint simulator hands out exactly the shards of a real Mixture-of-Experts run.
+
+Real runs on 4 gloo ranks build the model and the data-parallel optimizer of a layout
+(expert parallelism with and without ZeRO-1, with tp + sequence parallelism, with a
+pipeline and its tied embedding copy, in bf16 with fp32 master weights) and collect what
+they would hand to the CheckpointManager: every chunk's parameters, then the
+optimizer's state shards. The simulator, given only the model section and the layout,
+must produce the same list on every rank: names, global shapes, boxes, ZeRO-1 flat
+ranges and tensor shapes, in the same order. Small gradient buckets make the ZeRO-1
+ranges cut through tensors and bucket edges.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from dist_utils import Outcome, run_scenarios
+from moe_utils import MOE_MODEL, SIGMOID
+
+from megascale.checkpoint.simulate import ConfigModel, SimLayout, rank_shards
+from megascale.config import load_config
+from megascale.errors import ConfigError
+from megascale.run_plan import resolve_plan
+
+WORLD = 4
+BUCKETS = ("parallel.grad_bucket_mb=0.02",)  # ~5k elements: several buckets, flat ranges cut through tensors
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "ep2_zero1": ("parallel.ep=2", "parallel.zero=1"),
+    "ep4_zero1": ("parallel.ep=4", "parallel.zero=1"),
+    "tp2_sp_ep2_zero1": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.zero=1"),
+    "ep2_replicated": ("parallel.ep=2",),
+    "pp2_tied_ep2_zero1": ("parallel.pp=2", "model.tie_embeddings=true", "parallel.ep=2", "parallel.zero=1"),
+    "ep4_zero1_bf16": ("parallel.ep=4", "parallel.zero=1", "train.dtype=bf16"),
+    "dense_cp2_zero1": ("model.moe.num_experts=0", "parallel.cp=2", "parallel.zero=1"),  # sharded over dp x cp
+}
+DEFAULT = {"ep2_zero1", "ep4_zero1", "tp2_sp_ep2_zero1"}
+
+
+def _overrides(name: str) -> list[str]:
+    return [*MOE_MODEL, *SIGMOID, *BUCKETS, *LAYOUTS[name]]
+
+
+def _states(overrides: list[str]) -> tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq", "master") if "train.dtype=bf16" in overrides else ("exp_avg", "exp_avg_sq")
+
+
+def _keys(shards: list) -> list[tuple]:
+    return [(s.name, s.global_shape, s.offsets, s.local_shape, s.flat_range, tuple(s.tensor.shape)) for s in shards]
+
+
+def _real(overrides: list[str], rank: int, world: int, shared: object) -> list[tuple]:
+    """What this rank of a real run hands to the CheckpointManager (the trainer's state_shards)."""
+    from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
+    from megascale.distributed.sharding import param_shard
+    from megascale.distributed.topology import ParallelContext
+    from megascale.model.gpt import build_model
+
+    cfg = load_config(None, overrides)
+    plan = resolve_plan(cfg, world)
+    ctx = ParallelContext(plan.rank_layout(), rank=rank, vpp=plan.vpp, v_shape=plan.v_shape)
+    chunks = build_model(cfg, ctx, plan=plan)
+    opt = DistributedOptimizer(chunks, ctx, cfg)
+    shards = [param_shard(p) for chunk in chunks for p in chunk.parameters()] + opt.state_shards()
+    opt.remove_hooks()
+    return _keys(shards)
+
+
+def _simulated(overrides: list[str]) -> list[list[tuple]]:
+    cfg = load_config(None, overrides)
+    plan = resolve_plan(cfg, WORLD)
+    layout = SimLayout.from_plan(plan, cfg.parallel.grad_bucket_mb)
+    model = ConfigModel(cfg.model)
+    table = model.table(layout)
+    return [_keys(rank_shards(model, layout, rank, lambda n, g, o, local: torch.zeros(local),
+                              optim_states=_states(overrides), table=table))
+            for rank in range(WORLD)]
+
+
+def _run(names: list[str]) -> dict[str, Outcome]:
+    return run_scenarios({name: functools.partial(_real, _overrides(name)) for name in names}, WORLD, timeout=600.0)
+
+
+@pytest.fixture(scope="module")
+def default_outcomes() -> dict[str, Outcome]:
+    return _run([name for name in LAYOUTS if name in DEFAULT])
+
+
+@pytest.fixture(scope="module")
+def slow_outcomes() -> dict[str, Outcome]:
+    return _run([name for name in LAYOUTS if name not in DEFAULT])
+
+
+def _check(outcome: Outcome, name: str) -> None:
+    real = outcome.check()
+    simulated = _simulated(_overrides(name))
+    for rank in range(WORLD):
+        assert simulated[rank] == real[rank], (name, rank)
+    flat = [key for rank_keys in real for key in rank_keys]
+    assert any(key[0].endswith("router.expert_bias") for key in flat) != name.startswith("dense")
+    if "zero1" in name:  # ZeRO-1 ranges cut through tensors; with edp 2 through expert tensors too
+        assert any(key[4] is not None for key in flat)
+        assert (name == "ep2_zero1") == any(key[4] is not None and ".experts." in key[0] for key in flat)
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT))
+def test_simulated_shards_equal_the_real_runs(default_outcomes: dict[str, Outcome], name: str) -> None:
+    _check(default_outcomes[name], name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(LAYOUTS) - DEFAULT))
+def test_simulated_shards_equal_the_real_runs_more_layouts(slow_outcomes: dict[str, Outcome], name: str) -> None:
+    _check(slow_outcomes[name], name)
+
+
+@pytest.mark.parametrize("model_extra,layout,message", [
+    ((), SimLayout(dp=4, ep=3), "model.moe.num_experts=4 is not divisible by parallel.ep=3"),
+    ((), SimLayout(tp=2, dp=2, ep=4), r"parallel.ep=4 must divide dp 2 \* cp 1 = 2"),
+    (("model.moe.num_experts=0",), SimLayout(dp=4, ep=2), "parallel.ep=2 needs routed experts"),
+], ids=["experts_not_divisible", "ep_not_dividing_dp_cp", "dense_model"])
+def test_simulator_refuses_what_a_run_refuses(model_extra: tuple[str, ...], layout: SimLayout, message: str) -> None:
+    model = load_config(None, [*MOE_MODEL, *model_extra]).model
+    with pytest.raises(ConfigError, match=message) as refused:
+        rank_shards(ConfigModel(model), layout, 0, lambda n, g, o, local: torch.zeros(local))
+    assert "\n" not in str(refused.value)
+    run = [*MOE_MODEL, *model_extra, f"parallel.tp={layout.tp}", f"parallel.ep={layout.ep}"]
+    with pytest.raises(ConfigError, match=message):  # the real run refuses it in the same words
+        resolve_plan(load_config(None, run), WORLD)
