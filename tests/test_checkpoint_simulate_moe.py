@@ -35,7 +35,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "ep4_zero1_bf16": ("parallel.ep=4", "parallel.zero=1", "train.dtype=bf16"),
     "dense_cp2_zero1": ("model.moe.num_experts=0", "parallel.cp=2", "parallel.zero=1"),  # sharded over dp x cp
 }
-DEFAULT = {"ep2_zero1", "ep4_zero1", "tp2_sp_ep2_zero1"}
+DEFAULT = {"ep2_zero1", "ep4_zero1", "tp2_sp_ep2_zero1"}  # one spawn: the cost is in starting 4 ranks
 
 
 def _overrides(name: str) -> list[str]:
