@@ -13,16 +13,27 @@ ranges cut through tensors and bucket edges.
 from __future__ import annotations
 
 import functools
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 from dist_utils import Outcome, run_scenarios
 from moe_utils import MOE_MODEL, SIGMOID
 
-from megascale.checkpoint.simulate import ConfigModel, SimLayout, rank_shards
-from megascale.config import load_config
+from megascale.bench.checkpoint_workload import state_bytes, workload
+from megascale.checkpoint import CheckpointManager
+from megascale.checkpoint.format import METADATA_FILE, piece_numel, step_dir_name
+from megascale.checkpoint.planner import assign_writers
+from megascale.checkpoint.simulate import ConfigModel, SimLayout, expected_tensor, rank_shards, reference_value
+from megascale.config import Config, load_config
+from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.errors import ConfigError
+from megascale.model.params import param_table
 from megascale.run_plan import resolve_plan
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORLD = 4
 BUCKETS = ("parallel.grad_bucket_mb=0.02",)  # ~5k elements: several buckets, flat ranges cut through tensors
@@ -128,3 +139,91 @@ def test_simulator_refuses_what_a_run_refuses(model_extra: tuple[str, ...], layo
     run = [*MOE_MODEL, *model_extra, f"parallel.tp={layout.tp}", f"parallel.ep={layout.ep}"]
     with pytest.raises(ConfigError, match=message):  # the real run refuses it in the same words
         resolve_plan(load_config(None, run), WORLD)
+
+
+def _tiny_moe() -> ConfigModel:
+    return ConfigModel(load_config(None, [*MOE_MODEL, *SIGMOID]).model)
+
+
+def _bench_moe() -> tuple[ConfigModel, SimLayout, SimLayout]:
+    work = workload(0.004, str(ROOT / "configs" / "deepseek-v3-moe.yaml"), ep=4)
+    assert isinstance(work.model, ConfigModel)
+    return work.model, work.saved, work.resharded
+
+
+def _check_stored_once(meta: dict, model: ConfigModel, ep: int) -> int:
+    """Every tensor's pieces hold exactly its elements, routed experts one block per ep rank; returns the elements."""
+    tensors = meta["tensors"]
+    table = param_table(model.config)
+    trainable = {e.name for e in table.unique() if e.trainable}
+    want = {e.name: e.global_shape for e in table.unique()}
+    want.update({f"optim.{state}.{name}": want[name] for state in ("exp_avg", "exp_avg_sq") for name in trainable})
+    assert {name: tuple(entry["global_shape"]) for name, entry in tensors.items()} == want
+    total = 0
+    for name, entry in tensors.items():
+        stored = sum(piece_numel(p["lengths"], p["flat_range"]) for p in entry["pieces"])
+        assert stored == math.prod(entry["global_shape"]), (name, stored)
+        total += stored
+        if ".mlp.experts." in name and not name.startswith("optim."):
+            blocks = sorted(p["offsets"][0] for p in entry["pieces"])
+            experts = model.config.moe.num_experts
+            assert blocks == list(range(0, experts, experts // ep)), (name, blocks)
+    assert any(name.endswith("router.expert_bias") for name in tensors)
+    return total
+
+
+@pytest.mark.parametrize("case", ["tiny_ep4_zero1", "tiny_ep2_edp2_zero1", "bench_deepseek_v3_shrunk_ep4"])
+def test_moe_checkpoint_stores_every_tensor_once_and_loads_at_other_eps(tmp_path: Path, case: str) -> None:
+    """All ranks of an ep + ZeRO-1 layout saved by one process (replicas written once); loaded at other eps
+    (with tp 2, with a replicated optimizer), every value is the saved one."""
+    if case == "tiny_ep4_zero1":
+        model, saved = _tiny_moe(), SimLayout(dp=4, ep=4, zero=1, grad_bucket_mb=0.02)
+        loads = [SimLayout(tp=2, dp=2, ep=2, zero=1, grad_bucket_mb=0.02), SimLayout()]
+    elif case == "tiny_ep2_edp2_zero1":  # expert state in flat ranges over the 2 edp ranks
+        model, saved = _tiny_moe(), SimLayout(dp=4, ep=2, zero=1, grad_bucket_mb=0.02)
+        loads = [SimLayout(dp=4, ep=4, zero=1), SimLayout(tp=2, dp=3, zero=1, grad_bucket_mb=0.01)]
+    else:
+        model, saved, resharded = _bench_moe()
+        loads = [resharded]
+    cfg = Config()
+    cfg.checkpoint.async_save = False
+    mgr = CheckpointManager(tmp_path, ParallelContext(RankLayout(), 0, create_groups=False), cfg)
+    value = reference_value(5)
+    table = model.table(saved)
+    mgr.save(1, [s for r in range(saved.world) for s in rank_shards(model, saved, r, value, table=table)], {})
+    meta = json.loads((tmp_path / step_dir_name(1) / METADATA_FILE).read_text())
+    elements = _check_stored_once(meta, model, saved.ep)
+    assert mgr.last_save_stats["bytes"] == 4 * elements  # fp32 throughout: what the benchmark reports
+    if case.startswith("bench"):
+        assert mgr.last_save_stats["bytes"] == state_bytes(model.config)
+    for layout in loads:
+        target = [s for r in range(layout.world) for s in rank_shards(model, layout, r, value)]
+        for shard in target:
+            shard.tensor.fill_(float("nan"))
+        mgr.load(target)
+        for shard in target:
+            assert torch.equal(shard.tensor, expected_tensor(shard, value)), (layout, shard.name, shard.flat_range)
+
+
+def test_preset_scale_moe_save_plan_writes_every_tensor_once() -> None:
+    """Qwen3-30B-A3B at its preset layout (32 ranks: pp 2, dp 16 of which ep 8, ZeRO-1), shards on the meta
+    device: the save planner gives every piece one writer and the pieces hold each tensor exactly once."""
+    cfg = load_config(str(ROOT / "configs" / "qwen3-30b-a3b.yaml"), [])
+    plan = resolve_plan(cfg, 32)
+    layout, model = SimLayout.from_plan(plan, cfg.parallel.grad_bucket_mb), ConfigModel(cfg.model)
+    table = model.table(layout)
+    offers = []
+    for rank in range(layout.world):
+        shards = rank_shards(model, layout, rank, lambda n, g, o, local: torch.empty(local, device="meta"),
+                             table=table)
+        offers.append([(s.key, s.tensor.numel()) for s in shards])
+    writers, load = assign_writers(offers)  # offers in elements: load counts elements per writer
+    stored: dict[str, int] = {}
+    for name, _, lengths, flat in writers:
+        stored[name] = stored.get(name, 0) + piece_numel(lengths, flat)
+    numel = {e.name: e.numel for e in table.unique()}
+    moments = {f"optim.{state}.{e.name}": e.numel for state in ("exp_avg", "exp_avg_sq")
+               for e in table.unique() if e.trainable}
+    assert stored == {**numel, **moments}
+    assert sum(load) == sum(stored.values())
+    assert sum(numel.values()) == 30_532_122_624  # the preset's count
