@@ -227,3 +227,30 @@ def test_preset_scale_moe_save_plan_writes_every_tensor_once() -> None:
     assert stored == {**numel, **moments}
     assert sum(load) == sum(stored.values())
     assert sum(numel.values()) == 30_532_122_624  # the preset's count
+
+
+@pytest.mark.parametrize("layout", [SimLayout(tp=2, dp=4, ep=2), SimLayout(pp=2, dp=2, cp=2, ep=4)],
+                         ids=["tp2_dp4_ep2", "pp2_dp2_cp2_ep4"])
+def test_replicas_of_expert_blocks_are_their_edp_ranks(layout: SimLayout) -> None:
+    """The ranks holding each simulated piece are the table's replicas: an expert block its edp (and tp) ranks."""
+    model = _tiny_moe()
+    table = model.table(layout)
+    holders: dict[tuple, set[int]] = {}
+    for rank in range(layout.world):
+        for s in rank_shards(model, layout, rank, lambda n, g, o, local: torch.zeros(local), optim_states=(),
+                             table=table):
+            holders.setdefault(s.key, set()).add(rank)
+    ranks = layout.ranks()
+    expert_blocks = 0
+    for entry in table.entries:
+        for tp_rank in range(layout.tp):
+            for ep_rank in range(layout.ep if entry.is_expert else 1):
+                shard = entry.shard(tp_rank, layout.tp, ep_rank, layout.ep)
+                held = holders[(entry.name, shard.offsets, shard.local_shape, None)]
+                same = [e for e in table.entries if e.name == entry.name]  # the tied embedding: both stages
+                expected = set().union(*(table.replicas(e, tp_rank, ranks, ep_rank) for e in same))
+                assert held == expected, (entry.name, tp_rank, ep_rank)
+                if entry.is_expert:
+                    expert_blocks += 1
+                    assert len(held) == layout.tp * layout.dp * layout.cp // layout.ep
+    assert expert_blocks > 0

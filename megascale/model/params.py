@@ -199,18 +199,22 @@ class ParamTable:
         experts: the block of ep rank ep_rank of ep_size)."""
         return [e.shard(tp_rank, self.layout.tp, ep_rank, ep_size) for e in self.held_by(pp_rank)]
 
-    def replicas(self, entry: ParamSpec, tp_rank: int, ranks: RankLayout) -> list[int]:
+    def replicas(self, entry: ParamSpec, tp_rank: int, ranks: RankLayout, ep_rank: int = 0) -> list[int]:
         """Global ranks of `ranks` holding the same values as tp rank tp_rank's slice of entry.
 
         Every dp and cp rank of the entry's pipeline rank holds it; a tp-replicated
-        parameter is held whole by every tp rank as well.
+        parameter is held whole by every tp rank as well. A routed-expert weight under
+        ranks.ep > 1: ep rank ep_rank's block, held by its expert-data-parallel ranks only.
         """
         if (ranks.tp, ranks.pp) != (self.layout.tp, self.layout.pp):
             raise ValueError(f"rank layout tp {ranks.tp} pp {ranks.pp} is not the table's "
                              f"tp {self.layout.tp} pp {self.layout.pp}")
         tp_ranks = range(ranks.tp) if entry.tp_replicated else [tp_rank]
-        return sorted(ranks.rank(tp=t, cp=c, dp=d, pp=entry.pp_rank)
-                      for t in tp_ranks for c in range(ranks.cp) for d in range(ranks.dp))
+        held = [ranks.rank(tp=t, cp=c, dp=d, pp=entry.pp_rank)
+                for t in tp_ranks for c in range(ranks.cp) for d in range(ranks.dp)]
+        if entry.is_expert and ranks.ep > 1:
+            held = [r for r in held if ranks.expert_position(r)[0] == ep_rank]
+        return sorted(held)
 
 
 def _as_config(model_or_cfg: Union[Config, ModelConfig], layout: ModelLayout) -> Config:
