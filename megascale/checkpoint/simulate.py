@@ -235,9 +235,12 @@ def _buffers(held: list[tuple[ParamSpec, ShardSpec]], layout: SimLayout, c: dict
         for entry, spec in reversed([(e, s) for e, s in held if e.chunk == chunk and e.trainable]):
             kinds.setdefault((entry.dtype, layout.ep > 1 and entry.is_expert), []).append(spec)
         for (_, expert), specs in kinds.items():
-            size, position = (layout.dp * layout.cp // layout.ep, c["edp"]) if expert else (layout.dp * layout.cp,
-                                                                                           c["dp_cp"])
-            out.append((specs, size, position, full_reduce) if layout.zero == 1 else (specs, 1, 0, full_reduce))
+            if layout.zero != 1:
+                out.append((specs, 1, 0, full_reduce))
+            elif expert:  # sharded over the expert-data-parallel group
+                out.append((specs, layout.dp * layout.cp // layout.ep, c["edp"], full_reduce))
+            else:
+                out.append((specs, layout.dp * layout.cp, c["dp_cp"], full_reduce))
     return out
 
 
