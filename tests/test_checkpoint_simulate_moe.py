@@ -12,6 +12,7 @@ ranges cut through tensors and bucket edges.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,8 +25,17 @@ from moe_utils import MOE_MODEL, SIGMOID
 
 from megascale.bench.checkpoint_workload import state_bytes, workload
 from megascale.checkpoint import CheckpointManager
-from megascale.checkpoint.format import METADATA_FILE, piece_numel, step_dir_name
+from megascale.checkpoint.format import (
+    DTYPES,
+    METADATA_FILE,
+    CheckpointError,
+    PieceRecord,
+    piece_numel,
+    rank_file_name,
+    step_dir_name,
+)
 from megascale.checkpoint.planner import assign_writers
+from megascale.checkpoint.reader import fill_shard
 from megascale.checkpoint.simulate import ConfigModel, SimLayout, expected_tensor, rank_shards, reference_value
 from megascale.config import Config, load_config
 from megascale.distributed.topology import ParallelContext, RankLayout
@@ -59,6 +69,11 @@ def _states(overrides: list[str]) -> tuple[str, ...]:
 
 def _keys(shards: list) -> list[tuple]:
     return [(s.name, s.global_shape, s.offsets, s.local_shape, s.flat_range, tuple(s.tensor.shape)) for s in shards]
+
+
+def _meta(name: str, shape: tuple, offsets: tuple, local: tuple) -> torch.Tensor:
+    """Shards of preset-size models on the meta device: shapes only."""
+    return torch.empty(local, device="meta")
 
 
 def _real(overrides: list[str], rank: int, world: int, shared: object) -> list[tuple]:
@@ -214,8 +229,7 @@ def test_preset_scale_moe_save_plan_writes_every_tensor_once() -> None:
     table = model.table(layout)
     offers = []
     for rank in range(layout.world):
-        shards = rank_shards(model, layout, rank, lambda n, g, o, local: torch.empty(local, device="meta"),
-                             table=table)
+        shards = rank_shards(model, layout, rank, _meta, table=table)
         offers.append([(s.key, s.tensor.numel()) for s in shards])
     writers, load = assign_writers(offers)  # offers in elements: load counts elements per writer
     stored: dict[str, int] = {}
@@ -254,3 +268,61 @@ def test_replicas_of_expert_blocks_are_their_edp_ranks(layout: SimLayout) -> Non
                     expert_blocks += 1
                     assert len(held) == layout.tp * layout.dp * layout.cp // layout.ep
     assert expert_blocks > 0
+
+
+class _MetaReader:
+    """Stands in for PieceReader: hands out a stored piece as a meta tensor of its shape, counting the bytes."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self.names: set[str] = set()
+
+    def read(self, rec: PieceRecord) -> torch.Tensor:
+        self.bytes_read += rec.byte_range[1] - rec.byte_range[0]
+        self.names.add(rec.name)
+        return torch.empty(rec.stored_shape, dtype=DTYPES[rec.dtype], device="meta")
+
+
+def _saved_records(model: ConfigModel, layout: SimLayout) -> dict[str, list[PieceRecord]]:
+    """The pieces a save of every rank of layout writes (one per unique key, the save planner's writer), as records."""
+    table = model.table(layout)
+    offers, shapes = [], {}
+    for rank in range(layout.world):
+        shards = rank_shards(model, layout, rank, _meta, table=table)
+        offers.append([(s.key, 4 * s.tensor.numel()) for s in shards])
+        shapes.update({s.name: list(s.global_shape) for s in shards})
+    writers, _ = assign_writers(offers)
+    sizes = {key: n for offer in offers for key, n in offer}
+    records: dict[str, list[PieceRecord]] = {}
+    for key, writer in writers.items():
+        name, offsets, lengths, flat = key
+        records.setdefault(name, []).append(PieceRecord(
+            name, shapes[name], list(offsets), list(lengths), None if flat is None else list(flat), "float32",
+            rank_file_name(writer), repr(key), [0, sizes[key]], 0))
+    return records
+
+
+def test_preset_scale_reshard_from_ep4_zero1_to_ep1_covers_every_request() -> None:
+    """Mixtral 8x7B at its preset layout (64 ranks: tp 2, pp 4, dp 8 of which ep 4, ZeRO-1), shards on the meta
+    device: the loader's own piece selection and coverage count (fill_shard, with a reader that hands out meta
+    tensors) fills every request of the same layout at ep 1 from the saved pieces; each rank then reads all four
+    ep blocks of its experts. With one expert block missing, the load fails naming the tensor."""
+    cfg = load_config(str(ROOT / "configs" / "mixtral-8x7b.yaml"), [])
+    saved = SimLayout.from_plan(resolve_plan(cfg, 64), cfg.parallel.grad_bucket_mb)
+    assert (saved.ep, saved.zero, saved.dp * saved.cp // saved.ep) == (4, 1, 2)  # expert state flat over edp 2
+    model, target = ConfigModel(cfg.model), dataclasses.replace(saved, ep=1)
+    records = _saved_records(model, saved)
+    table = model.table(target)
+    for rank in (0, target.world - 1):  # first and last pipeline stage
+        reader, requested = _MetaReader(), 0
+        for shard in rank_shards(model, target, rank, _meta, table=table):
+            fill_shard(shard, records[shard.name], reader)
+            requested += 4 * shard.tensor.numel()
+            if ".mlp.experts." in shard.name and shard.flat_range is None:
+                assert shard.local_shape[0] == 8  # ep 1: every expert on every rank
+        assert reader.bytes_read >= requested > 0
+    name = "layers.0.mlp.experts.fc1.weight"
+    records[name] = [r for r in records[name] if r.offsets[0] != 2]  # drop the block of ep rank 1
+    request = next(s for s in rank_shards(model, target, 0, _meta, table=table) if s.name == name)
+    with pytest.raises(CheckpointError, match=f"tensor {name}: the checkpoint covers only"):
+        fill_shard(request, records[name], _MetaReader())
