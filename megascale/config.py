@@ -138,6 +138,9 @@ class ParallelConfig:
     dp: Optional[int] = _f(None, "data-parallel size; null = world_size / (tp*pp*cp)")
     cp: int = _f(1, "context-parallel size")
     ep: int = _f(1, "expert-parallel size: routed experts split over this many ranks, taken from the dp x cp ranks")
+    ep_overlap: bool = _f(True, "MoE: run the shared experts while the expert-parallel all-to-alls are in flight "
+                                "(the up half under the dispatch, the down half under the combine; the backward's "
+                                "all-to-alls under their backward); false runs everything in order")
     vpp: int = _f(1, "virtual pipeline stages (model chunks) per pipeline rank")
     order: str = _f("tp-cp-dp-pp", "rank order, fastest-varying axis first")
     sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")

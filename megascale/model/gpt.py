@@ -9,6 +9,7 @@ docs/architecture.md describes the naming.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -223,7 +224,7 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     if sequence is None:
         sequence = build_sequence_layout(ctx, cfg, timers=timers)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
-                      recompute=cfg.train.recompute, sequence=sequence, ep=ctx.expert_parallel(),
+                      recompute=cfg.train.recompute, sequence=sequence, ep=dataclasses.replace(ctx.expert_parallel(), overlap=p.ep_overlap),
                       moe_stats_group=ctx.group("tp_cp") if ctx.tp_size * ctx.cp_size > 1 else None)
     if chunk_layers is None:
         chunk_layers = plan.chunk_layers(ctx.pp_rank) if plan is not None else stage_layers(cfg, ctx)
