@@ -54,6 +54,11 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "pp2_ep2_interleaved": ("parallel.pp=2", "parallel.vpp=2", "parallel.ep=2", "model.num_layers=4"),
     "ep2_lamb_zero0": ("parallel.ep=2", "optim.name=lamb"),
     "ep2_lamb_zero1": ("parallel.ep=2", "parallel.zero=1", "optim.name=lamb"),
+    # The zero-bubble split backward: the all-to-alls run in the input-gradient pass.
+    "pp2_ep2_zbh1": ("parallel.pp=2", "parallel.ep=2", "parallel.pipeline_schedule=zb-h1"),
+    # The shared experts after the routed path, every all-to-all waited for at once.
+    "tp2_sp_ep2_overlap_off": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
+                               "parallel.ep_overlap=false"),
 }
 # The default suite: two layouts, one per router.
 DEFAULT = {("ep4_zero1", "softmax"), ("tp2_sp_ep2", "sigmoid")}

@@ -24,7 +24,6 @@ from torch import Tensor
 # The router's output and the dispatched rows are shared with the expert-parallel dispatcher below the model.
 from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_assignments
 
-
 T_co = TypeVar("T_co", covariant=True)
 T = TypeVar("T")
 
