@@ -112,17 +112,23 @@ def _run(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor, recompute: bool) 
     return forward, backward, values
 
 
-def scenario_order(recompute: bool, rank: int, world: int, shared: Any) -> dict[str, Any]:
+def _layers(rank: int, world: int) -> dict[bool, MoELayer]:
+    """The layer with overlap on and off (the same weights), built once per spawn."""
+    return {overlap: _layer(rank, overlap) for overlap in (True, False)}
+
+
+def scenario_order(recompute: bool, rank: int, world: int, layers: dict[bool, MoELayer]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(20 + rank)
     x, grad = torch.randn(SEQ, BATCH, HIDDEN, generator=gen), torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    on = _run(_layer(rank, True), x, grad, recompute)
-    off = _run(_layer(rank, False), x, grad, recompute)
+    on = _run(layers[True], x, grad, recompute)
+    off = _run(layers[False], x, grad, recompute)
     return {"on": on[:2], "off": off[:2], "values": (on[2], off[2])}
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, Outcome]:
-    return run_scenarios({"plain": partial(scenario_order, False), "recompute": partial(scenario_order, True)}, 2)
+    return run_scenarios({"plain": partial(scenario_order, False), "recompute": partial(scenario_order, True)}, 2,
+                         setup=_layers)
 
 
 def test_shared_experts_run_between_each_all_to_all_launch_and_wait(outcomes: dict[str, Outcome]) -> None:
