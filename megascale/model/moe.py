@@ -13,7 +13,8 @@ while the tokens travel to their experts, their down half (fc2) while the output
 travel back. The all-to-alls are split into a launch and a wait (see
 megascale/distributed/expert_parallel/dispatch.py), so in the backward the combine's
 gradient all-to-all travels under fc2's backward and the dispatch's under fc1's.
-Off, the routed path runs first and the shared experts after it, in both passes.
+Off, each all-to-all is waited for as soon as it starts and the shared experts run
+after the routed path (in the backward, before it).
 
 The router's aux loss and z-loss reach the gradient without travelling to the loss:
 an autograd function on the routed output passes the output through and, in the
