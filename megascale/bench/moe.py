@@ -243,6 +243,9 @@ def format_report(res: dict[str, float], args: argparse.Namespace, device: str) 
               "dispatch's forward also holds its count exchange, which nothing hides)",
               f"four token all-to-alls alone: {a2a * 1e3:.2f} ms; hidden fraction of the whole pass "
               f"(t_off - t_on) / alone: {100 * hidden:.0f}%"]
+    if args.backend == "gloo":
+        lines.append("gloo on CPU: the all-to-alls run on gloo's threads, which compete with the compute for the "
+                     "cores, and a shared host's load moves these timings by as much as the overlap gains")
     if res["mismatch"]:
         lines.append("WARNING: the overlapped forward differs from the serial one")
     return "\n".join(lines)
