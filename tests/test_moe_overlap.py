@@ -23,12 +23,18 @@ the exact sequence:
 The layer's output and every gradient are the same with overlap on and off (the same
 arithmetic; only the order in which the input's gradient contributions are added may
 differ: 1e-6 relative).
+
+Slow, on four ranks (tp 2 + SP + ep 2): the shared MLP's own tp collectives (fc1's
+all-gather, fc2's reduce-scatter, and in the backward fc2's gradient all-gather, fc1's
+input re-gather and gradient reduce-scatter) are issued while the ep all-to-alls are in
+flight, and the members of every process group issue the same collectives in the same
+order, so the concurrent collectives on the two groups cannot deadlock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any
 
@@ -47,7 +53,7 @@ FORWARD_OFF = ["launch dispatch", "wait dispatch", "launch combine", "wait combi
 BACKWARD_OFF = ["fc2 grad", "fc1 grad", "launch combine grad", "wait combine", "launch dispatch grad", "wait dispatch"]
 
 
-def _layer(rank: int, overlap: bool) -> MoELayer:
+def _layer(rank: int, overlap: bool, world: int = 2, layout: tuple[str, ...] = ()) -> MoELayer:
     from megascale.distributed.topology import ParallelContext
     from megascale.run_plan import resolve_plan
 
@@ -56,8 +62,8 @@ def _layer(rank: int, overlap: bool) -> MoELayer:
                               "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=16",
                               "model.moe.shared_experts=1", "model.moe.aux_loss_coeff=0.01", "parallel.ep=2",
                               f"parallel.ep_overlap={overlap}", f"train.micro_batch_size={BATCH}",
-                              f"train.global_batch_size={2 * BATCH}"])
-    ctx = ParallelContext(resolve_plan(cfg, 2).rank_layout(), rank=rank, device=torch.device("cpu"))
+                              f"train.global_batch_size={2 * BATCH}", *layout])
+    ctx = ParallelContext(resolve_plan(cfg, world).rank_layout(), rank=rank, device=torch.device("cpu"))
     layer = parity.build_chunks(cfg, ctx)[0].layers["0"].mlp
     assert isinstance(layer, MoELayer) and layer.overlap == overlap and layer.shared is not None
     return layer
@@ -151,3 +157,82 @@ def test_overlap_changes_no_value(outcomes: dict[str, Outcome], case: str) -> No
         assert on.keys() == off.keys() and len(on) > 8
         for name, value in on.items():
             torch.testing.assert_close(value, off[name], rtol=1e-6, atol=1e-7, msg=f"rank {rank}: {name}")
+
+
+# ----------------------------------------------------------------------------- tp 2 + SP + ep 2, four ranks
+
+TP_SP = ("parallel.tp=2", "parallel.sequence_parallel=true")
+COLLECTIVES = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+
+
+@contextmanager
+def _collectives(events: list[str], issued: list[tuple[str, tuple[int, ...]]], tp_ranks: tuple[int, ...]
+                 ) -> Iterator[None]:
+    """Record every collective issued: its name and group into `issued`, tp ones as "tp NAME" into events."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def traced(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+            issued.append((name, ranks))
+            if ranks == tp_ranks:
+                events.append(f"tp {name}")
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, traced(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _between(events: list[str], start: str, end: str) -> list[str]:
+    begin = events.index(start)
+    return events[begin + 1:events.index(end, begin)]
+
+
+def scenario_tp_sp(rank: int, world: int, shared: Any) -> dict[str, Any]:
+    """Forward and backward of the layer under tp 2 + SP + ep 2 with overlap on, recording the order."""
+    import torch.distributed as dist
+
+    layer = _layer(rank, True, world, TP_SP)
+    tp_ranks = tuple(dist.get_process_group_ranks(layer.bc.tp.group))
+    gen = torch.Generator().manual_seed(30 + rank)
+    x = torch.randn(SEQ // 2, BATCH, HIDDEN, generator=gen, requires_grad=True)
+    passes: dict[str, list[str]] = {"forward": [], "backward": []}
+    issued: list[tuple[str, tuple[int, ...]]] = []
+    with ExitStack() as stack:
+        stack.enter_context(_collectives(passes["forward"], issued, tp_ranks))
+        stack.enter_context(_recording(layer, passes["forward"]))
+        out = layer(x)
+    with ExitStack() as stack:
+        stack.enter_context(_collectives(passes["backward"], issued, tp_ranks))
+        stack.enter_context(_recording(layer, passes["backward"]))
+        out.backward(torch.randn(out.shape, generator=gen))
+    return {"passes": passes, "issued": issued}
+
+
+@pytest.mark.slow
+def test_tp_collectives_of_the_shared_experts_run_under_the_all_to_alls_in_one_order() -> None:
+    """tp 2 + SP + ep 2: the shared MLP's tp collectives (fc1's all-gather, fc2's reduce-scatter and their
+    backward) are issued while the ep all-to-alls are in flight, and every group's members issue the same
+    collectives in the same order (no deadlock, as the parity tests' tp2_sp_ep2 case shows end to end)."""
+    results = run_scenarios({"tp_sp": scenario_tp_sp}, 4)["tp_sp"].check()
+    for rank, result in enumerate(results):
+        forward, backward = result["passes"]["forward"], result["passes"]["backward"]
+        for events, start, end, what in ((forward, "launch dispatch", "wait dispatch", "fc1"),
+                                         (forward, "launch combine", "wait combine", "fc2"),
+                                         (backward, "launch combine grad", "wait combine", "fc2 grad"),
+                                         (backward, "launch dispatch grad", "wait dispatch", "fc1 grad")):
+            inside = _between(events, start, end)
+            assert what in inside and any(e.startswith("tp ") for e in inside), f"rank {rank}: {start}: {events}"
+    groups = {ranks for result in results for _, ranks in result["issued"] if ranks}
+    for ranks in groups:
+        orders = {rank: [name for name, g in results[rank]["issued"] if g == ranks] for rank in ranks}
+        assert len({tuple(order) for order in orders.values()}) == 1, f"group {ranks}: {orders}"
