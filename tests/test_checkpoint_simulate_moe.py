@@ -1,7 +1,8 @@
 """The checkpoint simulator hands out exactly the shards of a real Mixture-of-Experts run.
 
 Real runs on 4 gloo ranks build the model and the data-parallel optimizer of a layout
-(expert parallelism with and without ZeRO-1, with tp + sequence parallelism, with a
+(expert parallelism with and without ZeRO-1, with tp + sequence parallelism, with each
+expert's MLP split over the tp ranks (etp), with a
 pipeline and its tied embedding copy, in bf16 with fp32 master weights) and collect what
 they would hand to the CheckpointManager: every chunk's parameters, then the
 optimizer's state shards. The simulator, given only the model section and the layout,
@@ -51,12 +52,14 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "ep2_zero1": ("parallel.ep=2", "parallel.zero=1"),
     "ep4_zero1": ("parallel.ep=4", "parallel.zero=1"),
     "tp2_sp_ep2_zero1": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.zero=1"),
+    "tp2_sp_ep2_etp2_zero1": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=2",
+                              "parallel.zero=1"),  # each expert's MLP split over the tp ranks
     "ep2_replicated": ("parallel.ep=2",),
     "pp2_tied_ep2_zero1": ("parallel.pp=2", "model.tie_embeddings=true", "parallel.ep=2", "parallel.zero=1"),
     "ep4_zero1_bf16": ("parallel.ep=4", "parallel.zero=1", "train.dtype=bf16"),
     "dense_cp2_zero1": ("model.moe.num_experts=0", "parallel.cp=2", "parallel.zero=1"),  # sharded over dp x cp
 }
-DEFAULT = {"ep2_zero1", "ep4_zero1", "tp2_sp_ep2_zero1"}  # one spawn: the cost is in starting 4 ranks
+DEFAULT = {"ep2_zero1", "ep4_zero1", "tp2_sp_ep2_zero1", "tp2_sp_ep2_etp2_zero1"}  # one spawn: the cost is in starting 4 ranks
 
 
 def _overrides(name: str) -> list[str]:
@@ -128,6 +131,8 @@ def _check(outcome: Outcome, name: str) -> None:
     if "zero1" in name:  # ZeRO-1 ranges cut through tensors; with edp 2 through expert tensors too
         assert any(key[4] is not None for key in flat)
         assert (name == "ep2_zero1") == any(key[4] is not None and ".experts." in key[0] for key in flat)
+    # etp: expert weights cut along their FFN dim too (a tp half starts past 0 beyond the expert axis)
+    assert ("etp2" in name) == any(".experts." in key[0] and any(key[2][1:]) for key in flat)
 
 
 @pytest.mark.parametrize("name", sorted(DEFAULT))
@@ -145,13 +150,16 @@ def test_simulated_shards_equal_the_real_runs_more_layouts(slow_outcomes: dict[s
     ((), SimLayout(dp=4, ep=3), "model.moe.num_experts=4 is not divisible by parallel.ep=3"),
     ((), SimLayout(tp=2, dp=2, ep=4), r"parallel.ep=4 must divide dp 2 \* cp 1 = 2"),
     (("model.moe.num_experts=0",), SimLayout(dp=4, ep=2), "parallel.ep=2 needs routed experts"),
-], ids=["experts_not_divisible", "ep_not_dividing_dp_cp", "dense_model"])
+    ((), SimLayout(tp=2, dp=2, etp=4), r"parallel.etp=4 must be 1 or parallel.tp=2"),
+    (("model.moe.num_experts=0",), SimLayout(tp=2, dp=2, etp=2), "parallel.etp=2 splits routed experts, and the "
+     "model has none"),
+], ids=["experts_not_divisible", "ep_not_dividing_dp_cp", "dense_model", "etp_not_tp", "etp_dense_model"])
 def test_simulator_refuses_what_a_run_refuses(model_extra: tuple[str, ...], layout: SimLayout, message: str) -> None:
     model = load_config(None, [*MOE_MODEL, *model_extra]).model
     with pytest.raises(ConfigError, match=message) as refused:
         rank_shards(ConfigModel(model), layout, 0, lambda n, g, o, local: torch.zeros(local))
     assert "\n" not in str(refused.value)
-    run = [*MOE_MODEL, *model_extra, f"parallel.tp={layout.tp}", f"parallel.ep={layout.ep}"]
+    run = [*MOE_MODEL, *model_extra, f"parallel.tp={layout.tp}", f"parallel.ep={layout.ep}", f"parallel.etp={layout.etp}"]
     with pytest.raises(ConfigError, match=message):  # the real run refuses it in the same words
         resolve_plan(load_config(None, run), WORLD)
 
@@ -243,10 +251,12 @@ def test_preset_scale_moe_save_plan_writes_every_tensor_once() -> None:
     assert sum(numel.values()) == 30_532_122_624  # the preset's count
 
 
-@pytest.mark.parametrize("layout", [SimLayout(tp=2, dp=4, ep=2), SimLayout(pp=2, dp=2, cp=2, ep=4)],
-                         ids=["tp2_dp4_ep2", "pp2_dp2_cp2_ep4"])
+@pytest.mark.parametrize("layout", [SimLayout(tp=2, dp=4, ep=2), SimLayout(pp=2, dp=2, cp=2, ep=4),
+                                    SimLayout(tp=2, dp=4, ep=2, etp=2)],
+                         ids=["tp2_dp4_ep2", "pp2_dp2_cp2_ep4", "tp2_dp4_ep2_etp2"])
 def test_replicas_of_expert_blocks_are_their_edp_ranks(layout: SimLayout) -> None:
-    """The ranks holding each simulated piece are the table's replicas: an expert block its edp (and tp) ranks."""
+    """The ranks holding each simulated piece are the table's replicas: an expert block its edp ranks, of every tp
+    rank (experts whole) or, under etp, of the tp rank whose slice it is."""
     model = _tiny_moe()
     table = model.table(layout)
     holders: dict[tuple, set[int]] = {}
@@ -255,7 +265,7 @@ def test_replicas_of_expert_blocks_are_their_edp_ranks(layout: SimLayout) -> Non
                              table=table):
             holders.setdefault(s.key, set()).add(rank)
     ranks = layout.ranks()
-    expert_blocks = 0
+    expert_blocks = split_blocks = 0
     for entry in table.entries:
         for tp_rank in range(layout.tp):
             for ep_rank in range(layout.ep if entry.is_expert else 1):
@@ -266,8 +276,14 @@ def test_replicas_of_expert_blocks_are_their_edp_ranks(layout: SimLayout) -> Non
                 assert held == expected, (entry.name, tp_rank, ep_rank)
                 if entry.is_expert:
                     expert_blocks += 1
-                    assert len(held) == layout.tp * layout.dp * layout.cp // layout.ep
+                    split_blocks += not entry.tp_replicated
+                    tp_holders = layout.tp if entry.tp_replicated else 1
+                    assert len(held) == tp_holders * layout.dp * layout.cp // layout.ep
+                    coords = [layout.coords(r) for r in held]
+                    assert {c["ep"] for c in coords} == {ep_rank}
+                    assert entry.tp_replicated or {c["tp"] for c in coords} == {tp_rank}
     assert expert_blocks > 0
+    assert (split_blocks > 0) == (layout.etp > 1)  # etp: expert weights split over tp, else whole on each
 
 
 class _MetaReader:
