@@ -2,9 +2,9 @@
 
 Real runs on 4 gloo ranks build the model and the data-parallel optimizer of a layout
 (expert parallelism with and without ZeRO-1, with tp + sequence parallelism, with each
-expert's MLP split over the tp ranks (etp), with a
-pipeline and its tied embedding copy, in bf16 with fp32 master weights) and collect what
-they would hand to the CheckpointManager: every chunk's parameters, then the
+expert's MLP split over the tp ranks (etp), with a pipeline and its tied embedding copy,
+in bf16 with fp32 master weights) and collect what they would hand to the
+CheckpointManager: every chunk's parameters, then the
 optimizer's state shards. The simulator, given only the model section and the layout,
 must produce the same list on every rank: names, global shapes, boxes, ZeRO-1 flat
 ranges and tensor shapes, in the same order. Small gradient buckets make the ZeRO-1
@@ -168,20 +168,23 @@ def _tiny_moe() -> ConfigModel:
     return ConfigModel(load_config(None, [*MOE_MODEL, *SIGMOID]).model)
 
 
-def _bench_moe() -> tuple[ConfigModel, SimLayout, SimLayout]:
-    work = workload(0.004, str(ROOT / "configs" / "deepseek-v3-moe.yaml"), ep=4)
+def _bench_moe(ep: int, etp: int = 1) -> tuple[ConfigModel, SimLayout, SimLayout]:
+    work = workload(0.004, str(ROOT / "configs" / "deepseek-v3-moe.yaml"), ep=ep, etp=etp)
     assert isinstance(work.model, ConfigModel)
     return work.model, work.saved, work.resharded
 
 
-def _check_stored_once(meta: dict, model: ConfigModel, ep: int) -> int:
-    """Every tensor's pieces hold exactly its elements, routed experts one block per ep rank; returns the elements."""
+def _check_stored_once(meta: dict, model: ConfigModel, saved: SimLayout) -> int:
+    """Every tensor's pieces hold exactly its elements, routed experts one block per ep rank (under etp, a weight
+    split over tp: tp slices of it); returns the elements."""
     tensors = meta["tensors"]
     table = param_table(model.config)
     trainable = {e.name for e in table.unique() if e.trainable}
     want = {e.name: e.global_shape for e in table.unique()}
     want.update({f"optim.{state}.{name}": want[name] for state in ("exp_avg", "exp_avg_sq") for name in trainable})
     assert {name: tuple(entry["global_shape"]) for name, entry in tensors.items()} == want
+    split = {e.name for e in model.table(saved).unique() if e.is_expert and not e.tp_replicated}
+    assert bool(split) == (saved.etp > 1)
     total = 0
     for name, entry in tensors.items():
         stored = sum(piece_numel(p["lengths"], p["flat_range"]) for p in entry["pieces"])
@@ -190,23 +193,30 @@ def _check_stored_once(meta: dict, model: ConfigModel, ep: int) -> int:
         if ".mlp.experts." in name and not name.startswith("optim."):
             blocks = sorted(p["offsets"][0] for p in entry["pieces"])
             experts = model.config.moe.num_experts
-            assert blocks == list(range(0, experts, experts // ep)), (name, blocks)
+            slices = saved.etp if name in split else 1
+            assert blocks == sorted(list(range(0, experts, experts // saved.ep)) * slices), (name, blocks)
     assert any(name.endswith("router.expert_bias") for name in tensors)
     return total
 
 
-@pytest.mark.parametrize("case", ["tiny_ep4_zero1", "tiny_ep2_edp2_zero1", "bench_deepseek_v3_shrunk_ep4"])
+@pytest.mark.parametrize("case", ["tiny_ep4_zero1", "tiny_ep2_edp2_zero1", "tiny_tp2_ep2_etp2_zero1",
+                                  "bench_deepseek_v3_shrunk_ep4", "bench_deepseek_v3_shrunk_ep2_etp2"])
 def test_moe_checkpoint_stores_every_tensor_once_and_loads_at_other_eps(tmp_path: Path, case: str) -> None:
     """All ranks of an ep + ZeRO-1 layout saved by one process (replicas written once); loaded at other eps
-    (with tp 2, with a replicated optimizer), every value is the saved one."""
+    (with tp 2, with a replicated optimizer, etp split and whole), every value is the saved one."""
     if case == "tiny_ep4_zero1":
         model, saved = _tiny_moe(), SimLayout(dp=4, ep=4, zero=1, grad_bucket_mb=0.02)
         loads = [SimLayout(tp=2, dp=2, ep=2, zero=1, grad_bucket_mb=0.02), SimLayout()]
     elif case == "tiny_ep2_edp2_zero1":  # expert state in flat ranges over the 2 edp ranks
         model, saved = _tiny_moe(), SimLayout(dp=4, ep=2, zero=1, grad_bucket_mb=0.02)
         loads = [SimLayout(dp=4, ep=4, zero=1), SimLayout(tp=2, dp=3, zero=1, grad_bucket_mb=0.01)]
+    elif case == "tiny_tp2_ep2_etp2_zero1":  # expert state in flat ranges of tp slices over the 2 edp ranks
+        model, saved = _tiny_moe(), SimLayout(tp=2, dp=4, ep=2, etp=2, zero=1, grad_bucket_mb=0.02)
+        loads = [SimLayout(tp=2, dp=2, ep=2, zero=1), SimLayout(tp=4, dp=2, ep=2, etp=4, zero=1),
+                 SimLayout(dp=4, ep=1, zero=1, grad_bucket_mb=0.01)]
     else:
-        model, saved, resharded = _bench_moe()
+        model, saved, resharded = _bench_moe(*((4,) if case.endswith("ep4") else (2, 2)))
+        assert saved.etp == (1 if case.endswith("ep4") else 2)
         loads = [resharded]
     cfg = Config()
     cfg.checkpoint.async_save = False
@@ -215,7 +225,7 @@ def test_moe_checkpoint_stores_every_tensor_once_and_loads_at_other_eps(tmp_path
     table = model.table(saved)
     mgr.save(1, [s for r in range(saved.world) for s in rank_shards(model, saved, r, value, table=table)], {})
     meta = json.loads((tmp_path / step_dir_name(1) / METADATA_FILE).read_text())
-    elements = _check_stored_once(meta, model, saved.ep)
+    elements = _check_stored_once(meta, model, saved)
     assert mgr.last_save_stats["bytes"] == 4 * elements  # fp32 throughout: what the benchmark reports
     if case.startswith("bench"):
         assert mgr.last_save_stats["bytes"] == state_bytes(model.config)
