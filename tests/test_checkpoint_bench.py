@@ -61,10 +61,15 @@ def test_checkpoint_bench_moe_preset(tmp_path: Path) -> None:
     assert bias == 256 * (model["num_layers"] - 3) > 0 and res["checkpoint_bytes"] == 4 * params + 8 * (params - bias)
 
 
-def test_checkpoint_bench_refuses_ep_on_a_dense_model() -> None:
-    cmd = [sys.executable, "-m", "megascale.cli", "bench", "checkpoint", "--ep", "2"]
+@pytest.mark.parametrize("args,message", [
+    (["--ep", "2"], "parallel.ep=2 needs routed experts"),
+    (["--etp", "2"], "parallel.etp=2 splits routed experts, and the model has none"),
+    (["--config", "configs/deepseek-v3-moe.yaml", "--ep", "4", "--etp", "2"], "parallel.etp=2 must be 1 or parallel.tp=1"),
+], ids=["ep_dense", "etp_dense", "etp_without_tp"])
+def test_checkpoint_bench_refuses_what_a_run_refuses(args: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "megascale.cli", "bench", "checkpoint", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "parallel.ep=2 needs routed experts" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def _flat(section: dict, prefix: str = "") -> dict:

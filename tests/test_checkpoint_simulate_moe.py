@@ -1,9 +1,10 @@
 """The checkpoint simulator hands out exactly the shards of a real Mixture-of-Experts run.
 
 Real runs on 4 gloo ranks build the model and the data-parallel optimizer of a layout
-(expert parallelism with and without ZeRO-1, with tp + sequence parallelism, with a
-pipeline and its tied embedding copy, in bf16 with fp32 master weights) and collect what
-they would hand to the CheckpointManager: every chunk's parameters, then the
+(expert parallelism with and without ZeRO-1, with tp + sequence parallelism, with each
+expert's MLP split over the tp ranks (etp), with a pipeline and its tied embedding copy,
+in bf16 with fp32 master weights) and collect what they would hand to the
+CheckpointManager: every chunk's parameters, then the
 optimizer's state shards. The simulator, given only the model section and the layout,
 must produce the same list on every rank: names, global shapes, boxes, ZeRO-1 flat
 ranges and tensor shapes, in the same order. Small gradient buckets make the ZeRO-1
@@ -51,12 +52,14 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "ep2_zero1": ("parallel.ep=2", "parallel.zero=1"),
     "ep4_zero1": ("parallel.ep=4", "parallel.zero=1"),
     "tp2_sp_ep2_zero1": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.zero=1"),
+    "tp2_sp_ep2_etp2_zero1": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=2",
+                              "parallel.zero=1"),  # each expert's MLP split over the tp ranks
     "ep2_replicated": ("parallel.ep=2",),
     "pp2_tied_ep2_zero1": ("parallel.pp=2", "model.tie_embeddings=true", "parallel.ep=2", "parallel.zero=1"),
     "ep4_zero1_bf16": ("parallel.ep=4", "parallel.zero=1", "train.dtype=bf16"),
     "dense_cp2_zero1": ("model.moe.num_experts=0", "parallel.cp=2", "parallel.zero=1"),  # sharded over dp x cp
 }
-DEFAULT = {"ep2_zero1", "ep4_zero1", "tp2_sp_ep2_zero1"}  # one spawn: the cost is in starting 4 ranks
+DEFAULT = {"ep2_zero1", "ep4_zero1", "tp2_sp_ep2_zero1", "tp2_sp_ep2_etp2_zero1"}  # one spawn: the cost is in starting 4 ranks
 
 
 def _overrides(name: str) -> list[str]:
@@ -128,6 +131,8 @@ def _check(outcome: Outcome, name: str) -> None:
     if "zero1" in name:  # ZeRO-1 ranges cut through tensors; with edp 2 through expert tensors too
         assert any(key[4] is not None for key in flat)
         assert (name == "ep2_zero1") == any(key[4] is not None and ".experts." in key[0] for key in flat)
+    # etp: expert weights cut along their FFN dim too (a tp half starts past 0 beyond the expert axis)
+    assert ("etp2" in name) == any(".experts." in key[0] and any(key[2][1:]) for key in flat)
 
 
 @pytest.mark.parametrize("name", sorted(DEFAULT))
@@ -145,13 +150,16 @@ def test_simulated_shards_equal_the_real_runs_more_layouts(slow_outcomes: dict[s
     ((), SimLayout(dp=4, ep=3), "model.moe.num_experts=4 is not divisible by parallel.ep=3"),
     ((), SimLayout(tp=2, dp=2, ep=4), r"parallel.ep=4 must divide dp 2 \* cp 1 = 2"),
     (("model.moe.num_experts=0",), SimLayout(dp=4, ep=2), "parallel.ep=2 needs routed experts"),
-], ids=["experts_not_divisible", "ep_not_dividing_dp_cp", "dense_model"])
+    ((), SimLayout(tp=2, dp=2, etp=4), r"parallel.etp=4 must be 1 or parallel.tp=2"),
+    (("model.moe.num_experts=0",), SimLayout(tp=2, dp=2, etp=2), "parallel.etp=2 splits routed experts, and the "
+     "model has none"),
+], ids=["experts_not_divisible", "ep_not_dividing_dp_cp", "dense_model", "etp_not_tp", "etp_dense_model"])
 def test_simulator_refuses_what_a_run_refuses(model_extra: tuple[str, ...], layout: SimLayout, message: str) -> None:
     model = load_config(None, [*MOE_MODEL, *model_extra]).model
     with pytest.raises(ConfigError, match=message) as refused:
         rank_shards(ConfigModel(model), layout, 0, lambda n, g, o, local: torch.zeros(local))
     assert "\n" not in str(refused.value)
-    run = [*MOE_MODEL, *model_extra, f"parallel.tp={layout.tp}", f"parallel.ep={layout.ep}"]
+    run = [*MOE_MODEL, *model_extra, f"parallel.tp={layout.tp}", f"parallel.ep={layout.ep}", f"parallel.etp={layout.etp}"]
     with pytest.raises(ConfigError, match=message):  # the real run refuses it in the same words
         resolve_plan(load_config(None, run), WORLD)
 
@@ -160,20 +168,23 @@ def _tiny_moe() -> ConfigModel:
     return ConfigModel(load_config(None, [*MOE_MODEL, *SIGMOID]).model)
 
 
-def _bench_moe() -> tuple[ConfigModel, SimLayout, SimLayout]:
-    work = workload(0.004, str(ROOT / "configs" / "deepseek-v3-moe.yaml"), ep=4)
+def _bench_moe(ep: int, etp: int = 1) -> tuple[ConfigModel, SimLayout, SimLayout]:
+    work = workload(0.004, str(ROOT / "configs" / "deepseek-v3-moe.yaml"), ep=ep, etp=etp)
     assert isinstance(work.model, ConfigModel)
     return work.model, work.saved, work.resharded
 
 
-def _check_stored_once(meta: dict, model: ConfigModel, ep: int) -> int:
-    """Every tensor's pieces hold exactly its elements, routed experts one block per ep rank; returns the elements."""
+def _check_stored_once(meta: dict, model: ConfigModel, saved: SimLayout) -> int:
+    """Every tensor's pieces hold exactly its elements, routed experts one block per ep rank (under etp, a weight
+    split over tp: tp slices of it); returns the elements."""
     tensors = meta["tensors"]
     table = param_table(model.config)
     trainable = {e.name for e in table.unique() if e.trainable}
     want = {e.name: e.global_shape for e in table.unique()}
     want.update({f"optim.{state}.{name}": want[name] for state in ("exp_avg", "exp_avg_sq") for name in trainable})
     assert {name: tuple(entry["global_shape"]) for name, entry in tensors.items()} == want
+    split = {e.name for e in model.table(saved).unique() if e.is_expert and not e.tp_replicated}
+    assert bool(split) == (saved.etp > 1)
     total = 0
     for name, entry in tensors.items():
         stored = sum(piece_numel(p["lengths"], p["flat_range"]) for p in entry["pieces"])
@@ -182,23 +193,30 @@ def _check_stored_once(meta: dict, model: ConfigModel, ep: int) -> int:
         if ".mlp.experts." in name and not name.startswith("optim."):
             blocks = sorted(p["offsets"][0] for p in entry["pieces"])
             experts = model.config.moe.num_experts
-            assert blocks == list(range(0, experts, experts // ep)), (name, blocks)
+            slices = saved.etp if name in split else 1
+            assert blocks == sorted(list(range(0, experts, experts // saved.ep)) * slices), (name, blocks)
     assert any(name.endswith("router.expert_bias") for name in tensors)
     return total
 
 
-@pytest.mark.parametrize("case", ["tiny_ep4_zero1", "tiny_ep2_edp2_zero1", "bench_deepseek_v3_shrunk_ep4"])
+@pytest.mark.parametrize("case", ["tiny_ep4_zero1", "tiny_ep2_edp2_zero1", "tiny_tp2_ep2_etp2_zero1",
+                                  "bench_deepseek_v3_shrunk_ep4", "bench_deepseek_v3_shrunk_ep2_etp2"])
 def test_moe_checkpoint_stores_every_tensor_once_and_loads_at_other_eps(tmp_path: Path, case: str) -> None:
     """All ranks of an ep + ZeRO-1 layout saved by one process (replicas written once); loaded at other eps
-    (with tp 2, with a replicated optimizer), every value is the saved one."""
+    (with tp 2, with a replicated optimizer, etp split and whole), every value is the saved one."""
     if case == "tiny_ep4_zero1":
         model, saved = _tiny_moe(), SimLayout(dp=4, ep=4, zero=1, grad_bucket_mb=0.02)
         loads = [SimLayout(tp=2, dp=2, ep=2, zero=1, grad_bucket_mb=0.02), SimLayout()]
     elif case == "tiny_ep2_edp2_zero1":  # expert state in flat ranges over the 2 edp ranks
         model, saved = _tiny_moe(), SimLayout(dp=4, ep=2, zero=1, grad_bucket_mb=0.02)
         loads = [SimLayout(dp=4, ep=4, zero=1), SimLayout(tp=2, dp=3, zero=1, grad_bucket_mb=0.01)]
+    elif case == "tiny_tp2_ep2_etp2_zero1":  # expert state in flat ranges of tp slices over the 2 edp ranks
+        model, saved = _tiny_moe(), SimLayout(tp=2, dp=4, ep=2, etp=2, zero=1, grad_bucket_mb=0.02)
+        loads = [SimLayout(tp=2, dp=2, ep=2, zero=1), SimLayout(tp=4, dp=2, ep=2, etp=4, zero=1),
+                 SimLayout(dp=4, ep=1, zero=1, grad_bucket_mb=0.01)]
     else:
-        model, saved, resharded = _bench_moe()
+        model, saved, resharded = _bench_moe(*((4,) if case.endswith("ep4") else (2, 2)))
+        assert saved.etp == (1 if case.endswith("ep4") else 2)
         loads = [resharded]
     cfg = Config()
     cfg.checkpoint.async_save = False
@@ -207,7 +225,7 @@ def test_moe_checkpoint_stores_every_tensor_once_and_loads_at_other_eps(tmp_path
     table = model.table(saved)
     mgr.save(1, [s for r in range(saved.world) for s in rank_shards(model, saved, r, value, table=table)], {})
     meta = json.loads((tmp_path / step_dir_name(1) / METADATA_FILE).read_text())
-    elements = _check_stored_once(meta, model, saved.ep)
+    elements = _check_stored_once(meta, model, saved)
     assert mgr.last_save_stats["bytes"] == 4 * elements  # fp32 throughout: what the benchmark reports
     if case.startswith("bench"):
         assert mgr.last_save_stats["bytes"] == state_bytes(model.config)
@@ -243,10 +261,12 @@ def test_preset_scale_moe_save_plan_writes_every_tensor_once() -> None:
     assert sum(numel.values()) == 30_532_122_624  # the preset's count
 
 
-@pytest.mark.parametrize("layout", [SimLayout(tp=2, dp=4, ep=2), SimLayout(pp=2, dp=2, cp=2, ep=4)],
-                         ids=["tp2_dp4_ep2", "pp2_dp2_cp2_ep4"])
+@pytest.mark.parametrize("layout", [SimLayout(tp=2, dp=4, ep=2), SimLayout(pp=2, dp=2, cp=2, ep=4),
+                                    SimLayout(tp=2, dp=4, ep=2, etp=2)],
+                         ids=["tp2_dp4_ep2", "pp2_dp2_cp2_ep4", "tp2_dp4_ep2_etp2"])
 def test_replicas_of_expert_blocks_are_their_edp_ranks(layout: SimLayout) -> None:
-    """The ranks holding each simulated piece are the table's replicas: an expert block its edp (and tp) ranks."""
+    """The ranks holding each simulated piece are the table's replicas: an expert block its edp ranks, of every tp
+    rank (experts whole) or, under etp, of the tp rank whose slice it is."""
     model = _tiny_moe()
     table = model.table(layout)
     holders: dict[tuple, set[int]] = {}
@@ -255,7 +275,7 @@ def test_replicas_of_expert_blocks_are_their_edp_ranks(layout: SimLayout) -> Non
                              table=table):
             holders.setdefault(s.key, set()).add(rank)
     ranks = layout.ranks()
-    expert_blocks = 0
+    expert_blocks = split_blocks = 0
     for entry in table.entries:
         for tp_rank in range(layout.tp):
             for ep_rank in range(layout.ep if entry.is_expert else 1):
@@ -266,8 +286,14 @@ def test_replicas_of_expert_blocks_are_their_edp_ranks(layout: SimLayout) -> Non
                 assert held == expected, (entry.name, tp_rank, ep_rank)
                 if entry.is_expert:
                     expert_blocks += 1
-                    assert len(held) == layout.tp * layout.dp * layout.cp // layout.ep
+                    split_blocks += not entry.tp_replicated
+                    tp_holders = layout.tp if entry.tp_replicated else 1
+                    assert len(held) == tp_holders * layout.dp * layout.cp // layout.ep
+                    coords = [layout.coords(r) for r in held]
+                    assert {c["ep"] for c in coords} == {ep_rank}
+                    assert entry.tp_replicated or {c["tp"] for c in coords} == {tp_rank}
     assert expert_blocks > 0
+    assert (split_blocks > 0) == (layout.etp > 1)  # etp: expert weights split over tp, else whole on each
 
 
 class _MetaReader:

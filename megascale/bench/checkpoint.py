@@ -5,9 +5,10 @@ GPT's training state (fp32 params + two Adam moments) under tp2 x dp2 with ZeRO-
 (parameters replicated over dp, optimizer state in flat ranges), --total-gb of unique
 state in all. --config takes the model from a preset (a Mixture-of-Experts one too),
 shrunk to --total-gb; --ep splits its routed experts over ep of the dp ranks (ep 4:
-tp1 x dp4). Every tensor is stored once: the expert blocks of the ep ranks each once,
-whatever their replicas; the benchmark checks the bytes written against the model's
-unique state. Measures, as the max over ranks:
+tp1 x dp4), --etp 2 each expert's MLP over the tp ranks. Every tensor is stored once:
+the expert blocks of the ep ranks (tp slices of them under etp) each once, whatever
+their replicas; the benchmark checks the bytes written against the model's unique state.
+Measures, as the max over ranks:
   - sync save: training blocked for the whole save;
   - async save, with a fixed amount of compute standing in for the next step's
     forward/backward between the save call and the optimizer step: the time training
@@ -283,6 +284,8 @@ def main(argv: list[str]) -> int:
                         "preset such as configs/qwen3-30b-a3b.yaml), shrunk to --total-gb")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism of a MoE --config: 1 or 2 "
                         "(tp2 x dp2), 4 (tp1 x dp4)")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallelism of a MoE --config: 1, or 2 "
+                        "(each expert's MLP split over tp 2; --ep 1 or 2)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="measurements of each kind, alternating which system goes first (medians are shown); "
                         "default 3, and 5 (the least allowed) against an s3:// --dir")
@@ -294,7 +297,7 @@ def main(argv: list[str]) -> int:
         from megascale.errors import UserError
 
         raise UserError(f"--ranks must be {WORLD} (the benchmark layouts are tp2 x dp2 and tp1 x dp4)")
-    work = workload(args.total_gb, args.config, args.ep)
+    work = workload(args.total_gb, args.config, args.ep, args.etp)
     remote = args.dir is not None and args.dir.startswith("s3://")
     if args.rounds is not None and args.rounds < 1:
         from megascale.errors import UserError

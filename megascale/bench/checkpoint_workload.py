@@ -10,9 +10,9 @@ of two that makes a model of the fewest layers fit, the per-head width kept, the
 many layers as fit (at most the preset's). Dense-first layers of a preset that has them
 are kept too, so at least one MoE layer remains.
 
-Layouts, 4 ranks: tp2 x dp2 with ZeRO-1 (--ep 1 or 2), or tp1 x dp4 with ZeRO-1 for
---ep 4; the resharded load goes to the other of the two grids at ep 1, so a MoE run
-also measures a load whose expert blocks are cut into a different ep split.
+Layouts, 4 ranks: tp2 x dp2 with ZeRO-1 (--ep 1 or 2, --etp 1 or 2), or tp1 x dp4 with
+ZeRO-1 for --ep 4; the resharded load goes to the other of the two grids at ep 1 (etp 1),
+so a MoE run also measures a load whose expert blocks are cut into a different ep split.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class Workload:
 
 
 def describe(layout: SimLayout) -> str:
-    """Short form of a layout, e.g. 'tp2 x dp2 ep2 ZeRO-1'."""
+    """Short form of a layout, e.g. 'tp2 x dp2 ep2 etp2 ZeRO-1'."""
     ep = f" ep{layout.ep}" if layout.ep > 1 else ""
+    ep += f" etp{layout.etp}" if layout.etp > 1 else ""
     zero = " ZeRO-1" if layout.zero == 1 else ""
     return f"tp{layout.tp} x dp{layout.dp}{ep}{zero}"
 
@@ -60,11 +61,11 @@ def state_bytes(model: ModelConfig) -> int:
     return STATE_BYTES * (table.numel() + 2 * moments)
 
 
-def layouts(ep: int) -> tuple[SimLayout, SimLayout]:
+def layouts(ep: int, etp: int = 1) -> tuple[SimLayout, SimLayout]:
     """(saved, resharded) on 4 ranks: tp2 x dp2 for ep <= 2, tp1 x dp4 beyond; resharded to the other grid at ep 1."""
     if ep <= 2:
-        return SimLayout(tp=2, dp=2, zero=1, ep=ep), SimLayout(tp=1, dp=4, zero=1)
-    return SimLayout(tp=1, dp=4, zero=1, ep=ep), SimLayout(tp=2, dp=2, zero=1)
+        return SimLayout(tp=2, dp=2, zero=1, ep=ep, etp=etp), SimLayout(tp=1, dp=4, zero=1)
+    return SimLayout(tp=1, dp=4, zero=1, ep=ep, etp=etp), SimLayout(tp=2, dp=2, zero=1)
 
 
 def dense_model(total_gb: float) -> SimModel:
@@ -85,9 +86,9 @@ def _fewest_layers(model: ModelConfig) -> int:
     return min(model.num_layers, model.moe.first_dense + 1)
 
 
-def _divided(model: ModelConfig, divisor: int, tp: int) -> Optional[ModelConfig]:
+def _divided(model: ModelConfig, divisor: int, tp: int, etp: int = 1) -> Optional[ModelConfig]:
     """The model with every width divided by divisor (head width kept), or None where that is impossible
-    or the result is not a valid model for tp."""
+    or the result is not a valid model for tp (and etp)."""
     if model.hidden_size % divisor or model.hidden_size // divisor < MIN_HIDDEN:
         return None
     moe = model.moe
@@ -104,7 +105,7 @@ def _divided(model: ModelConfig, divisor: int, tp: int) -> Optional[ModelConfig]
         moe=dataclasses.replace(moe, ffn_hidden_size=cut(moe.ffn_hidden_size),
                                 shared_ffn_hidden_size=cut(moe.shared_ffn_hidden_size)))
     cfg = Config(model=shrunk)
-    cfg.parallel.tp = tp
+    cfg.parallel.tp, cfg.parallel.etp = tp, etp
     try:
         validate(cfg)
     except ConfigError:
@@ -112,14 +113,14 @@ def _divided(model: ModelConfig, divisor: int, tp: int) -> Optional[ModelConfig]
     return shrunk
 
 
-def shrink(model: ModelConfig, total_gb: float, tp: int = 2) -> ModelConfig:
+def shrink(model: ModelConfig, total_gb: float, tp: int = 2, etp: int = 1) -> ModelConfig:
     """The model's family at about total_gb of fp32 training state (see the module docstring)."""
     target = total_gb * 1e9
     fewest = _fewest_layers(model)
     chosen = model
     divisor = 1
     while True:
-        candidate = _divided(model, divisor, tp)
+        candidate = _divided(model, divisor, tp, etp)
         if candidate is None:
             break
         chosen = candidate
@@ -134,15 +135,16 @@ def shrink(model: ModelConfig, total_gb: float, tp: int = 2) -> ModelConfig:
     return dataclasses.replace(chosen, num_layers=min(model.num_layers, fewest + max(0, extra)))
 
 
-def workload(total_gb: float, config: Optional[str] = None, ep: int = 1) -> Workload:
-    """The model and layouts of the benchmark; ConfigError (one line) for an ep the model cannot take."""
-    saved, resharded = layouts(ep)
+def workload(total_gb: float, config: Optional[str] = None, ep: int = 1, etp: int = 1) -> Workload:
+    """The model and layouts of the benchmark; ConfigError (one line) for an ep or etp the model cannot take."""
+    saved, resharded = layouts(ep, etp)
     if config is None:
         model: Model = dense_model(total_gb)
         name = "Llama-style GPT"
     else:
         preset = load_config(config, []).model
-        model = ConfigModel(shrink(preset, total_gb, tp=2))
+        saved.check(preset)  # an ep or etp the preset cannot take, refused before shrinking
+        model = ConfigModel(shrink(preset, total_gb, tp=2, etp=saved.etp))
         name = f"{Path(config).stem} shape, shrunk"
     saved.check(model.model_config())
     return Workload(model, saved, resharded, name)

@@ -5,7 +5,8 @@ real run would hand to the CheckpointManager: the parameters, split dims and tie
 embedding copy come from the parameter table of the real model (built on the meta
 device, `megascale.model.params`), layers spread over (virtual) pipeline stages,
 replicas over dp and cp, routed experts (Mixture-of-Experts) cut into ep blocks over
-ep of the dp x cp ranks, and optimizer state laid out by the data-parallel
+ep of the dp x cp ranks (and, with expert tensor parallelism, each expert's MLP split
+over the tp ranks), and optimizer state laid out by the data-parallel
 optimizer's own buffer plan (`plan_buffer`): per model chunk the trainable
 parameters in reverse order, routed experts in buffers of their own under ep > 1,
 cut into buckets, with ZeRO-1 a rank's flat range of every bucket (over dp x cp,
@@ -26,7 +27,7 @@ from megascale.config import Config, ModelConfig, ParallelConfig
 from megascale.distributed.data_parallel.buffers import bucket_numel, plan_buffer
 from megascale.distributed.sharding import TIED_EMBEDDING, ShardSpec, TensorShard
 from megascale.distributed.topology import DEFAULT_ORDER, RankLayout
-from megascale.layout_rules import check_moe
+from megascale.layout_rules import check_expert_tensor_parallel, check_moe
 from megascale.model.params import ModelLayout, ParamSpec, ParamTable, param_table
 from megascale.run_plan import RunPlan, check_expert_parallel
 
@@ -43,7 +44,8 @@ class SimLayout:
     Without stage_layers the layers are spread as evenly as possible (earlier stages take the
     remainder), which also covers synthetic layouts a real run would refuse; `from_plan` gives
     the split a real run uses. ep: routed experts split over ep of the dp x cp ranks
-    (parallel.ep); grad_bucket_mb: parallel.grad_bucket_mb, which decides the ZeRO-1 flat ranges.
+    (parallel.ep); etp: 1, or tp to split each routed expert's MLP over the tp ranks (parallel.etp);
+    grad_bucket_mb: parallel.grad_bucket_mb, which decides the ZeRO-1 flat ranges.
     """
 
     tp: int = 1
@@ -54,6 +56,7 @@ class SimLayout:
     zero: int = 0
     stage_layers: Optional[tuple[int, ...]] = None
     ep: int = 1
+    etp: int = 1
     grad_bucket_mb: float = DEFAULT_BUCKET_MB
 
     @classmethod
@@ -63,7 +66,7 @@ class SimLayout:
             raise ValueError(f"the simulator places ranks in the default order {DEFAULT_ORDER!r}, "
                              f"not {plan.order!r}")
         return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero,
-                   stage_layers=plan.stage_layer_counts, ep=plan.ep, grad_bucket_mb=grad_bucket_mb)
+                   stage_layers=plan.stage_layer_counts, ep=plan.ep, etp=plan.etp, grad_bucket_mb=grad_bucket_mb)
 
     @property
     def world(self) -> int:
@@ -83,8 +86,9 @@ class SimLayout:
         return {**coords, "ep": ep_rank, "edp": edp_rank, "dp_cp": edp_rank * self.ep + ep_rank}
 
     def check(self, model: ModelConfig) -> None:
-        """Refuse, with the run's own one-line ConfigError, an ep a real run of this model refuses."""
+        """Refuse, with the run's own one-line ConfigError, an ep or etp a real run of this model refuses."""
         check_moe(model, self.ep)
+        check_expert_tensor_parallel(model, self.tp, self.etp)
         cfg = Config(model=model)
         cfg.parallel.ep, cfg.parallel.cp = self.ep, self.cp
         check_expert_parallel(cfg, self.dp)
@@ -94,7 +98,8 @@ def _table(model: ModelConfig, layout: SimLayout) -> ParamTable:
     """The parameter table of a model under layout (the layout's stage split taken as given)."""
     layout.check(model)
     counts = tuple(len(ids) for ids in stage_layer_ids(layout, model.num_layers))
-    return param_table(model, ModelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, stage_layers=counts))
+    return param_table(model, ModelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, stage_layers=counts,
+                                          expert_tp=layout.etp > 1))
 
 
 @dataclass(frozen=True)
