@@ -158,13 +158,15 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     reduce_kind = "reduce_scatter" if plan.zero == 1 else "all_reduce"
     reduce = sum(collective_seconds(reduce_kind, n * traits.grad_reduce_bytes, g, spec, i, nr)
                  for n, g, i, nr in groups)
-    window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce else 0.0
+    # Ranks sharing a host's cores have no idle core for gloo's thread: nothing hides under the passes.
+    overlaps = not shares_cores(spec)
+    window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce and overlaps else 0.0
     exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
     hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
     if plan.zero == 1:
         gather = sum(collective_seconds("all_gather", n * plan.precision.param_bytes, g, spec, i, nr)
                      for n, g, i, nr in groups)
-        window = sum(c.forward.total for c in chunks) if p.overlap_param_gather else 0.0
+        window = sum(c.forward.total for c in chunks) if p.overlap_param_gather and overlaps else 0.0
         exposed["dp_param_gather"] = max(gather / buckets, gather - window) if window else gather
         hidden["dp_param_gather"] = gather - exposed["dp_param_gather"]
     return exposed, hidden
