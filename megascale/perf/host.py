@@ -8,8 +8,11 @@ measured to get), the ranks time-share the cores: a
 step can finish no sooner than the work of all ranks spread over the cores,
 whatever the schedule's critical path says. A pipeline's idle ranks free their
 core for the busy ones, so the bound applies to the summed busy time, not to the
-makespan scaled up; the step's tail (gradient reduction, optimizer), which every
-rank runs at once, is stretched by ranks / cores.
+makespan scaled up; the step's tail that every rank computes at once (the
+optimizer) is stretched by ranks / cores. The tail's collectives (gradient
+reduction, ZeRO-1 gather) are waits, priced by a probe that already ran two
+ranks on these cores: only ranks beyond the probe's slow them
+(`collective_stretch`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,26 @@ def ranks_per_core(plan: RunPlan, spec: GpuSpec) -> float:
     return max(1.0, ranks_on_host / compute_cores(spec))
 
 
+PROBE_RANKS = 2
+"""Processes the gloo probe of `bench calibrate --device cpu` times its collectives between."""
+
+
+def collective_stretch(plan: RunPlan, spec: GpuSpec) -> float:
+    """How much slower than the gloo probe measured them the step's tail collectives run (>= 1).
+
+    The probe's two ranks already shared the host's cores as a two-rank run's do: a rank waiting
+    in a collective sleeps, and gloo's threads move the bytes on the cores the probe's ranks had.
+    Only more ranks than the probe's, all reducing at once, on fewer cores than ranks, slow them
+    further: by the probe's cores per rank over the run's. 1 for a spec with a device per rank.
+    """
+    if spec.host_cores <= 0:
+        return 1.0
+    ranks = min(plan.world_size, spec.gpus_per_node)
+    probe = min(float(PROBE_RANKS), spec.host_cores) / PROBE_RANKS
+    run = min(float(ranks), spec.host_cores) / ranks
+    return max(1.0, probe / run)
+
+
 def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[float],
                     waits: list[float] | None = None) -> float:
     """The pipeline makespan under core sharing: at least every rank's compute spread over the cores.
@@ -48,4 +71,4 @@ def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[fl
     return max(makespan, work * peers / min(plan.world_size, compute_cores(spec)) + max(waits))
 
 
-__all__ = ["compute_cores", "ranks_per_core", "shared_makespan"]
+__all__ = ["PROBE_RANKS", "collective_stretch", "compute_cores", "ranks_per_core", "shared_makespan"]

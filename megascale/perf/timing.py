@@ -42,7 +42,7 @@ from megascale.perf.costs import (
     shares_cores,
 )
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.host import ranks_per_core, shared_makespan
+from megascale.perf.host import collective_stretch, ranks_per_core, shared_makespan
 from megascale.perf.moe import expert_layout
 from megascale.run_plan import RunPlan
 
@@ -247,7 +247,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
                      + c.backward.tp_comm + c.backward.cp_comm + c.backward.ep_comm for c in chunks)
              for chunks in costs]
     core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
-    sharing = ranks_per_core(plan, spec)
+    sharing, waiting = ranks_per_core(plan, spec), collective_stretch(plan, spec)
     step_parts = []
     for rank in range(plan.pp):
         local, experts = rank_param_counts(cfg, table, rank)
@@ -255,7 +255,8 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local, experts)
         exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
         if sharing > 1.0:
-            exposed = {name: value * sharing for name, value in exposed.items()}
+            # The optimizer is compute on shared cores; the collectives are waits (`collective_stretch`).
+            exposed = {name: value * (sharing if name == "optimizer" else waiting) for name, value in exposed.items()}
             exposed["core_sharing"] = core_sharing
         step_parts.append((makespan + sum(exposed.values()), rank, exposed, hidden))
     total, rank, exposed, hidden = max(step_parts, key=lambda part: part[0])
