@@ -21,7 +21,7 @@ from megascale.config_fields import _f
 from megascale.config_fields import choices_of as choices_of
 from megascale.config_moe import MoEConfig
 from megascale.errors import ConfigError
-from megascale.layout_rules import check_layout, check_moe
+from megascale.layout_rules import check_expert_tensor_parallel, check_layout, check_moe
 
 # The values a choice field accepts. Each alias is the one source of its choices: the field is
 # annotated with it, `_coerce` validates against it, and code that takes the value uses it too.
@@ -138,6 +138,9 @@ class ParallelConfig:
     dp: Optional[int] = _f(None, "data-parallel size; null = world_size / (tp*pp*cp)")
     cp: int = _f(1, "context-parallel size")
     ep: int = _f(1, "expert-parallel size: routed experts split over this many ranks, taken from the dp x cp ranks")
+    etp: int = _f(1, "expert tensor parallelism: 1 = every tp rank holds its local experts whole and routes its own "
+                     "tokens through them; parallel.tp = each expert's MLP is split over the tp ranks like the dense "
+                     "MLP, and the tp ranks' dispatched tokens are gathered for it")
     vpp: int = _f(1, "virtual pipeline stages (model chunks) per pipeline rank")
     order: str = _f("tp-cp-dp-pp", "rank order, fastest-varying axis first")
     sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")
@@ -568,6 +571,7 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= m.dropout < 1.0 or not 0.0 <= m.attention_dropout < 1.0:
         raise ConfigError("model.dropout and model.attention_dropout must be in [0, 1)")
     check_moe(m, p.ep)
+    check_expert_tensor_parallel(m, p.tp, p.etp)
     # The world-free layout checks (tp, sequence and context parallelism); the run plan repeats
     # them with the world size. Running them here reports them as soon as the file is read.
     check_layout(cfg)

@@ -92,6 +92,22 @@ def check_moe_tensor_parallel(m: ModelConfig, tp: int, cp: int) -> None:
                           "(each tp rank routes its own part of the sequence)")
 
 
+def check_expert_tensor_parallel(m: ModelConfig, tp: int, etp: int) -> None:
+    """parallel.etp: 1 (every tp rank holds its experts whole) or parallel.tp (each expert's MLP split over tp)."""
+    if etp == 1:
+        return
+    if not m.moe.enabled:
+        raise ConfigError(f"parallel.etp={etp} splits routed experts, and the model has none; set parallel.etp=1 or "
+                          "model.moe.num_experts")
+    if etp != tp:
+        fix = f"set parallel.tp={etp} or parallel.etp=1" if tp == 1 else f"set parallel.etp={tp} or parallel.etp=1"
+        raise ConfigError(f"parallel.etp={etp} must be 1 or parallel.tp={tp} (each expert is split over the whole "
+                          f"tp group); {fix}")
+    if m.expert_ffn_size % tp:
+        raise ConfigError(f"model.moe.ffn_hidden_size={m.expert_ffn_size} is not divisible by parallel.etp={etp}; "
+                          "choose an expert width divisible by tp, or parallel.etp=1")
+
+
 def check_moe(m: ModelConfig, ep: int) -> None:
     """model.moe.* and parallel.ep checks that need no world size."""
     moe = m.moe

@@ -35,7 +35,13 @@ from megascale.distributed.pipeline.schedules import (
     validate_schedule,
 )
 from megascale.distributed.topology import RankLayout
-from megascale.layout_rules import check_context_parallel, check_layout, check_moe, check_order
+from megascale.layout_rules import (
+    check_context_parallel,
+    check_expert_tensor_parallel,
+    check_layout,
+    check_moe,
+    check_order,
+)
 from megascale.precision import DTYPES, PRECISIONS, Precision, precision_of
 
 NO_PIPELINE = "none"
@@ -94,6 +100,8 @@ class RunPlan:
     """The torch dtypes of train.dtype."""
     ep: int = 1
     """Expert-parallel size: routed experts split over ep of the dp x cp ranks of one (tp, pp) coordinate."""
+    etp: int = 1
+    """Expert tensor parallelism: 1, or tp when every routed expert's MLP is split over the tp ranks."""
 
     @property
     def num_stages(self) -> int:
@@ -160,6 +168,7 @@ class RunPlan:
                  else f"layers per stage {list(counts)}")
         pipe = f", {self.schedule} schedule, {split}" if self.pp > 1 else ""
         ep = f", ep {self.ep} (edp {self.edp})" if self.ep > 1 else ""
+        ep += f", etp {self.etp}" if self.etp > 1 else ""
         return (f"tp {self.tp} x pp {self.pp} (vpp {self.vpp}){cp} x dp {self.dp} = {self.world_size} ranks{sp}{ep}, "
                 f"zero {self.zero}, {self.num_microbatches} micro-batches/step{pipe}, {self.precision.name}")
 
@@ -219,6 +228,7 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     ulysses = check_layout(cfg)
     check_moe(m, p.ep)
+    check_expert_tensor_parallel(m, p.tp, p.etp)
     dp = data_parallel_size(cfg, world_size)
     check_expert_parallel(cfg, dp)
     micro = microbatches_per_step(cfg, dp)
@@ -240,7 +250,7 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
         num_microbatches=micro, schedule=schedule, layer_split=_split_kind(p.pipeline_layers),
         stage_layer_counts=tuple(counts),
         activation_shape=(local_seq // p.tp if sequence_parallel else local_seq, t.micro_batch_size, m.hidden_size),
-        precision=precision_of(t.dtype), ep=p.ep,
+        precision=precision_of(t.dtype), ep=p.ep, etp=p.etp,
     )
 
 

@@ -12,9 +12,11 @@
    compute stream. Two ranks (one GPU each, ep 2): the overlapped forward equals the
    serial one (all-to-all finished before the shared experts start), and the profiler's
    kernel timeline shows the all-to-all kernel running beside compute kernels.
+3. Expert tensor parallelism's row pooling on NCCL (two GPUs, tp 2): the same order,
+   sums and gradients tests/test_moe_etp.py checks on gloo.
 
 Run with `python -m pytest -q -m gpu tests/test_moe_gpu.py` on a GPU machine (the
-overlap test needs two GPUs); without CUDA everything here is skipped.
+overlap and pooling tests need two GPUs); without CUDA everything here is skipped.
 """
 
 from __future__ import annotations
@@ -200,3 +202,29 @@ def test_token_all_to_all_runs_beside_the_shared_experts() -> None:
         assert same, f"rank {rank}: the overlapped forward differs from the serial one"
         assert not serial, f"rank {rank}: the serial forward already overlaps (the check cannot tell them apart)"
         assert overlapped, f"rank {rank}: no compute kernel ran beside the token all-to-all"
+
+
+def _expert_tp_worker(rank: int, init_file: str, out_dir: str) -> None:
+    from test_moe_etp import pool_problems
+
+    from megascale.distributed.expert_parallel.expert_tp import ExpertTensorParallel
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    pool = ExpertTensorParallel(dist.group.WORLD, rank, 2)
+    problems = [f"{dtype}: {p}" for dtype in (torch.float32, torch.bfloat16)
+                for p in pool_problems(pool, rank, torch.device("cuda", rank), dtype)]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(problems))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (one per tp rank)")
+def test_expert_tp_pooling_on_nccl() -> None:
+    """3. Expert tensor parallelism's row pooling (`expert_tp.py`) on NCCL, 2 GPUs: the counts' all-gather on
+    the device, the uneven all-to-alls, the expert-major order, the fp32 sum of the partial outputs and the
+    gradients, as tests/test_moe_etp.py checks them on gloo (fp32 and bf16, exact on small integers)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_expert_tp_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+        problems = [p for r in range(2) for p in json.loads(Path(tmp, f"rank{r}.json").read_text())]
+    assert not problems, "\n".join(problems)

@@ -124,6 +124,7 @@ LAYOUTS = {
     "tp2_sp_saved": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.sp_regather_input=false"],
     "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
     "cp2_ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses"],
+    "tp2_sp_etp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2"],
 }
 
 
@@ -288,6 +289,61 @@ def test_expert_weights_and_their_state_shard_over_ep_and_edp() -> None:
     dense = one.num_params - experts
     assert one.optimizer_bytes == pytest.approx(12 * one.num_params / 8)
     assert four.optimizer_bytes == pytest.approx(12 * dense / 8 + 12 * (experts / 4) / 2)
+
+
+def test_expert_tensor_parallelism_splits_expert_weights_and_state_over_tp() -> None:
+    # tp 2, ep 2 on 8 GPUs (dp 4, edp 2): etp 2 halves each rank's expert weights again, 1/(ep * etp) in all,
+    # and with them their gradients and ZeRO-1 state; the dense parameters stay as they are.
+    whole_cfg, whole_plan = _plan("parallel.tp=2", "parallel.ep=2", gpus=8)
+    split_cfg, split_plan = _plan("parallel.tp=2", "parallel.ep=2", "parallel.etp=2", gpus=8)
+    whole_table = param_table(whole_cfg, ModelLayout.from_plan(whole_plan))
+    split_table = param_table(split_cfg, ModelLayout.from_plan(split_plan))
+    experts = 4 * 16 * 3 * 256 * 128  # 4 layers of 16 experts of fc1 [2, 128, 256] + fc2 [256, 128]
+    assert whole_table.expert_local_numel(0) == experts and split_table.expert_local_numel(0) == experts // 2
+    whole, split = stage_estimates(whole_cfg, whole_plan, "fused", whole_table)[0], \
+        stage_estimates(split_cfg, split_plan, "fused", split_table)[0]
+    per_rank = experts // 2  # ep 2
+    assert whole.num_params - split.num_params == per_rank // 2
+    assert whole.params_bytes - split.params_bytes == 2 * per_rank // 2  # bf16 weights
+    assert whole.grads_bytes - split.grads_bytes == 4 * per_rank // 2  # fp32 gradient buffers
+    dense = whole.num_params - per_rank
+    assert split.optimizer_bytes == pytest.approx(12 * dense / 4 + 12 * (per_rank / 2) / 2)  # edp 4 / 2 = 2
+
+
+def test_expert_tensor_parallelism_time_pools_rows_over_tp() -> None:
+    # etp 2 moves the experts' GEMMs to twice the rows at half the width (the same FLOPs) and adds the
+    # pooling all-gather and reduce-scatter of the dispatched rows on the tp link, in both passes.
+    from megascale.perf.collectives import group_spans_nodes, pass_collective_seconds
+    from megascale.perf.moe import expert_tp_bytes
+
+    spec = builtin_gpu("h100")
+    base = ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4")
+    cfg1, plan1 = _plan(*base, gpus=16)
+    cfg2, plan2 = _plan(*base, "parallel.etp=2", gpus=16)
+    whole, split = layer_costs(cfg1, plan1, spec, moe_layer=True), layer_costs(cfg2, plan2, spec, moe_layer=True)
+    traffic = expert_tp_bytes(cfg2, plan2)
+    rows = plan2.micro_batch_size * plan2.local_seq_length // 2 * 4  # tokens / tp x top_k
+    assert traffic.rows_bytes == rows * 256 * 2 and traffic.counts_bytes == 4 * 8  # bf16 rows; 16 / ep counts
+    assert traffic.gather_off_rank == traffic.scatter_off_rank == traffic.rows_bytes
+    assert expert_tp_bytes(cfg1, plan1).gather_off_rank == 0
+    inter = group_spans_nodes(plan2, ("tp",), spec.gpus_per_node)
+    pair = sum(pass_collective_seconds(kind, 2 * traffic.rows_bytes, 2, spec, inter, 0.0, 2)
+               for kind in ("all_gather", "reduce_scatter"))
+    counts = pass_collective_seconds("all_gather", 2 * traffic.counts_bytes, 2, spec, inter, 0.0, 2)
+    assert split.forward.tp_comm - whole.forward.tp_comm == pytest.approx(pair + counts)
+    assert split.backward.tp_comm - whole.backward.tp_comm == pytest.approx(pair)
+    assert split.forward.gemm != whole.forward.gemm and split.forward.ep_comm == whole.forward.ep_comm
+
+
+def test_search_tries_expert_tensor_parallelism_under_tp() -> None:
+    from megascale.perf.search import _layouts
+
+    cfg = load_config(None, [*SMALL])
+    choices = list(_layouts(cfg, 16, builtin_gpu("h100")))
+    for tp in (1, 2, 4, 8):
+        assert {c.etp for c in choices if c.tp == tp} == ({1} if tp == 1 else {1, tp}), tp
+    dense = load_config(None, [*SMALL, "model.moe.num_experts=0"])
+    assert {c.etp for c in _layouts(dense, 16, builtin_gpu("h100"))} == {1}
 
 
 # ----------------------------------------------------------------------------- all-to-all placement and time

@@ -145,7 +145,7 @@ def test_ranks_beyond_the_cores_share_them() -> None:
     two_cores = spec_from_dict(CPU_FIELDS, "test")
     many_cores = replace(two_cores, host_cores=64.0)
     # pp 4 on 2 cores, 4 micro-batches: all four ranks' work over two cores (8 passes' time) exceeds the
-    # schedule's critical path (4 + 3 passes), so the cores, not the schedule, bound the step.
+    # schedule's critical path (4 + 3 passes): the cores, not the schedule, bound the step.
     pp4 = ["parallel.pp=4", "train.global_batch_size=16", "model.vocab_size=512"]  # stages near even
     shared, own = _step(pp4, 4, two_cores), _step(pp4, 4, many_cores)
     microbatches = 16 // 4  # global batch / micro-batch (dp 1): every pipeline rank runs each one
@@ -161,6 +161,23 @@ def test_ranks_beyond_the_cores_share_them() -> None:
     assert _step(["parallel.pp=4", "model.vocab_size=512"], 4, two_cores).exposed["core_sharing"] == pytest.approx(0.0)
     # As many ranks as cores: nothing to share.
     assert "core_sharing" not in _step(["parallel.pp=2"], 2, two_cores).exposed
+
+
+def test_uneven_stages_on_shared_cores_are_slowed_where_they_compute_together() -> None:
+    two_cores = spec_from_dict(CPU_FIELDS, "test")
+    # pp 4 with the full vocabulary: the last stage (logits and loss) outweighs the others, so the summed
+    # work over two cores is below its critical path; it still slows whenever two other ranks compute beside it.
+    pp4 = ["parallel.pp=4", "train.global_batch_size=16"]
+    step, own = _step(pp4, 4, two_cores), _step(pp4, 4, replace(two_cores, host_cores=64.0))
+    total_work = sum(4 * sum(f + b for f, b in chunks) for chunks in own.chunk_times)
+    assert own.pipeline_s > total_work / 2
+    assert step.pipeline_s + step.exposed["core_sharing"] > own.pipeline_s * 1.01
+    # Two ranks on 1.6 of two cores: both stages computing run at 0.8, one alone at full speed (the bubble),
+    # so the stretch is more than none and less than the whole step's 2 / 1.6.
+    pp2 = _step(["parallel.pp=2"], 2, replace(two_cores, train_core_share=0.8))
+    alone = _step(["parallel.pp=2"], 2, two_cores)
+    assert "core_sharing" not in alone.exposed  # two ranks on two whole cores
+    assert 0 < pp2.exposed["core_sharing"] < pp2.pipeline_s * (2 / 1.6 - 1)
 
 
 def test_calibrate_cpu_refuses_a_bad_attention_shape(tmp_path) -> None:

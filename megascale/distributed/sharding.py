@@ -109,17 +109,23 @@ def split_spec(name: str, global_shape: tuple[int, ...], split_dim: int, tp_rank
 
 
 def expert_spec(name: str, global_shape: tuple[int, ...], ep_rank: int, ep_size: int,
-                tp_rank: int = 0, tp_size: int = 1) -> ShardSpec:
+                tp_rank: int = 0, tp_size: int = 1, split_dim: Optional[int] = None) -> ShardSpec:
     """Spec of a routed-expert weight [experts, ...]: the ep_rank-th of ep_size equal blocks of experts,
-    whole on every tp rank."""
+    whole on every tp rank, or (expert tensor parallelism, split_dim set) cut into tp_size equal slices
+    along split_dim, the tp_rank-th of which this rank holds."""
     global_shape = tuple(int(s) for s in global_shape)
     experts = global_shape[0]
     if experts % ep_size != 0:
         raise ValueError(f"{name}: {experts} experts are not divisible by ep={ep_size}")
     part = experts // ep_size
-    local = (part, *global_shape[1:])
-    offsets = (ep_rank * part,) + (0,) * (len(global_shape) - 1)
-    return ShardSpec(name, global_shape, None, offsets, local, tp_rank, tp_size, True,
+    local = [part, *global_shape[1:]]
+    offsets = [ep_rank * part] + [0] * (len(global_shape) - 1)
+    if split_dim is not None:
+        if split_dim == 0 or global_shape[split_dim] % tp_size:
+            raise ValueError(f"{name}: dim {split_dim} of shape {global_shape} cannot be split over tp={tp_size}")
+        local[split_dim] = global_shape[split_dim] // tp_size
+        offsets[split_dim] = tp_rank * local[split_dim]
+    return ShardSpec(name, global_shape, split_dim, tuple(offsets), tuple(local), tp_rank, tp_size, True,
                      ep_dim=0, ep_rank=ep_rank, ep_size=ep_size)
 
 

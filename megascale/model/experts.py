@@ -3,7 +3,8 @@
 Weights hold every local expert along a leading axis: fc1 [E_local, (2,) F, h]
 (SwiGLU's gate and up as an axis of 2, like the dense MLP), fc2 [E_local, h, F],
 biases iff model.bias. The global tensors hold all E experts; expert parallelism
-cuts the leading axis (`expert_spec`), tensor parallelism does not.
+cuts the leading axis (`expert_spec`); tensor parallelism does not, unless expert tensor
+parallelism (parallel.etp = tp) splits each expert's FFN dimension over the tp ranks.
 
 Compute: on CUDA in bf16, one `torch._grouped_mm` per projection (the row offsets
 come from the per-expert counts), no Python loop over experts. Everywhere else
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megascale.distributed.expert_parallel.expert_tp import ExpertTensorParallel
 from megascale.distributed.sharding import expert_spec
 from megascale.distributed.tensor_parallel.layers import make_param, scaled_std
 from megascale.model.layers import BuildContext
@@ -27,19 +29,30 @@ from megascale.model.mlp import activate
 
 
 class ExpertLinear(nn.Module):
-    """weight [E_local, *out axes, in] (+ bias [E_local, *out axes]) of one projection of every local expert."""
+    """weight [E_local, *out axes, in] (+ bias [E_local, *out axes]) of one projection of every local expert.
 
-    def __init__(self, name: str, global_shape: tuple[int, ...], bc: BuildContext, bias: bool, std: float) -> None:
+    split_dim: the weight dimension cut over tp under expert tensor parallelism (None: whole on every tp rank);
+    the bias is cut along the same dimension when it has it (fc1's features), else kept whole (fc2's output,
+    added once after the tp sum).
+    """
+
+    def __init__(self, name: str, global_shape: tuple[int, ...], bc: BuildContext, bias: bool, std: float,
+                 split_dim: Optional[int] = None) -> None:
         super().__init__()
         tp, ep = bc.tp, bc.ep
+        split_dim = split_dim if bc.expert_tp else None
         # Each tp rank computes different tokens through the same experts: grads are partial over tp.
-        partial = tp.size > 1
-        spec = expert_spec(f"{name}.weight", global_shape, ep.rank, ep.size, tp.rank, tp.size)
+        # Split over tp (expert tensor parallelism), a slice computes every tp rank's tokens: grads are whole.
+        partial = tp.size > 1 and split_dim is None
+        spec = expert_spec(f"{name}.weight", global_shape, ep.rank, ep.size, tp.rank, tp.size, split_dim)
         self.weight = make_param(spec, tp, "normal", std, sequence_parallel_grad=partial)
         self.bias: Optional[nn.Parameter] = None
         if bias:
-            bias_spec = expert_spec(f"{name}.bias", global_shape[:-1], ep.rank, ep.size, tp.rank, tp.size)
-            self.bias = make_param(bias_spec, tp, "zeros", sequence_parallel_grad=partial)
+            bias_split = split_dim if split_dim is not None and split_dim < len(global_shape) - 1 else None
+            bias_spec = expert_spec(f"{name}.bias", global_shape[:-1], ep.rank, ep.size, tp.rank, tp.size,
+                                    bias_split)
+            # An unsplit bias under a split weight is fc2's: added once to each rank's own rows.
+            self.bias = make_param(bias_spec, tp, "zeros", sequence_parallel_grad=tp.size > 1 and bias_split is None)
 
     @property
     def matrices(self) -> Tensor:
@@ -83,7 +96,13 @@ def grouped_linear(x: Tensor, weights: Tensor, bias: Optional[Tensor], tokens_pe
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts of one MoE layer held by this rank: fc2(act(fc1(rows))) per expert."""
+    """The routed experts of one MoE layer held by this rank: fc2(act(fc1(rows))) per expert.
+
+    Under expert tensor parallelism (BuildContext.expert_tp) this rank holds a 1/tp slice of every local
+    expert's FFN (fc1 by output features, fc2 by input features, like the dense MLP) and computes it over
+    the rows of every tp rank, which `expert_tp` pools before and sums back after (see
+    megascale.distributed.expert_parallel.expert_tp).
+    """
 
     def __init__(self, name: str, bc: BuildContext) -> None:
         super().__init__()
@@ -94,18 +113,37 @@ class GroupedExperts(nn.Module):
         self.num_local = experts // bc.ep.size
         self.swiglu = m.activation == "swiglu"
         fc1_shape = (experts, 2, ffn, hidden) if self.swiglu else (experts, ffn, hidden)
-        self.fc1 = ExpertLinear(f"{name}.fc1", fc1_shape, bc, m.bias, m.init_std)
-        self.fc2 = ExpertLinear(f"{name}.fc2", (experts, hidden, ffn), bc, m.bias, scaled_std(m.init_std, m.num_layers))
-        self.ffn, self.hidden = ffn, hidden
+        self.fc1 = ExpertLinear(f"{name}.fc1", fc1_shape, bc, m.bias, m.init_std, split_dim=len(fc1_shape) - 2)
+        self.fc2 = ExpertLinear(f"{name}.fc2", (experts, hidden, ffn), bc, m.bias,
+                                scaled_std(m.init_std, m.num_layers), split_dim=2)
+        self.expert_tp: Optional[ExpertTensorParallel] = None
+        if bc.expert_tp:
+            self.expert_tp = ExpertTensorParallel(bc.tp.group, bc.tp.rank, bc.tp.size, timers=bc.tp.timers)
+        self.ffn = ffn // bc.tp.size if bc.expert_tp else ffn  # this rank's width of each expert
+        self.hidden = hidden
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """x [m, h] rows grouped expert-major, tokens_per_expert [E_local] (CPU int64) -> [m, h]."""
+        if self.expert_tp is None:
+            return self._compute(x, tokens_per_expert, self.fc2.bias_rows)
+        pooled = self.expert_tp.gather(x, tokens_per_expert)
+        partial = self._compute(pooled.rows, pooled.tokens_per_expert, None)
+        out = self.expert_tp.scatter(partial, pooled)
+        bias = self.fc2.bias_rows
+        if bias is not None:
+            expert_of_row = torch.repeat_interleave(torch.arange(bias.shape[0], device=x.device),
+                                                    tokens_per_expert.to(device=x.device), output_size=x.shape[0])
+            out = out + bias[expert_of_row]
+        return out
+
+    def _compute(self, x: Tensor, tokens_per_expert: Tensor, fc2_bias: Optional[Tensor]) -> Tensor:
+        """fc2(act(fc1(x))) of each expert's rows with the weights this rank holds; fc2_bias: added or not."""
         grouped = grouped_mm_available(x, self.hidden, self.ffn)
         fc1 = grouped_linear(x, self.fc1.matrices, self.fc1.bias_rows, tokens_per_expert, grouped)
         if self.swiglu:
             fc1 = fc1.view(fc1.shape[0], 2, self.ffn)
         hidden = activate(fc1, self.activation, self.ops)
-        return grouped_linear(hidden, self.fc2.matrices, self.fc2.bias_rows, tokens_per_expert, grouped)
+        return grouped_linear(hidden, self.fc2.matrices, fc2_bias, tokens_per_expert, grouped)
 
 
 __all__ = ["ExpertLinear", "GroupedExperts", "grouped_linear", "grouped_mm_available"]

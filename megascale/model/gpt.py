@@ -224,7 +224,8 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
         sequence = build_sequence_layout(ctx, cfg, timers=timers)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
                       recompute=cfg.train.recompute, sequence=sequence, ep=ctx.expert_parallel(),
-                      moe_stats_group=ctx.group("tp_cp") if ctx.tp_size * ctx.cp_size > 1 else None)
+                      moe_stats_group=ctx.group("tp_cp") if ctx.tp_size * ctx.cp_size > 1 else None,
+                      expert_tp=p.etp > 1 and ctx.tp_size > 1)
     if chunk_layers is None:
         chunk_layers = plan.chunk_layers(ctx.pp_rank) if plan is not None else stage_layers(cfg, ctx)
     chunks = []

@@ -31,6 +31,9 @@ class BuildContext:
     # which the router's balancing statistics are summed.
     ep: ExpertParallel = field(default_factory=ExpertParallel)
     moe_stats_group: Optional[Any] = None
+    # Expert tensor parallelism (parallel.etp = tp): each routed expert's MLP is split over the tp
+    # group, which gathers its ranks' dispatched rows for it (megascale.distributed.expert_parallel.expert_tp).
+    expert_tp: bool = False
 
 
 class Norm(nn.Module):

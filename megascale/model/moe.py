@@ -5,7 +5,9 @@ compute the same expert rows: with sequence parallelism they are the rank's
 sequence shard; without it the layer keeps this rank's 1/tp slice of the
 (replicated) sequence on entry and all-gathers the routed output on exit. The
 router's and the experts' gradients are therefore partial over tp (summed by the
-optimizer). The shared experts are an ordinary tp-parallel MLP on the layer input.
+optimizer); with expert tensor parallelism (parallel.etp = tp) the experts are split
+over tp instead and pool the tp ranks' rows (megascale.model.experts). The shared
+experts are an ordinary tp-parallel MLP on the layer input.
 
 The router's aux loss and z-loss reach the gradient without travelling to the loss:
 an autograd function on the routed output passes the output through and, in the

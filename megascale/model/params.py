@@ -69,6 +69,7 @@ class ModelLayout:
     pipeline_layers: Union[Sequence[int], str, None] = None
     stage_layers: Optional[tuple[int, ...]] = None
     v_shape: bool = False  # ZB-V places chunk 1 of rank r at stage 2 * pp - 1 - r
+    expert_tp: bool = False  # parallel.etp = tp: each routed expert's MLP is split over the tp ranks
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Optional[RankLayout] = None) -> ModelLayout:
@@ -76,13 +77,13 @@ class ModelLayout:
         p = cfg.parallel
         tp, pp = (layout.tp, layout.pp) if layout is not None else (p.tp, p.pp)
         return cls(tp=tp, pp=pp, vpp=p.vpp, pipeline_layers=p.pipeline_layers,
-                   v_shape=is_v_shape(p.pipeline_schedule))
+                   v_shape=is_v_shape(p.pipeline_schedule), expert_tp=p.etp > 1)
 
     @classmethod
     def from_plan(cls, plan: RunPlan) -> ModelLayout:
         """The layout of a resolved run plan, with the plan's exact stage split."""
         return cls(tp=plan.tp, pp=plan.pp, vpp=plan.vpp, stage_layers=tuple(plan.stage_layer_counts),
-                   v_shape=plan.v_shape)
+                   v_shape=plan.v_shape, expert_tp=plan.etp > 1)
 
     def chunk_layers(self, num_layers: int, pp_rank: int, cost: Optional[StageCost] = None) -> list[list[int]]:
         """Global layer ids of each chunk of pipeline rank pp_rank (chunk v is global stage v * pp + pp_rank,
@@ -144,7 +145,7 @@ class ParamSpec:
     def shard(self, tp_rank: int, tp_size: int) -> ShardSpec:
         """The slice tp rank tp_rank of tp_size holds."""
         if self.ep_dim is not None:
-            return expert_spec(self.name, self.global_shape, 0, 1, tp_rank, tp_size)
+            return expert_spec(self.name, self.global_shape, 0, 1, tp_rank, tp_size, self.split_dim)
         if self.split_dim is None:
             return full_spec(self.name, self.global_shape, tp_rank, tp_size, self.primary)
         return split_spec(self.name, self.global_shape, self.split_dim, tp_rank, tp_size, self.primary)
@@ -218,6 +219,7 @@ def _as_config(model_or_cfg: Union[Config, ModelConfig], layout: ModelLayout) ->
     parallel = copy.copy(cfg.parallel)
     parallel.tp, parallel.pp, parallel.vpp, parallel.cp = layout.tp, layout.pp, layout.vpp, 1
     parallel.ep = 1  # every expert in the table: an ep rank's share is 1/ep of the expert weights
+    parallel.etp = layout.tp if layout.expert_tp else 1
     layers = layout.pipeline_layers
     parallel.pipeline_layers = layers if layers is None or isinstance(layers, str) else list(layers)
     parallel.sequence_parallel, parallel.tp_overlap = False, False

@@ -316,11 +316,23 @@ def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
     rows = m * (2 * INDEX + FP32)  # assignment and token index, gate weight of each row
     if cfg.parallel.ep > 1:  # the all-to-all dispatcher's expert-major order of the received rows and its inverse
         rows += 2 * m * INDEX
-    # The dispatched rows, the experts' activation, and the combine's fp32 expert output (the output
-    # itself in fp32 runs) and gate-weighted rows (index_add keeps its source).
-    experts_kept = (m * h * sh.act + mlp_bytes(cfg, sh, kernels, cfg.model.expert_ffn_size, m)
+    # The rows the experts compute: this rank's m, or with expert tensor parallelism the tp ranks' pooled
+    # rows (etp * m, balanced), through this rank's 1/etp of each expert's width; the pool's expert-major
+    # order and its inverse, and the index of the fc2 bias added to this rank's rows after the tp sum.
+    etp = expert_tp_size(cfg, sh)
+    computed = etp * m
+    if etp > 1:
+        rows += 2 * computed * INDEX + (m * INDEX if cfg.model.bias else 0)
+    # The experts' input rows and activation, and the combine's fp32 expert output (the output itself
+    # in fp32 runs) and gate-weighted rows (index_add keeps its source).
+    experts_kept = (computed * h * sh.act + mlp_bytes(cfg, sh, kernels, cfg.model.expert_ffn_size // etp, computed)
                     + 2 * m * h * FP32)
     return router + rows + experts_kept
+
+
+def expert_tp_size(cfg: Config, sh: Shapes) -> int:
+    """Ranks each routed expert's MLP is split over: parallel.etp (= tp) under expert tensor parallelism, else 1."""
+    return sh.tp if cfg.parallel.etp > 1 and sh.tp > 1 else 1
 
 
 def _keeps_norm_output(sh: Shapes) -> bool:

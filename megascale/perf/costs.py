@@ -30,7 +30,9 @@ plan's layout, the model config and a `GpuSpec`:
   experts' grouped GEMMs on the rows this rank receives, the permutations, the
   dispatch and combine all-to-alls over the ep group (megascale/perf/moe.py), the
   forward dispatch hidden behind the shared expert, and without sequence
-  parallelism the all-gather of the routed output over tp.
+  parallelism the all-gather of the routed output over tp; with expert tensor
+  parallelism the experts' GEMMs over the tp ranks' pooled rows at 1/etp of their
+  width, and the pooling all-gather and reduce-scatter of the rows on the tp link.
 
 `SystemTraits` names implementation facts that differ between systems (the
 MegaScale reproduction models Megatron-LM and MegaScale with them); megascale's
@@ -420,7 +422,10 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
     layout = moe.expert_layout(cfg, plan, spec.gpus_per_node)
     n, h, experts, f = moe.routed_tokens(plan), shape.hidden, m.moe.num_experts, m.expert_ffn_size
     rows = moe.routed_rows(cfg, plan)
-    per_expert = max(rows // layout.local_experts, 1)
+    # Expert tensor parallelism: the experts compute the etp ranks' pooled rows at 1/etp of their width.
+    etp = moe.expert_tp_size(cfg, plan)
+    pooled, f = etp * rows, f // etp
+    per_expert = max(pooled // layout.local_experts, 1)
     fc1 = f * (2 if shape.gated else 1)
     fwd, bwd = Cost(), Cost()
     fwd.gemm = spec.gemm_seconds(n, experts, h, "fp32")  # the router runs in fp32 whatever the dtype
@@ -430,9 +435,12 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
         bwd.gemm += layout.local_experts * (spec.gemm_seconds(per_expert, inner, out, dtype)
                                             + spec.gemm_seconds(out, inner, per_expert, dtype))
     # Router scores (fp32 logits, probabilities), the permutation into expert order and back, the
-    # experts' activation, the fp32 weighted combine.
-    streamed = (3 * n * experts * 4 + 2 * rows * h * e + (3 if shape.gated else 2) * rows * f * e
+    # experts' activation, the fp32 weighted combine; with etp the pool's reorder and back and the
+    # fp32 sum of the partial outputs.
+    streamed = (3 * n * experts * 4 + 2 * rows * h * e + (3 if shape.gated else 2) * pooled * f * e
                 + 2 * rows * h * e + n * h * (4 + e))
+    if etp > 1:
+        streamed += 2 * pooled * h * e + pooled * h * (e + 4) + rows * h * (4 + e)
     fwd.memory = spec.memory_seconds(streamed)
     bwd.memory = 2 * fwd.memory
     overlaps = (traits.shared_expert_overlap, traits.shared_expert_overlap_backward)
@@ -441,11 +449,21 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
         hidden = min(one_way, shared) if overlap and not shares_cores(spec) else 0.0
         cost.ep_comm = 2 * one_way - hidden
         cost.hidden["ep"] = hidden
+    inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node) if shape.tp > 1 else False
+    node_ranks = min(shape.tp, spec.gpus_per_node)
     if shape.tp > 1 and not shape.sp:  # each tp rank routed its 1/tp slice: gather the outputs (and grads)
-        inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
         for cost, gap in ((fwd, gaps[0]), (bwd, gaps[1])):
             cost.tp_comm = pass_collective_seconds("all_gather", shape.tokens * h * e, shape.tp, spec, inter, gap,
-                                                   min(shape.tp, spec.gpus_per_node))
+                                                   node_ranks)
+    if etp > 1:  # pool the rows over tp and reduce-scatter the partial outputs back, in each pass
+        traffic = moe.expert_tp_bytes(cfg, plan)
+        # The forward first all-gathers the per-expert counts (the split sizes, kept for the backward).
+        fwd.tp_comm += pass_collective_seconds("all_gather", etp * traffic.counts_bytes, etp, spec, inter, gaps[0],
+                                               node_ranks)
+        for cost, gap in ((fwd, gaps[0]), (bwd, gaps[1])):
+            for kind in ("all_gather", "reduce_scatter"):
+                cost.tp_comm += pass_collective_seconds(kind, etp * traffic.rows_bytes, etp, spec, inter, gap,
+                                                        node_ranks)
     return fwd, bwd
 
 

@@ -1,18 +1,21 @@
-"""Ranks that share a host's cores (CPU specs): the time-sharing bound on a step.
+"""Ranks that share a host's cores (CPU specs): how many cores, and for how many threads.
 
 A CPU run starts one single-threaded process per rank on one host. With more
 ranks than cores (`compute_cores`: `GpuSpec.host_cores`, measured by `bench
 calibrate --device cpu` as the cores the host gives an idle probe, times
 `train_core_share`, the fraction of them a training run's compute threads were
-measured to get), the ranks time-share the cores: a
-step can finish no sooner than the work of all ranks spread over the cores,
-whatever the schedule's critical path says. A pipeline's idle ranks free their
-core for the busy ones, so the bound applies to the summed busy time, not to the
-makespan scaled up; the step's tail that every rank computes at once (the
-optimizer) is stretched by ranks / cores. The tail's collectives (gradient
-reduction, ZeRO-1 gather) are waits, priced by a probe that already ran two
-ranks on these cores: only ranks beyond the probe's slow them
-(`collective_stretch`).
+measured to get), the ranks time-share the cores. The step's passes run on a
+processor-sharing clock (`megascale.distributed.pipeline.shared_cores`, with
+`host_share`'s cores and threads): the ranks inside a pass at an instant share
+the cores (its meetings are not stretched but keep it busy), the ranks between
+passes (a pipeline's bubble) use none. The step's tail that every rank
+computes at once (the optimizer) is stretched by ranks / cores; its collectives
+(gradient reduction, ZeRO-1 gather) are waits, priced by a gloo probe that
+already ran two ranks on these cores, and only ranks beyond the probe's slow
+them (`collective_stretch`).
+`shared_makespan` is the aggregate floor
+of that clock (every rank's compute spread over the cores), for the layout
+search's bubble formula, which has no schedule to run.
 """
 
 from __future__ import annotations
@@ -54,9 +57,19 @@ def collective_stretch(plan: RunPlan, spec: GpuSpec) -> float:
     return max(1.0, probe / run)
 
 
+def host_share(plan: RunPlan, spec: GpuSpec) -> tuple[float, float]:
+    """(cores, threads per pipeline rank) of the processor-sharing clock on a CPU spec.
+
+    Each pipeline rank stands for its world / pp tensor-, context- and data-parallel peers, one thread each,
+    doing the same work; ranks spread over several hosts bring each host's cores.
+    """
+    hosts = plan.world_size / min(plan.world_size, spec.gpus_per_node)
+    return compute_cores(spec) * hosts, plan.world_size / plan.pp
+
+
 def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[float],
                     waits: list[float] | None = None) -> float:
-    """The pipeline makespan under core sharing: at least every rank's compute spread over the cores.
+    """The aggregate floor of the pipeline makespan under core sharing: every rank's compute spread over the cores.
 
     `busy` is per pipeline rank; each stands for world / pp ranks (its tp, cp and dp peers) doing the same work.
     `waits` is the part of each rank's busy time spent in in-pass collectives (tp, cp): a rank waiting for
@@ -71,4 +84,4 @@ def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[fl
     return max(makespan, work * peers / min(plan.world_size, compute_cores(spec)) + max(waits))
 
 
-__all__ = ["PROBE_RANKS", "collective_stretch", "compute_cores", "ranks_per_core", "shared_makespan"]
+__all__ = ["PROBE_RANKS", "collective_stretch", "compute_cores", "host_share", "ranks_per_core", "shared_makespan"]

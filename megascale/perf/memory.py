@@ -5,7 +5,9 @@ schedule, micro-batches, precision) and the model's own parameter table:
 
 - parameters: `param_table` (the real model on the meta device) for this pipeline
   rank, in the parameter dtype; they live in the data-parallel parameter buffer.
-  Routed-expert weights count 1/ep (`parallel.ep`: each rank holds num_experts / ep).
+  Routed-expert weights count 1/ep (`parallel.ep`: each rank holds num_experts / ep), and
+  1/(ep * etp) under expert tensor parallelism (`parallel.etp` = tp: each expert's MLP
+  split over the tp ranks, which the parameter table's tp split of the expert tensors gives).
 - gradients: the fp32 bucket buffer of the data-parallel optimizer (4 bytes per
   parameter whatever the model dtype; reductions run in place on it).
 - optimizer: two fp32 moments plus, for 16-bit models, an fp32 master copy, over the

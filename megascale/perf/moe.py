@@ -19,6 +19,15 @@ per-expert counts. Inside a node the all-to-all runs on NVLink; a group spanning
 nodes sends the share bound for other nodes through each GPU's own NIC while the
 share for its node-mates goes over NVLink, and the slower of the two decides.
 A capacity factor below 1 drops rows before they are sent.
+
+Expert tensor parallelism (`parallel.etp` = tp): each expert's MLP is split over the
+tp ranks, so a rank holds 1/(ep * etp) of the routed-expert weights (the parameter
+table's tp split says so), and after the dispatch the tp ranks pool their rows:
+an all-gather of the m = n * top_k rows of each rank over tp (m * h * (etp - 1)
+bytes leave each rank, balanced) and, after the experts, a reduce-scatter of the
+etp * m partial outputs back to their owners (the same bytes), again (their
+gradients) in the backward, on the tp link. The expert GEMMs then run over
+etp * m rows at 1/etp of the expert width: the same FLOPs in fewer, taller GEMMs.
 """
 
 from __future__ import annotations
@@ -146,6 +155,45 @@ def dispatch_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, layout: ExpertLa
             + all_to_all_seconds(traffic.rows_bytes, layout, spec, gap))
 
 
+def expert_tp_size(cfg: Config, plan: RunPlan) -> int:
+    """Ranks each routed expert's MLP is split over: etp (= tp) under expert tensor parallelism, else 1."""
+    return plan.tp if plan.etp > 1 and plan.tp > 1 else 1
+
+
+@dataclass(frozen=True)
+class ExpertTPBytes:
+    """What one rank sends to other tp ranks per MoE layer and micro-batch under expert tensor parallelism, in
+    one pass (forward, or the backward's reverse collectives), balanced routing."""
+
+    rows_bytes: float
+    """This rank's dispatched rows [m, h] (m = n * top_k, kept)."""
+    counts_bytes: float
+    """This rank's per-local-expert row counts, all-gathered before the pooling: L int64."""
+    etp: int
+
+    @property
+    def gather_off_rank(self) -> float:
+        """The pooling all-gather: this rank's rows to each of the other etp - 1 ranks."""
+        return self.rows_bytes * (self.etp - 1)
+
+    @property
+    def scatter_off_rank(self) -> float:
+        """The reduce-scatter: the partial outputs of the other ranks' rows (m each, balanced) back to them."""
+        return self.rows_bytes * (self.etp - 1)
+
+    @property
+    def off_rank_counts(self) -> float:
+        """Count bytes that leave the rank."""
+        return self.counts_bytes * (self.etp - 1)
+
+
+def expert_tp_bytes(cfg: Config, plan: RunPlan) -> ExpertTPBytes:
+    """The expert tensor-parallel traffic of one MoE layer's pass on one rank (see `ExpertTPBytes`)."""
+    local = cfg.model.moe.num_experts // cfg.parallel.ep
+    return ExpertTPBytes(rows_bytes=routed_rows(cfg, plan) * cfg.model.hidden_size * plan.precision.compute_bytes,
+                         counts_bytes=local * COUNT_BYTES, etp=expert_tp_size(cfg, plan))
+
+
 def active_numel(table: ParamTable, model: ModelConfig) -> int:
     """Parameters one token runs through: every parameter once, routed-expert weights top_k / num_experts
     of them (the router, the shared experts and the dense layers always run)."""
@@ -155,5 +203,6 @@ def active_numel(table: ParamTable, model: ModelConfig) -> int:
     return round(total)
 
 
-__all__ = ["DispatchBytes", "ExpertLayout", "active_numel", "all_to_all_seconds", "dispatch_bytes", "dispatch_seconds",
-           "expert_layout", "kept_fraction", "routed_rows", "routed_tokens"]
+__all__ = ["DispatchBytes", "ExpertLayout", "ExpertTPBytes", "active_numel", "all_to_all_seconds", "dispatch_bytes",
+           "dispatch_seconds", "expert_layout", "expert_tp_bytes", "expert_tp_size", "kept_fraction", "routed_rows",
+           "routed_tokens"]

@@ -128,6 +128,9 @@ def format_prediction(pred: Prediction) -> str:
                  else "inside one node: all-to-all on NVLink")
         lines.append(f"expert parallel: ep {e.ep} x edp {e.edp}, {e.local_experts} of each MoE layer's experts per "
                      f"rank; an ep group spans {e.span} global ranks, {where}")
+    if plan.etp > 1:
+        lines.append(f"expert tensor parallel: etp {plan.etp}, each expert's MLP split over the tp ranks; the "
+                     "dispatched rows are all-gathered over tp and the outputs reduce-scattered back")
     lines.append(f"memory per pipeline rank at its peak, GiB ({pred.memory[0].kernels} kernels; "
                  "modelled from what autograd saves, docs/planner.md):")
     parts = list(memory_parts(pred.memory[0]))

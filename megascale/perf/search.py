@@ -2,7 +2,9 @@
 schedule) that fits, ranked by MFU.
 
 An MoE model (`model.moe`) also varies the expert-parallel size: every ep dividing
-both dp x cp and the expert count (the ep group is taken from the dp x cp ranks).
+both dp x cp and the expert count (the ep group is taken from the dp x cp ranks),
+and, with tp > 1, expert tensor parallelism: etp 1 (experts whole on each tp rank)
+and etp = tp (each expert's MLP split over the tp ranks, rows pooled over tp).
 
 Sequence parallelism comes in its two memory modes (`parallel.sp_regather_input`):
 column-parallel GEMMs keep their input shard and re-gather it in the backward, or
@@ -54,6 +56,7 @@ class Candidate:
         sp = "" if not p.sequence_parallel else "+sp" if self.cfg.parallel.sp_regather_input else "+sp(gathered)"
         cp = f" cp{p.cp}" if p.cp > 1 else ""
         cp += f" ep{self.cfg.parallel.ep}" if self.cfg.model.moe.enabled else ""
+        cp += f" etp{p.etp}" if p.etp > 1 else ""
         schedule = f" {p.schedule}" if p.pp > 1 else ""
         return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
                 f"recompute={t.recompute}")
@@ -78,6 +81,7 @@ class Choice:
     sp_regather: bool = True
     schedule: PipelineScheduleName = "auto"
     ep: int = 1
+    etp: int = 1
 
 
 def _schedules(pp: int, vpp: int) -> tuple[PipelineScheduleName, ...]:
@@ -110,13 +114,19 @@ def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
                                 for recompute in RECOMPUTE_MODES:
                                     for schedule in _schedules(pp, vpp):
                                         for ep in _expert_parallel_sizes(m.moe.num_experts, gpus // (tp * pp)):
-                                            yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather,
-                                                         schedule, ep)
+                                            for etp in _expert_tp_sizes(m.moe.num_experts, tp):
+                                                yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather,
+                                                             schedule, ep, etp)
 
 
 def _expert_parallel_sizes(num_experts: int, data_ranks: int) -> list[int]:
     """ep sizes to try: those dividing both the dp x cp ranks and the expert count (1 for a dense model)."""
     return [ep for ep in _divisors(data_ranks) if num_experts % ep == 0] if num_experts else [1]
+
+
+def _expert_tp_sizes(num_experts: int, tp: int) -> list[int]:
+    """etp sizes to try: 1 and, for an MoE model under tp > 1, tp (each expert's MLP split over the tp ranks)."""
+    return [1, tp] if num_experts and tp > 1 else [1]
 
 
 def _sp_modes(tp: int) -> list[tuple[bool, bool]]:
@@ -128,6 +138,7 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     new = copy.deepcopy(cfg)
     p, t = new.parallel, new.train
     p.tp, p.cp, p.pp, p.vpp, p.dp, p.ep = choice.tp, choice.cp, choice.pp, choice.vpp, None, choice.ep
+    p.etp = choice.etp
     p.pipeline_layers, p.pipeline_schedule = None, choice.schedule
     p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
     p.sp_regather_input = choice.sp_regather
@@ -201,6 +212,7 @@ def _reason(message: str) -> str:
     for key, reason in (("global_batch_size", "global batch does not split over dp x micro-batch"),
                         ("interleaved", "interleaving needs micro-batches divisible by pp"),
                         ("divisible by parallel.tp", "a model width does not divide by tp"),
+                        ("divisible by parallel.etp", "the expert width does not divide by etp"),
                         ("Ulysses", "heads do not divide by the Ulysses size"),
                         ("seq_length", "sequence does not split over tp x cp"),
                         ("tie_embeddings", "zbv needs untied embeddings")):

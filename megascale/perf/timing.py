@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megascale.config import Config
-from megascale.distributed.pipeline.schedules import SPLIT_BACKWARD, build_all_schedules
+from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BACKWARD, Action, build_all_schedules
+from megascale.distributed.pipeline.shared_cores import simulate_shared
 from megascale.distributed.pipeline.simulator import simulate
 from megascale.model.params import ParamTable
 from megascale.perf.costs import (
@@ -42,7 +43,7 @@ from megascale.perf.costs import (
     shares_cores,
 )
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.host import collective_stretch, ranks_per_core, shared_makespan
+from megascale.perf.host import collective_stretch, host_share, ranks_per_core, shared_makespan
 from megascale.perf.moe import expert_layout
 from megascale.run_plan import RunPlan
 
@@ -132,6 +133,37 @@ def _pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float,
     if result.deadlock:
         raise RuntimeError(f"the {plan.schedule} schedule does not finish in simulation: {result.deadlock}")
     return result.makespan, list(result.busy)
+
+
+def _pass_waits(cost: Cost) -> float:
+    """Seconds of a pass in its in-pass collectives' meetings (tp, cp, ep): wall time core sharing does not stretch."""
+    return cost.tp_comm + cost.cp_comm + cost.ep_comm
+
+
+def _shared_pipeline(plan: RunPlan, spec: GpuSpec, costs: list[list[ChunkCost]],
+                     times: list[list[tuple[float, ...]]], p2p: float, blocking: float) -> float:
+    """Makespan of one step's passes on a CPU host whose ranks share its cores (`simulate_shared`).
+
+    A pass's compute runs on the core share the clock gives it; its meetings (the blocking receive and
+    the in-pass tp, cp and ep collectives) take the wall time their probe measured, the rank counting as
+    busy throughout. A weight pass W (split backward) is compute only.
+    """
+    cores, threads = host_share(plan, spec)
+
+    def passes(rank: int, action: Action) -> tuple[float, float]:
+        chunk, duration = costs[rank][action.chunk], times[rank][action.chunk]
+        if action.kind is FORWARD:
+            total, hold = duration[0], _pass_waits(chunk.forward) + blocking
+        elif action.kind is BACKWARD:
+            total, hold = duration[1], _pass_waits(chunk.backward) + blocking
+        else:
+            total, hold = duration[2], 0.0
+        return max(0.0, total - hold), min(hold, total)
+
+    schedules = build_all_schedules(plan.schedule if plan.pp > 1 else "1f1b", plan.pp, plan.vpp,
+                                    plan.num_microbatches)
+    return simulate_shared(schedules, passes, cores, threads, t_comm=p2p if plan.pp > 1 else 0.0,
+                           v_shape=plan.v_shape).makespan
 
 
 def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
@@ -242,11 +274,14 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         makespan, busy = _pipeline(plan, times, p2p, rendezvous=not traits.async_p2p)
     else:
         makespan, busy = _analytic_pipeline(plan, times, p2p)
-    # CPU hosts: ranks beyond the cores time-share them (zero for GPU specs); reported as its own part.
-    waits = [m * sum(c.forward.tp_comm + c.forward.cp_comm + c.forward.ep_comm
-                     + c.backward.tp_comm + c.backward.cp_comm + c.backward.ep_comm for c in chunks)
-             for chunks in costs]
-    core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
+    # CPU hosts: the schedule on shared cores (zero for GPU specs), reported as its own part so the bubble
+    # stays the schedule's own; the layout search's bubble formula takes the aggregate bound instead.
+    core_sharing = 0.0
+    if shares_cores(spec) and simulate_pipeline:
+        core_sharing = max(0.0, _shared_pipeline(plan, spec, costs, times, p2p, blocking) - makespan)
+    elif shares_cores(spec):
+        waits = [m * sum(_pass_waits(c.forward) + _pass_waits(c.backward) for c in chunks) for chunks in costs]
+        core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
     sharing, waiting = ranks_per_core(plan, spec), collective_stretch(plan, spec)
     step_parts = []
     for rank in range(plan.pp):
