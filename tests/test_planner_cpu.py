@@ -135,6 +135,26 @@ def test_zero1_tail_on_shared_cores_is_exposed_and_updates_the_owned_shard() -> 
     assert zero1.exposed["optimizer"] == pytest.approx(plain.exposed["optimizer"] / 2, rel=1e-3)
 
 
+def test_tail_collectives_are_waits_priced_by_the_two_rank_probe() -> None:
+    from megascale.perf.host import collective_stretch
+
+    one_core = replace(spec_from_dict(CPU_FIELDS, "test"), host_cores=1.0)
+    # Two ranks on one core: the optimizer (compute) takes twice as long; the all-reduce, measured by a
+    # probe whose two ranks shared the same core, is paid as measured.
+    dp = _step(["parallel.dp=2"], 2, one_core)
+    own = _step(["parallel.dp=2"], 2, replace(one_core, host_cores=2.0))
+    assert dp.exposed["optimizer"] == pytest.approx(2 * own.exposed["optimizer"])
+    assert dp.exposed["dp_grad_reduce"] == pytest.approx(own.exposed["dp_grad_reduce"])
+    # Four ranks reducing at once on two cores: each gets half the core the probe's ranks had.
+    cfg = load_config(str(ROOT / "configs/tiny.yaml"), [*BENCH_BASE, "parallel.tp=2", "parallel.dp=2"])
+    four = resolve_plan(cfg, 4)
+    two_cores = spec_from_dict(CPU_FIELDS, "test")
+    assert collective_stretch(four, two_cores) == pytest.approx(2.0)
+    assert collective_stretch(four, replace(two_cores, host_cores=4.0)) == 1.0
+    assert collective_stretch(four, replace(two_cores, host_cores=1.0)) == pytest.approx(2.0)
+    assert collective_stretch(four, builtin_gpu("h100")) == 1.0
+
+
 def _step(overrides: list[str], ranks: int, spec):
     cfg = load_config(str(ROOT / "configs/tiny.yaml"), [*BENCH_BASE, *overrides])
     plan = resolve_plan(cfg, ranks)
