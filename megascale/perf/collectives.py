@@ -153,5 +153,5 @@ def shares_cores(spec: GpuSpec) -> bool:
     return spec.host_cores > 0
 
 
-__all__ = ["backend_copy_seconds", "backend_kind", "collective_seconds", "group_node_ranks", "group_spans_nodes", "node_nic_share", "pass_collective_seconds",
-           "ring_steps", "shares_cores"]
+__all__ = ["PROBE_RING_STEPS", "backend_copy_seconds", "backend_kind", "collective_seconds", "group_node_ranks",
+           "group_spans_nodes", "node_nic_share", "pass_collective_seconds", "ring_steps", "shares_cores"]
