@@ -141,6 +141,9 @@ class ParallelConfig:
     etp: int = _f(1, "expert tensor parallelism: 1 = every tp rank holds its local experts whole and routes its own "
                      "tokens through them; parallel.tp = each expert's MLP is split over the tp ranks like the dense "
                      "MLP, and the tp ranks' dispatched tokens are gathered for it")
+    ep_overlap: bool = _f(True, "MoE: run the shared experts while the expert-parallel all-to-alls are in flight "
+                                "(the up half under the dispatch, the down half under the combine; the backward's "
+                                "all-to-alls under their backward); false runs everything in order")
     vpp: int = _f(1, "virtual pipeline stages (model chunks) per pipeline rank")
     order: str = _f("tp-cp-dp-pp", "rank order, fastest-varying axis first")
     sequence_parallel: bool = _f(False, "shard norms/dropout/residual over the sequence inside tp groups")

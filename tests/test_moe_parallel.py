@@ -16,6 +16,10 @@ a full-size step (tp 2 alone, without ep, leaves the shared experts' fc2 bias 1.
 apart). Both are far below what a wrong expert slice, scale or reduction group
 produces (O(1) relative).
 
+The shared expert runs under the all-to-alls (parallel.ep_overlap, on by default) in every
+layout; slow cases also cover it with the tp collectives pipelined (tp_overlap), under the
+zero-bubble split backward, and turned off.
+
 The default suite runs two representative layouts (ep 4 with ZeRO-1 over edp, and
 tp 2 + SP + ep 2 with the sigmoid router); the rest are marked slow.
 """
@@ -54,6 +58,14 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "pp2_ep2_interleaved": ("parallel.pp=2", "parallel.vpp=2", "parallel.ep=2", "model.num_layers=4"),
     "ep2_lamb_zero0": ("parallel.ep=2", "optim.name=lamb"),
     "ep2_lamb_zero1": ("parallel.ep=2", "parallel.zero=1", "optim.name=lamb"),
+    # The zero-bubble split backward: the all-to-alls run in the input-gradient pass.
+    "pp2_ep2_zbh1": ("parallel.pp=2", "parallel.ep=2", "parallel.pipeline_schedule=zb-h1"),
+    # The shared MLP's own tp collectives pipelined with its GEMMs while the all-to-alls are in flight.
+    "tp2_sp_tpoverlap_ep2": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true",
+                             "parallel.ep=2"),
+    # The shared experts after the routed path, every all-to-all waited for at once.
+    "tp2_sp_ep2_overlap_off": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
+                               "parallel.ep_overlap=false"),
 }
 # The default suite: two layouts, one per router.
 DEFAULT = {("ep4_zero1", "softmax"), ("tp2_sp_ep2", "sigmoid")}

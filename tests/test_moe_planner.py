@@ -410,24 +410,32 @@ def test_moe_layer_time_has_the_all_to_all_and_the_routed_gemms() -> None:
     assert sum(step.breakdown().values()) == pytest.approx(step.step_time_s)
 
 
-def test_shared_expert_overlap_hides_the_dispatch() -> None:
-    # megascale runs the shared experts while the token all-to-all is in flight (forward only);
-    # Megatron-LM's --moe-shared-expert-overlap also hides the combine's gradient in the backward.
+def test_shared_expert_overlap_hides_both_all_to_alls_in_both_passes() -> None:
+    # megascale runs the shared experts' fc1 under the dispatch and fc2 under the combine, and their
+    # backward under the gradients' all-to-alls (parallel.ep_overlap, on by default).
     import dataclasses
 
     from megascale.perf.costs import MEGASCALE
 
     spec = builtin_gpu("h100")
     cfg, plan = _plan("parallel.tp=8", "parallel.ep=2", "model.moe.shared_experts=2", gpus=16)
-    plain = layer_costs(cfg, plan, spec, dataclasses.replace(MEGASCALE, shared_expert_overlap=False), moe_layer=True)
+    serial = dataclasses.replace(MEGASCALE, shared_expert_overlap=False, shared_expert_overlap_backward=False)
+    plain = layer_costs(cfg, plan, spec, serial, moe_layer=True)
     ours = layer_costs(cfg, plan, spec, MEGASCALE, moe_layer=True)
-    both = layer_costs(cfg, plan, spec, dataclasses.replace(MEGASCALE, shared_expert_overlap_backward=True),
-                       moe_layer=True)
-    hidden = ours.forward.hidden["ep"]
-    assert 0 < hidden <= plain.forward.ep_comm / 2
-    assert ours.forward.ep_comm == pytest.approx(plain.forward.ep_comm - hidden)
-    assert ours.backward.ep_comm == plain.backward.ep_comm and ours.backward.hidden["ep"] == 0.0
-    assert both.backward.hidden["ep"] > 0 and both.backward.ep_comm < plain.backward.ep_comm
+    forward_only = layer_costs(cfg, plan, spec, dataclasses.replace(MEGASCALE, shared_expert_overlap_backward=False),
+                               moe_layer=True)
+    for pass_name in ("forward", "backward"):
+        hidden = getattr(ours, pass_name).hidden["ep"]
+        assert 0 < hidden <= getattr(plain, pass_name).ep_comm  # at most both all-to-alls
+        assert getattr(ours, pass_name).ep_comm == pytest.approx(getattr(plain, pass_name).ep_comm - hidden)
+    assert forward_only.forward.hidden["ep"] == ours.forward.hidden["ep"]
+    assert forward_only.backward.hidden["ep"] == 0.0 and forward_only.backward.ep_comm == plain.backward.ep_comm
+    # parallel.ep_overlap=false: everything in order, nothing hidden.
+    off_cfg, off_plan = _plan("parallel.tp=8", "parallel.ep=2", "model.moe.shared_experts=2", "parallel.ep_overlap=false",
+                              gpus=16)
+    off = layer_costs(off_cfg, off_plan, spec, MEGASCALE, moe_layer=True)
+    assert off.forward.hidden["ep"] == off.backward.hidden["ep"] == 0.0
+    assert off.backward.ep_comm == pytest.approx(plain.backward.ep_comm)
     # Without shared experts there is nothing to hide behind.
     bare_cfg, _ = _plan("parallel.tp=8", "parallel.ep=2", gpus=16)
     assert layer_costs(bare_cfg, plan, spec, MEGASCALE, moe_layer=True).forward.hidden["ep"] == 0.0

@@ -3,14 +3,19 @@
 Spawns --ranks gloo processes on this machine, each holding its shards of a synthetic
 GPT's training state (fp32 params + two Adam moments) under tp2 x dp2 with ZeRO-1
 (parameters replicated over dp, optimizer state in flat ranges), --total-gb of unique
-state in all. Measures, as the max over ranks:
+state in all. --config takes the model from a preset (a Mixture-of-Experts one too),
+shrunk to --total-gb; --ep splits its routed experts over ep of the dp ranks (ep 4:
+tp1 x dp4). Every tensor is stored once: the expert blocks of the ep ranks each once,
+whatever their replicas; the benchmark checks the bytes written against the model's
+unique state. Measures, as the max over ranks:
   - sync save: training blocked for the whole save;
   - async save, with a fixed amount of compute standing in for the next step's
     forward/backward between the save call and the optimizer step: the time training
     is blocked (the call, plus megascale's wait for its snapshot before the update),
     that plus the slowdown of the compute (the background work competes with it:
     the honest stall), and the total time to commit;
-  - load into the same layout, and resharding load into tp1 x dp4 (ZeRO-1 re-cut);
+  - load into the same layout, and resharding load into tp1 x dp4 (ZeRO-1 re-cut; tp2 x dp2
+    after ep 4), always at ep 1;
   - the same save / async save / load through DCP with the same per-rank tensors
     (replicated keys deduplicated by DCP's default planner).
 Every measurement is taken --rounds times, the two systems alternating which goes first,
@@ -22,6 +27,7 @@ would on a restart of the same node; numbers on a cold parallel filesystem diffe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -37,22 +43,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from megascale.checkpoint.simulate import SimLayout, SimModel, rank_shards
+from megascale.bench.checkpoint_workload import Workload, describe, workload
+from megascale.checkpoint.simulate import rank_shards
 from megascale.config import Config
 
-SAVED = SimLayout(tp=2, dp=2, zero=1)
-RESHARDED = SimLayout(tp=1, dp=4, zero=1)
-
-
-def _sim_model(total_gb: float) -> SimModel:
-    hidden = 1024 if total_gb >= 1.0 else 256
-    vocab = 32 * hidden
-    one, two = (SimModel(num_layers=n, hidden=hidden, ffn=4 * hidden, vocab=vocab) for n in (1, 2))
-    # bytes: fp32 parameter + two fp32 moments, counted from the parameter table
-    per_layer = 12 * (two.numel() - one.numel())
-    rest = 12 * one.numel() - per_layer
-    layers = max(1, round((total_gb * 1e9 - rest) / per_layer))
-    return SimModel(num_layers=layers, hidden=hidden, ffn=4 * hidden, vocab=vocab)
+WORLD = 4
 
 
 def _constant_value(name: str, shape: tuple, offsets: tuple, local: tuple) -> torch.Tensor:
@@ -124,27 +119,35 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def start_rank(rank: int, world: int, total_gb: float, workdir: str) -> tuple[list, list, Any]:
-    """Join the benchmark's gloo group and build this rank's saved shards (tp2 x dp2 ZeRO-1), the
-    resharded target shards (tp1 x dp4) and the parallel context the checkpoint manager runs in."""
+def start_rank(rank: int, world: int, work: Workload, workdir: str) -> tuple[list, list, Any]:
+    """Join the benchmark's gloo group and build this rank's saved shards, the resharded target shards
+    and the parallel context (of the saved layout) the checkpoint manager runs in."""
     from megascale.distributed.topology import build_context
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=1800))
-    model = _sim_model(total_gb)
-    shards = rank_shards(model, SAVED, rank, _constant_value)
-    target = rank_shards(model, RESHARDED, rank, lambda name, shape, offsets, lengths: torch.zeros(lengths))
-    return shards, target, build_context(tp=2, dp=2)
+    shards = rank_shards(work.model, work.saved, rank, _constant_value)
+    target = rank_shards(work.model, work.resharded, rank,
+                         lambda name, shape, offsets, lengths: torch.zeros(lengths))
+    saved = work.saved
+    return shards, target, build_context(tp=saved.tp, dp=saved.dp, ep=saved.ep)
 
 
-def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, out: str) -> None:
+def check_stored_once(stored: int, work: Workload) -> None:
+    """Raise unless a save wrote exactly the model's unique state: no replica twice, no piece missing."""
+    if stored != work.unique_bytes():
+        raise RuntimeError(f"the checkpoint holds {stored} bytes of tensors, the state {work.unique_bytes()} "
+                           "with every tensor once")
+
+
+def _worker(rank: int, world: int, job: Workload, rounds: int, workdir: str, out: str) -> None:
     from torch.distributed import checkpoint as dcp
 
     from megascale.checkpoint.manager import CheckpointManager
 
     work = Path(workdir)
-    shards, target, ctx = start_rank(rank, world, total_gb, workdir)
+    shards, target, ctx = start_rank(rank, world, job, workdir)
     cfg = Config()
     cfg.checkpoint.keep_last = 0  # the benchmark deletes between saves itself (see _clean)
     cfg.checkpoint.async_save = False
@@ -169,6 +172,7 @@ def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, o
     async_mgr.before_update()
     first_blocking = time.perf_counter() - start
     async_mgr.wait()
+    check_stored_once(async_mgr.last_save_stats["bytes"], job)
     step_work = _calibrate_step()
     _clean(work, rank)
     os.sync()
@@ -260,8 +264,10 @@ def _worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, o
     res["megascale_first_snapshot_s"] = _max(first_blocking)
     res["step_alone_s"] = step_alone
     res["checkpoint_gb"] = async_mgr.last_save_stats["bytes"] / 1e9
+    res["checkpoint_bytes"] = async_mgr.last_save_stats["bytes"]
     if rank == 0:
-        res["params_m"] = _sim_model(total_gb).numel() / 1e6
+        res["params_m"] = job.model.numel() / 1e6
+        res["model"] = dataclasses.asdict(job.model.model_config())
         Path(out).write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
@@ -272,7 +278,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megascale bench checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-gb", type=float, default=0.2, help="unique checkpoint size (2-4 for a real run)")
-    parser.add_argument("--ranks", type=int, default=4, help="gloo processes (tp2 x dp2 needs 4)")
+    parser.add_argument("--ranks", type=int, default=WORLD, help="gloo processes (the layouts need 4)")
+    parser.add_argument("--config", default=None, help="take the model from this config's model section (a "
+                        "preset such as configs/qwen3-30b-a3b.yaml), shrunk to --total-gb")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism of a MoE --config: 1 or 2 "
+                        "(tp2 x dp2), 4 (tp1 x dp4)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="measurements of each kind, alternating which system goes first (medians are shown); "
                         "default 3, and 5 (the least allowed) against an s3:// --dir")
@@ -280,10 +290,11 @@ def main(argv: list[str]) -> int:
                         "s3://bucket/prefix URL benchmarks the tiered save and remote loads against that store")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    if args.ranks != SAVED.world:
+    if args.ranks != WORLD:
         from megascale.errors import UserError
 
-        raise UserError(f"--ranks must be {SAVED.world} (the benchmark layout is tp2 x dp2)")
+        raise UserError(f"--ranks must be {WORLD} (the benchmark layouts are tp2 x dp2 and tp1 x dp4)")
+    work = workload(args.total_gb, args.config, args.ep)
     remote = args.dir is not None and args.dir.startswith("s3://")
     if args.rounds is not None and args.rounds < 1:
         from megascale.errors import UserError
@@ -301,10 +312,10 @@ def main(argv: list[str]) -> int:
 
         scratch = Path(tempfile.mkdtemp(prefix="megascale-bench-ckpt-"))
         try:
-            res = run(args.dir, args.ranks, args.total_gb, args.rounds, scratch)
+            res = run(args.dir, args.ranks, work, args.rounds, scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        print_table(res, args.dir)
+        print_table(res, args.dir, work)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
         return 0
@@ -319,19 +330,21 @@ def main(argv: list[str]) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="megascale-bench-ckpt-", dir=args.dir))
     out = workdir / "results.json"
     try:
-        mp.spawn(_worker, args=(args.ranks, args.total_gb, args.rounds, str(workdir), str(out)), nprocs=args.ranks,
-                 join=True)
+        mp.spawn(_worker, args=(args.ranks, work, args.rounds, str(workdir), str(out)), nprocs=args.ranks, join=True)
         res = json.loads(out.read_text())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"checkpoint benchmark: {args.ranks} gloo ranks, tp2 x dp2 ZeRO-1, {res['params_m']:.0f}M params, "
-          f"{res['checkpoint_gb']:.2f} GB unique state")
+    m = work.model.model_config()
+    experts = f", {m.moe.num_experts} experts" if m.moe.enabled else ""
+    print(f"checkpoint benchmark: {args.ranks} gloo ranks, {describe(work.saved)}, {work.name}: {m.num_layers} layers, "
+          f"hidden {m.hidden_size}{experts}, {res['params_m']:.1f}M params, {res['checkpoint_gb']:.3f} GB unique state "
+          "(every tensor once)")
     rows = [("save (sync)", res["megascale_save_s"], res["dcp_save_s"]),
             ("async save: training blocked", res["megascale_async_blocking_s"], res["dcp_async_blocking_s"]),
             ("async save: step slowdown + blocked", res["megascale_async_stall_s"], res["dcp_async_stall_s"]),
             ("async save: total to commit", res["megascale_async_total_s"], res["dcp_async_total_s"]),
             ("load, same layout", res["megascale_load_s"], res["dcp_load_s"]),
-            ("load, resharded tp2dp2 -> tp1dp4", res["megascale_reshard_load_s"], float("nan"))]
+            (f"load, resharded to {describe(work.resharded)}", res["megascale_reshard_load_s"], float("nan"))]
     print(f"{'median of ' + str(res['rounds']) + ' rounds':36} {'megascale s':>12} {'DCP s':>10}")
     for label, ours, theirs in rows:
         print(f"{label:36} {ours:12.3f} {theirs:10.3f}")

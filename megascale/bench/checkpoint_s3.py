@@ -34,8 +34,10 @@ from megascale.bench.checkpoint import (
     _max,
     _median,
     _train_step,
+    check_stored_once,
     start_rank,
 )
+from megascale.bench.checkpoint_workload import Workload, describe
 from megascale.config import Config
 
 MIN_ROUNDS = 5
@@ -64,14 +66,14 @@ def _dcp_writer(url: str) -> object:
     return FsspecWriter(url)
 
 
-def worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, out: str, url: str) -> None:
+def worker(rank: int, world: int, job: Workload, rounds: int, workdir: str, out: str, url: str) -> None:
     """One benchmark rank (spawned); rank 0 writes the medians to `out`."""
     from torch.distributed import checkpoint as dcp
 
     from megascale.checkpoint.manager import CheckpointManager
 
     work = Path(workdir)
-    shards, target, ctx = start_rank(rank, world, total_gb, workdir)
+    shards, target, ctx = start_rank(rank, world, job, workdir)
     cfg = Config()
     cfg.checkpoint.keep_last = 1
     cfg.checkpoint.async_save = True
@@ -151,6 +153,7 @@ def worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, ou
         for run in ((ours, theirs) if turn % 2 == 0 else (theirs, ours)):
             run()
         remote_loads()
+    check_stored_once(mgr.last_save_stats["bytes"], job)
     res: dict = {key: _median(values) for key, values in runs.items()}
     res.update(runs=runs, rounds=rounds, step_alone_s=step_alone, checkpoint_gb=mgr.last_save_stats["bytes"] / 1e9,
                dcp_target="s3" if to_s3 else "local")
@@ -162,7 +165,7 @@ def worker(rank: int, world: int, total_gb: float, rounds: int, workdir: str, ou
     dist.destroy_process_group()
 
 
-def run(url: str, ranks: int, total_gb: float, rounds: int, workdir: Path) -> dict:
+def run(url: str, ranks: int, work: Workload, rounds: int, workdir: Path) -> dict:
     """Spawn the ranks against a fresh prefix under `url`; returns rank 0's results."""
     import torch.multiprocessing as mp
 
@@ -171,14 +174,14 @@ def run(url: str, ranks: int, total_gb: float, rounds: int, workdir: Path) -> di
     bench_url = f"{url.rstrip('/')}/megascale-bench-{uuid.uuid4().hex[:8]}"
     open_store(bench_url).listing("")  # fails early, with one line, on a missing bucket or credentials
     out = workdir / "results.json"
-    mp.spawn(worker, args=(ranks, total_gb, rounds, str(workdir), str(out), bench_url), nprocs=ranks, join=True)
+    mp.spawn(worker, args=(ranks, work, rounds, str(workdir), str(out), bench_url), nprocs=ranks, join=True)
     return dict(json.loads(out.read_text()))
 
 
-def print_table(res: dict, url: str) -> None:
+def print_table(res: dict, url: str, work: Workload) -> None:
     """The medians, megascale beside DCP."""
-    print(f"checkpoint benchmark against {url}: tp2 x dp2 ZeRO-1, {res['checkpoint_gb']:.2f} GB unique state, "
-          f"{res['rounds']} alternating rounds")
+    print(f"checkpoint benchmark against {url}: {describe(work.saved)}, {work.name}, "
+          f"{res['checkpoint_gb']:.2f} GB unique state, {res['rounds']} alternating rounds")
     print(dcp_target_note())
     nan = float("nan")
     where = "bucket" if res.get("dcp_target") == "s3" else "local disk"
@@ -188,7 +191,7 @@ def print_table(res: dict, url: str) -> None:
             ("background upload to the bucket", res["tiered_upload_s"], nan),
             ("save to remote commit, total", res["tiered_total_s"], nan),
             ("load from the bucket, same layout", res["remote_load_s"], nan),
-            ("load from the bucket, tp2dp2 -> tp1dp4", res["remote_reshard_load_s"], nan)]
+            (f"load from the bucket, resharded to {describe(work.resharded)}", res["remote_reshard_load_s"], nan)]
     print(f"{'median of ' + str(res['rounds']) + ' rounds':52} {'megascale s':>12} {'DCP s':>10}")
     for label, ours, theirs in rows:
         print(f"{label:52} {ours:12.3f} {theirs:10.3f}")

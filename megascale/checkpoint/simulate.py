@@ -4,9 +4,13 @@ Tests and `megascale bench checkpoint` use this to produce exactly the TensorSha
 real run would hand to the CheckpointManager: the parameters, split dims and tied
 embedding copy come from the parameter table of the real model (built on the meta
 device, `megascale.model.params`), layers spread over (virtual) pipeline stages,
-replicas over dp and cp, and optimizer state either replicated (zero=0) or cut
-into a ZeRO-1 rank's flat range of the stage's flattened parameters (zero=1), which
-slices straight through tensors the way Megatron's distributed optimizer does.
+replicas over dp and cp, routed experts (Mixture-of-Experts) cut into ep blocks over
+ep of the dp x cp ranks, and optimizer state laid out by the data-parallel
+optimizer's own buffer plan (`plan_buffer`): per model chunk the trainable
+parameters in reverse order, routed experts in buffers of their own under ep > 1,
+cut into buckets, with ZeRO-1 a rank's flat range of every bucket (over dp x cp,
+the expert buffers over the expert-data-parallel ranks), which slices straight
+through tensors the way Megatron's distributed optimizer does.
 """
 
 from __future__ import annotations
@@ -14,18 +18,22 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from megascale.config import ModelConfig
-from megascale.distributed.sharding import TensorShard
+from megascale.config import Config, ModelConfig, ParallelConfig
+from megascale.distributed.data_parallel.buffers import bucket_numel, plan_buffer
+from megascale.distributed.sharding import TIED_EMBEDDING, ShardSpec, TensorShard
 from megascale.distributed.topology import DEFAULT_ORDER, RankLayout
-from megascale.model.params import ModelLayout, ParamTable, param_table
-from megascale.run_plan import RunPlan
+from megascale.layout_rules import check_moe
+from megascale.model.params import ModelLayout, ParamSpec, ParamTable, param_table
+from megascale.run_plan import RunPlan, check_expert_parallel
 
 # value_fn(name, global_shape, offsets, local_shape) -> the box's values
 ValueFn = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], torch.Tensor]
+
+DEFAULT_BUCKET_MB: float = ParallelConfig.grad_bucket_mb
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,8 @@ class SimLayout:
 
     Without stage_layers the layers are spread as evenly as possible (earlier stages take the
     remainder), which also covers synthetic layouts a real run would refuse; `from_plan` gives
-    the split a real run uses.
+    the split a real run uses. ep: routed experts split over ep of the dp x cp ranks
+    (parallel.ep); grad_bucket_mb: parallel.grad_bucket_mb, which decides the ZeRO-1 flat ranges.
     """
 
     tp: int = 1
@@ -44,24 +53,48 @@ class SimLayout:
     vpp: int = 1
     zero: int = 0
     stage_layers: Optional[tuple[int, ...]] = None
+    ep: int = 1
+    grad_bucket_mb: float = DEFAULT_BUCKET_MB
 
     @classmethod
-    def from_plan(cls, plan: RunPlan) -> SimLayout:
+    def from_plan(cls, plan: RunPlan, grad_bucket_mb: float = DEFAULT_BUCKET_MB) -> SimLayout:
         """The layout of a real run, with exactly the plan's (uniform, explicit or auto) layer split."""
         if plan.order != DEFAULT_ORDER:
             raise ValueError(f"the simulator places ranks in the default order {DEFAULT_ORDER!r}, "
                              f"not {plan.order!r}")
         return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero,
-                   stage_layers=plan.stage_layer_counts)
+                   stage_layers=plan.stage_layer_counts, ep=plan.ep, grad_bucket_mb=grad_bucket_mb)
 
     @property
     def world(self) -> int:
         """Ranks the layout needs."""
         return self.tp * self.pp * self.dp * self.cp
 
+    def ranks(self) -> RankLayout:
+        """The rank arithmetic of the layout (default order)."""
+        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)
+
     def coords(self, rank: int) -> dict[str, int]:
-        """(tp, cp, dp, pp) coordinates of a rank in the default order."""
-        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp).coords(rank)
+        """(tp, cp, dp, pp) coordinates of a rank in the default order, with its ep and edp ranks and its
+        position dp_cp in the dp x cp group (the rank a ZeRO-1 dense buffer is sharded by)."""
+        ranks = self.ranks()
+        coords = ranks.coords(rank)
+        ep_rank, edp_rank = ranks.expert_position(rank)
+        return {**coords, "ep": ep_rank, "edp": edp_rank, "dp_cp": edp_rank * self.ep + ep_rank}
+
+    def check(self, model: ModelConfig) -> None:
+        """Refuse, with the run's own one-line ConfigError, an ep a real run of this model refuses."""
+        check_moe(model, self.ep)
+        cfg = Config(model=model)
+        cfg.parallel.ep, cfg.parallel.cp = self.ep, self.cp
+        check_expert_parallel(cfg, self.dp)
+
+
+def _table(model: ModelConfig, layout: SimLayout) -> ParamTable:
+    """The parameter table of a model under layout (the layout's stage split taken as given)."""
+    layout.check(model)
+    counts = tuple(len(ids) for ids in stage_layer_ids(layout, model.num_layers))
+    return param_table(model, ModelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, stage_layers=counts))
 
 
 @dataclass(frozen=True)
@@ -87,13 +120,38 @@ class SimModel:
 
     def table(self, layout: SimLayout) -> ParamTable:
         """The parameter table of this model under layout (the layout's stage split taken as given)."""
-        counts = tuple(len(ids) for ids in stage_layer_ids(layout, self.num_layers))
-        return param_table(self.model_config(),
-                           ModelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, stage_layers=counts))
+        return _table(self.model_config(), layout)
 
     def numel(self) -> int:
         """Unique parameter elements."""
         return param_table(self.model_config()).numel()
+
+
+@dataclass(frozen=True)
+class ConfigModel:
+    """Any model section (a preset's, a Mixture-of-Experts one), simulated like `SimModel`."""
+
+    config: ModelConfig
+
+    @property
+    def num_layers(self) -> int:
+        """Transformer blocks."""
+        return self.config.num_layers
+
+    def model_config(self) -> ModelConfig:
+        """The model section."""
+        return self.config
+
+    def table(self, layout: SimLayout) -> ParamTable:
+        """The parameter table of this model under layout (the layout's stage split taken as given)."""
+        return _table(self.config, layout)
+
+    def numel(self) -> int:
+        """Unique parameter elements."""
+        return param_table(self.config).numel()
+
+
+Model = Union[SimModel, ConfigModel]
 
 
 def stage_layer_ids(layout: SimLayout, num_layers: int) -> list[list[int]]:
@@ -126,46 +184,64 @@ def reference_value(seed: int = 0) -> ValueFn:
     return value
 
 
-def rank_shards(model: SimModel, layout: SimLayout, rank: int, value_fn: ValueFn,
+def rank_shards(model: Model, layout: SimLayout, rank: int, value_fn: ValueFn,
                 optim_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq"),
                 dtype: torch.dtype = torch.float32, table: Optional[ParamTable] = None) -> list[TensorShard]:
     """The TensorShards rank `rank` of `layout` holds: its parameters, then its optimizer state.
 
-    table: `model.table(layout)`, when the caller already has it (it is the same for every rank).
+    Both in the order and with the pieces of a real run (`Trainer.state_shards`): the parameters
+    of every chunk in module order, then per gradient buffer and owned segment each state of
+    optim_states (add "master" for a 16-bit run). table: `model.table(layout)`, when the caller
+    already has it (it is the same for every rank).
     """
-    c = layout.coords(rank)
     if table is None:
         table = model.table(layout)
-    shards: list[TensorShard] = []
-    boxes = []
-    for spec in table.rank_shards(c["tp"], c["pp"]):
-        tensor = value_fn(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape).to(dtype)
-        shards.append(TensorShard(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape, tensor))
-        if spec.primary:  # the tied copy has no optimizer state of its own in a checkpoint
-            boxes.append(spec)
-    for state in optim_states:
-        prefix = f"optim.{state}."
-        if layout.zero == 0:
-            for spec in boxes:
-                tensor = value_fn(prefix + spec.global_name, spec.global_shape, spec.offsets, spec.local_shape)
-                shards.append(TensorShard(prefix + spec.global_name, spec.global_shape, spec.offsets,
-                                          spec.local_shape, tensor.float()))
-            continue
-        # ZeRO-1: flatten this (stage, tp) replica's params, cut into dp equal ranges.
-        sizes = [int(torch.Size(s.local_shape).numel()) for s in boxes]
-        total = sum(sizes)
-        part = -(-total // layout.dp)
-        lo, hi = c["dp"] * part, min(total, (c["dp"] + 1) * part)
-        start = 0
-        for spec, size in zip(boxes, sizes):
-            a, b = max(lo, start), min(hi, start + size)
-            if a < b:
-                box = value_fn(prefix + spec.global_name, spec.global_shape, spec.offsets, spec.local_shape)
-                flat = box.float().reshape(-1)[a - start: b - start].clone()
-                shards.append(TensorShard(prefix + spec.global_name, spec.global_shape, spec.offsets,
-                                          spec.local_shape, flat, (a - start, b - start)))
-            start += size
+    else:
+        layout.check(model.model_config())
+    c = layout.coords(rank)
+    held = [(entry, entry.shard(c["tp"], layout.tp, c["ep"], layout.ep)) for entry in table.held_by(c["pp"])]
+    shards = [TensorShard(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape,
+                          value_fn(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape).to(dtype))
+              for _, spec in held]
+    for specs, shard_count, shard_rank, full_reduce in _buffers(held, layout, c, table.output_weight == TIED_EMBEDDING):
+        plan = plan_buffer([_numel(s) for s in specs], [s.global_name in full_reduce for s in specs],
+                           bucket_numel(layout.grad_bucket_mb), shard_count, shard_rank)
+        for index, start, end, _ in plan.segments():
+            spec = specs[index]
+            lo, hi = start - plan.param_ranges[index][0], end - plan.param_ranges[index][0]
+            whole = lo == 0 and hi == _numel(spec)
+            for state in optim_states:
+                name = f"optim.{state}.{spec.global_name}"
+                box = value_fn(name, spec.global_shape, spec.offsets, spec.local_shape).float()
+                tensor = box if whole else box.reshape(-1)[lo:hi].clone()
+                shards.append(TensorShard(name, spec.global_shape, spec.offsets, spec.local_shape, tensor,
+                                          None if whole else (lo, hi)))
     return shards
+
+
+def _numel(spec: ShardSpec) -> int:
+    return int(torch.Size(spec.local_shape).numel())
+
+
+def _buffers(held: list[tuple[ParamSpec, ShardSpec]], layout: SimLayout, c: dict[str, int],
+             tied: bool) -> list[tuple[list[ShardSpec], int, int, frozenset[str]]]:
+    """The gradient buffers of one rank, as the data-parallel optimizer builds them: per chunk, its
+    trainable parameters in reverse order, grouped by (dtype, routed expert under ep > 1); each with the
+    ZeRO-1 group size and rank it is sharded by (1, 0 when replicated) and its all-reduced names."""
+    full_reduce = frozenset({TIED_EMBEDDING}) if tied and layout.pp > 1 and layout.zero == 1 else frozenset()
+    out = []
+    for chunk in range(layout.vpp):
+        kinds: dict[tuple[torch.dtype, bool], list[ShardSpec]] = {}
+        for entry, spec in reversed([(e, s) for e, s in held if e.chunk == chunk and e.trainable]):
+            kinds.setdefault((entry.dtype, layout.ep > 1 and entry.is_expert), []).append(spec)
+        for (_, expert), specs in kinds.items():
+            if layout.zero != 1:
+                out.append((specs, 1, 0, full_reduce))
+            elif expert:  # sharded over the expert-data-parallel group
+                out.append((specs, layout.dp * layout.cp // layout.ep, c["edp"], full_reduce))
+            else:
+                out.append((specs, layout.dp * layout.cp, c["dp_cp"], full_reduce))
+    return out
 
 
 def expected_tensor(shard: TensorShard, value_fn: ValueFn) -> torch.Tensor:

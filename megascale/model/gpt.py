@@ -9,6 +9,7 @@ docs/architecture.md describes the naming.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -222,8 +223,9 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
                     device=ctx.device, dtype=precision.param_dtype, defer_init=True, timers=timers)
     if sequence is None:
         sequence = build_sequence_layout(ctx, cfg, timers=timers)
+    ep = dataclasses.replace(ctx.expert_parallel(), overlap=p.ep_overlap)
     bc = BuildContext(model=cfg.model, tp=tp, ops=get_ops(cfg.kernels.backend, cfg.kernels.build_dir), rng=rng,
-                      recompute=cfg.train.recompute, sequence=sequence, ep=ctx.expert_parallel(),
+                      recompute=cfg.train.recompute, sequence=sequence, ep=ep,
                       moe_stats_group=ctx.group("tp_cp") if ctx.tp_size * ctx.cp_size > 1 else None,
                       expert_tp=p.etp > 1 and ctx.tp_size > 1)
     if chunk_layers is None:

@@ -41,7 +41,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
-        return self.fc2(self.activate(self.fc1(x)))
+        return self.down(self.up(x))
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        """The column-parallel half: act(fc1(x)), [s, b, ffn/tp] (with sequence parallelism: after fc1's
+        all-gather of x). An MoE layer runs it apart from `down` to place each half under an all-to-all."""
+        return self.activate(self.fc1(x))
+
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        """The row-parallel half: fc2(h), [s(/tp), b, h] (its all-reduce or reduce-scatter included)."""
+        return self.fc2(h)
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
         """The activation of fc1's output [s, b, (2,) ffn/tp]: fc2's input [s, b, ffn/tp]."""

@@ -9,6 +9,15 @@ optimizer); with expert tensor parallelism (parallel.etp = tp) the experts are s
 over tp instead and pool the tp ranks' rows (megascale.model.experts). The shared
 experts are an ordinary tp-parallel MLP on the layer input.
 
+With expert parallelism the shared experts hide the token all-to-alls
+(`parallel.ep_overlap`, on by default): their up half (fc1 and the activation) runs
+while the tokens travel to their experts, their down half (fc2) while the outputs
+travel back. The all-to-alls are split into a launch and a wait (see
+megascale/distributed/expert_parallel/dispatch.py), so in the backward the combine's
+gradient all-to-all travels under fc2's backward and the dispatch's under fc1's.
+Off, each all-to-all is waited for as soon as it starts and the shared experts run
+after the routed path (in the backward, before it).
+
 The router's aux loss and z-loss reach the gradient without travelling to the loss:
 an autograd function on the routed output passes the output through and, in the
 backward, feeds `coeff * grad_scale` into the losses, grad_scale being the factor
@@ -19,7 +28,8 @@ metrics and the sigmoid router's bias update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -97,6 +107,30 @@ def build_dispatcher(bc: BuildContext) -> TokenDispatcher:
     return AllToAllDispatcher(bc.model.moe.num_experts, bc.ep, timers=bc.tp.timers)
 
 
+@dataclass
+class SharedHalves:
+    """The shared-expert MLP on the layer input, run in two halves placed under the two all-to-alls."""
+
+    mlp: MLP
+    x: Tensor
+    hidden: Optional[Tensor] = None
+    out: Optional[Tensor] = None
+
+    def run_first(self) -> None:
+        """The column-parallel half (fc1, activation): under the dispatch."""
+        self.hidden = self.mlp.up(self.x)
+
+    def run_second(self) -> None:
+        """The row-parallel half (fc2): under the combine."""
+        assert self.hidden is not None, "run_first comes first"
+        self.out, self.hidden = self.mlp.down(self.hidden), None
+
+    def output(self) -> Tensor:
+        """The shared experts' output [s(/tp), b, h]."""
+        assert self.out is not None, "run_second has not run"
+        return self.out
+
+
 class MoELayer(nn.Module):
     """Routed experts (top-k of E per token) + optional shared experts, in place of a dense MLP."""
 
@@ -110,6 +144,8 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(f"{name}.experts", bc)
         self.shared = MLP(f"{name}.shared", bc, m.shared_ffn_size) if m.shared_ffn_size > 0 else None
         self.dispatcher = build_dispatcher(bc)
+        # The shared experts run under the all-to-alls (parallel.ep_overlap); nothing to hide without ep.
+        self.overlap = bc.ep.overlap and bc.ep.size > 1
         self.stats = MoEStats(m.moe.num_experts)
 
     def forward(self, x: Tensor, aux_grad_scale: float = 1.0) -> Tensor:
@@ -121,39 +157,32 @@ class MoELayer(nn.Module):
                 raise ValueError(f"MoE layer: {x.shape[0]} tokens per sequence are not divisible by tp={tp.size}")
             sliced = False  # decoding a few tokens: every tp rank routes them all (no gradient to share)
         local = comm.scatter_to_group(x, 0, tp.group) if sliced else x
-        shared: list[Tensor] = []
-        shared_experts = self.shared
-        # The shared experts run while the expert-parallel token all-to-all is in flight.
-        beside = None if shared_experts is None else (lambda: shared.append(shared_experts(x)))
+        beside = SharedHalves(self.shared, x) if self.shared is not None and self.overlap else None
         routed = self.route(local.reshape(-1, local.shape[-1]), aux_grad_scale, beside).view_as(local)
         if sliced:
             routed = comm.gather_from_group(routed, 0, tp.group)
-        if shared:
-            routed = routed + shared[0]
-        return routed
+        if beside is not None:
+            return routed + beside.output()
+        return routed if self.shared is None else routed + self.shared(x)
 
-    def route(self, tokens: Tensor, aux_grad_scale: float = 1.0,
-              beside: Optional[Callable[[], None]] = None) -> Tensor:
+    def route(self, tokens: Tensor, aux_grad_scale: float = 1.0, beside: Optional[SharedHalves] = None) -> Tensor:
         """tokens [n, h] -> sum over each token's kept experts of gate * expert(token), [n, h].
 
-        beside: work to run while the tokens travel to their experts (with an all-to-all
-        dispatcher: after the all-to-all starts, before it is waited for).
+        beside: work to run while the rows travel: its first half after the dispatch starts and
+        before it is waited for, its second half likewise under the combine.
         """
         out = self.router(tokens)
         if self.training and torch.is_grad_enabled() and not self.bc.rng.replaying:
             self.stats.add(out)
-        start = getattr(self.dispatcher, "dispatch_async", None)
-        if start is not None:
-            pending = start(tokens, out.routing)
-            if beside is not None:
-                beside()
-            dispatched = pending.wait()
-        else:
-            if beside is not None:
-                beside()
-            dispatched = self.dispatcher.dispatch(tokens, out.routing)
+        pending = self.dispatcher.dispatch_async(tokens, out.routing)
+        if beside is not None:
+            beside.run_first()
+        dispatched = pending.wait()
         expert_output = self.experts(dispatched.expert_input, dispatched.tokens_per_expert)
-        combined = self.dispatcher.combine(expert_output, dispatched)
+        returning = self.dispatcher.combine_async(expert_output, dispatched)
+        if beside is not None:
+            beside.run_second()
+        combined = returning.wait()
         aux = self.weighted_aux_loss(out)
         if aux is not None and combined.requires_grad:
             combined = attach_aux_loss(combined, aux, aux_grad_scale)
@@ -211,5 +240,5 @@ def update_router_biases(chunks: Sequence[nn.Module], model: ModelConfig, table:
                 update_expert_bias(layer.router.expert_bias, load, rate)
 
 
-__all__ = ["MoELayer", "MoEStats", "attach_aux_loss", "build_dispatcher", "moe_layer_ids", "moe_layers",
+__all__ = ["MoELayer", "MoEStats", "SharedHalves", "attach_aux_loss", "build_dispatcher", "moe_layer_ids", "moe_layers",
            "reduce_moe_stats", "reset_moe_stats", "update_router_biases"]

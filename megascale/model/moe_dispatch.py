@@ -7,13 +7,16 @@ outputs back into one row per token, weighted by the gate in fp32. `LocalDispatc
 serves a rank that holds every expert (no expert parallelism): a permutation by
 a stable sort on the expert id, so the rows of an expert stay in token order.
 Both directions are differentiable, and the gate weights get their gradient in
-the combine.
+the combine. `dispatch_async` / `combine_async` start a direction and return a
+pending result whose `wait()` finishes it, so the caller can run other work while
+the rows travel (the all-to-all dispatcher's exchanges); locally there is nothing
+in flight and the result is ready at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -21,9 +24,39 @@ from torch import Tensor
 # The router's output and the dispatched rows are shared with the expert-parallel dispatcher below the model.
 from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_assignments
 
+T_co = TypeVar("T_co", covariant=True)
+T = TypeVar("T")
+
+
+class Pending(Protocol[T_co]):
+    """A dispatch or combine that has started: `wait()` finishes it and gives its result."""
+
+    def wait(self) -> T_co:
+        """The result, once whatever is in flight has arrived."""
+        ...
+
+
+@dataclass
+class Ready(Generic[T]):
+    """A result with nothing in flight."""
+
+    value: T
+
+    def wait(self) -> T:
+        """The value."""
+        return self.value
+
 
 class TokenDispatcher(Protocol):
     """Moves routed tokens to the experts that compute them and their outputs back."""
+
+    def dispatch_async(self, tokens: Tensor, routing: Routing) -> Pending[Dispatched]:
+        """Start `dispatch`; the rows may still be travelling until `wait()`."""
+        ...
+
+    def combine_async(self, expert_output: Tensor, dispatched: Dispatched) -> Pending[Tensor]:
+        """Start `combine`; the outputs may still be travelling until `wait()`."""
+        ...
 
     def dispatch(self, tokens: Tensor, routing: Routing) -> Dispatched:
         """tokens [n, h] -> the rows of this rank's local experts, grouped expert-major."""
@@ -60,6 +93,14 @@ class LocalDispatcher:
         handle = _LocalHandle(assignments, token_index, weights, tokens.shape[0])
         return Dispatched(tokens[token_index], tokens_per_expert, handle)
 
+    def dispatch_async(self, tokens: Tensor, routing: Routing) -> Ready[Dispatched]:
+        """`dispatch`, done at once."""
+        return Ready(self.dispatch(tokens, routing))
+
+    def combine_async(self, expert_output: Tensor, dispatched: Dispatched) -> Ready[Tensor]:
+        """`combine`, done at once."""
+        return Ready(self.combine(expert_output, dispatched))
+
     def combine(self, expert_output: Tensor, dispatched: Dispatched) -> Tensor:
         """[m, h] expert rows -> [n, h] gate-weighted sum per token (fp32 accumulation)."""
         handle: _LocalHandle = dispatched.handle
@@ -68,4 +109,4 @@ class LocalDispatcher:
         return out.index_add(0, handle.token_index, weighted).to(expert_output.dtype)
 
 
-__all__ = ["Dispatched", "LocalDispatcher", "Routing", "TokenDispatcher", "sorted_assignments"]
+__all__ = ["Dispatched", "LocalDispatcher", "Pending", "Ready", "Routing", "TokenDispatcher", "sorted_assignments"]

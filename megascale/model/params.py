@@ -121,6 +121,9 @@ class ParamSpec:
     ep_dim: Optional[int] = None
     """A routed-expert weight's expert axis, cut over the expert-parallel group (None for every other
     parameter). The table holds every expert: divide by parallel.ep for one rank's share."""
+    trainable: bool = True
+    """False for a parameter the optimizer never sees (the sigmoid router's expert_bias): saved in
+    checkpoints, but without optimizer state."""
 
     @property
     def is_expert(self) -> bool:
@@ -142,10 +145,10 @@ class ParamSpec:
         """Elements of the global tensor."""
         return int(torch.Size(self.global_shape).numel())
 
-    def shard(self, tp_rank: int, tp_size: int) -> ShardSpec:
-        """The slice tp rank tp_rank of tp_size holds."""
+    def shard(self, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> ShardSpec:
+        """The slice tp rank tp_rank of tp_size (and, for a routed-expert weight, ep rank ep_rank of ep_size) holds."""
         if self.ep_dim is not None:
-            return expert_spec(self.name, self.global_shape, 0, 1, tp_rank, tp_size, self.split_dim)
+            return expert_spec(self.name, self.global_shape, ep_rank, ep_size, tp_rank, tp_size, self.split_dim)
         if self.split_dim is None:
             return full_spec(self.name, self.global_shape, tp_rank, tp_size, self.primary)
         return split_spec(self.name, self.global_shape, self.split_dim, tp_rank, tp_size, self.primary)
@@ -192,22 +195,27 @@ class ParamTable:
         (an ep rank holds 1/ep of them)."""
         return sum(e.local_numel(self.layout.tp) for e in self.held_by(pp_rank) if e.is_expert)
 
-    def rank_shards(self, tp_rank: int, pp_rank: int) -> list[ShardSpec]:
-        """The ShardSpecs of the (tp_rank, pp_rank) model rank, in the order its chunks hold them."""
-        return [e.shard(tp_rank, self.layout.tp) for e in self.held_by(pp_rank)]
+    def rank_shards(self, tp_rank: int, pp_rank: int, ep_rank: int = 0, ep_size: int = 1) -> list[ShardSpec]:
+        """The ShardSpecs of the (tp_rank, pp_rank) model rank, in the order its chunks hold them (routed
+        experts: the block of ep rank ep_rank of ep_size)."""
+        return [e.shard(tp_rank, self.layout.tp, ep_rank, ep_size) for e in self.held_by(pp_rank)]
 
-    def replicas(self, entry: ParamSpec, tp_rank: int, ranks: RankLayout) -> list[int]:
+    def replicas(self, entry: ParamSpec, tp_rank: int, ranks: RankLayout, ep_rank: int = 0) -> list[int]:
         """Global ranks of `ranks` holding the same values as tp rank tp_rank's slice of entry.
 
         Every dp and cp rank of the entry's pipeline rank holds it; a tp-replicated
-        parameter is held whole by every tp rank as well.
+        parameter is held whole by every tp rank as well. A routed-expert weight under
+        ranks.ep > 1: ep rank ep_rank's block, held by its expert-data-parallel ranks only.
         """
         if (ranks.tp, ranks.pp) != (self.layout.tp, self.layout.pp):
             raise ValueError(f"rank layout tp {ranks.tp} pp {ranks.pp} is not the table's "
                              f"tp {self.layout.tp} pp {self.layout.pp}")
         tp_ranks = range(ranks.tp) if entry.tp_replicated else [tp_rank]
-        return sorted(ranks.rank(tp=t, cp=c, dp=d, pp=entry.pp_rank)
-                      for t in tp_ranks for c in range(ranks.cp) for d in range(ranks.dp))
+        held = [ranks.rank(tp=t, cp=c, dp=d, pp=entry.pp_rank)
+                for t in tp_ranks for c in range(ranks.cp) for d in range(ranks.dp)]
+        if entry.is_expert and ranks.ep > 1:
+            held = [r for r in held if ranks.expert_position(r)[0] == ep_rank]
+        return sorted(held)
 
 
 def _as_config(model_or_cfg: Union[Config, ModelConfig], layout: ModelLayout) -> Config:
@@ -265,5 +273,5 @@ def param_table(model_or_cfg: Union[Config, ModelConfig],
                                          split_dim=spec.split_dim, pp_rank=pp_rank, chunk=index,
                                          stage=global_stage(model_layout.pp, pp_rank, index, model_layout.v_shape),
                                          tied_to=None if spec.primary else spec.global_name,
-                                         ep_dim=spec.ep_dim))
+                                         ep_dim=spec.ep_dim, trainable=param.requires_grad))
     return ParamTable(tuple(entries), model_layout, output_weight_name(cfg.model.tie_embeddings))

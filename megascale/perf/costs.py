@@ -28,8 +28,8 @@ plan's layout, the model config and a `GpuSpec`:
 - Mixture-of-Experts layers (`model.moe`): the shared-expert MLP in place of the
   dense one (none without shared experts), the fp32 router GEMM, the routed
   experts' grouped GEMMs on the rows this rank receives, the permutations, the
-  dispatch and combine all-to-alls over the ep group (megascale/perf/moe.py), the
-  forward dispatch hidden behind the shared expert, and without sequence
+  dispatch and combine all-to-alls over the ep group (megascale/perf/moe.py), each
+  hidden behind its half of the shared expert in both passes, and without sequence
   parallelism the all-gather of the routed output over tp; with expert tensor
   parallelism the experts' GEMMs over the tp ranks' pooled rows at 1/etp of their
   width, and the pooling all-gather and reduce-scatter of the rows on the tp link.
@@ -175,6 +175,19 @@ def _shared_gemms(shape: LayerShape) -> list[tuple[int, int]]:
     if not shape.ffn:
         return []
     return [(shape.fc1_width, shape.hidden), (shape.hidden, shape.ffn)]
+
+
+def _shared_half_seconds(shape: LayerShape, spec: GpuSpec) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Forward and backward GEMM seconds of the shared-expert MLP's fc1 and fc2 (zeros without shared experts)."""
+    gemms = _shared_gemms(shape)
+    if not gemms:
+        return (0.0, 0.0), (0.0, 0.0)
+    t, dtype = shape.tokens, shape.dtype
+    (n1, k1), (n2, k2) = gemms
+    forward = (_gemm_time(spec, t, n1, k1, dtype), _gemm_time(spec, t, n2, k2, dtype))
+    backward = (_gemm_time(spec, t, k1, n1, dtype) + spec.gemm_seconds(n1, k1, t, dtype),
+                _gemm_time(spec, t, k2, n2, dtype) + spec.gemm_seconds(n2, k2, t, dtype))
+    return forward, backward
 
 
 def _gemm_time(spec: GpuSpec, m: int, n: int, k: int, dtype: str, pieces: int = 1) -> float:
@@ -409,14 +422,16 @@ def _pass_gap(compute: float, tp_counts: dict[str, int], cp_collectives: int, st
 
 
 def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, traits: SystemTraits,
-               shared_gemm: tuple[float, float], gaps: tuple[float, float]) -> tuple[Cost, Cost]:
+               shared_gemm: tuple[tuple[float, float], tuple[float, float]],
+               gaps: tuple[float, float]) -> tuple[Cost, Cost]:
     """Forward/backward of an MoE layer's routed part on this rank (megascale/perf/moe.py): the fp32 router,
     the local experts' GEMMs on the rows they receive, the permutations and the combine, the dispatch and
     combine all-to-alls, and without sequence parallelism the all-gather of the routed output over tp.
 
-    shared_gemm: forward and backward GEMM seconds of the shared-expert MLP, which the dispatch (forward,
-    `shared_expert_overlap`) and the combine's gradient (backward, `shared_expert_overlap_backward`)
-    all-to-alls run under.
+    shared_gemm: forward and backward GEMM seconds of the shared-expert MLP's column half (fc1) and row half
+    (fc2). With `shared_expert_overlap` (forward) and `shared_expert_overlap_backward` (backward), and
+    parallel.ep_overlap, the dispatch all-to-all (its gradient's in the backward) runs under the column
+    half and the combine's under the row half.
     """
     m, dtype, e = cfg.model, shape.dtype, shape.bytes
     layout = moe.expert_layout(cfg, plan, spec.gpus_per_node)
@@ -444,9 +459,10 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
     fwd.memory = spec.memory_seconds(streamed)
     bwd.memory = 2 * fwd.memory
     overlaps = (traits.shared_expert_overlap, traits.shared_expert_overlap_backward)
-    for cost, gap, shared, overlap in zip((fwd, bwd), gaps, shared_gemm, overlaps):
+    for cost, gap, halves, overlap in zip((fwd, bwd), gaps, shared_gemm, overlaps):
         one_way = moe.dispatch_seconds(cfg, plan, spec, layout, gap)
-        hidden = min(one_way, shared) if overlap and not shares_cores(spec) else 0.0
+        hides = overlap and cfg.parallel.ep_overlap and not shares_cores(spec)
+        hidden = sum(min(one_way, half) for half in halves) if hides else 0.0
         cost.ep_comm = 2 * one_way - hidden
         cost.hidden["ep"] = hidden
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node) if shape.tp > 1 else False
@@ -508,10 +524,8 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
         forward.add(lfa_fwd)
         backward.add(lfa_bwd)
     if shape.moe:
-        shared_f = sum(_gemm_time(spec, t, n, k, dtype) for n, k in _shared_gemms(shape))
-        shared_b = sum(_gemm_time(spec, t, k, n, dtype) + spec.gemm_seconds(n, k, t, dtype)
-                       for n, k in _shared_gemms(shape))
-        moe_fwd, moe_bwd = _moe_costs(cfg, plan, spec, shape, traits, (shared_f, shared_b), (gap_f, gap_b))
+        moe_fwd, moe_bwd = _moe_costs(cfg, plan, spec, shape, traits, _shared_half_seconds(shape, spec),
+                                      (gap_f, gap_b))
         forward.add(moe_fwd)
         backward.add(moe_bwd)
     return LayerCosts(forward, backward, recompute_selective=attn_fwd + cp_f, recompute_full=forward.total)

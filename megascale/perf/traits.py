@@ -30,12 +30,14 @@ class SystemTraits:
       asynchronously (Megatron-LM 2022, megascale): the input gradient's
       all-reduce (no SP) or reduce-scatter (SP) under the weight-gradient GEMM,
       and the SP re-gather of the input under the input-gradient GEMM.
-    shared_expert_overlap: an MoE layer's token all-to-all (the dispatch) runs
-      while its shared-expert MLP computes, hiding up to the shared expert's
-      forward GEMM time (megascale with ep > 1 and shared experts).
+    shared_expert_overlap: an MoE layer's token all-to-alls run while its
+      shared-expert MLP computes: the dispatch under the column half (fc1), the
+      combine under the row half (fc2), each hiding up to that half's forward
+      GEMM time (megascale with ep > 1, shared experts and parallel.ep_overlap;
+      Megatron-LM's --moe-shared-expert-overlap).
     shared_expert_overlap_backward: the same in the backward, the combine's
-      gradient all-to-all under the shared expert's backward GEMMs (Megatron-LM's
-      --moe-shared-expert-overlap overlaps both passes).
+      gradient all-to-all under fc2's backward GEMMs and the dispatch's under
+      fc1's (megascale, Megatron-LM's --moe-shared-expert-overlap).
     grad_reduce_bytes: bytes per gradient element the data-parallel reduction
       moves: 4 for fp32 gradient buckets (megascale, Megatron-LM with
       --accumulate-allreduce-grads-in-fp32), 2 where a 16-bit model's gradients
@@ -58,10 +60,10 @@ class SystemTraits:
 
 
 MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True,
-                         shared_expert_overlap=True)
+                         shared_expert_overlap=True, shared_expert_overlap_backward=True)
 """What megascale's trainer does: one gather and one reduce-scatter per parallel block around one
 fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives, an MoE layer's shared experts
-computing while its token all-to-all is in flight (forward only)."""
+computing while its token all-to-alls are in flight (both passes; parallel.ep_overlap=false turns it off)."""
 
 
 @dataclass

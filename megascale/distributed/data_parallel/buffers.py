@@ -39,6 +39,11 @@ def main_grad(param: Tensor) -> Tensor:
     return grad
 
 
+def bucket_numel(grad_bucket_mb: float) -> int:
+    """fp32 elements of a gradient bucket of parallel.grad_bucket_mb MiB (at least 1)."""
+    return max(int(grad_bucket_mb * 2 ** 20) // 4, 1)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -99,6 +104,87 @@ class Bucket:
     owner_modules: set = field(default_factory=set)  # ids of modules whose forward pre-hook waits for the gather
 
 
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket of a buffer layout: buffer range [start, end), this rank's owned range, its parameters."""
+
+    start: int
+    end: int
+    own_start: int
+    own_end: int
+    state_offset: int  # index of own_start in the buffer's flat optimizer-state tensors
+    full_reduce: bool
+    params: tuple[int, ...]  # indices into the laid-out parameter list
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """Where every parameter and bucket of one buffer lies, computed from sizes alone (no tensors).
+
+    `GradBuffer` lays its tensors out by this plan; the checkpoint simulator reads the same plan
+    to produce a ZeRO-1 rank's flat ranges without building a model.
+    """
+
+    param_ranges: tuple[tuple[int, int], ...]  # buffer range [start, end) of each parameter
+    buckets: tuple[BucketPlan, ...]
+    numel: int
+
+    @property
+    def own_numel(self) -> int:
+        """Elements of the buffer this rank owns (its optimizer-state length)."""
+        return sum(b.own_end - b.own_start for b in self.buckets)
+
+    def segments(self) -> list[tuple[int, int, int, int]]:
+        """(parameter index, buffer start, buffer end, state offset) of each owned piece, in buffer order."""
+        out = []
+        for bucket in self.buckets:
+            for index in bucket.params:
+                lo, hi = self.param_ranges[index]
+                start, end = max(lo, bucket.own_start), min(hi, bucket.own_end)
+                if start < end:
+                    out.append((index, start, end, bucket.state_offset + start - bucket.own_start))
+        return out
+
+
+def plan_buffer(sizes: list[int], isolated: list[bool], bucket_numel: int, shard_count: int,
+                shard_rank: int) -> BufferPlan:
+    """Lay out parameters of `sizes` elements (already in reverse order) in buckets of about bucket_numel.
+
+    isolated: per parameter, whether it gets a bucket of its own reduced with all-reduce.
+    shard_count/shard_rank: ZeRO-1 group size and rank (1/0 when the optimizer is replicated).
+    """
+    pad = ALIGN * shard_count
+    ranges: list[tuple[int, int]] = []
+    buckets: list[BucketPlan] = []
+    current: list[int] = []
+    offset = bucket_begin = state_offset = 0
+
+    def close(full_reduce: bool) -> None:
+        nonlocal offset, bucket_begin, state_offset, current
+        if not current:
+            return
+        end = _round_up(offset, pad)
+        share = (end - bucket_begin) // shard_count
+        own_start = bucket_begin + shard_rank * share
+        buckets.append(BucketPlan(bucket_begin, end, own_start, own_start + share, state_offset, full_reduce,
+                                  tuple(current)))
+        state_offset += share
+        offset = bucket_begin = end
+        current = []
+
+    for index, (size, alone) in enumerate(zip(sizes, isolated)):
+        if alone:
+            close(False)
+        offset = _round_up(offset, ALIGN)
+        current.append(index)
+        ranges.append((offset, offset + size))
+        offset += size
+        if alone or offset - bucket_begin >= bucket_numel:
+            close(alone)
+    close(False)
+    return BufferPlan(tuple(ranges), tuple(buckets), offset)
+
+
 class GradBuffer:
     """The fp32 gradient buffer and parameter buffer of one (chunk, dtype), with its buckets."""
 
@@ -114,45 +200,24 @@ class GradBuffer:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.shard_count = shard_count
-        self.buckets: list[Bucket] = []
-        self.slots: list[ParamSlot] = []
-        pad = ALIGN * shard_count
-        offset = 0
-        current: list[tuple[nn.Parameter, ShardSpec, int]] = []
-        bucket_begin = 0
-
-        def close(full_reduce: bool) -> None:
-            nonlocal offset, bucket_begin, current
-            if not current:
-                return
-            end = _round_up(offset, pad)
-            share = (end - bucket_begin) // shard_count
-            own_start = bucket_begin + shard_rank * share
-            state_offset = sum(b.own_end - b.own_start for b in self.buckets)
-            bucket = Bucket(len(self.buckets), bucket_begin, end, own_start, own_start + share, state_offset,
-                            full_reduce)
-            for param, spec, start in current:
-                slot = ParamSlot(param, spec, start, start + param.numel(), bucket, no_decay_fn(param, spec))
-                bucket.slots.append(slot)
-                self.slots.append(slot)
-            self.buckets.append(bucket)
-            offset = bucket_begin = end
-            current = []
-
+        specs = []
         for param in params:
             if param.dtype != self.dtype:
                 raise ValueError(f"{get_shard(param).global_name}: dtype {param.dtype} differs from {self.dtype}")
-            spec = get_shard(param)
-            isolated = spec.global_name in full_reduce_names
-            if isolated:
-                close(False)
-            offset = _round_up(offset, ALIGN)
-            current.append((param, spec, offset))
-            offset += param.numel()
-            if isolated or offset - bucket_begin >= bucket_numel:
-                close(isolated)
-        close(False)
-        self.numel = offset
+            specs.append(get_shard(param))
+        plan = plan_buffer([p.numel() for p in params], [s.global_name in full_reduce_names for s in specs],
+                           bucket_numel, shard_count, shard_rank)
+        self.buckets: list[Bucket] = []
+        self.slots: list[ParamSlot] = []
+        for index, bp in enumerate(plan.buckets):
+            bucket = Bucket(index, bp.start, bp.end, bp.own_start, bp.own_end, bp.state_offset, bp.full_reduce)
+            for i in bp.params:
+                start, end = plan.param_ranges[i]
+                slot = ParamSlot(params[i], specs[i], start, end, bucket, no_decay_fn(params[i], specs[i]))
+                bucket.slots.append(slot)
+                self.slots.append(slot)
+            self.buckets.append(bucket)
+        self.numel = plan.numel
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         for slot in self.slots:
@@ -160,17 +225,9 @@ class GradBuffer:
             view.copy_(slot.param.data)
             slot.param.data = view
             setattr(slot.param, MAIN_GRAD_ATTR, self.grad[slot.start:slot.end].view_as(slot.param))
-        self.own_numel = sum(b.own_end - b.own_start for b in self.buckets)
-        self.segments = self._segments()
-
-    def _segments(self) -> list[Segment]:
-        segments = []
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                start, end = max(slot.start, bucket.own_start), min(slot.end, bucket.own_end)
-                if start < end:
-                    segments.append(Segment(slot, start, end, bucket.state_offset + start - bucket.own_start))
-        return segments
+        self.own_numel = plan.own_numel
+        self.segments = [Segment(self.slots[i], start, end, state_offset)
+                         for i, start, end, state_offset in plan.segments()]
 
     def owned(self, flat: Tensor, bucket: Bucket) -> Tensor:
         """The bucket's owned range of a buffer-shaped flat tensor."""

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megascale.config import Config
-from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, main_grad, reverse_params
+from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, bucket_numel, main_grad, reverse_params
 from megascale.distributed.data_parallel.flat_comm import FlatComm
 from megascale.distributed.data_parallel.update import OptimizerState
 from megascale.distributed.sharding import (
@@ -97,7 +97,7 @@ class DistributedOptimizer:
         self.expert_comm = FlatComm(ctx.group("edp")) if self.expert_parallel else self.comm
         if cfg.parallel.grad_bucket_mb <= 0:
             raise UserError(f"parallel.grad_bucket_mb={cfg.parallel.grad_bucket_mb} must be > 0")
-        bucket_numel = max(int(cfg.parallel.grad_bucket_mb * 2 ** 20) // 4, 1)
+        bucket_size = bucket_numel(cfg.parallel.grad_bucket_mb)
         tied = cfg.model.tie_embeddings and ctx.pp_size > 1
         # The tied embedding's gradient is summed over first+last stage after the dp
         # reduction; the stages' buffers differ, so it must be whole there: all-reduce it.
@@ -113,7 +113,7 @@ class DistributedOptimizer:
             for (_, expert), params in by_kind.items():
                 comm = self.expert_comm if expert else self.comm
                 shards, shard_rank = (comm.size, comm.rank) if self.zero == 1 else (1, 0)
-                self.buffers.append(GradBuffer(params, bucket_numel, shards, shard_rank, full_reduce,
+                self.buffers.append(GradBuffer(params, bucket_size, shards, shard_rank, full_reduce,
                                                default_no_decay))
                 self.buffer_chunk.append(index)
                 self.buffer_comms.append(comm)

@@ -17,6 +17,8 @@ class ExpertParallel:
     size: int = 1
     rank: int = 0
     group: Optional[Any] = None
+    # Other work (the shared experts) runs while the all-to-alls are in flight (`parallel.ep_overlap`).
+    overlap: bool = True
 
     def local_experts(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds."""

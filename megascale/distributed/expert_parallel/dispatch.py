@@ -15,19 +15,27 @@ Rank r of an expert-parallel group of size ep holds the experts [r*L, (r+1)*L), 
    for the grouped expert GEMMs.
 
 `combine` undoes 4 and 3 (the reverse all-to-all), then sums each token's gate-weighted
-expert outputs in fp32. Both all-to-alls are autograd functions whose backward is the
-all-to-all in the other direction, so gradients flow to the tokens, the expert weights
-and the gate weights. `DispatchTraffic` counts the bytes each all-to-all sends to other
-ranks; the rows a rank keeps for its own experts never leave it.
+expert outputs in fp32. Gradients flow to the tokens, the expert weights and the gate
+weights: the backward of each all-to-all is the all-to-all in the other direction.
+`DispatchTraffic` counts the bytes each all-to-all sends to other ranks; the rows a rank
+keeps for its own experts never leave it.
 
-`dispatch_async` starts the token all-to-all and returns at once, so the caller can run
-other work (the shared experts) while the rows travel, and waits before the experts run.
+Overlap. Each row all-to-all is two autograd nodes, `_Start` (launch the collective with
+async_op=True) and `_Wait` (wait for it), so the caller can run other work between them:
+`dispatch_async` / `combine_async` launch and return a pending result whose `wait()`
+finishes the exchange. In the backward the two swap roles: `_Wait.backward` launches the
+gradient's all-to-all and `_Start.backward` waits for it. Autograd runs the ready node
+with the highest sequence number first (the one created last in the forward), so the
+backward of whatever ran between `_Start` and `_Wait` in the forward runs between the
+launch and the wait in the backward too: work hidden under a forward all-to-all hides the
+backward one. Under NCCL the collective runs on NCCL's stream and `wait()` makes the
+current stream wait for it; the host does not block.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -38,8 +46,9 @@ from megascale.distributed.expert_parallel import ExpertParallel
 from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_assignments
 from megascale.timers import PhaseTimers, timed
 
-# Phase timers: the dispatch all-to-all (and its count exchange, and waiting for it) and the combine one,
-# each in the pass it runs in (a dispatch's backward is timed under the dispatch).
+# Phase timers: each all-to-all's launch and wait (and the dispatch's count exchange), in the pass it runs
+# in (a dispatch's backward is timed under the dispatch). Time the collective spends in flight under other
+# work is in neither: they hold only what was left exposed.
 PHASES = {"dispatch": "ep_dispatch", "combine": "ep_combine"}
 
 
@@ -88,28 +97,98 @@ def all_to_all_rows(rows: Tensor, output_splits: list[int], input_splits: list[i
     return out, work if async_op else None
 
 
-class _AllToAll(torch.autograd.Function):
-    """The row all-to-all; its backward is the all-to-all in the other direction."""
+@dataclass
+class _Exchange:
+    """One row all-to-all between `_Start` and `_Wait`: its split sizes and, while in flight, its work."""
+
+    output_splits: list[int]  # rows received from each rank (forward direction)
+    input_splits: list[int]  # rows sent to each rank (forward direction)
+    ep: ExpertParallel
+    traffic: DispatchTraffic
+    kind: str  # "dispatch" or "combine"
+    timers: Optional[PhaseTimers]
+    work: Optional[Any] = None
+    # The collective's send and receive buffers, kept alive until it has been waited for.
+    buffers: tuple[Tensor, ...] = ()
+    grad: Optional[Tensor] = None  # the backward's receive buffer, between `_Wait.backward` and `_Start.backward`
+
+    def _timed(self) -> Any:
+        return timed(self.timers if self.ep.group is not None else None, PHASES[self.kind])
+
+    def launch(self, rows: Tensor, backward: bool) -> Tensor:
+        """Start sending `rows` (the forward's direction, or the reverse for a gradient); the received buffer."""
+        sends, receives = (self.output_splits, self.input_splits) if backward else (self.input_splits,
+                                                                                    self.output_splits)
+        sent = off_rank_bytes(sends, self.ep.rank, row_bytes_of(rows))
+        if backward:
+            self.traffic.backward += sent
+        else:
+            setattr(self.traffic, self.kind, getattr(self.traffic, self.kind) + sent)
+        rows = rows.contiguous()
+        with self._timed():
+            out, self.work = all_to_all_rows(rows, receives, sends, self.ep.group, async_op=True)
+        self.buffers = (rows, out)
+        return out
+
+    def wait(self) -> None:
+        """Block until the launched all-to-all is done (NCCL: order the current stream after it)."""
+        if self.work is not None:
+            with self._timed():
+                self.work.wait()
+        self.work, self.buffers = None, ()
+
+
+class _Start(torch.autograd.Function):
+    """Forward: launch the all-to-all of `rows`. Backward: wait for the gradient's all-to-all (see `_Wait`)."""
 
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, output_splits: list[int], input_splits: list[int], ep: ExpertParallel,
-                traffic: DispatchTraffic, kind: str, pending: Optional[list], timers: Optional[PhaseTimers]) -> Tensor:
-        ctx.splits, ctx.ep, ctx.traffic, ctx.timers = (output_splits, input_splits), ep, traffic, timers
-        ctx.phase = PHASES[kind]
-        setattr(traffic, kind, getattr(traffic, kind) + off_rank_bytes(input_splits, ep.rank, row_bytes_of(rows)))
-        with timed(timers if ep.group is not None else None, ctx.phase):
-            out, work = all_to_all_rows(rows, output_splits, input_splits, ep.group, async_op=pending is not None)
-        if pending is not None:
-            pending.append(work)
-        return out
+    def forward(ctx: Any, rows: Tensor, exchange: _Exchange) -> Tensor:
+        ctx.exchange = exchange
+        return exchange.launch(rows, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, _passed: Tensor) -> tuple:
+        exchange: _Exchange = ctx.exchange
+        exchange.wait()
+        grad, exchange.grad = exchange.grad, None
+        return grad, None
+
+
+class _Wait(torch.autograd.Function):
+    """Forward: wait for the all-to-all `_Start` launched; the received rows. Backward: launch the reverse
+    all-to-all of the gradient into a buffer `_Start.backward` returns once it has arrived.
+
+    `_Start`'s output is read only here, so the gradient this backward passes down to
+    `_Start.backward` carries nothing but the order: the data travels in the exchange.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, received: Tensor, exchange: _Exchange) -> Tensor:
+        exchange.wait()
+        ctx.exchange = exchange
+        # A saved tensor, so that a recomputation that stops once it has rebuilt every saved tensor
+        # (torch.utils.checkpoint's early stop) always replays past this wait: no launched exchange
+        # is left unwaited. Empty: it holds no memory.
+        ctx.save_for_backward(received.new_empty(0))
+        return received
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        output_splits, input_splits = ctx.splits
-        ctx.traffic.backward += off_rank_bytes(output_splits, ctx.ep.rank, row_bytes_of(grad))
-        with timed(ctx.timers if ctx.ep.group is not None else None, ctx.phase):
-            back, _ = all_to_all_rows(grad, input_splits, output_splits, ctx.ep.group)
-        return back, None, None, None, None, None, None, None
+        exchange: _Exchange = ctx.exchange
+        exchange.grad = exchange.launch(grad, backward=True)
+        return grad, None
+
+
+def start_all_to_all(rows: Tensor, output_splits: list[int], input_splits: list[int], ep: ExpertParallel,
+                     traffic: DispatchTraffic, kind: str, timers: Optional[PhaseTimers]) -> tuple[Tensor, _Exchange]:
+    """Launch the differentiable all-to-all of `rows`; `finish_all_to_all` of the result waits for it."""
+    exchange = _Exchange(output_splits, input_splits, ep, traffic, kind, timers)
+    return _Start.apply(rows, exchange), exchange
+
+
+def finish_all_to_all(in_flight: Tensor, exchange: _Exchange) -> Tensor:
+    """The received rows of an all-to-all `start_all_to_all` launched, once they have arrived."""
+    return _Wait.apply(in_flight, exchange)
 
 
 def expert_major_order(received_counts: Tensor) -> Tensor:
@@ -143,24 +222,36 @@ class _AllToAllHandle:
 
 @dataclass
 class PendingDispatch:
-    """A dispatch whose token all-to-all may still be in flight: `wait()` gives the expert rows."""
+    """A dispatch whose token all-to-all is in flight: `wait()` gives the expert rows."""
 
-    received: Tensor
+    in_flight: Tensor  # the receive buffer, filled once the exchange is waited for
+    exchange: _Exchange
     counts: Tensor  # [ep, L] rows received from each source for each local expert (CPU)
     handle: _AllToAllHandle
-    works: list = field(default_factory=list)
-    timers: Optional[PhaseTimers] = None
 
     def wait(self) -> Dispatched:
         """Block until the rows have arrived; they come grouped expert-major."""
-        works = [work for work in self.works if work is not None]
-        if works:
-            with timed(self.timers, PHASES["dispatch"]):
-                for work in works:
-                    work.wait()
-        self.works = []
-        expert_input = self.received.index_select(0, self.handle.order.to(self.received.device))
+        received = finish_all_to_all(self.in_flight, self.exchange)
+        expert_input = received.index_select(0, self.handle.order.to(received.device))
         return Dispatched(expert_input, self.counts.sum(0), self.handle)
+
+
+@dataclass
+class PendingCombine:
+    """A combine whose expert outputs are on their way back: `wait()` gives the gate-weighted sum per token."""
+
+    in_flight: Tensor
+    exchange: _Exchange
+    handle: _AllToAllHandle
+
+    def wait(self) -> Tensor:
+        """Block until the outputs are back; [n, h] sum over each token's rows of gate * output, in fp32,
+        cast to the tokens' dtype."""
+        handle = self.handle
+        returned = finish_all_to_all(self.in_flight, self.exchange)
+        weighted = returned.float() * handle.weights.unsqueeze(1)
+        out = weighted.new_zeros((handle.num_tokens, returned.shape[1]))
+        return out.index_add(0, handle.token_index, weighted).to(handle.dtype)
 
 
 class AllToAllDispatcher:
@@ -181,10 +272,11 @@ class AllToAllDispatcher:
 
     def dispatch(self, tokens: Tensor, routing: Routing) -> Dispatched:
         """tokens [n, h] -> the rows of this rank's local experts from every rank of the group, expert-major."""
-        return self.dispatch_async(tokens, routing, async_op=False).wait()
+        return self.dispatch_async(tokens, routing).wait()
 
-    def dispatch_async(self, tokens: Tensor, routing: Routing, async_op: bool = True) -> PendingDispatch:
-        """Start the dispatch; the token all-to-all runs in the background until `PendingDispatch.wait()`."""
+    def dispatch_async(self, tokens: Tensor, routing: Routing) -> PendingDispatch:
+        """Start the dispatch: the count exchange (which waits), then the token all-to-all, which runs in the
+        background until `PendingDispatch.wait()`."""
         k = routing.expert_ids.shape[1]
         assignments = sorted_assignments(routing.expert_ids, routing.keep)
         token_index = torch.div(assignments, k, rounding_mode="floor")
@@ -200,11 +292,10 @@ class AllToAllDispatcher:
         inverse[order] = torch.arange(order.numel(), device=order.device)
         handle = _AllToAllHandle(token_index, routing.weights.reshape(-1)[assignments].float(), tokens.shape[0],
                                  tokens.dtype, send_splits, recv_splits, order, inverse)
-        works: list = []
         self.traffic.calls += 1
-        received = _AllToAll.apply(tokens[token_index], recv_splits, send_splits, self.ep, self.traffic, "dispatch",
-                                   works if async_op else None, self.timers)
-        return PendingDispatch(received, recv_counts, handle, works, self.timers)
+        in_flight, exchange = start_all_to_all(tokens[token_index], recv_splits, send_splits, self.ep, self.traffic,
+                                               "dispatch", self.timers)
+        return PendingDispatch(in_flight, exchange, recv_counts, handle)
 
     def _exchange_counts(self, counts: Tensor) -> Tensor:
         """Per-expert row counts in, per-(source, local expert) counts out: one all_to_all_single of E ints."""
@@ -218,13 +309,16 @@ class AllToAllDispatcher:
 
     def combine(self, expert_output: Tensor, dispatched: Dispatched) -> Tensor:
         """[m, h] expert rows (expert-major) -> [n, h] gate-weighted sum per token, accumulated in fp32."""
+        return self.combine_async(expert_output, dispatched).wait()
+
+    def combine_async(self, expert_output: Tensor, dispatched: Dispatched) -> PendingCombine:
+        """Start sending the expert outputs back; they travel until `PendingCombine.wait()`."""
         handle: _AllToAllHandle = dispatched.handle
         source_major = expert_output.index_select(0, handle.inverse)
-        returned = _AllToAll.apply(source_major, handle.send_splits, handle.recv_splits, self.ep, self.traffic,
-                                   "combine", None, self.timers)
-        weighted = returned.float() * handle.weights.unsqueeze(1)
-        out = weighted.new_zeros((handle.num_tokens, expert_output.shape[1]))
-        return out.index_add(0, handle.token_index, weighted).to(handle.dtype)
+        in_flight, exchange = start_all_to_all(source_major, handle.send_splits, handle.recv_splits, self.ep,
+                                               self.traffic, "combine", self.timers)
+        return PendingCombine(in_flight, exchange, handle)
 
 
-__all__ = ["AllToAllDispatcher", "DispatchTraffic", "PendingDispatch", "expert_major_order", "off_rank_bytes"]
+__all__ = ["AllToAllDispatcher", "DispatchTraffic", "PendingCombine", "PendingDispatch", "expert_major_order",
+           "finish_all_to_all", "off_rank_bytes", "start_all_to_all"]
