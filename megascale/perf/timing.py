@@ -15,7 +15,9 @@ A step is:
    without) and, with ZeRO-1, the parameter all-gather: exposed in full, or only
    what the last micro-batch's backward (`overlap_grad_reduce`) or the first
    micro-batch's forward (`overlap_param_gather`) cannot hide, and never less
-   than one bucket's worth;
+   than one bucket's worth (on a CPU host, where ranks share the cores, none of
+   it hides; the collectives are waits the two-rank gloo probe priced,
+   `host.collective_stretch`);
 3. the tied-embedding gradient all-reduce between the first and last stage;
 4. the optimizer step, memory-bound over this rank's (ZeRO-sharded) parameters.
 """
