@@ -1,16 +1,18 @@
 """Latency and bus bandwidth of gloo collectives between real local process groups (`bench calibrate --device cpu`).
 
 Two processes, one thread each, join a gloo group by `file://` rendezvous and
-time every collective the trainer issues on CPU over a range of message sizes:
-all-reduce (tp without SP, data-parallel gradients), all-gather and
-reduce-scatter (SP, ZeRO-1), all-to-all (Ulysses) and p2p (pipeline, ring).
+time every collective gloo runs for the trainer on CPU over a range of message sizes:
+all-reduce (tp without SP, data-parallel gradients, and every reduce-scatter:
+gloo's `reduce_scatter_tensor` all-reduces the whole tensor and copies the
+rank's slice out, which `megascale.perf.collectives.backend_kind` prices),
+all-gather (SP, ZeRO-1), all-to-all (Ulysses) and p2p (pipeline, ring).
 Each collective is timed the way a training step issues it: after a block of
 compute, with no barrier, so it pays for the ranks arriving apart and for waking
 gloo's threads (on a CPU host that costs more than the transfer of a small
 message). Each kind's times are fitted to `a + b * bytes` and converted to the
 (bus GB/s, latency us) pair `megascale.perf.costs.collective_seconds` reads:
-with n = 2 ranks an all-reduce costs 2 latency + bytes / bus, an all-gather,
-reduce-scatter or all-to-all latency + bytes / (2 bus), a p2p latency + bytes / bus.
+with n = 2 ranks an all-reduce costs 2 latency + bytes / bus, an all-gather or
+all-to-all latency + bytes / (2 bus), a p2p latency + bytes / bus.
 """
 
 from __future__ import annotations
@@ -29,12 +31,10 @@ import torch.multiprocessing as mp
 from megascale.bench._sessions import own_session
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 PROBE_BYTES = (8 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+KINDS = ("all_reduce", "all_gather", "all_to_all", "p2p")
 # Bus-bandwidth convention for 2 ranks: (latency multiple, bytes multiple) in t = m_l * lat + m_b * bytes / bus.
-_TWO_RANK_FORM = {"all_reduce": (2.0, 1.0), "all_gather": (1.0, 0.5), "reduce_scatter": (1.0, 0.5),
-                  "all_to_all": (1.0, 0.5), "p2p": (1.0, 1.0)}
+_TWO_RANK_FORM = {"all_reduce": (2.0, 1.0), "all_gather": (1.0, 0.5), "all_to_all": (1.0, 0.5), "p2p": (1.0, 1.0)}
 
 
 def _op(kind: str, nbytes: int, rank: int) -> Callable[[], None]:
@@ -45,8 +45,6 @@ def _op(kind: str, nbytes: int, rank: int) -> Callable[[], None]:
         return lambda: dist.all_reduce(whole)
     if kind == "all_gather":
         return lambda: _ALL_GATHER(whole, half)
-    if kind == "reduce_scatter":
-        return lambda: _REDUCE_SCATTER(half, whole)
     if kind == "all_to_all":
         return lambda: dist.all_to_all_single(whole.clone(), whole)
     peer = 1 - rank

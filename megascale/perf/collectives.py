@@ -3,7 +3,8 @@
 Shared by the per-layer costs (`megascale.perf.costs`), the pipeline and data-parallel
 timing (`megascale.perf.timing`) and the CPU host model: one formula per collective kind,
 on NVLink inside a node, across nodes on the rail-aligned NICs, and on a CPU host at the
-bandwidths and in-pass meeting cost `megascale bench calibrate --device cpu` measured.
+bandwidths and in-pass meeting cost `megascale bench calibrate --device cpu` measured, each
+collective priced as what gloo really runs for it (`backend_kind`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,28 @@ def _bus_form(kind: str, nbytes: float, ranks: int, bandwidth: float, latency: f
     raise ValueError(f"unknown collective {kind!r}")
 
 
+def backend_kind(kind: str, spec: GpuSpec) -> str:
+    """The collective the backend really runs for `kind` on spec's ranks.
+
+    On a CPU host (gloo) torch's `reduce_scatter_tensor` clones the input, all-reduces the whole
+    clone and copies this rank's slice out: a reduce-scatter moves an all-reduce's bytes and is
+    priced by the all-reduce's measured fit (plus `backend_copy_seconds`). Every other kind, and
+    every kind on GPUs, is itself.
+    """
+    return "all_reduce" if kind == "reduce_scatter" and shares_cores(spec) else kind
+
+
+def backend_copy_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec) -> float:
+    """Seconds of the memory copies the backend adds to one collective of `kind` on `nbytes`.
+
+    gloo's reduce-scatter (see `backend_kind`) clones the whole input and copies the 1/ranks slice
+    out: each copy reads and writes its bytes at the host's measured copy bandwidth.
+    """
+    if backend_kind(kind, spec) == kind or ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (nbytes + nbytes / ranks) / (spec.hbm_gbps * 1e9)
+
+
 def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool,
                        node_ranks: int = 1) -> float:
     """Time of one collective on `nbytes` (the whole tensor) over `ranks` GPUs.
@@ -84,7 +107,21 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inte
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    return _bus_form(kind, nbytes, ranks, *_link(kind, spec, inter_node, node_ranks))
+    runs = backend_kind(kind, spec)
+    return (_bus_form(runs, nbytes, ranks, *_link(runs, spec, inter_node, node_ranks))
+            + backend_copy_seconds(kind, nbytes, ranks, spec))
+
+
+PROBE_RING_STEPS = 2
+"""Ring steps of the in-pass probe's collective (a two-rank all-reduce: a reduce-scatter step, then an
+all-gather step), over which its measured `pass_latency_us` is spread."""
+
+
+def ring_steps(kind: str, ranks: int) -> int:
+    """Rounds of messages one collective of `kind` over `ranks` ranks runs (ring algorithms; a p2p: one)."""
+    if kind == "p2p":
+        return 1
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
 
 
 def pass_collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec, inter_node: bool, gap: float,
@@ -93,18 +130,22 @@ def pass_collective_seconds(kind: str, nbytes: float, ranks: int, spec: GpuSpec,
 
     On a spec that measured what a collective costs inside a pass (`pass_latency_us`, CPU
     hosts: `bench calibrate --device cpu`), each call pays the bytes' transfer at the
-    collective's bus bandwidth plus, per ring step, the measured meeting of the two ranks:
-    `pass_latency_us` and the drift `pass_drift` x `gap`, the seconds of compute since the
-    previous in-pass collective. Elsewhere it is `calls` x `collective_seconds` of its share.
+    collective's bus bandwidth, the meeting of the ranks at each of its ring steps
+    (`ring_steps`; the probe's two-rank all-reduce has two, so a step costs half of
+    `pass_latency_us`: an all-gather, all-to-all or p2p exchange of two ranks one) and the
+    drift `pass_drift` x `gap` (gap: the seconds of compute since the previous in-pass
+    collective) per peer. Elsewhere it is `calls` x `collective_seconds` of its share.
     """
     if ranks <= 1 or nbytes <= 0 or calls <= 0:
         return 0.0
     each = nbytes / calls
     if spec.pass_latency_us <= 0 or inter_node:
         return calls * collective_seconds(kind, each, ranks, spec, inter_node, node_ranks)
-    bandwidth, _ = _link(kind, spec, inter_node, node_ranks)
-    meet = spec.pass_latency_us * 1e-6 + spec.pass_drift * gap
-    return calls * (_bus_form(kind, each, ranks, bandwidth, 0.0) + (ranks - 1) * meet)
+    runs = backend_kind(kind, spec)
+    bandwidth, _ = _link(runs, spec, inter_node, node_ranks)
+    meet = (ring_steps(runs, ranks) * spec.pass_latency_us * 1e-6 / PROBE_RING_STEPS
+            + (ranks - 1) * spec.pass_drift * gap)
+    return calls * (_bus_form(runs, each, ranks, bandwidth, 0.0) + meet + backend_copy_seconds(kind, each, ranks, spec))
 
 
 def shares_cores(spec: GpuSpec) -> bool:
@@ -112,5 +153,5 @@ def shares_cores(spec: GpuSpec) -> bool:
     return spec.host_cores > 0
 
 
-__all__ = ["collective_seconds", "group_node_ranks", "group_spans_nodes", "node_nic_share", "pass_collective_seconds",
-           "shares_cores"]
+__all__ = ["PROBE_RING_STEPS", "backend_copy_seconds", "backend_kind", "collective_seconds", "group_node_ranks",
+           "group_spans_nodes", "node_nic_share", "pass_collective_seconds", "ring_steps", "shares_cores"]

@@ -354,13 +354,15 @@ def _cp_pass(shape: LayerShape, spec: GpuSpec, attention: float, inter_node: boo
                                            inter_node, gap, calls=CP_ALL_TO_ALLS)
     steps = max(traffic.hops.forward, traffic.hops.backward)
     if steps:
-        # Each hop's transfer hides behind the attention of the blocks before it; backward sends the
-        # dk/dv sums beside k/v, and the last ones land after the last block. A window's two-way ring
-        # sends both directions at once, on the two links of each rank, and stops after `steps`.
-        # Ranks sharing a host's cores hide nothing: each wait is a meeting of the two ranks.
+        # Each hop's k/v transfer hides behind the attention of the block before it. Backward, a block's
+        # dk/dv sum is handed on beside the next hop's k/v (steps - 1 of them, hidden like it) and, at the
+        # block's last hop, sent home to its owner after the last block: one sum per hop, the last
+        # exposed. A window's two-way ring sends both directions at once, on the two links of each rank,
+        # and stops after `steps`. Ranks sharing a host's cores hide nothing: each wait is a meeting.
         kv = pass_collective_seconds("p2p", traffic.ring_kv_message, 2, spec, inter_node, gap)
         grads = pass_collective_seconds("p2p", traffic.ring_grad_message, 2, spec, inter_node, gap) if backward else 0.0
-        step, per_block = kv + grads, 0.0 if shares_cores(spec) else attention / (steps + 1)
+        step = kv + grads * (steps - 1) / steps
+        per_block = 0.0 if shares_cores(spec) else attention / (steps + 1)
         exposed += steps * max(0.0, step - per_block) + grads
         hidden += steps * min(step, per_block)
     return exposed, hidden
@@ -507,7 +509,8 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter, gap_f)
     tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter, gap_b,
                                  regathers=_regathers(shape, traits))
-    if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1:
+    # Ranks sharing a host's cores hide nothing: gloo's thread has no idle core to run the collective on.
+    if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1 and not shares_cores(spec):
         hidden_b = _async_backward_hidden(shape, spec, traits, gemms, tp_inter)
         tp_b, tp_b_hidden = tp_b - hidden_b, tp_b_hidden + hidden_b
     cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter, backward=False, gap=gap_f)

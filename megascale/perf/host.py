@@ -8,8 +8,11 @@ measured to get), the ranks time-share the cores. The step's passes run on a
 processor-sharing clock (`megascale.distributed.pipeline.shared_cores`, with
 `host_share`'s cores and threads): the ranks inside a pass at an instant share
 the cores (its meetings are not stretched but keep it busy), the ranks between
-passes (a pipeline's bubble) use none. The step's tail (gradient reduction,
-optimizer), which every rank runs at once, is stretched by ranks / cores.
+passes (a pipeline's bubble) use none. The step's tail that every rank
+computes at once (the optimizer) is stretched by ranks / cores; its collectives
+(gradient reduction, ZeRO-1 gather) are waits, priced by a gloo probe that
+already ran two ranks on these cores, and only ranks beyond the probe's slow
+them (`collective_stretch`).
 `shared_makespan` is the aggregate floor
 of that clock (every rank's compute spread over the cores), for the layout
 search's bubble formula, which has no schedule to run.
@@ -32,6 +35,26 @@ def ranks_per_core(plan: RunPlan, spec: GpuSpec) -> float:
         return 1.0
     ranks_on_host = min(plan.world_size, spec.gpus_per_node)
     return max(1.0, ranks_on_host / compute_cores(spec))
+
+
+PROBE_RANKS = 2
+"""Processes the gloo probe of `bench calibrate --device cpu` times its collectives between."""
+
+
+def collective_stretch(plan: RunPlan, spec: GpuSpec) -> float:
+    """How much slower than the gloo probe measured them the step's tail collectives run (>= 1).
+
+    The probe's two ranks already shared the host's cores as a two-rank run's do: a rank waiting
+    in a collective sleeps, and gloo's threads move the bytes on the cores the probe's ranks had.
+    Only more ranks than the probe's, all reducing at once, on fewer cores than ranks, slow them
+    further: by the probe's cores per rank over the run's. 1 for a spec with a device per rank.
+    """
+    if spec.host_cores <= 0:
+        return 1.0
+    ranks = min(plan.world_size, spec.gpus_per_node)
+    probe = min(float(PROBE_RANKS), spec.host_cores) / PROBE_RANKS
+    run = min(float(ranks), spec.host_cores) / ranks
+    return max(1.0, probe / run)
 
 
 def host_share(plan: RunPlan, spec: GpuSpec) -> tuple[float, float]:
@@ -61,4 +84,4 @@ def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[fl
     return max(makespan, work * peers / min(plan.world_size, compute_cores(spec)) + max(waits))
 
 
-__all__ = ["compute_cores", "host_share", "ranks_per_core", "shared_makespan"]
+__all__ = ["PROBE_RANKS", "collective_stretch", "compute_cores", "host_share", "ranks_per_core", "shared_makespan"]

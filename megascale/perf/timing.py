@@ -15,7 +15,9 @@ A step is:
    without) and, with ZeRO-1, the parameter all-gather: exposed in full, or only
    what the last micro-batch's backward (`overlap_grad_reduce`) or the first
    micro-batch's forward (`overlap_param_gather`) cannot hide, and never less
-   than one bucket's worth;
+   than one bucket's worth (on a CPU host, where ranks share the cores, none of
+   it hides; the collectives are waits the two-rank gloo probe priced,
+   `host.collective_stretch`);
 3. the tied-embedding gradient all-reduce between the first and last stage;
 4. the optimizer step, memory-bound over this rank's (ZeRO-sharded) parameters.
 """
@@ -43,7 +45,7 @@ from megascale.perf.costs import (
     shares_cores,
 )
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.host import host_share, ranks_per_core, shared_makespan
+from megascale.perf.host import collective_stretch, host_share, ranks_per_core, shared_makespan
 from megascale.perf.moe import expert_layout
 from megascale.run_plan import RunPlan
 
@@ -190,13 +192,15 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     reduce_kind = "reduce_scatter" if plan.zero == 1 else "all_reduce"
     reduce = sum(collective_seconds(reduce_kind, n * traits.grad_reduce_bytes, g, spec, i, nr)
                  for n, g, i, nr in groups)
-    window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce else 0.0
+    # Ranks sharing a host's cores have no idle core for gloo's thread: nothing hides under the passes.
+    overlaps = not shares_cores(spec)
+    window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce and overlaps else 0.0
     exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
     hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
     if plan.zero == 1:
         gather = sum(collective_seconds("all_gather", n * plan.precision.param_bytes, g, spec, i, nr)
                      for n, g, i, nr in groups)
-        window = sum(c.forward.total for c in chunks) if p.overlap_param_gather else 0.0
+        window = sum(c.forward.total for c in chunks) if p.overlap_param_gather and overlaps else 0.0
         exposed["dp_param_gather"] = max(gather / buckets, gather - window) if window else gather
         hidden["dp_param_gather"] = gather - exposed["dp_param_gather"]
     return exposed, hidden
@@ -280,7 +284,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     elif shares_cores(spec):
         waits = [m * sum(_pass_waits(c.forward) + _pass_waits(c.backward) for c in chunks) for chunks in costs]
         core_sharing = shared_makespan(plan, spec, makespan, busy, waits) - makespan
-    sharing = ranks_per_core(plan, spec)
+    sharing, waiting = ranks_per_core(plan, spec), collective_stretch(plan, spec)
     step_parts = []
     for rank in range(plan.pp):
         local, experts = rank_param_counts(cfg, table, rank)
@@ -288,7 +292,8 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local, experts)
         exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
         if sharing > 1.0:
-            exposed = {name: value * sharing for name, value in exposed.items()}
+            # The optimizer is compute on shared cores; the collectives are waits (`collective_stretch`).
+            exposed = {name: value * (sharing if name == "optimizer" else waiting) for name, value in exposed.items()}
             exposed["core_sharing"] = core_sharing
         step_parts.append((makespan + sum(exposed.values()), rank, exposed, hidden))
     total, rank, exposed, hidden = max(step_parts, key=lambda part: part[0])
