@@ -82,6 +82,26 @@ def default_no_decay(param: nn.Parameter, spec: ShardSpec) -> bool:
             or spec.global_name.endswith(".bias"))
 
 
+
+def gather_wait_units(chunk: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """The modules whose forward pre-hook waits for the ZeRO-1 parameter gathers, and whether for their
+    parameters at every depth (True) or their own only (False).
+
+    A unit is a child of the chunk (a transformer layer, an embedding, a norm): the layers'
+    forwards use their parameters in ways a per-module hook cannot see (a norm's fused
+    residual add, fused column GEMMs over two modules' weights, an MLP run in halves), so a
+    layer waits for all of its buckets when it starts. Containers without a forward of
+    their own (ModuleList, ModuleDict) are looked through; the chunk's own parameters
+    (position embeddings, an untied output weight) are waited for when the chunk starts.
+    """
+    units: list[tuple[nn.Module, bool]] = [(chunk, False)]
+    for child in chunk.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units += [unit for unit in gather_wait_units(child) if unit[0] is not child]
+        else:
+            units.append((child, True))
+    return units
+
 class DistributedOptimizer:
     """Bucketed, overlapped data-parallel gradient reduction plus AdamW/LAMB, replicated (zero=0) or ZeRO-1."""
 
@@ -363,8 +383,8 @@ class DistributedOptimizer:
         bucket_of = {id(slot.param): slot.bucket for slot in self.slots}
         hooks = []
         for chunk in chunks:
-            for module in chunk.modules():
-                buckets = {id(bucket_of[id(p)]): bucket_of[id(p)] for p in module.parameters(recurse=False)
+            for module, recurse in gather_wait_units(chunk):
+                buckets = {id(bucket_of[id(p)]): bucket_of[id(p)] for p in module.parameters(recurse=recurse)
                            if id(p) in bucket_of}
                 for bucket in buckets.values():
                     bucket.owner_modules.add(id(module))
