@@ -15,6 +15,7 @@ from megascale.model.params import param_table
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_checkpoint_bench_small(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "megascale.cli", "bench", "checkpoint", "--total-gb", "0.03", "--rounds", "2",
