@@ -31,12 +31,11 @@ from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BA
 from megascale.distributed.pipeline.shared_cores import simulate_shared
 from megascale.distributed.pipeline.simulator import simulate
 from megascale.model.params import ParamTable
+from megascale.perf.chunk_costs import ChunkCost, chunk_cost
 from megascale.perf.costs import (
     MEGASCALE,
-    ChunkCost,
     Cost,
     SystemTraits,
-    chunk_cost,
     collective_seconds,
     group_node_ranks,
     group_spans_nodes,
