@@ -281,7 +281,7 @@ def _post_order(root: Node) -> list[Node]:
     return order
 
 
-def _spine(root: Node, accumulators: set[Node]) -> frozenset[Node]:
+def _spine(root: Node, accumulators: set[Node], consumers: dict[Node, list[Node]]) -> frozenset[Node]:
     """The first stage's input-gradient path: nodes from which a node is reached where the gradients of
     two or more parameters part ways (two of its children lead to parameters), widened by `_merge_points`."""
     reaches_param: dict[Node, bool] = {}
@@ -293,7 +293,6 @@ def _spine(root: Node, accumulators: set[Node]) -> frozenset[Node]:
         on_spine[node] = leading >= 2 or any(on_spine[child] for child in children)
     spine = {node for node, kept in on_spine.items() if kept}
     if spine:
-        consumers = _consumers(root)
         while merged := _merge_points(spine, consumers):
             spine |= merged
     return frozenset(spine)
@@ -315,9 +314,10 @@ def _merge_points(spine: set[Node], consumers: dict[Node, list[Node]]) -> set[No
     return found
 
 
-def _weight_groups(root: Node, input_path: frozenset[Node], params: Iterable[Tensor]) -> list[_WeightGroup]:
-    """Group the parameters under `root` by the frontier nodes where their gradients leave the input path."""
-    consumers = _consumers(root)
+def _weight_groups(consumers: dict[Node, list[Node]], input_path: frozenset[Node],
+                   params: Iterable[Tensor]) -> list[_WeightGroup]:
+    """Group the parameters in the graph of `consumers` by the frontier nodes where their gradients leave
+    the input path."""
     by_node: dict[Node, _WeightGroup] = {}
     for param in params:
         accumulator = get_gradient_edge(param).node
@@ -388,9 +388,9 @@ def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params:
     """B and W of the first stage (no stage input): B walks the spine, W the parameter-side subgraphs."""
     root = output.grad_fn
     assert root is not None
-    spine = _spine(root, {get_gradient_edge(p).node for p in params})
-    groups = _weight_groups(root, spine, params) if spine else []
     consumers = _consumers(root)
+    spine = _spine(root, {get_gradient_edge(p).node for p in params}, consumers)
+    groups = _weight_groups(consumers, spine, params) if spine else []
     edges = _lowest_edges(groups, spine, consumers)
     if not edges:  # nothing parts ways: no input path to walk, W is the whole backward
         return DeferredWeightGrad([], whole=(output, grad_output), saved=saved)
@@ -434,7 +434,7 @@ def backward_input(output: Tensor, grad_output: Optional[Tensor], stage_input: O
     input_node = get_gradient_edge(stage_input).node
     consumers = _consumers(root)
     input_path = frozenset(_upward(input_node, consumers)[0])
-    groups = _weight_groups(root, input_path, wanted)
+    groups = _weight_groups(consumers, input_path, wanted)
     handles = _record(groups)
     frontier = [node for group in groups for node in group.nodes]
     frontier += _walked_by_weight(groups, input_path, consumers)
