@@ -68,8 +68,9 @@ class OptimizerState:
                 group.segments.append(seg)
         self._lamb_index = self._lamb_indices()
 
-    def _lamb_indices(self) -> tuple[Tensor, Tensor, Tensor, int]:
-        """Per decay segment, the index of its global tensor; which tensors are split over tp; which over ep."""
+    def _lamb_indices(self) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], int]:
+        """Per decay segment, the index of its global tensor; which tensors are split over tp; which over ep
+        (None when none is: known here, so the update needs no host sync to skip those all-reduces)."""
         index_of: dict[int, int] = {}
         split: list[bool] = []
         expert: list[bool] = []
@@ -82,8 +83,8 @@ class OptimizerState:
         seg_index = torch.tensor([index_of[id(seg.slot)] for seg in self.decay.segments], dtype=torch.long,
                                  device=self.ctx.device)
         device = self.ctx.device
-        return (seg_index, torch.tensor(split, dtype=torch.bool, device=device),
-                torch.tensor(expert, dtype=torch.bool, device=device), len(split))
+        return (seg_index, torch.tensor(split, dtype=torch.bool, device=device) if any(split) else None,
+                torch.tensor(expert, dtype=torch.bool, device=device) if any(expert) else None, len(split))
 
     def update(self, lr: float, step: int) -> None:
         """One optimizer update of every owned segment with learning rate lr; step is the 1-based update count."""
@@ -116,13 +117,13 @@ class OptimizerState:
             # ZeRO-1 flat pieces of a tensor live on several dp ranks; an expert tensor's pieces on the
             # edp ranks of each of its ep shards, which together are dp x cp as well.
             dist.all_reduce(sq, group=dp_group)
-        elif bool(expert.any()) and self.ctx.group("ep") is not None:
+        elif expert is not None and self.ctx.group("ep") is not None:
             # Replicated state: each rank holds whole ep shards of an expert tensor; sum them over ep.
             expert_sq = sq * expert.unsqueeze(1)
             dist.all_reduce(expert_sq, group=self.ctx.group("ep"))
             sq = torch.where(expert.unsqueeze(1), expert_sq, sq)
         tp_group = self.ctx.group("tp")
-        if tp_group is not None and bool(split.any()):
+        if tp_group is not None and split is not None:
             # tp slices of split tensors are summed; replicated tensors are whole on each tp rank.
             split_sq = sq * split.unsqueeze(1)
             dist.all_reduce(split_sq, group=tp_group)
