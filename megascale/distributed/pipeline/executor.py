@@ -80,6 +80,8 @@ class _PipelineRun:
         self.saved: dict[tuple[int, int], SavedActivations] = {}  # (chunk, mb) -> its boxed saved tensors
         # The pass after which a chunk's gradients are final: its last W when the backward is split.
         self.split = any(a.kind is WEIGHT for a in schedule)
+        # The parameters each chunk's W accumulates into (B groups them by where their gradients leave).
+        self.weights = [[p for p in c.parameters() if p.requires_grad] for c in chunks] if self.split else []
         final = WEIGHT if self.split else BACKWARD
         self.last_backward = {a.chunk: i for i, a in enumerate(schedule) if a.kind is final}
 
@@ -224,9 +226,9 @@ class _PipelineRun:
             grad = self.output_grad(chunk, microbatch)
         with timed(self.timers, "backward"):
             if split:
-                params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
                 self.deferred[(chunk, microbatch)] = backward_input(
-                    output, grad, self.inputs.get((chunk, microbatch)), params, self.saved.pop((chunk, microbatch)))
+                    output, grad, self.inputs.get((chunk, microbatch)), self.weights[chunk],
+                    self.saved.pop((chunk, microbatch)))
             else:
                 torch.autograd.backward(output, grad_tensors=grad)
         if self.stage(chunk) == 0:
