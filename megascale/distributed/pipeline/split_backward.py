@@ -383,6 +383,26 @@ def _lowest_edges(groups: list[_WeightGroup], spine: frozenset[Node],
     return edges
 
 
+def _input_pass(output: Tensor, grad_output: Optional[Tensor], inputs: list, groups: list[_WeightGroup],
+                input_path: frozenset[Node], consumers: dict[Node, list[Node]], saved: Optional[SavedActivations],
+                allow_unused: bool = False) -> tuple[Optional[Tensor], ...]:
+    """Run B: the gradients of `output` at `inputs` (tensors or gradient edges), recording what arrives at
+    every frontier node for W; under `saved`, what only B reads is released as it is read."""
+    handles = _record(groups)
+    frontier = [node for group in groups for node in group.nodes]
+    frontier += _walked_by_weight(groups, input_path, consumers)
+    try:
+        with saved.recording(frontier) if saved is not None else contextlib.nullcontext():
+            grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, retain_graph=True,
+                                        allow_unused=allow_unused)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if saved is not None:
+        saved.release_input_only()
+    return grads
+
+
 def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params: list[Tensor],
                           saved: Optional[SavedActivations]) -> DeferredWeightGrad:
     """B and W of the first stage (no stage input): B walks the spine, W the parameter-side subgraphs."""
@@ -394,15 +414,8 @@ def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params:
     edges = _lowest_edges(groups, spine, consumers)
     if not edges:  # nothing parts ways: no input path to walk, W is the whole backward
         return DeferredWeightGrad([], whole=(output, grad_output), saved=saved)
-    handles = _record(groups)
-    frontier = [node for group in groups for node in group.nodes] + list(_walked_by_weight(groups, spine, consumers))
-    try:
-        with saved.recording(frontier) if saved is not None else contextlib.nullcontext():
-            captured = torch.autograd.grad(output, [GradientEdge(node, nr) for _, _, nr, node in edges],
-                                           grad_outputs=grad_output, retain_graph=True, allow_unused=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    captured = _input_pass(output, grad_output, [GradientEdge(node, nr) for _, _, nr, node in edges], groups,
+                           spine, consumers, saved, allow_unused=True)
     arriving: dict[tuple[int, int], dict[int, Tensor]] = collections.defaultdict(dict)
     for (group, index, nr, _), grad in zip(edges, captured):
         if grad is not None:
@@ -412,8 +425,6 @@ def _backward_first_stage(output: Tensor, grad_output: Optional[Tensor], params:
             got = arriving.get((id(group), index))
             if got:
                 group.grads[index] = tuple(got.get(nr) for nr in range(max(got) + 1))
-    if saved is not None:
-        saved.release_input_only()
     return DeferredWeightGrad(groups, saved=saved)
 
 
@@ -435,16 +446,7 @@ def backward_input(output: Tensor, grad_output: Optional[Tensor], stage_input: O
     consumers = _consumers(root)
     input_path = frozenset(_upward(input_node, consumers)[0])
     groups = _weight_groups(consumers, input_path, wanted)
-    handles = _record(groups)
-    frontier = [node for group in groups for node in group.nodes]
-    frontier += _walked_by_weight(groups, input_path, consumers)
-    try:
-        with saved.recording(frontier) if saved is not None else contextlib.nullcontext():
-            (grad_input,) = torch.autograd.grad(output, stage_input, grad_outputs=grad_output, retain_graph=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    (grad_input,) = _input_pass(output, grad_output, [stage_input], groups, input_path, consumers, saved)
+    assert grad_input is not None  # not allow_unused: autograd raises for an input the output does not use
     stage_input.grad = grad_input if stage_input.grad is None else stage_input.grad + grad_input
-    if saved is not None:
-        saved.release_input_only()
     return DeferredWeightGrad(groups, saved=saved)
