@@ -109,6 +109,16 @@ def _check_groups(dims: dict, rank: int, world: int, shared: object) -> bool:
         if group is not None:
             dist.all_reduce(value, group=group)
         assert float(value) == float(sum(members)), (name, members, float(value))
+    # Sub-groups: a named group's members get that group back; other members get one group, made once.
+    dp_cp = ctx.ranks("dp_cp")
+    assert ctx.subgroup(dp_cp) is ctx.group("dp_cp")
+    half = world // 2 if world >= 4 else world
+    block = [r for r in range(world) if r // half == rank // half]
+    group = ctx.subgroup(block)
+    assert group is not None and ctx.subgroup(reversed(block)) is group
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, group=group)
+    assert float(value) == float(sum(block)), (block, float(value))
     return True
 
 
