@@ -144,6 +144,10 @@ class DistributedOptimizer:
         self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.zero == 1,
                                    expert_buffers=[comm is self.expert_comm and self.expert_parallel
                                                    for comm in self.buffer_comms])
+        # Views of the owned gradient ranges (the buffers are never reallocated): all, and those the norm counts.
+        self._owned_grads = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments]
+        self._norm_grads = [buf.grad[seg.start:seg.end] for buf, counted in zip(self.buffers, self._norm_buffers())
+                            if counted for seg in buf.segments if seg.slot.spec.counts_for_norm]
         self.scaler = LossScaler(cfg.train.dtype == "fp16", cfg.train.loss_scale, cfg.optim.loss_scale_window,
                                  cfg.optim.min_loss_scale)
         self.num_updates = 0
@@ -250,9 +254,7 @@ class DistributedOptimizer:
                    stop_votes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
         """(global grad norm, global loss, stop votes) in one all-reduce per group; loss and votes are 0
         when not given."""
-        pieces = [buf.grad[seg.start:seg.end] for buf, counted in zip(self.buffers, self._norm_buffers())
-                  if counted for seg in buf.segments if seg.slot.spec.counts_for_norm]
-        local = sum_of_squares(pieces, self.ctx.device)
+        local = sum_of_squares(self._norm_grads, self.ctx.device)
         # Each param piece is counted on exactly one rank of tp x pp (counts_for_norm) and,
         # with ZeRO-1, of dp x cp (owned ranges are disjoint); without ZeRO the dp/cp copies
         # are identical and summing them would count them twice. Expert shards differ over
@@ -315,7 +317,7 @@ class DistributedOptimizer:
         all-reduce; StepStats.stop_votes is then the total over every rank, read in the same host sync.
         """
         self.wait_params()
-        grads = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments]
+        grads = self._owned_grads
         if self.scaler.dynamic:
             scale_(grads, torch.tensor(1.0 / self.scaler.scale, device=self.ctx.device))
         norm_t, loss_t, votes_t = self._grad_norm(loss, stop_votes)
