@@ -225,6 +225,8 @@ def test_zbh1_keeps_1f1b_in_flight_activations(pp, m) -> None:
     zb = simulate(_all("zb-h1", pp, 1, m), 1, 2)
     assert zb.peak_in_flight == simulate(_all("1f1b", pp, 1, m), 1, 2).peak_in_flight
     assert zb.peak_in_flight == [min(pp - r, m) for r in range(pp)]
+    # From forward to W (what the weight stash is kept for) no rank holds more than 1F1B's first rank does.
+    assert max(zb.peak_until_weight) <= min(pp, m)
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 16)])
