@@ -178,10 +178,10 @@ def _zero_bubble_orders(name: str, pp: int, m: int) -> tuple[tuple[Compute, ...]
     fills the waits that 1F1B spends idle (Qi et al., "Zero Bubble Pipeline
     Parallelism", 2023):
 
-    * ZB-H1: limit = 1F1B's pp - rank, deferred = rank, and no forward while pp
-      micro-batches are between their forward and W. Every rank then holds at most
-      pp micro-batches, 1F1B's peak (its first rank's), and the first rank runs each W
-      right after its B. With equal F, B and W times the bubble is (pp - 1) units
+    * ZB-H1: limit = 1F1B's pp - rank, deferred = rank. A forward starts with fewer
+      than pp - rank items before B and at most rank before W, so every rank holds at
+      most pp micro-batches between forward and W, 1F1B's peak (its first rank's), and
+      the first rank runs each W right after its B. With equal F, B and W times the bubble is (pp - 1) units
       against 1F1B's 3 (pp - 1).
     * ZB-V: limit = 2 * pp half-size chunk items on every rank, the activation bytes
       1F1B holds on its first rank; deferred = pp - 1.
@@ -191,7 +191,6 @@ def _zero_bubble_orders(name: str, pp: int, m: int) -> tuple[tuple[Compute, ...]
     stages = pp * vpp
     limit = [2 * pp if v_shape else pp - r for r in range(pp)]
     deferred_cap = [pp - 1 if v_shape else r for r in range(pp)]
-    held_cap = None if v_shape else pp  # ZB-H1: micro-batches between forward and W, on any rank
     finished: dict[tuple[ActionKind, int, int], int] = {}
     orders: list[list[Compute]] = [[] for _ in range(pp)]
     free_at = [0] * pp
@@ -216,8 +215,7 @@ def _zero_bubble_orders(name: str, pp: int, m: int) -> tuple[tuple[Compute, ...]
         return (BACKWARD, chunk, mb)
 
     def ready_forward(rank: int) -> Optional[Compute]:
-        held = len(waiting_b[rank]) + len(waiting_w[rank])
-        if len(waiting_b[rank]) >= limit[rank] or (held_cap is not None and held >= held_cap):
+        if len(waiting_b[rank]) >= limit[rank]:
             return None
         forwards = []
         for chunk in range(vpp):
