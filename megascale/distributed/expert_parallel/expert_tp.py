@@ -32,7 +32,7 @@ from torch import Tensor
 
 from megascale.distributed.expert_parallel.dispatch import (
     all_to_all_rows,
-    expert_major_order,
+    expert_major_permutation,
     off_rank_bytes,
     row_bytes_of,
 )
@@ -159,9 +159,7 @@ class ExpertTensorParallel:
         counts = self._exchange_counts(tokens_per_expert.to(device=rows.device, dtype=torch.int64))  # [tp, L] CPU
         exchange = _Exchange(self.group, self.rank, self.size, counts.sum(1).tolist(), self.traffic, self.timers)
         pooled = _GatherRows.apply(rows, exchange)
-        order = expert_major_order(counts).to(rows.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        order, inverse = expert_major_permutation(counts, rows.device)
         return PooledRows(pooled.index_select(0, order), counts.sum(0), tokens_per_expert.cpu(), inverse, exchange)
 
     def scatter(self, expert_output: Tensor, pooled: PooledRows) -> Tensor:

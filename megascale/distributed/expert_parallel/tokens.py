@@ -41,4 +41,30 @@ def sorted_assignments(expert_ids: Tensor, keep: Optional[Tensor]) -> Tensor:
     return kept[torch.sort(flat[kept], stable=True).indices]
 
 
-__all__ = ["Dispatched", "Routing", "sorted_assignments"]
+@dataclass
+class SortedRows:
+    """This rank's kept assignments as rows ordered by expert (`sorted_assignments`): what a dispatch sends."""
+
+    token_index: Tensor  # [m] token of each row
+    experts: Tensor  # [m] global expert of each row
+    weights: Tensor  # [m] fp32 gate weight of each row
+
+
+def sorted_rows(routing: Routing) -> SortedRows:
+    """The token, expert and gate weight of each kept assignment, in `sorted_assignments` order."""
+    k = routing.expert_ids.shape[1]
+    assignments = sorted_assignments(routing.expert_ids, routing.keep)
+    return SortedRows(torch.div(assignments, k, rounding_mode="floor"), routing.expert_ids.reshape(-1)[assignments],
+                      routing.weights.reshape(-1)[assignments].float())
+
+
+def weighted_token_sum(rows: Tensor, token_index: Tensor, weights: Tensor, num_tokens: int,
+                       dtype: torch.dtype) -> Tensor:
+    """Expert output rows [m, h] -> [num_tokens, h]: each token's sum of weights * its rows, accumulated in fp32,
+    cast to dtype (a token with no row gets 0)."""
+    weighted = rows.float() * weights.unsqueeze(1)
+    out = weighted.new_zeros((num_tokens, rows.shape[1]))
+    return out.index_add(0, token_index, weighted).to(dtype)
+
+
+__all__ = ["Dispatched", "Routing", "SortedRows", "sorted_assignments", "sorted_rows", "weighted_token_sum"]
