@@ -65,7 +65,10 @@ def pool_problems(pool: Any, tp_rank: int, device: torch.device, dtype: torch.dt
 
     problems = []
     rows = tagged(tp_rank).requires_grad_(True)
-    pooled = pool.gather(rows, torch.tensor(counts[tp_rank]))
+    group_counts = pool.gather_counts(torch.tensor(counts[tp_rank], device=device)).cpu()
+    if group_counts.tolist() != counts:
+        problems.append(f"gathered counts {group_counts.tolist()} != {counts}")
+    pooled = pool.gather(rows, group_counts)
     expected = torch.cat([tagged(r)[tagged(r)[:, 1] == e] for e in range(3) for r in range(2)])
     if not torch.equal(pooled.rows, expected) or pooled.tokens_per_expert.tolist() != [4, 4, 2]:
         problems.append(f"pooled rows {pooled.rows.tolist()} != {expected.tolist()}")
@@ -103,7 +106,7 @@ def pooling(rank: int, world: int, shared: Any) -> tuple[list[str], dict[str, in
     pool.traffic.reset()
     x = torch.randn(balanced, cfg.model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     per_expert = torch.full((cfg.model.moe.num_experts,), balanced // cfg.model.moe.num_experts)
-    balanced_pool = pool.gather(x, per_expert)
+    balanced_pool = pool.gather(x, pool.gather_counts(per_expert).cpu())
     pool.scatter(balanced_pool.rows * 2, balanced_pool).float().sum().backward()
     t = pool.traffic
     counted = {"gather": t.gather, "scatter": t.scatter, "backward": t.backward, "counts": t.counts}

@@ -150,11 +150,16 @@ class GroupedExperts(nn.Module):
         self.ffn = ffn // bc.tp.size if bc.expert_tp else ffn  # this rank's width of each expert
         self.hidden = hidden
 
-    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """x [m, h] rows grouped expert-major, tokens_per_expert [E_local] (CPU int64) -> [m, h]."""
+    def forward(self, x: Tensor, tokens_per_expert: Tensor, group_counts: Optional[Tensor] = None) -> Tensor:
+        """x [m, h] rows grouped expert-major, tokens_per_expert [E_local] (CPU int64) -> [m, h].
+
+        group_counts: under expert tensor parallelism, every tp rank's tokens_per_expert [tp, E_local] (CPU),
+        which the dispatch gathered (`ExpertTensorParallel.gather_counts`)."""
         if self.expert_tp is None:
             return self._compute(x, tokens_per_expert, self.fc2.bias_rows)
-        pooled = self.expert_tp.gather(x, tokens_per_expert)
+        if group_counts is None:
+            raise ValueError("expert tensor parallelism: the dispatch brings every tp rank's counts (group_counts)")
+        pooled = self.expert_tp.gather(x, group_counts)
         partial = self._compute(pooled.rows, pooled.tokens_per_expert, None)
         out = self.expert_tp.scatter(partial, pooled)
         bias = self.fc2.bias_rows

@@ -16,16 +16,18 @@ in flight and the result is ready at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Optional, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 # The router's output and the dispatched rows are shared with the expert-parallel dispatcher below the model.
 from megascale.distributed.expert_parallel.tokens import (
+    CountPool,
     Dispatched,
     Routing,
     SortedRows,
+    counts_to_host,
     sorted_assignments,
     sorted_rows,
     weighted_token_sum,
@@ -84,14 +86,17 @@ class _LocalHandle:
 class LocalDispatcher:
     """Dispatch when this rank holds all `num_experts` experts: a permutation of the token rows."""
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, pool_counts: Optional[CountPool] = None) -> None:
+        """pool_counts: under expert tensor parallelism, the tp exchange of the per-expert counts."""
+        self.num_experts, self.pool_counts = num_experts, pool_counts
 
     def dispatch(self, tokens: Tensor, routing: Routing) -> Dispatched:
         """tokens [n, h] -> expert-major rows [m, h] (m = kept assignments)."""
         rows = sorted_rows(routing)
-        tokens_per_expert = torch.bincount(rows.experts, minlength=self.num_experts).cpu()
-        return Dispatched(tokens[rows.token_index], tokens_per_expert, _LocalHandle(rows, tokens.shape[0]))
+        counts = torch.bincount(rows.experts, minlength=self.num_experts)
+        (tokens_per_expert,), group_counts = counts_to_host([counts], counts, self.pool_counts)
+        return Dispatched(tokens[rows.token_index], tokens_per_expert, _LocalHandle(rows, tokens.shape[0]),
+                          group_counts)
 
     def dispatch_async(self, tokens: Tensor, routing: Routing) -> Ready[Dispatched]:
         """`dispatch`, done at once."""

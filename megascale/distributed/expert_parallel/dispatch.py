@@ -43,7 +43,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megascale.distributed.expert_parallel import ExpertParallel
-from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_rows, weighted_token_sum
+from megascale.distributed.expert_parallel.tokens import (
+    CountPool,
+    Dispatched,
+    Routing,
+    counts_to_host,
+    sorted_rows,
+    weighted_token_sum,
+)
 from megascale.timers import PhaseTimers, timed
 
 # Phase timers: each all-to-all's launch and wait (and the dispatch's count exchange), in the pass it runs
@@ -237,12 +244,13 @@ class PendingDispatch:
     exchange: _Exchange
     counts: Tensor  # [ep, L] rows received from each source for each local expert (CPU)
     handle: _AllToAllHandle
+    group_counts: Optional[Tensor] = None  # expert tensor parallelism: [tp, L] rows of every tp rank (CPU)
 
     def wait(self) -> Dispatched:
         """Block until the rows have arrived; they come grouped expert-major."""
         received = finish_all_to_all(self.in_flight, self.exchange)
         expert_input = received.index_select(0, self.handle.order.to(received.device))
-        return Dispatched(expert_input, self.counts.sum(0), self.handle)
+        return Dispatched(expert_input, self.counts.sum(0), self.handle, self.group_counts)
 
 
 @dataclass
@@ -268,12 +276,13 @@ class AllToAllDispatcher:
     """
 
     def __init__(self, num_experts: int, ep: ExpertParallel, traffic: Optional[DispatchTraffic] = None,
-                 timers: Optional[PhaseTimers] = None) -> None:
+                 timers: Optional[PhaseTimers] = None, pool_counts: Optional[CountPool] = None) -> None:
         """traffic: where to count the bytes sent (a fresh counter by default); timers: the rank's phase timers,
-        on which the all-to-alls are timed as `ep_dispatch` and `ep_combine`."""
+        on which the all-to-alls are timed as `ep_dispatch` and `ep_combine`; pool_counts: under expert tensor
+        parallelism, the tp exchange of the received per-expert counts (its result joins the one host sync)."""
         if num_experts % ep.size:
             raise ValueError(f"{num_experts} experts are not divisible by ep={ep.size}")
-        self.num_experts, self.ep, self.timers = num_experts, ep, timers
+        self.num_experts, self.ep, self.timers, self.pool_counts = num_experts, ep, timers, pool_counts
         self.local_experts = num_experts // ep.size
         self.traffic = traffic if traffic is not None else DispatchTraffic()
 
@@ -287,9 +296,12 @@ class AllToAllDispatcher:
         rows = sorted_rows(routing)
         counts = torch.bincount(rows.experts, minlength=self.num_experts)
         received_counts = self._exchange_counts(counts)
-        both = torch.stack([counts, received_counts]).cpu()  # the one host sync: split sizes
-        send_splits = both[0].view(self.ep.size, self.local_experts).sum(1).tolist()
-        recv_counts = both[1].view(self.ep.size, self.local_experts)
+        received_per_expert = received_counts.view(self.ep.size, self.local_experts).sum(0)
+        # The one host sync: split sizes (and, under expert tensor parallelism, the tp ranks' counts).
+        (sent, received), group_counts = counts_to_host([counts, received_counts], received_per_expert,
+                                                        self.pool_counts)
+        send_splits = sent.view(self.ep.size, self.local_experts).sum(1).tolist()
+        recv_counts = received.view(self.ep.size, self.local_experts)
         recv_splits = recv_counts.sum(1).tolist()
         order, inverse = expert_major_permutation(recv_counts, tokens.device)
         handle = _AllToAllHandle(rows.token_index, rows.weights, tokens.shape[0], tokens.dtype, send_splits,
@@ -297,7 +309,7 @@ class AllToAllDispatcher:
         self.traffic.calls += 1
         in_flight, exchange = start_all_to_all(tokens[rows.token_index], recv_splits, send_splits, self.ep,
                                                self.traffic, "dispatch", self.timers)
-        return PendingDispatch(in_flight, exchange, recv_counts, handle)
+        return PendingDispatch(in_flight, exchange, recv_counts, handle, group_counts)
 
     def _exchange_counts(self, counts: Tensor) -> Tensor:
         """Per-expert row counts in, per-(source, local expert) counts out: one all_to_all_single of E ints."""
