@@ -113,4 +113,5 @@ class LocalDispatcher:
                                   expert_output.dtype)
 
 
-__all__ = ["Dispatched", "LocalDispatcher", "Pending", "Ready", "Routing", "TokenDispatcher", "sorted_assignments"]
+__all__ = ["CountPool", "Dispatched", "LocalDispatcher", "Pending", "Ready", "Routing", "TokenDispatcher",
+           "sorted_assignments"]
