@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -27,6 +28,12 @@ MOE_MODEL = ("model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", 
              "train.global_batch_size=8", "train.micro_batch_size=2", "train.dtype=fp32", "optim.lr=0.01",
              "optim.warmup_steps=0", "optim.eps=1e-4")
 SIGMOID = ("model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01", "model.moe.norm_topk_prob=true")
+ROUTERS = {"softmax": (), "sigmoid": SIGMOID}
+# The layout parity tests: four gloo ranks; losses, grad norms and gradients within RTOL of the
+# single-process run, parameters after the update within PARAM_RTOL.
+WORLD = 4
+RTOL = 1e-5
+PARAM_RTOL = 1e-4
 
 
 @dataclass
@@ -160,3 +167,27 @@ def compare(got: RunResult, ref: RunResult, rtol: float, param_rtol: float) -> l
             if err > tol:
                 problems.append(f"{what} {name}: relative error {err:.2e}")
     return problems
+
+
+def layout_scenario(overrides: Sequence[str], rank: int, world: int, shared: Any) -> list[str]:
+    """A run_scenarios scenario: train the layout the overrides give; rank 0 also trains the single-process run
+    of the same model (the overrides other than parallel.*, cached per model in `shared`) and returns the
+    problems of `compare` at RTOL and PARAM_RTOL (the other ranks return none)."""
+    model = tuple(o for o in overrides if not o.startswith("parallel."))
+    parallel = tuple(o for o in overrides if o.startswith("parallel."))
+    got = train_steps(model + parallel, rank, world)
+    if rank != 0:
+        return []
+    references = shared.setdefault("references", {})
+    if model not in references:
+        references[model] = train_steps(model, 0, 1, stats_group=shared["own_group"])
+    return compare(got, references[model], RTOL, PARAM_RTOL)
+
+
+def run_layouts(layouts: dict[str, Sequence[str]], extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Name -> Outcome of `layout_scenario` for each named layout's overrides (and any `extra` scenarios), on
+    WORLD gloo ranks."""
+    from dist_utils import run_scenarios
+
+    scenarios = {name: partial(layout_scenario, tuple(overrides)) for name, overrides in layouts.items()}
+    return run_scenarios({**scenarios, **(extra or {})}, WORLD, setup=own_groups, timeout=900.0, pg_timeout=300.0)

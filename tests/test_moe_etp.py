@@ -6,8 +6,8 @@ summed back. The scenarios train three optimizer steps of the small MoE GPT of
 tests/moe_utils.py (fp32, dropout 0, aux and z losses, a shared expert) on four gloo
 ranks and compare, on rank 0, the global losses, grad norms, the last step's gradients
 and the parameters after it with the single-process run of the same config and batches,
-at the tolerances of tests/test_moe_parallel.py and for the same reasons: the split only
-changes the order of float32 sums (the tp sum of the FFN slices' partial outputs), so
+at the tolerances of tests/moe_utils.py (RTOL, PARAM_RTOL), for the reasons tests/test_moe_parallel.py
+gives: the split only changes the order of float32 sums (the tp sum of the FFN slices' partial outputs), so
 losses and gradients agree to ~1e-6 relative, while a wrong slice, a missing or doubled
 tp sum of a gradient, or a bias added twice is O(1).
 
@@ -19,15 +19,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
-from dist_utils import Outcome, run_scenarios
-from moe_utils import MOE_MODEL, compare, own_groups, train_steps
-from test_moe_parallel import PARAM_RTOL, ROUTERS, RTOL, WORLD
+from dist_utils import Outcome
+from moe_utils import MOE_MODEL, PARAM_RTOL, ROUTERS, RTOL, run_layouts
 from train_utils import train
 
 from megascale.config import load_config
@@ -51,19 +49,6 @@ DEFAULT = {("tp2_sp_ep2_etp2", "sigmoid")}
 CASES = [(layout, router) for layout in ETP_LAYOUTS for router in ROUTERS]
 
 
-def scenario(layout: str, router: str, rank: int, world: int, shared: Any) -> list[str]:
-    """Train the layout; rank 0 also trains the single-process run (cached per config) and compares."""
-    model = MOE_MODEL + ROUTERS[router] + tuple(o for o in ETP_LAYOUTS[layout] if not o.startswith("parallel."))
-    parallel = tuple(o for o in ETP_LAYOUTS[layout] if o.startswith("parallel."))
-    got = train_steps(model + parallel, rank, world)
-    if rank != 0:
-        return []
-    references = shared.setdefault("references", {})
-    if model not in references:
-        references[model] = train_steps(model, 0, 1, stats_group=shared["own_group"])
-    return compare(got, references[model], RTOL, PARAM_RTOL)
-
-
 def pool_problems(pool: Any, tp_rank: int, device: torch.device, dtype: torch.dtype) -> list[str]:
     """What is wrong with a tp group of 2's pooling of uneven rows (empty if nothing), on `device` in `dtype`.
 
@@ -80,7 +65,10 @@ def pool_problems(pool: Any, tp_rank: int, device: torch.device, dtype: torch.dt
 
     problems = []
     rows = tagged(tp_rank).requires_grad_(True)
-    pooled = pool.gather(rows, torch.tensor(counts[tp_rank]))
+    group_counts = pool.gather_counts(torch.tensor(counts[tp_rank], device=device)).cpu()
+    if group_counts.tolist() != counts:
+        problems.append(f"gathered counts {group_counts.tolist()} != {counts}")
+    pooled = pool.gather(rows, group_counts)
     expected = torch.cat([tagged(r)[tagged(r)[:, 1] == e] for e in range(3) for r in range(2)])
     if not torch.equal(pooled.rows, expected) or pooled.tokens_per_expert.tolist() != [4, 4, 2]:
         problems.append(f"pooled rows {pooled.rows.tolist()} != {expected.tolist()}")
@@ -118,7 +106,7 @@ def pooling(rank: int, world: int, shared: Any) -> tuple[list[str], dict[str, in
     pool.traffic.reset()
     x = torch.randn(balanced, cfg.model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     per_expert = torch.full((cfg.model.moe.num_experts,), balanced // cfg.model.moe.num_experts)
-    balanced_pool = pool.gather(x, per_expert)
+    balanced_pool = pool.gather(x, pool.gather_counts(per_expert).cpu())
     pool.scatter(balanced_pool.rows * 2, balanced_pool).float().sum().backward()
     t = pool.traffic
     counted = {"gather": t.gather, "scatter": t.scatter, "backward": t.backward, "counts": t.counts}
@@ -129,8 +117,8 @@ def pooling(rank: int, world: int, shared: Any) -> tuple[list[str], dict[str, in
 
 
 def _run(cases: list[tuple[str, str]], extra: Optional[dict[str, Any]] = None) -> dict[str, Outcome]:
-    scenarios = {f"{layout}-{router}": partial(scenario, layout, router) for layout, router in cases}
-    return run_scenarios({**scenarios, **(extra or {})}, WORLD, setup=own_groups, timeout=900.0, pg_timeout=300.0)
+    return run_layouts({f"{layout}-{router}": MOE_MODEL + ROUTERS[router] + ETP_LAYOUTS[layout]
+                        for layout, router in cases}, extra)
 
 
 @pytest.fixture(scope="module")

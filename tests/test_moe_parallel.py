@@ -27,18 +27,11 @@ tp 2 + SP + ep 2 with the sigmoid router); the rest are marked slow.
 from __future__ import annotations
 
 import math
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
-from dist_utils import Outcome, run_scenarios
-from moe_utils import MOE_MODEL, SIGMOID, compare, own_groups, train_steps
-
-WORLD = 4
-RTOL = 1e-5
-PARAM_RTOL = 1e-4
-ROUTERS = {"softmax": (), "sigmoid": SIGMOID}
+from dist_utils import Outcome
+from moe_utils import MOE_MODEL, ROUTERS, run_layouts
 
 # name -> the layout's overrides
 LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -73,26 +66,11 @@ CASES = [(layout, router) for layout in LAYOUTS for router in ROUTERS]
 
 
 def _overrides(layout: str, router: str) -> tuple[str, ...]:
-    extra = tuple(o for o in LAYOUTS[layout] if not o.startswith("parallel."))
-    return MOE_MODEL + ROUTERS[router] + extra
-
-
-def scenario(layout: str, router: str, rank: int, world: int, shared: Any) -> list[str]:
-    """Train the layout; rank 0 also trains the single-process run (cached per config) and compares."""
-    model = _overrides(layout, router)
-    parallel = tuple(o for o in LAYOUTS[layout] if o.startswith("parallel."))
-    got = train_steps(model + parallel, rank, world)
-    if rank != 0:
-        return []
-    references = shared.setdefault("references", {})
-    if model not in references:
-        references[model] = train_steps(model, 0, 1, stats_group=shared["own_group"])
-    return compare(got, references[model], RTOL, PARAM_RTOL)
+    return MOE_MODEL + ROUTERS[router] + LAYOUTS[layout]
 
 
 def _run(cases: list[tuple[str, str]]) -> dict[str, Outcome]:
-    scenarios = {f"{layout}-{router}": partial(scenario, layout, router) for layout, router in cases}
-    return run_scenarios(scenarios, WORLD, setup=own_groups, timeout=900.0, pg_timeout=300.0)
+    return run_layouts({f"{layout}-{router}": _overrides(layout, router) for layout, router in cases})
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ per-expert GEMMs over each expert's contiguous rows.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from functools import cached_property
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -72,24 +73,51 @@ def grouped_mm_available(x: Tensor, *dims: int) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0) and all(d % 8 == 0 for d in dims))
 
 
-def grouped_linear(x: Tensor, weights: Tensor, bias: Optional[Tensor], tokens_per_expert: Tensor,
+class ExpertRows:
+    """Rows grouped expert-major by per-expert counts [E] (CPU int64), and what the projections derive from the
+    counts: worked out on first use and shared by every projection of one forward."""
+
+    def __init__(self, tokens_per_expert: Tensor, num_rows: int, device: torch.device) -> None:
+        self.counts, self.num_rows, self.device = tokens_per_expert, num_rows, device
+
+    @cached_property
+    def sizes(self) -> list[int]:
+        """Rows of each expert."""
+        return self.counts.tolist()
+
+    @cached_property
+    def device_counts(self) -> Tensor:
+        """The counts on the rows' device."""
+        return self.counts.to(device=self.device)
+
+    @cached_property
+    def offsets(self) -> Tensor:
+        """[E] int32 on the rows' device: where each expert's rows end (the grouped GEMM's offs)."""
+        return torch.cumsum(self.device_counts, 0).to(torch.int32)
+
+    @cached_property
+    def expert_of_row(self) -> Tensor:
+        """[num_rows] on the rows' device: the expert of each row (to pick each row's bias)."""
+        return torch.repeat_interleave(torch.arange(self.counts.shape[0], device=self.device), self.device_counts,
+                                       output_size=self.num_rows)
+
+
+def grouped_linear(x: Tensor, weights: Tensor, bias: Optional[Tensor], tokens_per_expert: Union[Tensor, ExpertRows],
                    grouped: bool) -> Tensor:
     """Rows x [m, in] grouped expert-major times each expert's weights [E, out, in]^T (+ bias [E, out]) -> [m, out].
 
+    tokens_per_expert: the rows of each expert, as counts [E] (CPU int64) or an `ExpertRows` over x.
     grouped: one torch._grouped_mm (CUDA bf16); else a loop of per-expert GEMMs
     (exact, any device and dtype).
     """
+    rows = tokens_per_expert if isinstance(tokens_per_expert, ExpertRows) else ExpertRows(tokens_per_expert,
+                                                                                          x.shape[0], x.device)
     if grouped:
-        offsets = torch.cumsum(tokens_per_expert.to(device=x.device), 0).to(torch.int32)
-        y = torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
-        if bias is not None:
-            expert_of_row = torch.repeat_interleave(torch.arange(weights.shape[0], device=x.device),
-                                                    tokens_per_expert.to(device=x.device), output_size=x.shape[0])
-            y = y + bias[expert_of_row]
-        return y
+        y = torch._grouped_mm(x, weights.transpose(1, 2), offs=rows.offsets)
+        return y if bias is None else y + bias[rows.expert_of_row]
     parts = []
-    for expert, rows in enumerate(x.split(tokens_per_expert.tolist(), dim=0)):
-        parts.append(F.linear(rows, weights[expert], None if bias is None else bias[expert]))
+    for expert, part in enumerate(x.split(rows.sizes, dim=0)):
+        parts.append(F.linear(part, weights[expert], None if bias is None else bias[expert]))
     if not parts:
         return x.new_zeros((0, weights.shape[1]))
     return torch.cat(parts, dim=0)
@@ -122,28 +150,32 @@ class GroupedExperts(nn.Module):
         self.ffn = ffn // bc.tp.size if bc.expert_tp else ffn  # this rank's width of each expert
         self.hidden = hidden
 
-    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """x [m, h] rows grouped expert-major, tokens_per_expert [E_local] (CPU int64) -> [m, h]."""
+    def forward(self, x: Tensor, tokens_per_expert: Tensor, group_counts: Optional[Tensor] = None) -> Tensor:
+        """x [m, h] rows grouped expert-major, tokens_per_expert [E_local] (CPU int64) -> [m, h].
+
+        group_counts: under expert tensor parallelism, every tp rank's tokens_per_expert [tp, E_local] (CPU),
+        which the dispatch gathered (`ExpertTensorParallel.gather_counts`)."""
         if self.expert_tp is None:
             return self._compute(x, tokens_per_expert, self.fc2.bias_rows)
-        pooled = self.expert_tp.gather(x, tokens_per_expert)
+        if group_counts is None:
+            raise ValueError("expert tensor parallelism: the dispatch brings every tp rank's counts (group_counts)")
+        pooled = self.expert_tp.gather(x, group_counts)
         partial = self._compute(pooled.rows, pooled.tokens_per_expert, None)
         out = self.expert_tp.scatter(partial, pooled)
         bias = self.fc2.bias_rows
         if bias is not None:
-            expert_of_row = torch.repeat_interleave(torch.arange(bias.shape[0], device=x.device),
-                                                    tokens_per_expert.to(device=x.device), output_size=x.shape[0])
-            out = out + bias[expert_of_row]
+            out = out + bias[ExpertRows(tokens_per_expert, x.shape[0], x.device).expert_of_row]
         return out
 
     def _compute(self, x: Tensor, tokens_per_expert: Tensor, fc2_bias: Optional[Tensor]) -> Tensor:
         """fc2(act(fc1(x))) of each expert's rows with the weights this rank holds; fc2_bias: added or not."""
         grouped = grouped_mm_available(x, self.hidden, self.ffn)
-        fc1 = grouped_linear(x, self.fc1.matrices, self.fc1.bias_rows, tokens_per_expert, grouped)
+        rows = ExpertRows(tokens_per_expert, x.shape[0], x.device)  # offsets and row experts for both projections
+        fc1 = grouped_linear(x, self.fc1.matrices, self.fc1.bias_rows, rows, grouped)
         if self.swiglu:
             fc1 = fc1.view(fc1.shape[0], 2, self.ffn)
         hidden = activate(fc1, self.activation, self.ops)
-        return grouped_linear(hidden, self.fc2.matrices, fc2_bias, tokens_per_expert, grouped)
+        return grouped_linear(hidden, self.fc2.matrices, fc2_bias, rows, grouped)
 
 
-__all__ = ["ExpertLinear", "GroupedExperts", "grouped_linear", "grouped_mm_available"]
+__all__ = ["ExpertLinear", "ExpertRows", "GroupedExperts", "grouped_linear", "grouped_mm_available"]

@@ -76,11 +76,6 @@ class LayerDims:
         return replace(dims, ffn=m.expert_ffn_size, routed=m.moe.top_k, shared_ffn=m.shared_ffn_size,
                        router_experts=m.moe.num_experts)
 
-    @property
-    def is_moe(self) -> bool:
-        """An MoE layer (router and routed experts in place of the dense MLP)."""
-        return self.router_experts > 0
-
 
 def layer_dims(m: ModelConfig, seq_length: Optional[int] = None) -> list[LayerDims]:
     """The dims of every layer, in order (MoE and dense layers differ in their MLP)."""

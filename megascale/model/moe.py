@@ -42,7 +42,7 @@ from megascale.distributed.expert_parallel.dispatch import AllToAllDispatcher
 from megascale.model.experts import GroupedExperts
 from megascale.model.layers import BuildContext
 from megascale.model.mlp import MLP
-from megascale.model.moe_dispatch import LocalDispatcher, TokenDispatcher
+from megascale.model.moe_dispatch import CountPool, LocalDispatcher, TokenDispatcher
 from megascale.model.router import Router, RouterOutput, update_expert_bias
 
 # Columns of a layer's statistics row after its E per-expert counts.
@@ -100,11 +100,13 @@ class MoEStats:
         self.row = None
 
 
-def build_dispatcher(bc: BuildContext) -> TokenDispatcher:
-    """The dispatcher of this rank's expert-parallel position: a local permutation without expert parallelism."""
+def build_dispatcher(bc: BuildContext, pool_counts: Optional[CountPool] = None) -> TokenDispatcher:
+    """The dispatcher of this rank's expert-parallel position: a local permutation without expert parallelism.
+
+    pool_counts: under expert tensor parallelism, the experts' tp exchange of the per-expert counts."""
     if bc.ep.size == 1:
-        return LocalDispatcher(bc.model.moe.num_experts)
-    return AllToAllDispatcher(bc.model.moe.num_experts, bc.ep, timers=bc.tp.timers)
+        return LocalDispatcher(bc.model.moe.num_experts, pool_counts)
+    return AllToAllDispatcher(bc.model.moe.num_experts, bc.ep, timers=bc.tp.timers, pool_counts=pool_counts)
 
 
 @dataclass
@@ -143,7 +145,8 @@ class MoELayer(nn.Module):
         self.router = Router(f"{name}.router", bc, bc.moe_stats_group)
         self.experts = GroupedExperts(f"{name}.experts", bc)
         self.shared = MLP(f"{name}.shared", bc, m.shared_ffn_size) if m.shared_ffn_size > 0 else None
-        self.dispatcher = build_dispatcher(bc)
+        pool = self.experts.expert_tp
+        self.dispatcher = build_dispatcher(bc, None if pool is None else pool.gather_counts)
         # The shared experts run under the all-to-alls (parallel.ep_overlap); nothing to hide without ep.
         self.overlap = bc.ep.overlap and bc.ep.size > 1
         self.stats = MoEStats(m.moe.num_experts)
@@ -178,7 +181,7 @@ class MoELayer(nn.Module):
         if beside is not None:
             beside.run_first()
         dispatched = pending.wait()
-        expert_output = self.experts(dispatched.expert_input, dispatched.tokens_per_expert)
+        expert_output = self.experts(dispatched.expert_input, dispatched.tokens_per_expert, dispatched.group_counts)
         returning = self.dispatcher.combine_async(expert_output, dispatched)
         if beside is not None:
             beside.run_second()

@@ -16,13 +16,22 @@ in flight and the result is ready at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Optional, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 # The router's output and the dispatched rows are shared with the expert-parallel dispatcher below the model.
-from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_assignments
+from megascale.distributed.expert_parallel.tokens import (
+    CountPool,
+    Dispatched,
+    Routing,
+    SortedRows,
+    counts_to_host,
+    sorted_assignments,
+    sorted_rows,
+    weighted_token_sum,
+)
 
 T_co = TypeVar("T_co", covariant=True)
 T = TypeVar("T")
@@ -70,28 +79,24 @@ class TokenDispatcher(Protocol):
 
 @dataclass
 class _LocalHandle:
-    assignments: Tensor  # [m] flat (token * k + slot) index of each row
-    token_index: Tensor  # [m] token of each row
-    weights: Tensor  # [m] fp32 gate weight of each row
+    rows: SortedRows  # the token and gate weight of each dispatched row
     num_tokens: int
 
 
 class LocalDispatcher:
     """Dispatch when this rank holds all `num_experts` experts: a permutation of the token rows."""
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, pool_counts: Optional[CountPool] = None) -> None:
+        """pool_counts: under expert tensor parallelism, the tp exchange of the per-expert counts."""
+        self.num_experts, self.pool_counts = num_experts, pool_counts
 
     def dispatch(self, tokens: Tensor, routing: Routing) -> Dispatched:
         """tokens [n, h] -> expert-major rows [m, h] (m = kept assignments)."""
-        k = routing.expert_ids.shape[1]
-        assignments = sorted_assignments(routing.expert_ids, routing.keep)
-        token_index = torch.div(assignments, k, rounding_mode="floor")
-        experts = routing.expert_ids.reshape(-1)[assignments]
-        tokens_per_expert = torch.bincount(experts, minlength=self.num_experts).cpu()
-        weights = routing.weights.reshape(-1)[assignments]
-        handle = _LocalHandle(assignments, token_index, weights, tokens.shape[0])
-        return Dispatched(tokens[token_index], tokens_per_expert, handle)
+        rows = sorted_rows(routing)
+        counts = torch.bincount(rows.experts, minlength=self.num_experts)
+        (tokens_per_expert,), group_counts = counts_to_host([counts], counts, self.pool_counts)
+        return Dispatched(tokens[rows.token_index], tokens_per_expert, _LocalHandle(rows, tokens.shape[0]),
+                          group_counts)
 
     def dispatch_async(self, tokens: Tensor, routing: Routing) -> Ready[Dispatched]:
         """`dispatch`, done at once."""
@@ -104,9 +109,9 @@ class LocalDispatcher:
     def combine(self, expert_output: Tensor, dispatched: Dispatched) -> Tensor:
         """[m, h] expert rows -> [n, h] gate-weighted sum per token (fp32 accumulation)."""
         handle: _LocalHandle = dispatched.handle
-        weighted = expert_output.float() * handle.weights.unsqueeze(1)
-        out = weighted.new_zeros((handle.num_tokens, expert_output.shape[1]))
-        return out.index_add(0, handle.token_index, weighted).to(expert_output.dtype)
+        return weighted_token_sum(expert_output, handle.rows.token_index, handle.rows.weights, handle.num_tokens,
+                                  expert_output.dtype)
 
 
-__all__ = ["Dispatched", "LocalDispatcher", "Pending", "Ready", "Routing", "TokenDispatcher", "sorted_assignments"]
+__all__ = ["CountPool", "Dispatched", "LocalDispatcher", "Pending", "Ready", "Routing", "TokenDispatcher",
+           "sorted_assignments"]

@@ -43,7 +43,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megascale.distributed.expert_parallel import ExpertParallel
-from megascale.distributed.expert_parallel.tokens import Dispatched, Routing, sorted_assignments
+from megascale.distributed.expert_parallel.tokens import (
+    CountPool,
+    Dispatched,
+    Routing,
+    counts_to_host,
+    sorted_rows,
+    weighted_token_sum,
+)
 from megascale.timers import PhaseTimers, timed
 
 # Phase timers: each all-to-all's launch and wait (and the dispatch's count exchange), in the pass it runs
@@ -206,6 +213,15 @@ def expert_major_order(received_counts: Tensor) -> Tensor:
     return torch.repeat_interleave(by_expert_starts, by_expert_counts) + within
 
 
+def expert_major_permutation(received_counts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(order, inverse) on `device`: `expert_major_order(received_counts)` and the position of each received row
+    in the expert-major order (the permutation back)."""
+    order = expert_major_order(received_counts).to(device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return order, inverse
+
+
 @dataclass
 class _AllToAllHandle:
     """What combine needs to undo a dispatch."""
@@ -228,12 +244,13 @@ class PendingDispatch:
     exchange: _Exchange
     counts: Tensor  # [ep, L] rows received from each source for each local expert (CPU)
     handle: _AllToAllHandle
+    group_counts: Optional[Tensor] = None  # expert tensor parallelism: [tp, L] rows of every tp rank (CPU)
 
     def wait(self) -> Dispatched:
         """Block until the rows have arrived; they come grouped expert-major."""
         received = finish_all_to_all(self.in_flight, self.exchange)
         expert_input = received.index_select(0, self.handle.order.to(received.device))
-        return Dispatched(expert_input, self.counts.sum(0), self.handle)
+        return Dispatched(expert_input, self.counts.sum(0), self.handle, self.group_counts)
 
 
 @dataclass
@@ -249,9 +266,7 @@ class PendingCombine:
         cast to the tokens' dtype."""
         handle = self.handle
         returned = finish_all_to_all(self.in_flight, self.exchange)
-        weighted = returned.float() * handle.weights.unsqueeze(1)
-        out = weighted.new_zeros((handle.num_tokens, returned.shape[1]))
-        return out.index_add(0, handle.token_index, weighted).to(handle.dtype)
+        return weighted_token_sum(returned, handle.token_index, handle.weights, handle.num_tokens, handle.dtype)
 
 
 class AllToAllDispatcher:
@@ -261,12 +276,13 @@ class AllToAllDispatcher:
     """
 
     def __init__(self, num_experts: int, ep: ExpertParallel, traffic: Optional[DispatchTraffic] = None,
-                 timers: Optional[PhaseTimers] = None) -> None:
+                 timers: Optional[PhaseTimers] = None, pool_counts: Optional[CountPool] = None) -> None:
         """traffic: where to count the bytes sent (a fresh counter by default); timers: the rank's phase timers,
-        on which the all-to-alls are timed as `ep_dispatch` and `ep_combine`."""
+        on which the all-to-alls are timed as `ep_dispatch` and `ep_combine`; pool_counts: under expert tensor
+        parallelism, the tp exchange of the received per-expert counts (its result joins the one host sync)."""
         if num_experts % ep.size:
             raise ValueError(f"{num_experts} experts are not divisible by ep={ep.size}")
-        self.num_experts, self.ep, self.timers = num_experts, ep, timers
+        self.num_experts, self.ep, self.timers, self.pool_counts = num_experts, ep, timers, pool_counts
         self.local_experts = num_experts // ep.size
         self.traffic = traffic if traffic is not None else DispatchTraffic()
 
@@ -277,25 +293,23 @@ class AllToAllDispatcher:
     def dispatch_async(self, tokens: Tensor, routing: Routing) -> PendingDispatch:
         """Start the dispatch: the count exchange (which waits), then the token all-to-all, which runs in the
         background until `PendingDispatch.wait()`."""
-        k = routing.expert_ids.shape[1]
-        assignments = sorted_assignments(routing.expert_ids, routing.keep)
-        token_index = torch.div(assignments, k, rounding_mode="floor")
-        experts = routing.expert_ids.reshape(-1)[assignments]
-        counts = torch.bincount(experts, minlength=self.num_experts)
+        rows = sorted_rows(routing)
+        counts = torch.bincount(rows.experts, minlength=self.num_experts)
         received_counts = self._exchange_counts(counts)
-        both = torch.stack([counts, received_counts]).cpu()  # the one host sync: split sizes
-        send_splits = both[0].view(self.ep.size, self.local_experts).sum(1).tolist()
-        recv_counts = both[1].view(self.ep.size, self.local_experts)
+        received_per_expert = received_counts.view(self.ep.size, self.local_experts).sum(0)
+        # The one host sync: split sizes (and, under expert tensor parallelism, the tp ranks' counts).
+        (sent, received), group_counts = counts_to_host([counts, received_counts], received_per_expert,
+                                                        self.pool_counts)
+        send_splits = sent.view(self.ep.size, self.local_experts).sum(1).tolist()
+        recv_counts = received.view(self.ep.size, self.local_experts)
         recv_splits = recv_counts.sum(1).tolist()
-        order = expert_major_order(recv_counts).to(tokens.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        handle = _AllToAllHandle(token_index, routing.weights.reshape(-1)[assignments].float(), tokens.shape[0],
-                                 tokens.dtype, send_splits, recv_splits, order, inverse)
+        order, inverse = expert_major_permutation(recv_counts, tokens.device)
+        handle = _AllToAllHandle(rows.token_index, rows.weights, tokens.shape[0], tokens.dtype, send_splits,
+                                 recv_splits, order, inverse)
         self.traffic.calls += 1
-        in_flight, exchange = start_all_to_all(tokens[token_index], recv_splits, send_splits, self.ep, self.traffic,
-                                               "dispatch", self.timers)
-        return PendingDispatch(in_flight, exchange, recv_counts, handle)
+        in_flight, exchange = start_all_to_all(tokens[rows.token_index], recv_splits, send_splits, self.ep,
+                                               self.traffic, "dispatch", self.timers)
+        return PendingDispatch(in_flight, exchange, recv_counts, handle, group_counts)
 
     def _exchange_counts(self, counts: Tensor) -> Tensor:
         """Per-expert row counts in, per-(source, local expert) counts out: one all_to_all_single of E ints."""
@@ -321,4 +335,4 @@ class AllToAllDispatcher:
 
 
 __all__ = ["AllToAllDispatcher", "DispatchTraffic", "PendingCombine", "PendingDispatch", "expert_major_order",
-           "finish_all_to_all", "off_rank_bytes", "start_all_to_all"]
+           "expert_major_permutation", "finish_all_to_all", "off_rank_bytes", "start_all_to_all"]

@@ -6,10 +6,11 @@ features. Each tp rank still routes and dispatches its own tokens, so after the
 expert-parallel dispatch the tp ranks hold different rows for the same local experts.
 `ExpertTensorParallel`:
 
-1. `gather`: exchanges the per-expert row counts over tp (one all_gather of L
-   integers), sends every rank's rows to every other tp rank (all_to_all_single with
-   the real split sizes: the ranks' row counts differ), and reorders the pooled rows
-   expert-major, so this rank's slice of each expert computes every tp rank's rows;
+1. `gather_counts`: exchanges the per-expert row counts over tp (one all_gather of L
+   integers) on the device, inside the dispatch, whose one host sync brings them to the CPU
+   with its own counts; `gather`: sends every rank's rows to every other tp rank
+   (all_to_all_single with the real split sizes: the ranks' row counts differ), and reorders
+   the pooled rows expert-major, so this rank's slice of each expert computes every tp rank's rows;
 2. `scatter`: the reverse: the expert outputs (partial sums over this rank's slice of
    the FFN) go back source-major, each tp rank receives every rank's partial output
    of its own rows and sums them (a reduce-scatter with uneven splits).
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from megascale.distributed.expert_parallel.dispatch import (
     all_to_all_rows,
-    expert_major_order,
+    expert_major_permutation,
     off_rank_bytes,
     row_bytes_of,
 )
@@ -138,7 +139,6 @@ class PooledRows:
 
     rows: Tensor  # [M, h] expert-major over the pooled rows
     tokens_per_expert: Tensor  # [L] CPU int64: pooled rows of each local expert
-    own_tokens_per_expert: Tensor  # [L] CPU int64: this rank's rows of each local expert
     inverse: Tensor  # expert-major row of each rank-major pooled row
     exchange: _Exchange
 
@@ -153,16 +153,15 @@ class ExpertTensorParallel:
         self.group, self.rank, self.size, self.timers = group, rank, size, timers
         self.traffic = traffic if traffic is not None else ExpertTPTraffic()
 
-    def gather(self, rows: Tensor, tokens_per_expert: Tensor) -> PooledRows:
-        """This rank's expert-major rows [m, h] with their per-expert counts [L] -> every tp rank's, expert-major."""
+    def gather(self, rows: Tensor, group_counts: Tensor) -> PooledRows:
+        """This rank's expert-major rows [m, h] -> every tp rank's, expert-major; group_counts [tp, L] (CPU int64):
+        the rows of each local expert on every tp rank (`gather_counts`, moved to the CPU)."""
         self.traffic.calls += 1
-        counts = self._exchange_counts(tokens_per_expert.to(device=rows.device, dtype=torch.int64))  # [tp, L] CPU
-        exchange = _Exchange(self.group, self.rank, self.size, counts.sum(1).tolist(), self.traffic, self.timers)
+        exchange = _Exchange(self.group, self.rank, self.size, group_counts.sum(1).tolist(), self.traffic,
+                             self.timers)
         pooled = _GatherRows.apply(rows, exchange)
-        order = expert_major_order(counts).to(rows.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return PooledRows(pooled.index_select(0, order), counts.sum(0), tokens_per_expert.cpu(), inverse, exchange)
+        order, inverse = expert_major_permutation(group_counts, rows.device)
+        return PooledRows(pooled.index_select(0, order), group_counts.sum(0), inverse, exchange)
 
     def scatter(self, expert_output: Tensor, pooled: PooledRows) -> Tensor:
         """[M, h] partial expert outputs of the pooled rows (expert-major) -> this rank's rows [m, h], summed over
@@ -170,17 +169,18 @@ class ExpertTensorParallel:
         rank_major = expert_output.index_select(0, pooled.inverse)
         return _ReduceScatterRows.apply(rank_major, pooled.exchange)
 
-    def _exchange_counts(self, tokens_per_expert: Tensor) -> Tensor:
-        """[L] rows of each local expert here (on the rows' device, which the backend reaches) -> [tp, L] rows of
-        each local expert on every tp rank (CPU: the split sizes)."""
+    def gather_counts(self, tokens_per_expert: Tensor) -> Tensor:
+        """[L] rows of each local expert here (on a device the backend reaches) -> [tp, L] rows of each local
+        expert on every tp rank, on the same device: the dispatcher moves it to the CPU with its own counts,
+        in its one host sync."""
         if self.group is None or self.size == 1:
-            return tokens_per_expert.cpu().view(1, -1).repeat(self.size, 1)
-        local = tokens_per_expert.contiguous()
+            return tokens_per_expert.view(1, -1).repeat(self.size, 1)
+        local = tokens_per_expert.to(torch.int64).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)]
         self.traffic.counts += (self.size - 1) * local.numel() * COUNT_BYTES
         with timed(self.timers, GATHER_PHASE):
             dist.all_gather(parts, local, group=self.group)
-        return torch.stack(parts).cpu()
+        return torch.stack(parts)
 
 
 __all__ = ["ExpertTPTraffic", "ExpertTensorParallel", "PooledRows", "gather_bytes", "scatter_bytes"]
