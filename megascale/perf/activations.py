@@ -51,6 +51,7 @@ from typing import Literal, Optional
 
 from megascale.config import Config, Recompute
 from megascale.perf import lfa
+from megascale.perf.moe import kept_fraction
 from megascale.run_plan import RunPlan
 
 KernelProfile = Literal["reference", "fused"]
@@ -292,9 +293,7 @@ def routed_tokens(sh: Shapes) -> int:
 def routed_rows(cfg: Config, sh: Shapes) -> int:
     """Rows this rank's experts compute: tokens x top_k (dropless; balanced over the ep group), fewer under
     a capacity factor below 1."""
-    factor = cfg.model.moe.capacity_factor
-    kept = 1.0 if factor is None else min(1.0, factor)
-    return int(routed_tokens(sh) * cfg.model.moe.top_k * kept)
+    return int(routed_tokens(sh) * cfg.model.moe.top_k * kept_fraction(cfg))
 
 
 def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
