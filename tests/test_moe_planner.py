@@ -428,6 +428,33 @@ def test_shared_expert_overlap_hides_both_all_to_alls_in_both_passes() -> None:
         hidden = getattr(ours, pass_name).hidden["ep"]
         assert 0 < hidden <= getattr(plain, pass_name).ep_comm  # at most both all-to-alls
         assert getattr(ours, pass_name).ep_comm == pytest.approx(getattr(plain, pass_name).ep_comm - hidden)
+    # Hand-computed: each all-to-all (dispatch_seconds, checked above) hides under at most its half's GEMMs.
+    # The shared MLP on a tp rank is 2 experts x 128 / tp 8 = 32 wide (fc1: gate and up, 64), on 256 tokens.
+    one_way = dispatch_seconds(cfg, plan, spec, expert_layout(cfg, plan, 8))
+
+    def halves(gpu: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+        def g(m: int, n: int, k: int) -> float:
+            return float(gpu.gemm_seconds(m, n, k, "bf16"))
+        return ((g(256, 64, 256), g(256, 256, 32)),
+                (g(256, 256, 64) + g(64, 256, 256), g(256, 32, 256) + g(256, 32, 256)))
+
+    forward_halves, backward_halves = halves(spec)
+    assert max(*forward_halves, *backward_halves) < one_way  # the GEMMs are what hides
+    assert ours.forward.hidden["ep"] == pytest.approx(sum(forward_halves))
+    assert ours.backward.hidden["ep"] == pytest.approx(sum(backward_halves))
+    # GEMMs 10^4 times slower: both all-to-alls hide whole, in both passes, and nothing is exposed.
+    slow = dataclasses.replace(spec, peak_tflops={k: v / 1e4 for k, v in spec.peak_tflops.items()})
+    assert min(*halves(slow)[0], *halves(slow)[1]) > one_way
+    slow_costs = layer_costs(cfg, plan, slow, MEGASCALE, moe_layer=True)
+    for cost in (slow_costs.forward, slow_costs.backward):
+        assert cost.hidden["ep"] == pytest.approx(2 * one_way) and cost.ep_comm == pytest.approx(0.0, abs=1e-15)
+    # 800 times slower: the forward's fc1 outlasts the dispatch, fc2 not the combine; each half hides on its own.
+    mixed = dataclasses.replace(spec, peak_tflops={k: v / 800 for k, v in spec.peak_tflops.items()})
+    fc1, fc2 = halves(mixed)[0]
+    assert fc1 > one_way > fc2
+    mixed_forward = layer_costs(cfg, plan, mixed, MEGASCALE, moe_layer=True).forward
+    assert mixed_forward.hidden["ep"] == pytest.approx(one_way + fc2)
+    assert mixed_forward.ep_comm == pytest.approx(one_way - fc2)
     assert forward_only.forward.hidden["ep"] == ours.forward.hidden["ep"]
     assert forward_only.backward.hidden["ep"] == 0.0 and forward_only.backward.ep_comm == plain.backward.ep_comm
     # parallel.ep_overlap=false: everything in order, nothing hidden.

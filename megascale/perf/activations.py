@@ -45,12 +45,14 @@ against autograd's saved tensors on the real model for a grid of layouts.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 from megascale.config import Config, Recompute
 from megascale.perf import lfa
+from megascale.perf.moe import kept_fraction
 from megascale.run_plan import RunPlan
 
 KernelProfile = Literal["reference", "fused"]
@@ -292,9 +294,7 @@ def routed_tokens(sh: Shapes) -> int:
 def routed_rows(cfg: Config, sh: Shapes) -> int:
     """Rows this rank's experts compute: tokens x top_k (dropless; balanced over the ep group), fewer under
     a capacity factor below 1."""
-    factor = cfg.model.moe.capacity_factor
-    kept = 1.0 if factor is None else min(1.0, factor)
-    return int(routed_tokens(sh) * cfg.model.moe.top_k * kept)
+    return int(routed_tokens(sh) * cfg.model.moe.top_k * kept_fraction(cfg))
 
 
 def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -491,7 +491,9 @@ def chunk_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: 
     sh = Shapes.of(cfg, plan)
     ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
     modes = [layer_recompute(cfg, i) for i in range(num_layers)]
-    total = sum(layer_bytes(cfg, sh, kernels, mode, cfg.model.is_moe_layer(layer)) for mode, layer in zip(modes, ids))
+    # One layer_bytes per kind of layer (recompute mode, MoE or dense), times the chunk's layers of that kind.
+    kinds = Counter((mode, cfg.model.is_moe_layer(layer)) for mode, layer in zip(modes, ids))
+    total = sum(count * layer_bytes(cfg, sh, kernels, mode, moe) for (mode, moe), count in kinds.items())
     if kernels == "fused" and cfg.model.position == "rope" and any(mode != "full" for mode in modes):
         total += sh.seq * sh.head_dim * FP32  # the chunk's fp32 cos/sin tables, shared by its layers
     if first:

@@ -20,6 +20,7 @@ search's bubble formula, which has no schedule to run.
 
 from __future__ import annotations
 
+from megascale.perf.collectives import shares_cores
 from megascale.perf.gpus import GpuSpec
 from megascale.run_plan import RunPlan
 
@@ -31,7 +32,7 @@ def compute_cores(spec: GpuSpec) -> float:
 
 def ranks_per_core(plan: RunPlan, spec: GpuSpec) -> float:
     """Ranks per core on one host (>= 1), or 1 for a spec with a device per rank."""
-    if spec.host_cores <= 0:
+    if not shares_cores(spec):
         return 1.0
     ranks_on_host = min(plan.world_size, spec.gpus_per_node)
     return max(1.0, ranks_on_host / compute_cores(spec))
@@ -49,7 +50,7 @@ def collective_stretch(plan: RunPlan, spec: GpuSpec) -> float:
     Only more ranks than the probe's, all reducing at once, on fewer cores than ranks, slow them
     further: by the probe's cores per rank over the run's. 1 for a spec with a device per rank.
     """
-    if spec.host_cores <= 0:
+    if not shares_cores(spec):
         return 1.0
     ranks = min(plan.world_size, spec.gpus_per_node)
     probe = min(float(PROBE_RANKS), spec.host_cores) / PROBE_RANKS

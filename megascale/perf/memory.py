@@ -49,6 +49,7 @@ from megascale.distributed.pipeline.simulator import peak_live
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf import activations as act
 from megascale.perf.activations import KernelProfile, Shapes
+from megascale.perf.moe import rank_param_counts
 from megascale.perf.weight_stash import weight_stash_bytes
 from megascale.run_plan import NO_PIPELINE, RunPlan
 
@@ -215,8 +216,7 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
     sh = Shapes.of(cfg, plan)
     window = cfg.model.window_size if cfg.model.attention == "sliding_window" else 0
     ep = cfg.parallel.ep
-    experts = table.expert_local_numel(stage) // ep
-    count = table.local_numel(stage) - table.expert_local_numel(stage) + experts
+    count, experts = rank_param_counts(cfg, table, stage)
     per_param = 8 + (4 if plan.precision.master_weights else 0)
     optimizer: float = count * per_param
     if plan.zero == 1:  # dense weights sharded over dp x cp, routed experts over their dp x cp / ep replicas

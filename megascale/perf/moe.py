@@ -194,6 +194,19 @@ def expert_tp_bytes(cfg: Config, plan: RunPlan) -> ExpertTPBytes:
                          counts_bytes=local * COUNT_BYTES, etp=expert_tp_size(cfg, plan))
 
 
+def rank_param_counts(cfg: Config, table: ParamTable, pp_rank: int) -> tuple[int, int]:
+    """(elements, routed-expert elements among them) one rank of pipeline rank pp_rank holds: its tp
+    slices, and 1/ep of the routed experts (one pass over the rank's entries)."""
+    dense = experts = 0
+    for entry in table.held_by(pp_rank):
+        if entry.is_expert:
+            experts += entry.local_numel(table.layout.tp)
+        else:
+            dense += entry.local_numel(table.layout.tp)
+    experts //= cfg.parallel.ep
+    return dense + experts, experts
+
+
 def active_numel(table: ParamTable, model: ModelConfig) -> int:
     """Parameters one token runs through: every parameter once, routed-expert weights top_k / num_experts
     of them (the router, the shared experts and the dense layers always run)."""
@@ -204,5 +217,5 @@ def active_numel(table: ParamTable, model: ModelConfig) -> int:
 
 
 __all__ = ["DispatchBytes", "ExpertLayout", "ExpertTPBytes", "active_numel", "all_to_all_seconds", "dispatch_bytes",
-           "dispatch_seconds", "expert_layout", "expert_tp_bytes", "expert_tp_size", "kept_fraction", "routed_rows",
-           "routed_tokens"]
+           "dispatch_seconds", "expert_layout", "expert_tp_bytes", "expert_tp_size", "kept_fraction",
+           "rank_param_counts", "routed_rows", "routed_tokens"]

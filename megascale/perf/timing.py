@@ -45,7 +45,7 @@ from megascale.perf.costs import (
 )
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.host import collective_stretch, host_share, ranks_per_core, shared_makespan
-from megascale.perf.moe import expert_layout
+from megascale.perf.moe import expert_layout, rank_param_counts
 from megascale.run_plan import RunPlan
 
 # Optimizer bytes per parameter it updates: read the fp32 gradient (4), read and write the two fp32
@@ -205,13 +205,6 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     return exposed, hidden
 
 
-def rank_param_counts(cfg: Config, table: ParamTable, pp_rank: int) -> tuple[int, int]:
-    """(elements, routed-expert elements among them) one rank of pipeline rank pp_rank holds: its tp
-    slices, and 1/ep of the routed experts."""
-    experts = table.expert_local_numel(pp_rank) // cfg.parallel.ep
-    return table.local_numel(pp_rank) - table.expert_local_numel(pp_rank) + experts, experts
-
-
 def optimizer_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int, expert_params: int = 0) -> float:
     """Memory-bound optimizer update over the parameters this rank updates (ZeRO-1: its shard; routed-expert
     weights, expert_params of local_params, are sharded over the expert-data-parallel group)."""
@@ -315,5 +308,5 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
                     compute=parts, exposed=exposed, hidden=hidden, chunk_times=times)
 
 
-__all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "rank_param_counts", "step_time",
+__all__ = ["StepTime", "chunk_costs", "optimizer_seconds", "p2p_seconds", "step_time",
            "weight_pass_seconds", "weight_replay_seconds"]

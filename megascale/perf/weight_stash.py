@@ -5,6 +5,7 @@ byte against what `megascale.distributed.pipeline.split_backward` keeps (tests/t
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 from megascale.config import Config, Recompute
@@ -137,10 +138,10 @@ def weight_stash_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_l
     attention output the projection reads, as for cp 1).
     """
     sh = Shapes.of(cfg, plan)
+    modes = Counter(layer_recompute(cfg, i) for i in range(num_layers))
     total = 0.0
-    for i in range(num_layers):
-        mode = layer_recompute(cfg, i)
-        total += layer_weight_stash_bytes(cfg, sh, kernels, mode)
+    for mode, count in modes.items():  # one layer_weight_stash_bytes per recompute mode, times its layers
+        total += count * layer_weight_stash_bytes(cfg, sh, kernels, mode)
     if first:  # ids and positions (the dropout mask goes with B) and the gradient
         learned = cfg.model.position == "learned"
         positions = sh.seq * sh.ulysses * INDEX if learned else 0
