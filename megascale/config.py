@@ -33,6 +33,7 @@ CpMode = Literal["ulysses", "ring", "hybrid"]
 ZeroStage = Literal[0, 1]
 PipelineScheduleName = Literal["auto", "1f1b", "interleaved", "gpipe", "zb-h1", "zbv"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
+Fp8RecipeName = Literal["off", "tensorwise", "rowwise", "blockwise"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 Recompute = Literal["none", "full", "selective"]
 OptimizerName = Literal["adamw", "lamb"]
@@ -176,6 +177,12 @@ class TrainConfig:
     global_batch_size: int = _f(8, "sequences per optimizer step over all data-parallel ranks")
     micro_batch_size: int = _f(1, "sequences per forward pass per rank")
     dtype: DtypeName = _f("fp32", "compute precision", DtypeName)
+    fp8: Fp8RecipeName = _f("off", "FP8 GEMMs in the transformer blocks (qkv, attention output, fc1, fc2, experts): "
+                                   "off, tensorwise (per-tensor current scaling), rowwise (per-row scaling) or "
+                                   "blockwise (1x128 activation tiles, 128x128 weight blocks); everything else stays "
+                                   "in train.dtype", Fp8RecipeName)
+    fp8_exclude: list = _f([], "glob patterns of linear-layer names kept in train.dtype under train.fp8, e.g. "
+                               "['layers.0.*', '*.fc2'] (names as in the checkpoint, without .weight)")
     device: DeviceName = _f("auto", "auto picks cuda when available", DeviceName)
     output_dir: str = _f("runs/default", "run directory (config.yaml, metrics.jsonl, checkpoints/)")
     eval_interval: int = _f(0, "steps between validation-loss evaluations; 0 = never")
@@ -427,6 +434,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 def _coerce_choice(key: str, value: Any, choices: tuple) -> Any:
     """Convert value to the type of a `Literal` field's choices, then check it is one of them."""
     kinds = {type(choice) for choice in choices}
+    if value is False and "off" in choices:  # YAML 1.1 reads a bare `off` (and `no`, `false`) as false
+        value = "off"
     value = _coerce(key, value, kinds.pop()) if len(kinds) == 1 else value
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from megascale.distributed.expert_parallel.expert_tp import ExpertTensorParallel
 from megascale.distributed.sharding import expert_spec
 from megascale.distributed.tensor_parallel.layers import make_param, scaled_std
+from megascale.model.experts_fp8 import ExpertGemmSite, fp8_grouped_linear
 from megascale.model.layers import BuildContext
 from megascale.model.mlp import activate
 
@@ -54,6 +55,11 @@ class ExpertLinear(nn.Module):
                                     bias_split)
             # An unsplit bias under a split weight is fc2's: added once to each rank's own rows.
             self.bias = make_param(bias_spec, tp, "zeros", sequence_parallel_grad=tp.size > 1 and bias_split is None)
+        # train.fp8 (unless train.fp8_exclude names this projection): the GEMMs run in float8.
+        self.fp8_site: Optional[ExpertGemmSite] = None
+        if tp.fp8 is not None and tp.fp8.applies_to(name):
+            split = None if split_dim is None else ("in" if split_dim == len(global_shape) - 1 else "out")
+            self.fp8_site = ExpertGemmSite(tp.fp8, split, tp.group if split is not None and tp.size > 1 else None)
 
     @property
     def matrices(self) -> Tensor:
@@ -100,6 +106,15 @@ class ExpertRows:
         """[num_rows] on the rows' device: the expert of each row (to pick each row's bias)."""
         return torch.repeat_interleave(torch.arange(self.counts.shape[0], device=self.device), self.device_counts,
                                        output_size=self.num_rows)
+
+
+def expert_linear(x: Tensor, layer: ExpertLinear, bias: Optional[Tensor], rows: ExpertRows, grouped: bool) -> Tensor:
+    """One projection of every local expert over its rows: in FP8 when the layer is (train.fp8), else
+    `grouped_linear`; bias: the layer's bias rows [E, out] to add, or None."""
+    if layer.fp8_site is None:
+        return grouped_linear(x, layer.matrices, bias, rows, grouped)
+    y = fp8_grouped_linear(x, layer.weight, rows.sizes, layer.fp8_site)
+    return y if bias is None else y + bias[rows.expert_of_row]
 
 
 def grouped_linear(x: Tensor, weights: Tensor, bias: Optional[Tensor], tokens_per_expert: Union[Tensor, ExpertRows],
@@ -171,11 +186,11 @@ class GroupedExperts(nn.Module):
         """fc2(act(fc1(x))) of each expert's rows with the weights this rank holds; fc2_bias: added or not."""
         grouped = grouped_mm_available(x, self.hidden, self.ffn)
         rows = ExpertRows(tokens_per_expert, x.shape[0], x.device)  # offsets and row experts for both projections
-        fc1 = grouped_linear(x, self.fc1.matrices, self.fc1.bias_rows, rows, grouped)
+        fc1 = expert_linear(x, self.fc1, self.fc1.bias_rows, rows, grouped)
         if self.swiglu:
             fc1 = fc1.view(fc1.shape[0], 2, self.ffn)
         hidden = activate(fc1, self.activation, self.ops)
-        return grouped_linear(hidden, self.fc2.matrices, fc2_bias, rows, grouped)
+        return expert_linear(hidden, self.fc2, fc2_bias, rows, grouped)
 
 
-__all__ = ["ExpertLinear", "ExpertRows", "GroupedExperts", "grouped_linear", "grouped_mm_available"]
+__all__ = ["ExpertLinear", "ExpertRows", "GroupedExperts", "expert_linear", "grouped_linear", "grouped_mm_available"]

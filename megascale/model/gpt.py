@@ -21,6 +21,7 @@ from megascale.distributed.pipeline.partition import global_stage, gpt_stage_cos
 from megascale.distributed.random import RNGTracker
 from megascale.distributed.sequence import SequenceLayout, build_sequence_layout
 from megascale.distributed.sharding import OUTPUT_WEIGHT, WORD_EMBEDDING_MODULE
+from megascale.distributed.tensor_parallel.fp8_linear import Fp8Settings
 from megascale.distributed.tensor_parallel.layers import (
     TPSettings,
     VocabParallelEmbedding,
@@ -32,6 +33,7 @@ from megascale.distributed.tensor_parallel.layers import (
 )
 from megascale.distributed.topology import ParallelContext
 from megascale.kernels import get_ops
+from megascale.kernels.fp8 import recipe_of
 from megascale.model.block import TransformerBlock
 from megascale.model.kv_cache import InferenceCache
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
@@ -220,7 +222,8 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
     tp = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=ctx.tp_size,
                     sequence_parallel=p.sequence_parallel, overlap=p.tp_overlap,
                     sp_regather=p.sp_regather_input, seed=cfg.train.seed,
-                    device=ctx.device, dtype=precision.param_dtype, defer_init=True, timers=timers)
+                    device=ctx.device, dtype=precision.param_dtype, defer_init=True, timers=timers,
+                    fp8=fp8_settings(cfg, ctx))
     if sequence is None:
         sequence = build_sequence_layout(ctx, cfg, timers=timers)
     ep = dataclasses.replace(ctx.expert_parallel(), overlap=p.ep_overlap)
@@ -240,6 +243,17 @@ def build_model(cfg: Config, ctx: ParallelContext, rng: Optional[RNGTracker] = N
         for chunk in chunks:
             materialize_params(chunk)
     return chunks
+
+
+def fp8_settings(cfg: Config, ctx: ParallelContext) -> Optional[Fp8Settings]:
+    """What the linears need of `train.fp8`: the recipe, the groups a micro-batch's tokens are cut over
+    besides tp (context parallelism), the excluded layers; None when FP8 is off."""
+    recipe = recipe_of(cfg.train.fp8)
+    if recipe is None:
+        return None
+    cp_group = ctx.group("cp")
+    return Fp8Settings(recipe, token_groups=(cp_group,) if cp_group is not None else (),
+                       exclude=tuple(str(p) for p in cfg.train.fp8_exclude))
 
 
 def stage_layers(cfg: Config, ctx: ParallelContext) -> list[list[int]]:

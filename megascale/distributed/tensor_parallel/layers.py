@@ -32,6 +32,7 @@ from megascale.distributed.sharding import (
 )
 from megascale.distributed.tensor_parallel import column as tp_column
 from megascale.distributed.tensor_parallel import overlap as tp_overlap
+from megascale.distributed.tensor_parallel.fp8_linear import Fp8Settings, fp8_column_linear, fp8_linear, site_for
 from megascale.seeds import weight_init_seed
 
 
@@ -55,6 +56,8 @@ class TPSettings:
     defer_init: bool = False
     # The rank's phase timers (megascale.timers.PhaseTimers): the layer's collectives are timed on it.
     timers: Optional[Any] = field(default=None, compare=False)
+    # train.fp8: the recipe the column- and row-parallel GEMMs run in (None: train.dtype).
+    fp8: Optional[Fp8Settings] = field(default=None, compare=False)
 
     @property
     def sp(self) -> bool:
@@ -171,6 +174,7 @@ class ColumnParallelLinear(nn.Module):
         w_spec = split_spec(f"{name}.weight", weight_shape, split_dim, settings.rank, settings.size)
         self.weight = make_param(w_spec, settings, "normal", std)
         self.out_shape = w_spec.local_shape[:-1]
+        self.fp8 = _fp8_of(name, settings)
         self.bias = None
         if bias:
             b_spec = split_spec(f"{name}.bias", weight_shape[:-1], split_dim, settings.rank, settings.size)
@@ -195,8 +199,13 @@ def column_parallel_forward(x: torch.Tensor, layers: Sequence[ColumnParallelLine
     checkpointed names and shapes do not depend on the fusion. The outputs are views
     of one [s, b, sum of outs] tensor, each shaped [s, b, *that layer's local out axes].
     """
+    fp8 = [layer.fp8 is not None for layer in layers]
+    if any(fp8) and not all(fp8):  # some of the fused layers excluded from FP8: one GEMM each
+        return [out for layer in layers for out in column_parallel_forward(x, [layer], settings)]
     weights = [layer.weight_2d for layer in layers]
-    if settings.overlap and settings.size > 1:
+    if all(fp8):
+        y = fp8_column_linear(x, site_for(layers, "out", settings), [layer.weight for layer in layers], settings)
+    elif settings.overlap and settings.size > 1:
         y = tp_overlap.column_linears(x, weights, settings)
     elif settings.size > 1 or len(weights) > 1:
         y = tp_column.column_linear(x, weights, settings)
@@ -224,14 +233,21 @@ class RowParallelLinear(nn.Module):
         if bias:
             b_spec = full_spec(f"{name}.bias", weight_shape[:1], settings.rank, settings.size)
             self.bias = make_param(b_spec, settings, "zeros", sequence_parallel_grad=settings.sp)
+        self.fp8 = _fp8_of(name, settings)
+
+    def local_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with this rank's slice, before the reduction over tp (in FP8 when the layer is)."""
+        if self.fp8 is not None:
+            return fp8_linear(x, site_for([self], "in", self.settings), self.weight, self.settings)
+        return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s, b, in/tp] -> [s(/tp with SP), b, out]."""
         s = self.settings
-        if s.overlap and s.size > 1:
+        if s.overlap and s.size > 1 and self.fp8 is None:
             y = tp_overlap.row_linear(x, self.weight, s)
         else:
-            y = F.linear(x, self.weight)
+            y = self.local_product(x)
             y = (comm.reduce_scatter_sequence(y, s.group, s.timers) if s.sp
                  else comm.reduce_from_group(y, s.group, s.timers))
         if self.bias is not None:
@@ -245,12 +261,12 @@ def row_parallel_sum(pairs: Sequence[tuple[torch.Tensor, RowParallelLinear]], se
     The parallel block's attention and MLP outputs: each rank adds its partial
     products before the one collective, then the (replicated) biases are added.
     """
-    if settings.overlap and settings.size > 1:
+    if settings.overlap and settings.size > 1 and all(layer.fp8 is None for _, layer in pairs):
         y = tp_overlap.row_linear_sum([(x, layer.weight) for x, layer in pairs], settings)
     else:
-        partial = F.linear(pairs[0][0], pairs[0][1].weight)
+        partial = pairs[0][1].local_product(pairs[0][0])
         for x, layer in pairs[1:]:
-            partial = partial + F.linear(x, layer.weight)
+            partial = partial + layer.local_product(x)
         y = (comm.reduce_scatter_sequence(partial, settings.group, settings.timers) if settings.sp
              else comm.reduce_from_group(partial, settings.group, settings.timers))
     for _, layer in pairs:
@@ -303,6 +319,11 @@ def replicated_param(name: str, shape: tuple[int, ...], settings: TPSettings, in
     """
     spec = full_spec(name, shape, settings.rank, settings.size)
     return make_param(spec, settings, init, std=0.02, sequence_parallel_grad=sequence_region and settings.sp)
+
+
+def _fp8_of(name: str, settings: TPSettings) -> Optional[Fp8Settings]:
+    """The FP8 setting of the linear `name`: the run's, unless train.fp8_exclude matches the name."""
+    return settings.fp8 if settings.fp8 is not None and settings.fp8.applies_to(name) else None
 
 
 def scaled_std(std: float, num_layers: int) -> float:
