@@ -60,6 +60,7 @@ class ExpertLinear(nn.Module):
         if tp.fp8 is not None and tp.fp8.applies_to(name):
             split = None if split_dim is None else ("in" if split_dim == len(global_shape) - 1 else "out")
             self.fp8_site = ExpertGemmSite(tp.fp8, split, tp.group if split is not None and tp.size > 1 else None)
+            self.__dict__["_fp8_sites"] = {(): self.fp8_site}  # found by invalidate_weight_caches
 
     @property
     def matrices(self) -> Tensor:

@@ -65,6 +65,10 @@ class ExpertGemmSite:
         self._key: Optional[tuple] = None
         self._cached: list[tuple[Fp8Tensor, Fp8Tensor]] = []
 
+    def invalidate(self) -> None:
+        """Forget the float8 weights (see megascale.distributed.tensor_parallel.fp8_linear.invalidate_weight_caches)."""
+        self._key = None
+
     def _axes(self, weight: Tensor) -> None:
         if self._axes_for == id(weight):
             return

@@ -18,6 +18,7 @@ from megascale.data.tokenizer import check_tokenizer
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sequence import attention_kernels_for, build_sequence_layout
 from megascale.distributed.sharding import TensorShard, param_shard
+from megascale.distributed.tensor_parallel.fp8_linear import invalidate_weight_caches
 from megascale.distributed.topology import ParallelContext
 from megascale.model.flops import causal_halved_train_flops_per_token, train_flops_per_token
 from megascale.model.gpt import build_model
@@ -208,6 +209,7 @@ class Trainer:
         # Optimizer state the checkpoint lacks (weights only, e.g. converted from HuggingFace, or an
         # fp32 run's checkpoint that has no fp32 master copy) starts fresh from the loaded weights.
         extra = self.ckpt.load(shards, path, optional=lambda name: name.startswith("optim."))
+        invalidate_weight_caches(self.chunks)  # the load wrote the parameters: FP8 weight copies are stale
         for name, reason in self.ckpt.last_load_stats.get("skipped", []):
             self._note_skipped(name, reason)
         if extra is None:

@@ -53,6 +53,7 @@ from megascale.distributed.sharding import (
     TensorShard,
     get_shard,
 )
+from megascale.distributed.tensor_parallel.fp8_linear import invalidate_weight_caches
 from megascale.distributed.topology import ParallelContext
 from megascale.errors import UserError
 from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_squares
@@ -108,6 +109,7 @@ class DistributedOptimizer:
     def __init__(self, chunks: Sequence[nn.Module], ctx: ParallelContext, cfg: Config,
                  timers: Optional[PhaseTimers] = None) -> None:
         self.ctx, self.cfg, self.timers = ctx, cfg, timers
+        self.chunks = list(chunks)
         self.zero = int(cfg.parallel.zero)
         self.overlap_grad = bool(cfg.parallel.overlap_grad_reduce)
         self.overlap_gather = bool(cfg.parallel.overlap_param_gather)
@@ -336,6 +338,7 @@ class DistributedOptimizer:
         self.num_updates += 1
         with torch.no_grad():
             self.math.update(lr, self.num_updates)
+        invalidate_weight_caches(self.chunks)  # the update wrote the flat buffers behind the parameters
         self.scaler.update(found_inf=False)
         self._gather_params()
         return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss, stop_votes=votes)

@@ -28,20 +28,24 @@ features over tp with their global 128-block indices), so a layout quantises the
 same values the single-process run does. With `parallel.tp_overlap` the FP8 GEMMs
 run without the ring chunking (the collectives are the plain ones above).
 
-Weights are quantised once per optimizer step, not once per micro-batch: the
-`WeightCache` of a site keeps the float8 W and W^T until a parameter changes
-(its storage or version counter moves: an optimizer step, a ZeRO-1 gather, a load).
+Weights are quantised once per optimizer step, not once per micro-batch: a
+`GemmSite` keeps the float8 W and W^T until a parameter changes. An in-place
+write to the parameter itself moves its version counter, which the site checks;
+the data-parallel optimizer writes through its flat buffers (the parameters'
+`.data` are views of them, whose writes the counter does not see), so it calls
+`invalidate_weight_caches` after every update, and so does a checkpoint load.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from torch import nn
 
 from megascale.distributed import comm
 from megascale.distributed.sharding import ShardSpec, get_shard
@@ -132,6 +136,11 @@ class GemmSite:
         self._cache_key: Optional[tuple] = None
         self._cached: Optional[tuple[Fp8Tensor, Fp8Tensor]] = None
 
+    def invalidate(self) -> None:
+        """Forget the float8 weights: the parameters were written where their version counter cannot see it
+        (the optimizer's flat buffers, a checkpoint load), so the next GEMM quantises them again."""
+        self._cached = None
+
     def _axes(self, weights: Sequence[Tensor]) -> None:
         key = tuple(id(w) for w in weights)
         if self._axes_for == key:
@@ -149,7 +158,7 @@ class GemmSite:
         """(W for the forward [out, in], W^T for dgrad [in, out]) in float8, remade when a weight changed."""
         self._axes(weights)
         key = tuple((w.untyped_storage().data_ptr(), w.storage_offset(), w._version) for w in weights)
-        if key != self._cache_key or self._cached is None:
+        if self._cached is None or key != self._cache_key:
             with torch.no_grad():
                 w2d = torch.cat([w.detach().reshape(-1, w.shape[-1]) for w in weights]) if len(weights) > 1 \
                     else weights[0].detach().reshape(-1, weights[0].shape[-1])
@@ -187,6 +196,16 @@ class GemmSite:
         """wgrad's x^T [in, tokens] from the forward's saved float8 x."""
         r = self.recipe
         return requantize_t(x_q, r.act, r.wgrad_scaling, self.k, self.tokens, r.pow2)
+
+
+def invalidate_weight_caches(modules: Iterable[nn.Module]) -> None:
+    """Make every FP8 GEMM under these modules quantise its weights again at its next use: call after
+    writing parameters other than in place through the parameters themselves (an optimizer step over
+    flat buffers, a checkpoint load)."""
+    for root in modules:
+        for module in root.modules():
+            for site in module.__dict__.get("_fp8_sites", {}).values():
+                site.invalidate()
 
 
 def _gather_rows(q: Fp8Tensor, group: Any, timers: Any) -> Fp8Tensor:
@@ -323,5 +342,5 @@ def fp8_linear(x: Tensor, site: GemmSite, weight: Tensor, settings: TPSettings) 
     return _Fp8Linear.apply(x, site, settings, False, weight)
 
 
-__all__ = ["Fp8Settings", "GemmSite", "feature_axis", "fp8_column_linear", "fp8_linear", "in_index", "out_index",
-           "site_for"]
+__all__ = ["Fp8Settings", "GemmSite", "feature_axis", "fp8_column_linear", "fp8_linear", "in_index",
+           "invalidate_weight_caches", "out_index", "site_for"]

@@ -16,9 +16,17 @@ per block of 1 x 128 (activations and gradients, along the contraction) or
   E4M3 for weights and activations, E5M2 for gradients (its wider range).
 - rowwise: per-row scaling of every operand (the weight per output channel in
   the forward, per input channel in dgrad; the gradient per token in dgrad, per
-  channel in wgrad), E4M3 everywhere, scales rounded down to powers of two.
+  channel in wgrad), E4M3 everywhere.
 - blockwise: DeepSeek-V3's fine-grained scaling: 1 x 128 tiles for activations
-  and gradients, 128 x 128 blocks for weights, E4M3 everywhere, powers of two.
+  and gradients, 128 x 128 blocks for weights, E4M3 everywhere.
+
+Every recipe rounds its scales down to powers of two. Float8 is a floating-point
+format, so a power-of-two scale changes no value's relative rounding and costs at
+most the top binade of range; what it buys is stability: a scale that is any real
+number moves whenever its amax moves by float32 rounding noise (a reduction summed
+in another order by another layout), and with it the rounding of every element,
+which training then amplifies. With powers of two, every parallel layout
+reproduces the single-process FP8 run to float32 noise (the parity tests).
 
 The routed experts' grouped GEMMs scale activations and gradients per row in
 the tensorwise recipe too: a row (a token) is the only unit whose scale is the
@@ -85,7 +93,7 @@ class Fp8Recipe:
 
 
 RECIPES: Mapping[str, Fp8Recipe] = MappingProxyType({
-    "tensorwise": Fp8Recipe("tensorwise", E4M3, E4M3, E5M2, "tensor", "tensor", "tensor", "tensor", pow2=False),
+    "tensorwise": Fp8Recipe("tensorwise", E4M3, E4M3, E5M2, "tensor", "tensor", "tensor", "tensor", pow2=True),
     "rowwise": Fp8Recipe("rowwise", E4M3, E4M3, E4M3, "row", "row", "row", "row", pow2=True),
     "blockwise": Fp8Recipe("blockwise", E4M3, E4M3, E4M3, "block1", "block128", "block1", "block1", pow2=True),
 })
