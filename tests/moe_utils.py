@@ -105,10 +105,11 @@ def own_groups(rank: int, world: int) -> dict:
 
 
 def train_steps(overrides: Sequence[str], rank: int, world: int, steps: int = 3,
-                stats_group: Optional[Any] = None) -> RunResult:
+                stats_group: Optional[Any] = None, grads_step: int = -1) -> RunResult:
     """Train `steps` steps of the layout the overrides give on `world` ranks; this rank's view of the result.
 
     stats_group: the group the MoE statistics are summed over (None: every rank of the job).
+    grads_step: the step whose gradients are returned (default the last; ZeRO-0 only).
     """
     from megascale.config import load_config
     from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
@@ -128,7 +129,7 @@ def train_steps(overrides: Sequence[str], rank: int, world: int, steps: int = 3,
     for step in range(steps):
         batches = rank_micro_batches(cfg, plan, ctx, step)
         loss, _ = forward_backward_voting(chunks, batches, plan=plan, ctx=ctx, optimizer=opt)
-        if step == steps - 1 and cfg.parallel.zero == 0:
+        if step == grads_step % steps and cfg.parallel.zero == 0:
             result.grads = gather_model(chunks, ctx, grads=True)
         stats = opt.step(step, loss=loss)
         table = reduce_moe_stats(chunks, cfg.model, ctx.device, group=stats_group)

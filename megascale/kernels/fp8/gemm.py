@@ -87,6 +87,7 @@ def _cuda_blockwise_variant(device_index: int, kinds: tuple[str, str], dtypes: t
     for variant in range(4):
         try:
             got = _blockwise_scaled_mm(a, b, out_dtype, variant).float()
+            torch.cuda.synchronize(device)  # a kernel that fails does so here, inside the try
         except (RuntimeError, TypeError, ValueError):
             continue
         if torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
@@ -107,6 +108,7 @@ def _cuda_dense_ok(device_index: int, kinds: tuple[str, str], dtypes: tuple[torc
         a = quantize(x, dtypes[0], kinds[0])  # type: ignore[arg-type]
         b = quantize(x, dtypes[1], kinds[1])  # type: ignore[arg-type]
         _dense_scaled_mm(a, b, out_dtype)
+        torch.cuda.synchronize(device)
     except (RuntimeError, TypeError, ValueError):
         return False
     return True
