@@ -125,12 +125,13 @@ class Operands:
 
 
 def make_operands(shape: GemmShape, device: torch.device, seed: int = 0) -> Operands:
-    """Normal x and dy, a weight of std 1/sqrt(in) (unit-scale outputs), all bf16, from a seeded CPU generator."""
-    gen = torch.Generator().manual_seed(seed)
+    """Normal x and dy, a weight of std 1/sqrt(in) (unit-scale outputs), all bf16, drawn on the device from a
+    seeded generator (a preset's operands are 10^8 numbers: too many to draw on the host and copy)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     t, k, n = shape.tokens, shape.in_features, shape.out_features
-    x = torch.randn(t, k, generator=gen).to(device, torch.bfloat16)
-    weight = (torch.randn(n, k, generator=gen) * k ** -0.5).to(device, torch.bfloat16)
-    dy = torch.randn(t, n, generator=gen).to(device, torch.bfloat16)
+    x = torch.randn(t, k, generator=gen, device=device).bfloat16()
+    weight = (torch.randn(n, k, generator=gen, device=device) * k ** -0.5).bfloat16()
+    dy = torch.randn(t, n, generator=gen, device=device).bfloat16()
     return Operands(x, weight, dy)
 
 
