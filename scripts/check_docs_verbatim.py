@@ -54,7 +54,7 @@ def skip_reason(command: str) -> Optional[str]:
         return "synopsis with placeholders"  # first: a synopsis may name GPU options too
     if any(word in text for word in GPU_OR_CLUSTER):
         return "needs GPUs, a cluster or a container tool"
-    if ("-m gpu" in text or "--dtype bf16" in text or "bench mfu" in text
+    if ("-m gpu" in text or "--dtype bf16" in text or "--device cuda" in text or "bench mfu" in text
             or ("bench calibrate" in text and "--device cpu" not in text)
             or re.search(r"bench tp .*--hidden", text)):
         return "GPU benchmark or GPU tests"

@@ -105,11 +105,13 @@ def own_groups(rank: int, world: int) -> dict:
 
 
 def train_steps(overrides: Sequence[str], rank: int, world: int, steps: int = 3,
-                stats_group: Optional[Any] = None, grads_step: int = -1) -> RunResult:
+                stats_group: Optional[Any] = None, grads_step: int = -1,
+                device: Optional[torch.device] = None) -> RunResult:
     """Train `steps` steps of the layout the overrides give on `world` ranks; this rank's view of the result.
 
     stats_group: the group the MoE statistics are summed over (None: every rank of the job).
     grads_step: the step whose gradients are returned (default the last; ZeRO-0 only).
+    device: where the model runs (default CPU).
     """
     from megascale.config import load_config
     from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
@@ -122,7 +124,7 @@ def train_steps(overrides: Sequence[str], rank: int, world: int, steps: int = 3,
     cfg = load_config(None, list(overrides))
     plan = resolve_plan(cfg, world)
     ctx = ParallelContext(plan.rank_layout(), rank=rank, vpp=plan.vpp, v_shape=plan.v_shape,
-                          create_groups=world > 1)
+                          create_groups=world > 1, device=device)
     chunks = build_model(cfg, ctx, plan=plan)
     opt = DistributedOptimizer(chunks, ctx, cfg)
     result = RunResult()
