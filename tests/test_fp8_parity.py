@@ -2,17 +2,21 @@
 
 Each scenario trains three optimizer steps of a small GPT with a recipe on a layout, with the
 trainer's own pieces (tests/moe_utils.py `train_steps`: run plan, build_model, the pipeline
-schedule, the data-parallel optimizer), and compares on rank 0 the global losses, grad norms,
-the last step's gradients and the parameters after it with the single-process run of the same
-config and batches, at tests/moe_utils.py's tolerances (RTOL 1e-5, PARAM_RTOL 1e-4).
+schedule, the data-parallel optimizer), and compares on rank 0 with the single-process FP8 run
+of the same config and batches (TOLERANCES).
 
-Why FP8 can be held to the float32 tolerances: every scale is a power of two computed from an
-amax over the same elements as in the single-process run (reduced over the tp and cp ranks that
-hold parts of it; megascale/kernels/fp8/quantize.py), so a layout quantises the same values the
-same way; what is left is float32 reduction order upstream of a quantisation, which flips the
-rounding of an element only when it sits within ~1e-7 of a rounding boundary. A layout bug (a
-scale from a shard's amax, a block cut at a shard edge, float8 weights not re-made after a step)
-moves whole tensors by float8 rounding, 1e-3 to 1e-1 relative, and fails.
+What is compared, and why so: the first step runs every layout on identical weights and data,
+so its loss, grad norm and gradients must match the single-process run to float32 reduction-order
+noise: every scale is a power of two from an amax over the same elements as in the single-process
+run (reduced over the tp and cp ranks that hold parts of it; megascale/kernels/fp8/quantize.py), so
+a layout quantises the same values the same way. A layout bug (a scale from a shard's amax, a
+128-block cut at a shard edge) moves whole tensors by float8 rounding, 1e-3 to 1e-1 relative.
+Training in float8 is then chaotic: once a float32-noise difference flips the rounding of one
+element, the difference grows. The single-process FP8 run itself, restarted from weights perturbed
+by 1e-7 relative, has grad norms 1e-6..2e-4 apart on its second step and ~1e-2 on its fourth, in
+every recipe (float32 without FP8: 1e-6). So later steps are held to the loss only, within 1e-3
+relative: the runs train the same way, and float8 weights left stale after an update (the step's own
+loss change, ~5e-3) would fail.
 
 The dense model is Llama-like with widths whose 128-blocks straddle the tp shards (qkv 128 rows,
 SwiGLU 2 x 192): the blockwise recipe's cross-rank block amaxes are exercised too.
@@ -54,12 +58,12 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
     "cp2_ring": (DENSE, "tensorwise", ("parallel.cp=2", "parallel.cp_mode=ring", "parallel.dp=2")),
     "cp2_tp2_sp": (DENSE, "blockwise", ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true")),
     "dp4_zero1": (DENSE, "tensorwise", ("parallel.dp=4", "parallel.zero=1")),
-    "tp2_zero1_lamb": (DENSE + ("optim.name=lamb",), "rowwise", ("parallel.tp=2", "parallel.dp=2",
+    "tp2_zero1_lamb": ((*DENSE, "optim.name=lamb"), "rowwise", ("parallel.tp=2", "parallel.dp=2",
                                                                   "parallel.zero=1")),
-    "tp2_recompute_full": (DENSE + ("train.recompute=full",), "blockwise", ("parallel.tp=2", "parallel.dp=2")),
-    "pp2_recompute_selective": (DENSE + ("train.recompute=selective",), "tensorwise",
+    "tp2_recompute_full": ((*DENSE, "train.recompute=full"), "blockwise", ("parallel.tp=2", "parallel.dp=2")),
+    "pp2_recompute_selective": ((*DENSE, "train.recompute=selective"), "tensorwise",
                                 ("parallel.pp=2", "parallel.dp=2")),
-    "tp2_clip": (DENSE + ("optim.grad_clip=0.05",), "tensorwise", ("parallel.tp=2", "parallel.dp=2")),
+    "tp2_clip": ((*DENSE, "optim.grad_clip=0.05"), "tensorwise", ("parallel.tp=2", "parallel.dp=2")),
     "moe_ep2": (MOE_MODEL, "rowwise", ("parallel.dp=4", "parallel.ep=2")),
     "moe_ep4_zero1": (MOE_MODEL, "tensorwise", ("parallel.dp=4", "parallel.ep=4", "parallel.zero=1")),
     "moe_tp2_sp": (MOE_MODEL, "blockwise", ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2")),
@@ -68,8 +72,7 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
     "moe_pp2_ep2": (MOE_MODEL, "blockwise", ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2")),
     "moe_cp2_ep2": (MOE_MODEL, "rowwise", ("parallel.cp=2", "parallel.dp=2", "parallel.ep=2")),
 }
-TOLERANCES = {"first_loss": 1e-5, "first_grad_norm": 1e-5, "first_grads": 1e-4, "later_losses": 1e-3,
-              "params": 1e-3}
+TOLERANCES = {"first_loss": 1e-5, "first_grad_norm": 1e-5, "first_grads": 1e-4, "later_losses": 1e-3}
 DEFAULT = ("tp2_sp", "pp2_zb_h1", "cp2_ulysses", "dp4_zero1", "moe_tp2_sp_ep2_etp2")
 SLOW = tuple(name for name in LAYOUTS if name not in DEFAULT)
 
@@ -89,7 +92,7 @@ def l2_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def measure(name: str, rank: int, world: int, shared: Any) -> Optional[dict[str, float]]:
     """A run_scenarios scenario: the layout's run and (rank 0) the single-process run of its model; the
     largest relative differences of: the first step's loss and grad norm, the first step's gradients
-    (L2 per tensor), the later losses, and the parameters after the last step (L2 per tensor)."""
+    (L2 per tensor; none under ZeRO-1, whose gradients are sharded), and the later losses."""
     overrides = _overrides(name)
     model = tuple(o for o in overrides if not o.startswith("parallel."))
     got = train_steps(overrides, rank, world, grads_step=0)
@@ -103,9 +106,8 @@ def measure(name: str, rank: int, world: int, shared: Any) -> Optional[dict[str,
     return {
         "first_loss": rel[0],
         "first_grad_norm": abs(got.grad_norms[0] - ref.grad_norms[0]) / ref.grad_norms[0],
-        "first_grads": max((l2_error(got.grads[n], ref.grads[n]) for n in ref.grads), default=0.0),
+        "first_grads": max((l2_error(got.grads[n], ref.grads[n]) for n in got.grads), default=0.0),
         "later_losses": max(rel[1:]),
-        "params": max(l2_error(got.params[n], ref.params[n]) for n in ref.params),
     }
 
 
