@@ -423,7 +423,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return str(value)
     if annotation is list or origin is list:
         if isinstance(value, str):
-            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            try:
+                parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            except yaml.YAMLError:
+                raise ConfigError(f"{key}={value!r} is not a valid YAML list; write the items comma-separated "
+                                  f"without brackets ({key}=a,b) or quote them ({key}='[\"a\", \"b\"]')") from None
             value = parsed if isinstance(parsed, list) else [parsed]
         if not isinstance(value, (list, tuple)):
             value = [value]

@@ -20,6 +20,7 @@ from megascale.distributed.sequence import attention_kernels_for, build_sequence
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.tensor_parallel.fp8_linear import invalidate_weight_caches
 from megascale.distributed.topology import ParallelContext
+from megascale.model.fp8_layers import check_fp8
 from megascale.model.flops import causal_halved_train_flops_per_token, train_flops_per_token
 from megascale.model.gpt import build_model
 from megascale.model.moe import moe_layer_ids, reduce_moe_stats, update_router_biases
@@ -74,6 +75,7 @@ def validate_runtime(cfg: Config, device: torch.device) -> None:
     if device.type == "cpu" and cfg.train.dtype == "fp16":
         raise ConfigError("train.dtype=fp16 is not supported on CPU; use fp32 or bf16")
     attention_kernels_for(cfg, device)  # an explicit kernels.attention this device cannot serve
+    check_fp8(cfg, device)
     check_data_paths(cfg)
 
 
