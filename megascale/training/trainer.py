@@ -20,8 +20,8 @@ from megascale.distributed.sequence import attention_kernels_for, build_sequence
 from megascale.distributed.sharding import TensorShard, param_shard
 from megascale.distributed.tensor_parallel.fp8_linear import invalidate_weight_caches
 from megascale.distributed.topology import ParallelContext
-from megascale.model.fp8_layers import check_fp8
 from megascale.model.flops import causal_halved_train_flops_per_token, train_flops_per_token
+from megascale.model.fp8_layers import check_fp8
 from megascale.model.gpt import build_model
 from megascale.model.moe import moe_layer_ids, reduce_moe_stats, update_router_biases
 from megascale.perf.flops import device_peak
