@@ -43,7 +43,29 @@ def test_fp8_layers_of_moe_and_lfa_models() -> None:
     assert fp8_layer_names(moe) == ["layers.0.attention.qkv", "layers.0.attention.proj", "layers.0.mlp.experts.fc1",
                                     "layers.0.mlp.experts.fc2", "layers.0.mlp.shared.fc1", "layers.0.mlp.shared.fc2"]
     lfa = load_config(None, ["model.num_layers=1", "model.lfa=true", "model.hidden_size=64", "model.num_heads=4"])
-    assert "layers.0.attention.qkv" not in fp8_layer_names(lfa)
+    assert fp8_layer_names(lfa) == ["layers.0.attention.qkv", "layers.0.attention.proj", "layers.0.mlp.fc1",
+                                    "layers.0.mlp.fc2"]
+
+
+def test_lfa_qkv_runs_in_fp8() -> None:
+    """LFA's q/k rows (filtered input) and v rows (plain input) of the qkv weight: two float8 GEMMs, whose
+    weight gradients fill their own rows of the one qkv gradient."""
+    from parity import micro_batches, single_context
+
+    from megascale.model.gpt import build_model
+
+    overrides = ["model.num_layers=1", "model.lfa=true", "model.hidden_size=64", "model.num_heads=4",
+                 "model.num_kv_heads=2", "model.vocab_size=128", "model.seq_length=16", "train.micro_batch_size=2"]
+    grads = {}
+    for fp8 in ("off", "rowwise"):
+        chunk = build_model(load_config(None, [*overrides, f"train.fp8={fp8}"]), single_context())[0]
+        chunk(None, micro_batches(load_config(None, overrides), 1)[0]).backward()
+        qkv = dict(chunk.named_modules())["layers.0.attention.qkv"]
+        grads[fp8] = qkv.weight.grad
+        if fp8 != "off":
+            assert {"lfa", "lfa_v"} <= set(qkv._fp8_sites)
+    error = float((grads["rowwise"] - grads["off"]).norm() / grads["off"].norm())
+    assert 0.005 < error < 0.1, error  # float8's rounding, on every row
 
 
 def test_bad_settings_fail_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from megascale.distributed import comm
 from megascale.distributed.sharding import full_spec
 from megascale.distributed.tensor_parallel import overlap as tp_overlap
+from megascale.distributed.tensor_parallel.fp8_linear import GemmSite, fp8_linear
 from megascale.distributed.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -118,12 +119,13 @@ class Attention(nn.Module):
         Under tensor parallelism the two inputs enter the column-parallel region
         together: one all-gather under sequence parallelism, one all-reduce of
         their gradients otherwise. With tp_overlap each GEMM overlaps its own gather.
+        Under train.fp8 the two GEMMs run in float8, each over its rows of the weight.
         """
         tp = self.bc.tp
         rows = self.qkv.weight.view(self.local_kv, self.group + 2, self.head_dim, -1)
         w_qk = rows[:, : self.group + 1].reshape(-1, rows.shape[-1])
         w_v = rows[:, self.group + 1].reshape(-1, rows.shape[-1])
-        if tp.overlap and tp.size > 1:
+        if tp.overlap and tp.size > 1 and self.qkv.fp8 is None:
             # Both paths keep the gathered inputs: the shard-saving mode (parallel.sp_regather_input)
             # covers single-input column GEMMs only.
             tp = dataclasses.replace(tp, sp_regather=False)
@@ -133,7 +135,23 @@ class Attention(nn.Module):
             both = (comm.gather_sequence(both, tp.group, tp.timers) if tp.sp
                     else comm.copy_to_group(both, tp.group, tp.timers))
             filtered, x = both.chunk(2, dim=-1)
+        if self.qkv.fp8 is not None:
+            qk_site, v_site = self._lfa_sites()
+            return fp8_linear(filtered, qk_site, self.qkv.weight, tp), fp8_linear(x, v_site, self.qkv.weight, tp)
         return F.linear(filtered, w_qk), F.linear(x, w_v)
+
+    def _lfa_sites(self) -> tuple[GemmSite, GemmSite]:
+        """The FP8 GEMMs of LFA's q/k rows and v rows of the qkv weight (made once, kept with the qkv layer)."""
+        sites = self.qkv.__dict__.setdefault("_fp8_sites", {})
+        if "lfa" not in sites:
+            assert self.qkv.fp8 is not None
+            tp = self.bc.tp
+            index = torch.arange(self.qkv.weight.shape[0], device=self.qkv.weight.device)
+            index = index.view(self.local_kv, self.group + 2, self.head_dim)
+            group = tp.group if tp.size > 1 else None
+            sites["lfa"] = GemmSite(self.qkv.fp8, "out", group, rows=index[:, : self.group + 1].reshape(-1))
+            sites["lfa_v"] = GemmSite(self.qkv.fp8, "out", group, rows=index[:, self.group + 1].reshape(-1))
+        return sites["lfa"], sites["lfa_v"]
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[s, b, heads, d] -> [s, b, heads, d] over the whole causal sequence, through the sequence layout."""

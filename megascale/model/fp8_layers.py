@@ -2,11 +2,11 @@
 
 The FP8 linears are the GEMMs of the transformer blocks: each layer's attention qkv and
 output projection, and its MLP's fc1 and fc2 (the routed experts' and the shared experts'
-in an MoE layer). Everything else (embedding, output layer, router, norms, attention core,
-LFA's convolutions) stays in train.dtype, and so does an LFA layer's qkv: its q/k rows read
-the filtered input and its v rows the unfiltered one, two GEMMs over parts of one weight
-that run in train.dtype. Names are the layers' global names, as in the checkpoint without
-`.weight` (`layers.3.mlp.fc2`); `train.fp8_exclude` matches them with shell-style globs.
+in an MoE layer; an LFA layer's qkv as two GEMMs, its q/k rows over the filtered input and
+its v rows over the unfiltered one). Everything else (embedding, output layer, router, norms,
+attention core, LFA's convolutions) stays in train.dtype. Names are the layers' global
+names, as in the checkpoint without `.weight` (`layers.3.mlp.fc2`); `train.fp8_exclude`
+matches them with shell-style globs.
 """
 
 from __future__ import annotations
@@ -30,10 +30,7 @@ def fp8_layer_names(cfg: Config) -> list[str]:
 
     names = [entry.name.removesuffix(".weight") for entry in param_table(cfg.model).entries
              if entry.name.endswith(".weight")]
-    fp8 = [name for name in names if _FP8_LINEAR.fullmatch(name)]
-    if cfg.model.lfa:
-        fp8 = [name for name in fp8 if not name.endswith("attention.qkv")]
-    return fp8
+    return [name for name in names if _FP8_LINEAR.fullmatch(name)]
 
 
 def check_fp8(cfg: Config, device: torch.device) -> None:

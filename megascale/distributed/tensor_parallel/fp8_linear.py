@@ -123,12 +123,15 @@ class GemmSite:
     the weights have their device) and keeps the weights' float8 copies (the weight cache).
     """
 
-    def __init__(self, fp8: Fp8Settings, split: Optional[str], tp_group: Any) -> None:
-        """split: 'out' (column-parallel: output features cut over tp), 'in' (row-parallel) or None."""
+    def __init__(self, fp8: Fp8Settings, split: Optional[str], tp_group: Any, rows: Optional[Tensor] = None) -> None:
+        """split: 'out' (column-parallel: output features cut over tp), 'in' (row-parallel) or None.
+        rows: the GEMM uses only these rows of its (one) weight's local [out, in] matrix (LFA's q/k rows
+        and v rows of the fused qkv weight); its gradient is zero elsewhere."""
         self.fp8 = fp8
         self.recipe = fp8.recipe
         self.split = split
         self.tp_group = tp_group
+        self.rows = rows
         self.tokens = Axis(groups=fp8.token_groups)
         self.n: Axis = LOCAL
         self.k: Axis = LOCAL
@@ -148,8 +151,10 @@ class GemmSite:
         specs = [get_shard(w) for w in weights]
         device = weights[0].device
         tp = (self.tp_group,) if self.tp_group is not None else ()
-        self.n = feature_axis([(out_index(s), math.prod(s.global_shape[:-1])) for s in specs],
-                              tp if self.split == "out" else (), device)
+        outs = [(out_index(s), math.prod(s.global_shape[:-1])) for s in specs]
+        if self.rows is not None:
+            outs = [(outs[0][0][self.rows.cpu()], outs[0][1])]
+        self.n = feature_axis(outs, tp if self.split == "out" else (), device)
         self.k = feature_axis([(in_index(specs[0]), specs[0].global_shape[-1])], tp if self.split == "in" else (),
                               device)
         self._axes_for = key
@@ -162,6 +167,8 @@ class GemmSite:
             with torch.no_grad():
                 w2d = torch.cat([w.detach().reshape(-1, w.shape[-1]) for w in weights]) if len(weights) > 1 \
                     else weights[0].detach().reshape(-1, weights[0].shape[-1])
+                if self.rows is not None:
+                    w2d = w2d.index_select(0, self.rows)
                 r = self.recipe
                 forward = quantize(w2d, r.weight, r.weight_scaling, self.n, self.k, r.pow2)
                 if r.weight_scaling in ("tensor", "block128"):
@@ -241,7 +248,11 @@ def _start_row_gather(channel: Channel, q: Fp8Tensor) -> tuple[Fp8Tensor, _AllOf
     return q.with_tensors(data.view(q.data.dtype), scale), _AllOf(works)
 
 
-def _split_weight_grads(dw: Tensor, weights: Sequence[Tensor], needed: Sequence[bool]) -> list[Optional[Tensor]]:
+def _split_weight_grads(dw: Tensor, weights: Sequence[Tensor], needed: Sequence[bool],
+                        rows: Optional[Tensor] = None) -> list[Optional[Tensor]]:
+    if rows is not None:  # a GEMM over some rows of one weight: the rest of its gradient is zero
+        full = dw.new_zeros((weights[0].numel() // weights[0].shape[-1], dw.shape[-1]))
+        dw = full.index_copy_(0, rows, dw)
     parts = dw.split([w.numel() // w.shape[-1] for w in weights], dim=0)
     return [part.reshape(w.shape) if need else None for part, w, need in zip(parts, weights, needed)]
 
@@ -298,7 +309,7 @@ class _Fp8Linear(torch.autograd.Function):
             if gathering is not None:
                 gathering.wait()
             dw = scaled_gemm(site.grad_for_wgrad(dy2d, dy_q), site.input_for_wgrad(full), weights[0].dtype)
-            dweights = _split_weight_grads(dw, weights, need_dw)  # under dx's reduction
+            dweights = _split_weight_grads(dw, weights, need_dw, site.rows)  # under dx's reduction
         if reducing is not None:
             reducing.wait()
         if dx is not None:
