@@ -114,10 +114,40 @@ def measure(name: str, rank: int, world: int, shared: Any) -> Optional[dict[str,
     }
 
 
-def outcomes(names: Sequence[str]) -> dict[str, Outcome]:
-    """Name -> Outcome of `measure` for these layouts, on WORLD gloo ranks in one spawn."""
-    return run_scenarios({name: partial(measure, name) for name in names}, WORLD, setup=own_groups,
-                         timeout=900.0, pg_timeout=300.0)
+def sp_gather_bytes(rank: int, world: int, shared: Any) -> list[tuple[str, int]]:
+    """(dtype, bytes) of every all-gather a column-parallel FP8 GEMM under tp 2 + SP issues, forward and
+    backward (the backward re-gathers the saved shard)."""
+    import torch.distributed as dist
+
+    from megascale.distributed.tensor_parallel.fp8_linear import Fp8Settings
+    from megascale.distributed.tensor_parallel.layers import ColumnParallelLinear, TPSettings
+    from megascale.distributed.topology import ParallelContext, RankLayout
+    from megascale.kernels.fp8 import recipe_of
+
+    ctx = ParallelContext(RankLayout(tp=2, dp=world // 2), rank=rank)
+    settings = TPSettings(group=ctx.group("tp"), rank=ctx.tp_rank, size=2, sequence_parallel=True,
+                          fp8=Fp8Settings(recipe_of("rowwise")))
+    layer = ColumnParallelLinear("lin", (256, 128), 0, settings, bias=False, std=0.02)
+    x = torch.randn(32, 2, 128, requires_grad=True)  # this rank's 32 of 64 tokens, 2 sequences
+    gathered: list[tuple[str, int]] = []
+    real = dist.all_gather_into_tensor
+
+    def counting(out: torch.Tensor, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        gathered.append((str(inp.dtype), inp.numel() * inp.element_size()))
+        return real(out, inp, *args, **kwargs)
+
+    dist.all_gather_into_tensor = counting  # type: ignore[assignment]
+    try:
+        layer(x).sum().backward()
+    finally:
+        dist.all_gather_into_tensor = real  # type: ignore[assignment]
+    return gathered
+
+
+def outcomes(names: Sequence[str], extra: Optional[dict[str, Any]] = None) -> dict[str, Outcome]:
+    """Name -> Outcome of `measure` for these layouts (and the `extra` scenarios), on WORLD gloo ranks."""
+    return run_scenarios({**{name: partial(measure, name) for name in names}, **(extra or {})}, WORLD,
+                         setup=own_groups, timeout=900.0, pg_timeout=300.0)
 
 
 def problems(measured: dict[str, float]) -> list[str]:
@@ -128,7 +158,18 @@ def problems(measured: dict[str, float]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def default_outcomes() -> dict[str, Outcome]:
-    return outcomes(DEFAULT)
+    return outcomes(DEFAULT, {"sp_gather_bytes": sp_gather_bytes})
+
+
+def test_sp_all_gather_moves_float8(default_outcomes: dict[str, Outcome]) -> None:
+    """The sequence-parallel all-gathers of an FP8 column GEMM's input carry 1 byte per element (+ one fp32
+    scale per token under rowwise): 64 x 128 elements -> 8 KiB of data, against 16 KiB for bf16."""
+    for gathered in default_outcomes["sp_gather_bytes"].check():
+        data = [(dtype, size) for dtype, size in gathered if dtype == "torch.uint8"]
+        scales = [(dtype, size) for dtype, size in gathered if dtype == "torch.float32"]
+        assert data == [("torch.uint8", 32 * 2 * 128)] * 2, gathered  # forward gather, backward re-gather
+        assert scales == [("torch.float32", 32 * 2 * 4)] * 2, gathered
+        assert len(gathered) == 4, gathered
 
 
 @pytest.fixture(scope="module")
