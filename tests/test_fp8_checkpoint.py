@@ -94,3 +94,17 @@ def test_fp8_checkpoint_exports_high_precision_hf_weights(tmp_path: Path) -> Non
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.slow
+def test_fp8_nan_step_is_skipped(tmp_path: Path) -> None:
+    """The NaN policy works in an FP8 run: a NaN loss at step 3 skips that update (float8 scaling never hides a
+    NaN: tests/test_fp8_numerics.py), and training goes on with finite losses."""
+    from megascale.training.fault.events import read_events
+
+    run = tmp_path / "run"
+    recs = _train(run, 5, "train.fp8=tensorwise", "fault.nan_policy=skip", "fault.inject=nan:rank=0:step=3")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert all(r["loss"] == r["loss"] for r in recs[3:])  # finite after the skipped step
+    nan_events = read_events(run, kind="nan")
+    assert [(e["step"], e["policy"]) for e in nan_events] == [(3, "skip")], nan_events
