@@ -114,7 +114,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             if rows:
                 y[start:start + rows] = scaled_gemm(_rows(x_q, start, start + rows), w_forward, x.dtype)
             start += rows
-        ctx.site, ctx.sizes, ctx.layout = site, list(sizes), x_q
+        ctx.site, ctx.sizes, ctx.layout = site, list(sizes), x_q.layout()
         ctx.w_dgrad = [dgrad for _, dgrad in quantized]
         ctx.save_for_backward(*x_q.tensors(), weight)
         return y

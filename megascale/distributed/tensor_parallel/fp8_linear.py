@@ -274,7 +274,7 @@ class _Fp8Linear(torch.autograd.Function):
         full = _gather_rows(x_q, settings.group, settings.timers) if sp else x_q
         y = scaled_gemm(full, w_forward, x.dtype)
         saved = x_q if sp and settings.regather else full
-        ctx.layout = saved
+        ctx.layout = saved.layout()
         ctx.w_dgrad = w_dgrad
         ctx.x_shape = x.shape
         ctx.save_for_backward(*saved.tensors(), *weights)

@@ -135,6 +135,12 @@ class Fp8Tensor:
         """This tensor's layout over other (saved, unpacked or communicated) data and scale."""
         return Fp8Tensor(data, scale, self.scaling, self.row_blocks, self.col_blocks)
 
+    def layout(self) -> Fp8Tensor:
+        """The scaling and block layout without the values (what an autograd context keeps beside the
+        saved data and scale, so that only `save_for_backward` holds those)."""
+        empty = self.data.new_empty(0)
+        return self.with_tensors(empty, self.scale.new_empty(0))
+
 
 def _element_scale(scale: Tensor, scaling: Scaling, shape: Sequence[int], row_blocks: Optional[Tensor],
                    col_blocks: Optional[Tensor]) -> Tensor:
