@@ -2,8 +2,10 @@
 
 For one micro-batch's forward through one model chunk, a `saved_tensors_hooks`
 pack hook sees every tensor autograd keeps for backward. Each distinct storage is
-counted once (by its data pointer; saved tensors stay alive until backward, so
-pointers are not reused). What is counted is what one more micro-batch in flight
+counted once (by its data pointer; saved tensors mostly stay alive until backward,
+and where one is released inside the forward, with a graph the forward drops, a
+later storage at its address is told apart by a weak reference to the first and
+counted too). What is counted is what one more micro-batch in flight
 costs: the chunk runs two micro-batches, each on its own copies of the inputs, the
 first one's graph still alive while the second runs, and the second's storages
 that the first saved as well are left out. Those are the ones that outlive a
@@ -73,14 +75,25 @@ STAGES = {"whole": (True, True), "first": (True, False), "middle": (False, False
 TOLERANCE = 0.05  # the step peaks: the allocator's records against the estimate
 
 
-def _saved_storages(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> tuple[dict, Any]:
-    """{data pointer: bytes} of the storages autograd saves during chunk(hidden, batch), and the output
-    (which keeps them alive)."""
-    saved: dict[int, int] = {}
+Saved = dict[int, list[tuple[int, Any]]]
+"""Data pointer -> (bytes, weak reference) of each storage saved at that address, in order."""
+
+
+def _saved_storages(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> tuple[Saved, Any]:
+    """The storages autograd saves during chunk(hidden, batch), and the output (which keeps them alive).
+
+    A storage saved and then released inside the forward (a graph the forward drops) stays counted; a later
+    storage at its address is another entry, not taken for the same one (small ones often land there).
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: Saved = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        saved.setdefault(storage.data_ptr(), storage.nbytes())
+        entries = saved.setdefault(storage.data_ptr(), [])
+        if not entries or entries[-1][1].expired():
+            entries.append((storage.nbytes(), StorageWeakRef(storage)))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -90,14 +103,20 @@ def _saved_storages(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batc
 
 def measure_saved_bytes(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> int:
     """Bytes autograd saves for one more micro-batch through the chunk: storages a second forward
-    (on its own copies of the inputs, the first one's graph alive) saves that the first did not."""
+    (on its own copies of the inputs, the first one's graph alive) saves that the first did not. A storage
+    of the first forward still alive is the one the second saved at its address (parameters, halo indices);
+    one it released may have left its address to a new one."""
     def inputs() -> tuple[Optional[torch.Tensor], dict]:
         copy = None if hidden is None else hidden.detach().clone().requires_grad_(hidden.requires_grad)
         return copy, {key: value.clone() for key, value in batch.items()}
 
     first, _graph = _saved_storages(chunk, *inputs())
     second, _ = _saved_storages(chunk, *inputs())
-    return sum(nbytes for ptr, nbytes in second.items() if ptr not in first)
+
+    def shared(ptr: int) -> bool:
+        return any(not ref.expired() for _, ref in first.get(ptr, []))
+
+    return sum(nbytes for ptr, entries in second.items() if not shared(ptr) for nbytes, _ in entries)
 
 
 def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1,
