@@ -20,7 +20,9 @@ chunk's first/last flags), recompute none / selective / full / first layer only,
 fp32 and bf16, MHA and GQA, GeLU and SwiGLU, LayerNorm and RMSNorm, learned and
 rotary positions, dropout 0 and > 0, parallel block (its qkv and fc1 GEMM fused),
 sliding window, LFA, q/k head norms with heads of their own width (model.qk_norm,
-model.kv_channels); and on two gloo ranks (one spawn) tp 2 without sequence
+model.kv_channels), FP8 GEMMs of each recipe (train.fp8: each float8 GEMM keeps the float8
+copy of its input and its scales; with one of the parallel block's fused GEMMs excluded by
+train.fp8_exclude, two GEMMs); and on two gloo ranks (one spawn) tp 2 without sequence
 parallelism and with it, its column GEMMs keeping their input shard (the default)
 or the gathered input (parallel.sp_regather_input=false), and cp 2 Ulysses and ring. The "reference" profile is what these CPU runs execute; the
 "fused" profile is checked by driving the csrc autograd fronts through the
@@ -64,7 +66,15 @@ VARIANTS = {
     "qwen3": [*LLAMA, "model.qk_norm=true", "model.kv_channels=12"],
     "qk_norm_learned": ["model.qk_norm=true", "model.kv_channels=16"],
     "lfa_qk_norm": [*LLAMA, "model.lfa=true", "model.qk_norm=true", "model.kv_channels=12"],
+    # FP8 GEMMs (train.fp8): float8 inputs saved in place of the train.dtype ones
+    "llama_fp8": [*LLAMA, "train.fp8=tensorwise"],
+    "gpt_fp8_rowwise": ["train.fp8=rowwise"],
+    "parallel_llama_fp8_blockwise": [*LLAMA, "model.parallel_block=true", "train.fp8=blockwise"],
+    "parallel_fp8_fc1_excluded": [*LLAMA, "model.parallel_block=true", "train.fp8=rowwise",
+                                  'train.fp8_exclude=["*.fc1"]'],
+    "lfa_fp8": [*LLAMA, "model.lfa=true", "train.fp8=tensorwise"],
 }
+FP8_VARIANTS = [name for name in VARIANTS if "fp8" in name]
 RECOMPUTE = {
     "none": [],
     "selective": ["train.recompute=selective"],
@@ -206,7 +216,9 @@ SINGLE = (_grid(list(VARIANTS), ("fp32", "bf16"), ["none"], ["whole", "middle"],
           + _grid(["lfa", "lfa_mha_window"], ("bf16",), ["none"], ["whole"], "fused")
           + _grid(["qwen3", "qk_norm_learned", "lfa_qk_norm"], ("bf16",), ["none"], ["whole", "middle"], "fused")
           + _grid(["qwen3"], ("fp32",), ["selective", "full_first1"], ["middle"], "fused")
-          + _grid(["qwen3"], ("bf16",), ["selective"], ["first", "last"], "reference"))
+          + _grid(["qwen3"], ("bf16",), ["selective"], ["first", "last"], "reference")
+          + _grid(FP8_VARIANTS, ("bf16",), ["none", "selective"], ["middle"], "fused")
+          + _grid(["llama_fp8", "gpt_fp8_rowwise"], ("bf16",), ["full_first1"], ["first", "last"], "reference"))
 SINGLE_SLOW = (_grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "reference")
                + _grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "fused"))
 
@@ -321,7 +333,9 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
                  + _grid(["parallel_llama"], ("fp32",), ["selective"], ["middle"], "fused")
                  + _grid(["parallel_lfa"], ("bf16",), ["none"], ["middle"], "reference")
                  + _grid(["qwen3"], ("fp32",), ["none"], ["middle"], "reference")
-                 + _grid(["qwen3"], ("bf16",), ["selective"], ["middle"], "fused"))
+                 + _grid(["qwen3"], ("bf16",), ["selective"], ["middle"], "fused")
+                 + _grid(["llama_fp8"], ("bf16",), ["none"], ["middle"], "fused")
+                 + _grid(["parallel_llama_fp8_blockwise"], ("bf16",), ["selective"], ["whole"], "reference"))
     layouts = {**LAYOUTS, **SLOW_LAYOUTS}
     return [(f"{layout}-{case}", [*overrides, *layouts[layout]], kernels, stage)
             for case, overrides, kernels, stage in cases]
@@ -365,7 +379,8 @@ STASH_TP = (_grid(["gpt"], ("fp32",), ["none"], ["middle"], "reference")
             + _grid(["llama"], ("bf16",), ["full"], ["last"], "reference")
             + _grid(["parallel_llama"], ("bf16",), ["none"], ["middle"], "reference")
             + _grid(["llama"], ("bf16",), ["none"], ["middle"], "fused")
-            + _grid(["qwen3"], ("bf16",), ["none"], ["middle"], "reference"))
+            + _grid(["qwen3"], ("bf16",), ["none"], ["middle"], "reference")
+            + _grid(["gpt_fp8_rowwise"], ("bf16",), ["none"], ["middle"], "reference"))
 
 
 def _stash_case(rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
