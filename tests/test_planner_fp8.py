@@ -1,5 +1,5 @@
 """The planner under train.fp8: float8 GEMM time, the casts' bytes, float8 weights and saved inputs in memory,
-the float8 SP gathers and layers excluded from FP8.
+the float8 SP gathers, layers excluded from FP8, the search, and the refusal on a GPU without FP8.
 
 - GEMMs: a float8 GEMM runs at the spec's FP8 peak at the same fraction of peak as a 16-bit GEMM of its
   shape: on H100 the block GEMMs of Llama 3 8B take 989/1979 of their bf16 time, hand-computed from
@@ -26,6 +26,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megascale.cli import main as cli_main
 from megascale.config import Config, load_config
 from megascale.kernels.fp8 import recipe_of
 from megascale.perf.chunk_costs import chunk_cost, fp8_weight_seconds
@@ -36,6 +37,7 @@ from megascale.perf.fp8_casts import Fp8Gemm, backward_cast_bytes, forward_cast_
 from megascale.perf.gpus import builtin_gpu
 from megascale.perf.memory import estimate_memory
 from megascale.perf.predict import predict
+from megascale.perf.search import fp8_modes, search
 from megascale.run_plan import RunPlan, resolve_plan
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -318,3 +320,39 @@ def test_fp8_step_on_h100_with_eager_and_fused_casts() -> None:
     assert "fp8_cast" not in off.to_json()["breakdown"] and "fp8" not in off.to_json()
     assert "fp8_weights" not in off.to_json()["stages"][0]["parts_gib"]
     assert eager.to_json()["breakdown"]["fp8_weight_cast"] > 0 and eager.to_json()["fp8"].startswith("fp8: tensorwise")
+
+
+def test_search_tries_fp8_on_h100_and_not_on_a100() -> None:
+    cfg = load_config(os.path.join(CONFIGS, "gpt2-124m.yaml"), ["train.global_batch_size=16"])
+    assert fp8_modes(cfg, H100) == ("off", "tensorwise")
+    assert fp8_modes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8="rowwise")), H100) == (
+        "off", "tensorwise", "rowwise")
+    h100 = search(cfg, 2, H100)
+    labels = [c.label() for c in [*h100.ranked, *h100.fp8_best]]
+    assert h100.fp8_modes == ("off", "tensorwise") and any(label.endswith("fp8=tensorwise") for label in labels)
+    a100 = search(cfg, 2, builtin_gpu("a100"))
+    assert a100.fp8_modes == ("off",) and not a100.fp8_best
+    assert a100.considered * 2 == h100.considered
+    assert all(c.cfg.train.fp8 == "off" for c in a100.ranked)
+
+
+def test_plan_refuses_fp8_on_a100_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    code = cli_main(["plan", "--config", os.path.join(CONFIGS, "llama3-8b.yaml"), "--gpus", "8", "--gpu", "a100",
+                     "train.fp8=tensorwise"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1
+    assert "a100 has no FP8 tensor cores" in err and "train.fp8=off" in err
+
+
+def test_plan_and_search_output_say_fp8(capsys: pytest.CaptureFixture) -> None:
+    llama = os.path.join(CONFIGS, "llama3-8b.yaml")
+    assert cli_main(["plan", "--config", llama, "--gpus", "8", "--gpu", "h100", "train.fp8=tensorwise"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8: tensorwise on 128 of 128 block linears, at the FP8 peak 1979 TFLOP/s" in out
+    assert "fp8_weights" in out and "fp8_cast" in out and "fp8_weight_cast" in out
+    gpt2 = os.path.join(CONFIGS, "gpt2-124m.yaml")
+    assert cli_main(["plan", "--config", gpt2, "--gpus", "2", "--gpu", "h100", "--search",
+                     "train.global_batch_size=16"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts on 2 x h100 (train.fp8: off, tensorwise)" in out
+    assert "fp8=tensorwise" in out  # ranked, or the best layout with it shown below the ranking
