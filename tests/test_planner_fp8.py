@@ -32,7 +32,7 @@ from megascale.kernels.fp8 import recipe_of
 from megascale.perf.chunk_costs import chunk_cost, fp8_weight_seconds
 from megascale.perf.collectives import collective_seconds
 from megascale.perf.costs import MEGASCALE, layer_costs, tp_layer_traffic
-from megascale.perf.fp8 import NO_FP8, describe_fp8, layer_fp8
+from megascale.perf.fp8 import LayerFp8, describe_fp8, layer_fp8
 from megascale.perf.fp8_casts import Fp8Gemm, backward_cast_bytes, forward_cast_bytes, weight_cast_bytes
 from megascale.perf.gpus import builtin_gpu
 from megascale.perf.memory import estimate_memory
@@ -288,7 +288,7 @@ def test_sp_gathers_of_float8_inputs_move_half_the_bytes() -> None:
 
 def test_excluded_linears_stay_in_train_dtype() -> None:
     cfg, plan = _llama8("train.fp8=tensorwise", 'train.fp8_exclude=["layers.0.*", "*.fc2"]')
-    assert layer_fp8(cfg, 0) == NO_FP8.__class__(recipe="tensorwise")
+    assert layer_fp8(cfg, 0) == LayerFp8(recipe="tensorwise")  # every linear of layer 0 excluded
     assert (layer_fp8(cfg, 1).qkv, layer_fp8(cfg, 1).fc1, layer_fp8(cfg, 1).fc2) == (True, True, False)
     off_cfg, _ = _llama8()
     t, h = 8192, 4096
