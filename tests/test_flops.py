@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from train_utils import train
 
 from megascale.config import load_config
 from megascale.perf.flops import (
@@ -121,6 +123,44 @@ def test_peak_table_reads_device_names() -> None:
     assert table_peak("Tesla V100-SXM2-32GB") is None
     peak = device_peak(torch.device("cpu"), configured=123.0)
     assert (peak.tflops, peak.source) == (123.0, "config")
+
+
+# ----------------------------------------------------------------------------- FP8 peak and mfu_fp8
+
+
+def test_fp8_peak_table_is_twice_the_dense_bf16_peak_and_knows_ampere_has_none() -> None:
+    import torch
+
+    from megascale.perf.flops import FP8_PEAK_TFLOPS, PEAK_TFLOPS, fp8_peak, fp8_table_peak
+
+    assert fp8_table_peak("NVIDIA H100 80GB HBM3") == (True, 1979.0)
+    assert fp8_table_peak("NVIDIA H200") == (True, 1979.0)
+    assert fp8_table_peak("NVIDIA H100 PCIe") == (True, 1513.0)  # the PCIe part's, not the SXM figure
+    assert fp8_table_peak("NVIDIA A100-SXM4-80GB") == (True, None)  # known: no FP8 tensor cores
+    assert fp8_table_peak("cpu") == (False, None)
+    for name, tflops in FP8_PEAK_TFLOPS.items():
+        assert tflops is None or tflops == pytest.approx(2 * PEAK_TFLOPS[name], abs=1), name  # 756.5 rounds to 756
+    assert set(FP8_PEAK_TFLOPS) == set(PEAK_TFLOPS)  # every device of the dense table says what it has
+    assert fp8_peak(torch.device("cpu"), measure_size=64) is not None  # the CPU's measured _scaled_mm
+
+
+def test_fp8_run_logs_mfu_fp8_beside_mfu(tmp_path: Path) -> None:
+    # A tiny model, 2 steps on one CPU process: every record has mfu (over the dense peak) and mfu_fp8
+    # (over the FP8 peak, a measured _scaled_mm on a CPU, read back here from the peak cache).
+    from megascale.perf.flops import device_peak, fp8_peak
+
+    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+            "model.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2", "log.interval=1",
+            "log.tensorboard=false", "train.steps=2", "checkpoint.save_final=false", "train.eval_interval=0"]
+    records = train(tmp_path / "fp8", "train.fp8=tensorwise", base=tiny)
+    assert [r["step"] for r in records] == [1, 2]
+    import torch
+
+    dense, fp8 = device_peak(torch.device("cpu")), fp8_peak(torch.device("cpu"))  # the run's, from the cache
+    assert fp8 is not None
+    for rec in records:
+        assert rec["mfu"] == pytest.approx(rec["tflops_per_device"] / dense.tflops, rel=1e-9)
+        assert rec["mfu_fp8"] == pytest.approx(rec["tflops_per_device"] / fp8.tflops, rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- LFA (Yuan 2.0)

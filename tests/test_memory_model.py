@@ -2,8 +2,10 @@
 
 For one micro-batch's forward through one model chunk, a `saved_tensors_hooks`
 pack hook sees every tensor autograd keeps for backward. Each distinct storage is
-counted once (by its data pointer; saved tensors stay alive until backward, so
-pointers are not reused). What is counted is what one more micro-batch in flight
+counted once (by its data pointer; saved tensors mostly stay alive until backward,
+and where one is released inside the forward, with a graph the forward drops, a
+later storage at its address is told apart by a weak reference to the first and
+counted too). What is counted is what one more micro-batch in flight
 costs: the chunk runs two micro-batches, each on its own copies of the inputs, the
 first one's graph still alive while the second runs, and the second's storages
 that the first saved as well are left out. Those are the ones that outlive a
@@ -18,7 +20,9 @@ chunk's first/last flags), recompute none / selective / full / first layer only,
 fp32 and bf16, MHA and GQA, GeLU and SwiGLU, LayerNorm and RMSNorm, learned and
 rotary positions, dropout 0 and > 0, parallel block (its qkv and fc1 GEMM fused),
 sliding window, LFA, q/k head norms with heads of their own width (model.qk_norm,
-model.kv_channels); and on two gloo ranks (one spawn) tp 2 without sequence
+model.kv_channels), FP8 GEMMs of each recipe (train.fp8: each float8 GEMM keeps the float8
+copy of its input and its scales; with one of the parallel block's fused GEMMs excluded by
+train.fp8_exclude, two GEMMs); and on two gloo ranks (one spawn) tp 2 without sequence
 parallelism and with it, its column GEMMs keeping their input shard (the default)
 or the gathered input (parallel.sp_regather_input=false), and cp 2 Ulysses and ring. The "reference" profile is what these CPU runs execute; the
 "fused" profile is checked by driving the csrc autograd fronts through the
@@ -62,7 +66,15 @@ VARIANTS = {
     "qwen3": [*LLAMA, "model.qk_norm=true", "model.kv_channels=12"],
     "qk_norm_learned": ["model.qk_norm=true", "model.kv_channels=16"],
     "lfa_qk_norm": [*LLAMA, "model.lfa=true", "model.qk_norm=true", "model.kv_channels=12"],
+    # FP8 GEMMs (train.fp8): float8 inputs saved in place of the train.dtype ones
+    "llama_fp8": [*LLAMA, "train.fp8=tensorwise"],
+    "gpt_fp8_rowwise": ["train.fp8=rowwise"],
+    "parallel_llama_fp8_blockwise": [*LLAMA, "model.parallel_block=true", "train.fp8=blockwise"],
+    "parallel_fp8_fc1_excluded": [*LLAMA, "model.parallel_block=true", "train.fp8=rowwise",
+                                  'train.fp8_exclude=["*.fc1"]'],
+    "lfa_fp8": [*LLAMA, "model.lfa=true", "train.fp8=tensorwise"],
 }
+FP8_VARIANTS = [name for name in VARIANTS if "fp8" in name]
 RECOMPUTE = {
     "none": [],
     "selective": ["train.recompute=selective"],
@@ -73,14 +85,25 @@ STAGES = {"whole": (True, True), "first": (True, False), "middle": (False, False
 TOLERANCE = 0.05  # the step peaks: the allocator's records against the estimate
 
 
-def _saved_storages(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> tuple[dict, Any]:
-    """{data pointer: bytes} of the storages autograd saves during chunk(hidden, batch), and the output
-    (which keeps them alive)."""
-    saved: dict[int, int] = {}
+Saved = dict[int, list[tuple[int, Any]]]
+"""Data pointer -> (bytes, weak reference) of each storage saved at that address, in order."""
+
+
+def _saved_storages(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> tuple[Saved, Any]:
+    """The storages autograd saves during chunk(hidden, batch), and the output (which keeps them alive).
+
+    A storage saved and then released inside the forward (a graph the forward drops) stays counted; a later
+    storage at its address is another entry, not taken for the same one (small ones often land there).
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: Saved = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        saved.setdefault(storage.data_ptr(), storage.nbytes())
+        entries = saved.setdefault(storage.data_ptr(), [])
+        if not entries or entries[-1][1].expired():
+            entries.append((storage.nbytes(), StorageWeakRef(storage)))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -90,14 +113,20 @@ def _saved_storages(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batc
 
 def measure_saved_bytes(chunk: torch.nn.Module, hidden: Optional[torch.Tensor], batch: dict) -> int:
     """Bytes autograd saves for one more micro-batch through the chunk: storages a second forward
-    (on its own copies of the inputs, the first one's graph alive) saves that the first did not."""
+    (on its own copies of the inputs, the first one's graph alive) saves that the first did not. A storage
+    of the first forward still alive is the one the second saved at its address (parameters, halo indices);
+    one it released may have left its address to a new one."""
     def inputs() -> tuple[Optional[torch.Tensor], dict]:
         copy = None if hidden is None else hidden.detach().clone().requires_grad_(hidden.requires_grad)
         return copy, {key: value.clone() for key, value in batch.items()}
 
     first, _graph = _saved_storages(chunk, *inputs())
     second, _ = _saved_storages(chunk, *inputs())
-    return sum(nbytes for ptr, nbytes in second.items() if ptr not in first)
+
+    def shared(ptr: int) -> bool:
+        return any(not ref.expired() for _, ref in first.get(ptr, []))
+
+    return sum(nbytes for ptr, entries in second.items() if not shared(ptr) for nbytes, _ in entries)
 
 
 def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1,
@@ -187,7 +216,9 @@ SINGLE = (_grid(list(VARIANTS), ("fp32", "bf16"), ["none"], ["whole", "middle"],
           + _grid(["lfa", "lfa_mha_window"], ("bf16",), ["none"], ["whole"], "fused")
           + _grid(["qwen3", "qk_norm_learned", "lfa_qk_norm"], ("bf16",), ["none"], ["whole", "middle"], "fused")
           + _grid(["qwen3"], ("fp32",), ["selective", "full_first1"], ["middle"], "fused")
-          + _grid(["qwen3"], ("bf16",), ["selective"], ["first", "last"], "reference"))
+          + _grid(["qwen3"], ("bf16",), ["selective"], ["first", "last"], "reference")
+          + _grid(FP8_VARIANTS, ("bf16",), ["none", "selective"], ["middle"], "fused")
+          + _grid(["llama_fp8", "gpt_fp8_rowwise"], ("bf16",), ["full_first1"], ["first", "last"], "reference"))
 SINGLE_SLOW = (_grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "reference")
                + _grid(list(VARIANTS), ("fp32", "bf16"), list(RECOMPUTE), list(STAGES), "fused"))
 
@@ -302,7 +333,9 @@ def _layout_grid(layout: str, full: bool) -> list[tuple[str, list[str], str, str
                  + _grid(["parallel_llama"], ("fp32",), ["selective"], ["middle"], "fused")
                  + _grid(["parallel_lfa"], ("bf16",), ["none"], ["middle"], "reference")
                  + _grid(["qwen3"], ("fp32",), ["none"], ["middle"], "reference")
-                 + _grid(["qwen3"], ("bf16",), ["selective"], ["middle"], "fused"))
+                 + _grid(["qwen3"], ("bf16",), ["selective"], ["middle"], "fused")
+                 + _grid(["llama_fp8"], ("bf16",), ["none"], ["middle"], "fused")
+                 + _grid(["parallel_llama_fp8_blockwise"], ("bf16",), ["selective"], ["whole"], "reference"))
     layouts = {**LAYOUTS, **SLOW_LAYOUTS}
     return [(f"{layout}-{case}", [*overrides, *layouts[layout]], kernels, stage)
             for case, overrides, kernels, stage in cases]
@@ -346,7 +379,8 @@ STASH_TP = (_grid(["gpt"], ("fp32",), ["none"], ["middle"], "reference")
             + _grid(["llama"], ("bf16",), ["full"], ["last"], "reference")
             + _grid(["parallel_llama"], ("bf16",), ["none"], ["middle"], "reference")
             + _grid(["llama"], ("bf16",), ["none"], ["middle"], "fused")
-            + _grid(["qwen3"], ("bf16",), ["none"], ["middle"], "reference"))
+            + _grid(["qwen3"], ("bf16",), ["none"], ["middle"], "reference")
+            + _grid(["gpt_fp8_rowwise"], ("bf16",), ["none"], ["middle"], "reference"))
 
 
 def _stash_case(rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:

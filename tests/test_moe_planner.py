@@ -57,6 +57,10 @@ VARIANTS = {
     "dropout": ["model.dropout=0.1", "model.moe.shared_experts=1"],
     "parallel_block": [*LLAMA, "model.parallel_block=true", "model.moe.shared_experts=1"],
     "qwen3_moe": [*LLAMA, "model.qk_norm=true", "model.kv_channels=12"],  # q/k norms, heads 12 wide (not 8)
+    # FP8 GEMMs: each float8 projection keeps its float8 input; with biases the routed ones index their bias rows
+    "llama_fp8": [*LLAMA, "train.fp8=rowwise"],
+    "gpt_fp8": ["train.fp8=tensorwise", "model.moe.shared_experts=1"],
+    "shared_fp8": [*LLAMA, "model.moe.shared_experts=1", "train.fp8=blockwise", 'train.fp8_exclude=["*.experts.fc2"]'],
 }
 RECOMPUTE = {"none": [], "selective": ["train.recompute=selective"],
              "full_first1": ["train.recompute=full", "train.recompute_layers=1"]}
@@ -130,7 +134,8 @@ LAYOUTS = {
 
 def _layout_case(layout: str, rank: int, world: int, shared: Any) -> list[tuple[str, int, float]]:
     cases = (_cases(["llama", "shared"], ("fp32", "bf16"), ["none"], ["middle"], "reference")
-             + _cases(["gpt"], ("bf16",), ["none"], ["whole"], "fused"))
+             + _cases(["gpt"], ("bf16",), ["none"], ["whole"], "fused")
+             + _cases(["gpt_fp8"], ("bf16",), ["none"], ["middle"], "reference"))
     return [(f"{layout}-{case} rank {rank}", *compare([*overrides, *LAYOUTS[layout]], kernels, stage, rank, world))
             for case, overrides, kernels, stage in cases]
 
@@ -183,7 +188,7 @@ def test_planned_all_to_all_bytes_are_what_the_dispatcher_sends(two_rank_results
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_saved_bytes_two_ranks_are_exact(two_rank_results: dict[str, Outcome], layout: str) -> None:
     results = [row for rank_rows in two_rank_results[layout].check() for row in rank_rows]
-    assert len(results) == 2 * 5
+    assert len(results) == 2 * 6
     assert not _mismatches(results), "\n".join(_mismatches(results))
 
 

@@ -58,3 +58,16 @@ def test_configured_peak_is_not_starred(cache_home: Path) -> None:
            "mfu": 0.25, "mem_gb": 1.0, "step_time_s": 0.1}
     assert "| MFU 25.0% |" in format_line(rec, 10, peak.source)
     assert "| MFU* 25.0% |" in format_line(rec, 10, "measured")
+
+
+def test_fp8_peak_is_measured_and_cached_under_its_own_key(cache_home: Path) -> None:
+    from megascale.perf.flops import fp8_peak
+
+    dense = device_peak(torch.device("cpu"), measure_size=128)
+    first = fp8_peak(torch.device("cpu"), measure_size=128)
+    assert first is not None and first.source == "measured" and first.note.startswith("measured now")
+    keys = list(json.loads(cache_home.read_text()))
+    assert len(keys) == 2 and sum("fp8-e4m3" in key for key in keys) == 1
+    again = fp8_peak(torch.device("cpu"), measure_size=128)
+    assert again is not None and again.tflops == first.tflops and again.note == f"cached in {cache_home}"
+    assert device_peak(torch.device("cpu"), measure_size=128).tflops == dense.tflops

@@ -14,6 +14,10 @@ One spawn of 2 gloo ranks (tp 2) runs every case:
   block), and backward one reduce-scatter, one all-gather of the output gradient and
   one re-gather of the input when re-gathering; with tp_overlap the gathers and
   reduce-scatters are rings of tp - 1 paired send/receives each.
+- FP8 (train.fp8, bf16): the bytes every all-gather of one layer moves and the amax
+  all-reduces it issues (the weights' too: a step's first forward quantises them),
+  against `tp_layer_traffic`: the column inputs gathered and re-gathered in float8 (their
+  per-row scales in a second all-gather with rowwise scaling), the output gradients in bf16.
 
 Tolerance: fp32; tp changes only the order of reductions (~1e-7 relative on
 O(1e-2) gradients); 1e-5 absolute catches a wrong slice, a missing reduction or a
@@ -23,7 +27,7 @@ gradient computed from the wrong (un-gathered) input, which are off by O(gradien
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -115,19 +119,19 @@ COLLECTIVES = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather
 
 
 @contextmanager
-def counting_collectives(counts: Counter) -> Iterator[None]:
-    """Count every call of torch.distributed's collective entry points (by kind) while inside."""
+def _recording(names: Iterable[str], record: Callable[[str, tuple], None]) -> Iterator[None]:
+    """Call record(name, args) at every call of the named torch.distributed entry points while inside."""
     import torch.distributed as dist
 
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    originals = {name: getattr(dist, name) for name in names}
 
     def wrap(name: str) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counts[COLLECTIVES[name]] += 1
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            record(name, args)
             return originals[name](*args, **kwargs)
-        return counted
+        return recorded
 
-    for name in COLLECTIVES:
+    for name in originals:
         setattr(dist, name, wrap(name))
     try:
         yield
@@ -136,16 +140,71 @@ def counting_collectives(counts: Counter) -> Iterator[None]:
             setattr(dist, name, fn)
 
 
-def _pass_counts(overrides: list[str], layers: int, rank: int, world: int, tokens: torch.Tensor) -> tuple:
+@contextmanager
+def counting_collectives(counts: Counter) -> Iterator[None]:
+    """Count every call of torch.distributed's collective entry points (by kind) while inside."""
+    with _recording(COLLECTIVES, lambda name, args: counts.update([COLLECTIVES[name]])):
+        yield
+
+
+GATHERS = ("all_gather_into_tensor", "all_gather")
+
+
+@contextmanager
+def counting_traffic(traffic: Counter) -> Iterator[None]:
+    """Count all-gather calls and the bytes they gather, and all-reduce calls, while inside."""
+    def record(name: str, args: tuple) -> None:
+        if name == "all_reduce":
+            traffic["all_reduce"] += 1
+            return
+        tensors = args[0] if isinstance(args[0], list) else [args[0]]
+        traffic["all_gather"] += 1
+        traffic["all_gather_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+
+    with _recording((*GATHERS, "all_reduce"), record):
+        yield
+
+
+def _pass_counts(overrides: list[str], layers: int, rank: int, world: int, tokens: torch.Tensor,
+                 counting: Callable[[Counter], Any] = counting_collectives) -> tuple:
+    """What `counting` records in one forward and one backward of a `layers`-layer chunk of the layout."""
     cfg = parity.make_config([*overrides, f"model.num_layers={layers}"])
     chunk = parity.build_chunks(cfg, parity.layout_context(cfg, rank, world))[0]
     forward: Counter = Counter()
     backward: Counter = Counter()
-    with counting_collectives(forward):
+    with counting(forward):
         loss = chunk(None, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
-    with counting_collectives(backward):
+    with counting(backward):
         loss.backward()
     return forward, backward
+
+
+FP8_TRAFFIC = {"tensorwise": [*SP, "train.fp8=tensorwise"], "rowwise": [*SP, "train.fp8=rowwise"],
+               "rowwise-saved": [*SP, "train.fp8=rowwise", "parallel.sp_regather_input=false"],
+               "parallel-tensorwise": [*PARALLEL, *SP, "train.fp8=tensorwise"]}
+
+
+def _fp8_traffic_case(name: str, rank: int, world: int, shared: dict) -> tuple[dict, dict, dict, dict]:
+    """Measured (forward, backward) all-gather calls and bytes and all-reduce calls per layer under FP8, and
+    the planner's."""
+    from megascale.perf.costs import tp_layer_traffic
+    from megascale.run_plan import resolve_plan
+
+    overrides = [*BASE, *GPT, "train.dtype=bf16", *FP8_TRAFFIC[name]]
+    one = _pass_counts(overrides, 1, rank, world, shared["tokens"], counting_traffic)
+    two = _pass_counts(overrides, 2, rank, world, shared["tokens"], counting_traffic)
+    per_layer = [dict(b - a) for a, b in zip(one, two)]
+    cfg = parity.make_config([*overrides, "train.global_batch_size=2", "train.micro_batch_size=2"])
+    t = tp_layer_traffic(cfg, resolve_plan(cfg, world))
+    planned = []
+    # The first forward after a weight changes also quantises the weights (once per step).
+    for counts, fp8, reduces, weights in zip((t.forward, t.backward), t.fp8_gathers, t.amax_reduces,
+                                             (t.weight_amax_reduces, 0)):
+        plain = counts.get("all_gather", 0) - fp8
+        planned.append({"all_gather": plain + fp8 * t.fp8_gather_calls,
+                        "all_gather_bytes": plain * t.message_bytes + fp8 * t.fp8_message_bytes,
+                        "all_reduce": counts.get("all_reduce", 0) + reduces + weights})
+    return per_layer[0], per_layer[1], planned[0], planned[1]
 
 
 def _count_case(name: str, rank: int, world: int, shared: dict) -> tuple[dict, dict, dict, dict]:
@@ -166,6 +225,7 @@ def _count_case(name: str, rank: int, world: int, shared: dict) -> tuple[dict, d
 def results() -> dict[str, Outcome]:
     scenarios: dict[str, Any] = {f"parity-{name}": partial(_parity_case, name) for name in PARITY}
     scenarios.update({f"count-{name}": partial(_count_case, name) for name in COUNTS})
+    scenarios.update({f"fp8-{name}": partial(_fp8_traffic_case, name) for name in FP8_TRAFFIC})
     return run_scenarios(scenarios, 2, setup=_setup, timeout=900.0)
 
 
@@ -185,3 +245,9 @@ def test_collectives_per_layer(results: dict[str, Outcome], name: str) -> None:
         assert backward == want_backward, f"backward issues {backward} per layer, expected {want_backward}"
         if not overlapped:  # the time model counts what the layer really issues (rings are modelled as collectives)
             assert (planned_forward, planned_backward) == (forward, backward)
+
+
+@pytest.mark.parametrize("name", list(FP8_TRAFFIC))
+def test_fp8_gathers_and_amax_reduces_per_layer(results: dict[str, Outcome], name: str) -> None:
+    for forward, backward, planned_forward, planned_backward in results[f"fp8-{name}"].check():
+        assert (forward, backward) == (planned_forward, planned_backward)

@@ -23,6 +23,7 @@ def test_loss_decreases_and_metrics_fields(tmp_path: Path) -> None:
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "step_time_s",
                 "mem_gb"):
         assert key in recs[0], key
+    assert "mfu_fp8" not in recs[0]  # only runs with train.fp8 log it
     first, last = recs[0]["loss"], sum(r["loss"] for r in recs[-5:]) / 5
     assert first > 8.5  # ~ln(8192) at init
     assert last < first - 1.5, (first, last)

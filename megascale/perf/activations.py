@@ -41,6 +41,15 @@ the combine weights and the weighted rows it sums, and the small tensors of the
 z-loss ([n, E] logits) and the balancing loss when they train.
 `tests/test_memory_model.py` and `tests/test_moe_planner.py` check these numbers
 against autograd's saved tensors on the real model for a grid of layouts.
+
+Under `train.fp8` (`LayerFp8`, megascale/perf/fp8.py) each float8 GEMM saves the
+float8 copy of its input and its scales in place of its train.dtype input: the
+column GEMMs' (qkv, fc1; under SP the shard or the gathered input as above), the
+output projection's, fc2's and the routed experts'. The train.dtype tensor is then
+released unless something else keeps it: the attention kernel keeps its output,
+which the output projection reads (cp = 1, or a ring in fp32), so an FP8 projection
+adds its float8 input beside it; the activation's output, fc2's input, and a norm
+output only GEMMs read go.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from typing import Literal, Optional
 
 from megascale.config import Config, Recompute
 from megascale.perf import lfa
+from megascale.perf.fp8 import NO_FP8, LayerFp8, layer_fp8, operand_bytes
 from megascale.perf.moe import kept_fraction
 from megascale.run_plan import RunPlan
 
@@ -165,6 +175,24 @@ def linear_input_bytes(sh: Shapes) -> float:
     return gathered_input_bytes(sh)
 
 
+def column_input_bytes(sh: Shapes, fp8: LayerFp8, in_fp8: bool) -> float:
+    """What a column-parallel GEMM keeps of its input: `linear_input_bytes`, or in float8 (in_fp8) its
+    quantised copy with scales: the shard under SP (re-gathered in backward), else the whole input."""
+    if not in_fp8:
+        return linear_input_bytes(sh)
+    rows = sh.residual_tokens if sh.regather else sh.tokens
+    return operand_bytes(rows, sh.hidden, fp8.scheme.act_scaling)
+
+
+def fp8_input_bytes(sh: Shapes, fp8: LayerFp8, rows: int, width: int, expert: bool = False,
+                     split: bool = False) -> float:
+    """What an FP8 GEMM saves of an input of rows x width: float8 and scales (per row or tile for experts).
+    split: width is this rank's 1/tp of the input features (a row-parallel GEMM's)."""
+    scheme = fp8.scheme
+    scaling = scheme.expert_act_scaling if expert else scheme.act_scaling
+    return operand_bytes(rows, width, scaling, width * sh.tp if split else 0)
+
+
 def gathered_input_bytes(sh: Shapes) -> float:
     """A [s, b, h] input of the tp region: the all-gathered sequence under SP."""
     return sh.per_token(sh.hidden, sh.act)
@@ -272,18 +300,26 @@ def _ring_bytes(cfg: Config, sh: Shapes) -> float:
 
 
 def mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, width: Optional[int] = None,
-              rows: Optional[int] = None) -> float:
+              rows: Optional[int] = None, fc2_fp8: Optional[LayerFp8] = None, expert: bool = False) -> float:
     """fc1 output, activation and fc2 input (fc1's own input is counted with the norm output).
 
     width / rows: the MLP's width on this rank and the rows it computes (default the dense MLP's
     and the micro-batch's tokens; an MoE layer's experts and shared experts pass theirs).
+    fc2_fp8: fc2 runs in float8 under this layer's FP8 setting: it keeps the float8 copy of its input
+    (the activation's output, which nothing else keeps) instead; expert: with the routed experts' scales.
     """
-    ffn = (sh.tokens if rows is None else rows) * (sh.ffn if width is None else width) * sh.act
+    n, f = (sh.tokens if rows is None else rows), (sh.ffn if width is None else width)
+    ffn = n * f * sh.act
     if cfg.model.activation == "swiglu":
         # reference: the [.., 2, ffn] fc1 output (gate and up views), silu(gate), the product;
         # fused: contiguous copies of gate and up, the product.
-        return 4 * ffn if kernels == "reference" else 3 * ffn
-    return 2 * ffn  # GeLU input and output
+        kept = 4 * ffn if kernels == "reference" else 3 * ffn
+    else:
+        kept = 2 * ffn  # GeLU input and output
+    if fc2_fp8 is None:
+        return kept
+    split = not expert or expert_tp_size(cfg, sh) > 1  # fc2's input features are cut over tp
+    return kept - ffn + fp8_input_bytes(sh, fc2_fp8, n, f, expert, split)
 
 
 def routed_tokens(sh: Shapes) -> int:
@@ -297,9 +333,9 @@ def routed_rows(cfg: Config, sh: Shapes) -> int:
     return int(routed_tokens(sh) * cfg.model.moe.top_k * kept_fraction(cfg))
 
 
-def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, fp8: LayerFp8 = NO_FP8) -> float:
     """What an MoE layer's router, dispatch, experts and combine keep (see the module docstring), its
-    fp32 router input excepted (`_router_input_bytes`)."""
+    fp32 router input excepted (`_router_input_bytes`); fp8: the layer's float8 GEMMs."""
     moe = cfg.model.moe
     n, experts, h = routed_tokens(sh), moe.num_experts, sh.hidden
     m = routed_rows(cfg, sh)
@@ -325,7 +361,12 @@ def moe_routed_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
         rows += 2 * computed * INDEX + (m * INDEX if cfg.model.bias else 0)
     # The experts' input rows and activation, and the combine's fp32 expert output (the output itself
     # in fp32 runs) and gate-weighted rows (index_add keeps its source).
-    experts_kept = (computed * h * sh.act + mlp_bytes(cfg, sh, kernels, cfg.model.expert_ffn_size // etp, computed)
+    rows_in = (fp8_input_bytes(sh, fp8, computed, h, expert=True) if fp8.experts_fc1
+               else computed * h * sh.act)
+    if cfg.model.bias and (fp8.experts_fc1 or (fp8.experts_fc2 and etp == 1)):
+        rows += computed * INDEX  # a float8 projection adds its bias rows by indexing: the rows' experts
+    experts_kept = (rows_in + mlp_bytes(cfg, sh, kernels, cfg.model.expert_ffn_size // etp, computed,
+                                        fp8 if fp8.experts_fc2 else None, expert=True)
                     + 2 * m * h * FP32)
     return router + rows + experts_kept
 
@@ -348,17 +389,23 @@ def _router_input_bytes(cfg: Config, sh: Shapes, norm_output_kept: bool) -> floa
     return 0.0 if norm_output_kept else sh.residual_tokens * sh.hidden * FP32
 
 
-def moe_mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm_output_kept: bool = False) -> float:
+def moe_mlp_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, norm_output_kept: bool = False,
+                  fp8: LayerFp8 = NO_FP8) -> float:
     """An MoE layer's MLP part: the routed path and, with shared experts, their kept input and activations.
 
     norm_output_kept: the norm output's storage is already counted (the parallel block's attention keeps it).
+    fp8: the layer's float8 GEMMs (a float8 shared fc1 keeps its own float8 input, not the norm output).
     """
     shared = cfg.model.shared_ffn_size // sh.tp
-    total = _router_input_bytes(cfg, sh, norm_output_kept or (shared > 0 and _keeps_norm_output(sh)))
+    shared_keeps_it = shared > 0 and not fp8.fc1 and _keeps_norm_output(sh)
+    total = _router_input_bytes(cfg, sh, norm_output_kept or shared_keeps_it)
     if shared:
-        kept_input = 0.0 if norm_output_kept and _keeps_norm_output(sh) else linear_input_bytes(sh)
-        total += kept_input + mlp_bytes(cfg, sh, kernels, shared)
-    return total + moe_routed_bytes(cfg, sh, kernels)
+        if fp8.fc1:
+            kept_input = column_input_bytes(sh, fp8, True)
+        else:
+            kept_input = 0.0 if norm_output_kept and _keeps_norm_output(sh) else linear_input_bytes(sh)
+        total += kept_input + mlp_bytes(cfg, sh, kernels, shared, fc2_fp8=fp8 if fp8.fc2 else None)
+    return total + moe_routed_bytes(cfg, sh, kernels, fp8)
 
 
 def dropout_mask_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
@@ -369,44 +416,65 @@ def dropout_mask_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float
     return sh.residual_tokens * sh.hidden * per
 
 
-def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute, moe: bool = False) -> float:
-    """Saved bytes of one transformer block (with `moe`, an MoE layer) for one micro-batch (its input included)."""
+def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute, moe: bool = False,
+                fp8: LayerFp8 = NO_FP8) -> float:
+    """Saved bytes of one transformer block (with `moe`, an MoE layer) for one micro-batch (its input included);
+    fp8: which of its GEMMs run in float8 (`megascale.perf.fp8.layer_fp8`)."""
     m = cfg.model
     if recompute == "full":
         return sh.residual_tokens * sh.hidden * sh.act  # the checkpoint keeps the block input only
     if moe:
-        return _moe_layer_bytes(cfg, sh, kernels, recompute)
+        return _moe_layer_bytes(cfg, sh, kernels, recompute, fp8)
     norm = norm_bytes(cfg, sh, kernels)
     lfa_filter = _lfa_bytes(cfg, sh, kernels) if m.lfa else 0.0
-    core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
+    selective = recompute == "selective"
+    core = attention_core_bytes(cfg, sh, kernels, selective=selective) + _fp8_proj_bytes(sh, fp8, selective)
     mask = dropout_mask_bytes(cfg, sh, kernels)
-    linear_in = linear_input_bytes(sh)
+    linear_in = column_input_bytes(sh, fp8, fp8.fc1)
+    mlp = mlp_bytes(cfg, sh, kernels, fc2_fp8=fp8 if fp8.fc2 else None)
     # LFA's q/k and v projections enter the tp region together and keep their gathered inputs.
-    attention_in = gathered_input_bytes(sh) if m.lfa else linear_in
+    attention_in = gathered_input_bytes(sh) if m.lfa else column_input_bytes(sh, fp8, fp8.qkv)
     if m.parallel_block:
-        if not m.lfa:  # one GEMM for qkv and fc1: one kept input, one output both branches read
+        if not m.lfa and fp8.qkv == fp8.fc1:  # one GEMM for qkv and fc1: one kept input, one output both read
             fused = _fused_block_output_bytes(cfg, sh, kernels, recompute)
-            return norm + linear_in + core + mlp_bytes(cfg, sh, kernels) + fused + mask
+            return norm + linear_in + core + mlp + fused + mask
+        if not m.lfa:  # one of qkv and fc1 excluded from FP8: two GEMMs, each keeping its own input
+            return norm + attention_in + linear_in + core + mlp + mask
         # One norm feeds both branches. With tp the attention branch's filtered and plain inputs enter
-        # the tp region as one new tensor (all-gathered under SP) beside the MLP's own input.
-        inputs = attention_in + linear_in if sh.tp > 1 else linear_in
-        return norm + inputs + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + mask
-    return 2 * norm + attention_in + linear_in + lfa_filter + core + mlp_bytes(cfg, sh, kernels) + 2 * mask
+        # the tp region as one new tensor (all-gathered under SP) beside the MLP's own input; without tp
+        # the v GEMM keeps the norm output itself, which a float8 fc1 no longer shares.
+        shared_in = gathered_input_bytes(sh) if sh.tp > 1 else linear_input_bytes(sh) if fp8.fc1 else 0.0
+        return norm + shared_in + linear_in + lfa_filter + core + mlp + mask
+    return 2 * norm + attention_in + linear_in + lfa_filter + core + mlp + 2 * mask
 
 
-def _moe_layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
+def _fp8_proj_bytes(sh: Shapes, fp8: LayerFp8, selective: bool) -> float:
+    """What a float8 output projection changes in the attention's saved bytes: its float8 input and scales
+    added, its train.dtype input released where the projection alone kept it (a new tensor: the selective
+    checkpoint's output, the all-to-all's, a ring's 16-bit cast); the local kernel's output and a fp32
+    ring's stay kept by the attention itself. 0 without an FP8 projection."""
+    if not fp8.proj:
+        return 0.0
+    width = sh.q_heads * sh.head_dim
+    alone = selective or sh.ulysses > 1 or (sh.ring > 1 and sh.act != FP32)
+    return fp8_input_bytes(sh, fp8, sh.tokens, width, split=True) - (heads_bytes(sh, sh.q_heads) if alone else 0.0)
+
+
+def _moe_layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute,
+                     fp8: LayerFp8 = NO_FP8) -> float:
     """An MoE block: attention as in a dense block, the MoE MLP in place of the dense one (the parallel
     block keeps its branches apart around an MoE layer, so each keeps its own input)."""
     norm = norm_bytes(cfg, sh, kernels)
     lfa_filter = _lfa_bytes(cfg, sh, kernels) if cfg.model.lfa else 0.0
-    core = attention_core_bytes(cfg, sh, kernels, selective=recompute == "selective")
+    selective = recompute == "selective"
+    core = attention_core_bytes(cfg, sh, kernels, selective=selective) + _fp8_proj_bytes(sh, fp8, selective)
     mask = dropout_mask_bytes(cfg, sh, kernels)
-    attention_in = gathered_input_bytes(sh) if cfg.model.lfa else linear_input_bytes(sh)
+    attention_in = gathered_input_bytes(sh) if cfg.model.lfa else column_input_bytes(sh, fp8, fp8.qkv)
     if cfg.model.parallel_block:  # one norm output feeds both branches
-        attention_keeps_it = not sh.sp or (sh.regather and not cfg.model.lfa)
-        mlp = moe_mlp_bytes(cfg, sh, kernels, norm_output_kept=attention_keeps_it)
+        attention_keeps_it = (not sh.sp or (sh.regather and not cfg.model.lfa)) and not fp8.qkv
+        mlp = moe_mlp_bytes(cfg, sh, kernels, norm_output_kept=attention_keeps_it, fp8=fp8)
         return norm + attention_in + lfa_filter + core + mlp + mask
-    return 2 * norm + attention_in + lfa_filter + core + moe_mlp_bytes(cfg, sh, kernels) + 2 * mask
+    return 2 * norm + attention_in + lfa_filter + core + moe_mlp_bytes(cfg, sh, kernels, fp8=fp8) + 2 * mask
 
 
 def _fused_block_output_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
@@ -491,9 +559,10 @@ def chunk_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: 
     sh = Shapes.of(cfg, plan)
     ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
     modes = [layer_recompute(cfg, i) for i in range(num_layers)]
-    # One layer_bytes per kind of layer (recompute mode, MoE or dense), times the chunk's layers of that kind.
-    kinds = Counter((mode, cfg.model.is_moe_layer(layer)) for mode, layer in zip(modes, ids))
-    total = sum(count * layer_bytes(cfg, sh, kernels, mode, moe) for (mode, moe), count in kinds.items())
+    # One layer_bytes per kind of layer (recompute mode, MoE or dense, its FP8 GEMMs), times the chunk's
+    # layers of that kind.
+    kinds = Counter((mode, cfg.model.is_moe_layer(layer), layer_fp8(cfg, layer)) for mode, layer in zip(modes, ids))
+    total = sum(count * layer_bytes(cfg, sh, kernels, mode, moe, fp8) for (mode, moe, fp8), count in kinds.items())
     if kernels == "fused" and cfg.model.position == "rope" and any(mode != "full" for mode in modes):
         total += sh.seq * sh.head_dim * FP32  # the chunk's fp32 cos/sin tables, shared by its layers
     if first:

@@ -1,14 +1,20 @@
 """Costs of whole model chunks (virtual pipeline stages) for one micro-batch: their layers
 (`megascale/perf/costs.py`), recomputation as train.recompute says, and the chunk ends, the input
-embedding on the first stage and the final norm, logits GEMM and loss on the last."""
+embedding on the first stage and the final norm, logits GEMM and loss on the last; and, under
+train.fp8, what quantising a rank's float8 weights costs once per step (`fp8_weight_seconds`)."""
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
 from megascale.config import Config
 from megascale.perf.costs import LayerCosts, LayerShape, group_spans_nodes, layer_costs, pass_collective_seconds
+from megascale.perf.fp8 import LayerFp8, layer_fp8
+from megascale.perf.fp8_casts import Fp8Gemm, weight_step_seconds
 from megascale.perf.gpus import GpuSpec
+from megascale.perf.layer_shape import cast_setting, fp8_gemms, layer_gemms
+from megascale.perf.moe import expert_layout, expert_tp_size
 from megascale.perf.traits import MEGASCALE, Cost, SystemTraits
 from megascale.run_plan import RunPlan
 
@@ -60,24 +66,33 @@ class ChunkCost:
     layers: int
 
 
+LayerKind = tuple[bool, LayerFp8]
+"""What decides a layer's costs beyond the layout: MoE or dense, and its float8 GEMMs."""
+
+
+def layer_kind(cfg: Config, layer_id: int) -> LayerKind:
+    """The kind of layer `layer_id`."""
+    return cfg.model.is_moe_layer(layer_id), layer_fp8(cfg, layer_id)
+
+
 def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], first: bool, last: bool,
-               traits: SystemTraits = MEGASCALE, layer: LayerCosts | None = None,
-               moe_layer: LayerCosts | None = None) -> ChunkCost:
+               traits: SystemTraits = MEGASCALE,
+               layers: MutableMapping[LayerKind, LayerCosts] | None = None) -> ChunkCost:
     """Cost of one chunk holding `layer_ids`; recomputation follows train.recompute(_layers) per chunk.
 
-    layer / moe_layer: the costs of one dense and one MoE layer when already computed.
+    layers: the costs of each kind of layer computed so far, shared between chunks (filled in here).
     """
     forward, backward = Cost(), Cost()
+    layers = {} if layers is None else layers
     mode, k = cfg.train.recompute, cfg.train.recompute_layers
     recomputed = 0 if mode == "none" else len(layer_ids) if k is None else min(k, len(layer_ids))
-    for is_moe in (False, True):
-        positions = [i for i, layer_id in enumerate(layer_ids) if cfg.model.is_moe_layer(layer_id) == is_moe]
-        if not positions:
-            continue
-        if is_moe:
-            costs = moe_layer = moe_layer or layer_costs(cfg, plan, spec, traits, moe_layer=True)
-        else:
-            costs = layer = layer or layer_costs(cfg, plan, spec, traits)
+    kinds = [layer_kind(cfg, layer_id) for layer_id in layer_ids]
+    # Dense layers before MoE layers, each kind in the order the chunk first holds it.
+    for kind in sorted(dict.fromkeys(kinds), key=lambda kind: kind[0]):
+        positions = [i for i, other in enumerate(kinds) if other == kind]
+        if kind not in layers:
+            layers[kind] = layer_costs(cfg, plan, spec, traits, moe_layer=kind[0], fp8=kind[1])
+        costs = layers[kind]
         forward.add(costs.forward.scaled(len(positions)))
         backward.add(costs.backward.scaled(len(positions)))
         again = sum(1 for i in positions if i < recomputed)
@@ -97,4 +112,34 @@ def chunk_cost(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: list[int], 
     return ChunkCost(forward, backward, n)
 
 
-__all__ = ["ChunkCost", "chunk_cost", "embedding_costs", "head_costs"]
+def fp8_weight_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, layer_ids: Sequence[int],
+                       traits: SystemTraits = MEGASCALE) -> float:
+    """Seconds of quantising the float8 weights of the layers `layer_ids` (W and W^T of each FP8 linear, the
+    routed experts' one by one) once per optimizer step, in the first micro-batch's forward; 0 without FP8."""
+    seconds: dict[LayerKind, float] = {}
+    for layer_id in layer_ids:
+        kind = layer_kind(cfg, layer_id)
+        if kind[1].any and kind not in seconds:
+            seconds[kind] = _layer_weight_seconds(cfg, plan, spec, traits, *kind)
+    return sum(seconds.get(layer_kind(cfg, layer_id), 0.0) for layer_id in layer_ids)
+
+
+def _layer_weight_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, moe: bool,
+                          fp8: LayerFp8) -> float:
+    """`fp8_weight_seconds` of one layer of a kind."""
+    shape = LayerShape.of(cfg, plan, moe, fp8)
+    gemms = fp8_gemms(shape, layer_gemms(shape, traits))
+    if moe:
+        etp = expert_tp_size(cfg, plan)
+        local = expert_layout(cfg, plan, spec.gpus_per_node).local_experts
+        h, f = shape.hidden, cfg.model.expert_ffn_size // etp
+        fc1 = f * (2 if shape.gated else 1)
+        for (n, k), split, in_fp8 in zip(((fc1, h), (h, f)), ("out", "in"), (fp8.experts_fc1, fp8.experts_fc2)):
+            if in_fp8:
+                gemms.append(Fp8Gemm(0, k, n, 0, split if etp > 1 else None, experts=local))
+    inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node) if plan.tp > 1 else False
+    return weight_step_seconds(gemms, cast_setting(shape, traits, inter), spec)
+
+
+__all__ = ["ChunkCost", "LayerKind", "chunk_cost", "embedding_costs", "fp8_weight_seconds", "head_costs",
+           "layer_kind"]

@@ -34,6 +34,13 @@ plan's layout, the model config and a `GpuSpec`:
   parallelism the experts' GEMMs over the tp ranks' pooled rows at 1/etp of their
   width, and the pooling all-gather and reduce-scatter of the rows on the tp link.
 
+Under `train.fp8` (megascale/perf/fp8.py: which GEMMs of the layer) each float8 GEMM runs at the
+spec's FP8 peak with the GEMM curve's fraction for its shape, a sequence-parallel column GEMM
+gathers its float8 input (1 byte per element and its scales), its casts are memory-bound traffic
+and its amax all-reduces latencies (megascale/perf/fp8_casts.py), and a layer with float8
+tensor-parallel GEMMs runs them without tp overlap's ring chunking (the FP8 linears' plain
+collectives, still asynchronous in the backward).
+
 `SystemTraits` names implementation facts that differ between systems (the
 MegaScale reproduction models Megatron-LM and MegaScale with them); megascale's
 own defaults describe what its trainer does.
@@ -53,8 +60,11 @@ from megascale.perf.collectives import (
     shares_cores,
 )
 from megascale.perf.cp_traffic import cp_layer_traffic
-from megascale.perf.gpus import GpuSpec, dtype_bytes
+from megascale.perf.fp8 import NO_FP8, LayerFp8, layer_fp8
+from megascale.perf.fp8_casts import Fp8Gemm, amax_reduces, pass_costs, weight_amax_reduces
+from megascale.perf.gpus import FP8, GpuSpec
 from megascale.perf.host import ranks_per_core
+from megascale.perf.layer_shape import Gemm, LayerShape, cast_setting, fp8_gemms, gemm_precision, layer_gemms
 from megascale.perf.traits import MEGASCALE, Cost, SystemTraits
 from megascale.run_plan import RunPlan
 
@@ -66,86 +76,6 @@ ATTENTION_BACKWARD_FLOPS = 2.5
 
 
 @dataclass(frozen=True)
-class LayerShape:
-    """The per-GPU sizes of one transformer layer under a layout, for one micro-batch."""
-
-    tokens: int  # tokens this rank's tp group computes on: seq / cp x micro-batch
-    hidden: int
-    heads: int  # query heads on this tp rank
-    kv_heads: int  # key/value heads on this tp rank
-    head_dim: int
-    ffn: int  # MLP width on this tp rank (an MoE layer's shared-expert MLP; 0 without one)
-    gated: bool
-    tp: int
-    sp: bool
-    seq: int  # whole sequence length
-    window: int  # 0 = full causal
-    cp: int
-    ulysses: int
-    ring: int
-    dtype: str
-    parallel_block: bool
-    dropout: bool
-    batch: int = 1  # sequences per micro-batch
-    lfa: bool = False  # Yuan's localized filtering before the q/k projection
-    regather: bool = False  # SP: column GEMMs re-gather their input in backward (parallel.sp_regather_input)
-    moe: bool = False  # an MoE layer: routed experts beside the (shared-expert) MLP
-    qk_norm: bool = False  # per-head RMSNorms of q and k before RoPE (model.qk_norm)
-
-    @classmethod
-    def of(cls, cfg: Config, plan: RunPlan, moe: bool = False) -> LayerShape:
-        """The layer shape of cfg under plan: a dense layer, or with `moe` an MoE layer."""
-        m = cfg.model
-        ffn = m.shared_ffn_size if moe else m.ffn_size
-        return cls(tokens=plan.local_seq_length * plan.micro_batch_size, hidden=m.hidden_size,
-                   heads=m.num_heads // plan.tp, kv_heads=max(m.kv_heads // plan.tp, 1), head_dim=m.head_dim,
-                   ffn=ffn // plan.tp, gated=m.activation == "swiglu", tp=plan.tp,
-                   sp=plan.sequence_parallel, seq=plan.seq_length,
-                   window=m.window_size if m.attention == "sliding_window" else 0, cp=plan.cp,
-                   ulysses=plan.ulysses_size, ring=plan.ring_size, dtype=plan.precision.name,
-                   parallel_block=m.parallel_block, dropout=m.dropout > 0 or m.attention_dropout > 0,
-                   batch=plan.micro_batch_size, lfa=m.lfa,
-                   regather=plan.sequence_parallel and cfg.parallel.sp_regather_input, moe=moe,
-                   qk_norm=m.qk_norm)
-
-    @property
-    def bytes(self) -> int:
-        """Bytes per activation element."""
-        return dtype_bytes(self.dtype)
-
-    @property
-    def qkv_width(self) -> int:
-        """Output width of this rank's fused qkv projection."""
-        return (self.heads + 2 * self.kv_heads) * self.head_dim
-
-    @property
-    def region(self) -> int:
-        """Rows of the residual stream on this rank (norms, residual adds, LFA's filter): tokens / tp under SP."""
-        return self.tokens // self.tp if self.sp else self.tokens
-
-    def shared_block(self, traits: SystemTraits) -> bool:
-        """The parallel block's branches share one tp entry and exit (LFA's filtered q/k input keeps them apart)."""
-        return self.parallel_block and not self.lfa and traits.shared_block_comm
-
-    @property
-    def mlp_branches(self) -> int:
-        """Tensor-parallel MLPs of the layer: the dense MLP or the shared experts (1), or none (0)."""
-        return 1 if self.ffn > 0 else 0
-
-    @property
-    def fc1_width(self) -> int:
-        """Output width of this rank's fc1 (gate and up together for SwiGLU)."""
-        return self.ffn * (2 if self.gated else 1)
-
-    def attention_pairs(self) -> float:
-        """(query, key) pairs under the mask for one whole sequence: causal s(s+1)/2, or the window's band."""
-        s, w = self.seq, self.window
-        if w <= 0 or w >= s:
-            return s * (s + 1) / 2
-        return s * w - w * (w - 1) / 2
-
-
-@dataclass(frozen=True)
 class LayerCosts:
     """Forward and backward cost of one layer, without and with recomputation."""
 
@@ -153,21 +83,6 @@ class LayerCosts:
     backward: Cost
     recompute_selective: float  # extra backward seconds with selective recomputation
     recompute_full: float  # extra backward seconds with full recomputation
-
-
-def _gemms(shape: LayerShape, traits: SystemTraits) -> list[tuple[str, int, int]]:
-    """(role, N, K) of each forward GEMM with M = tokens; role pairs a GEMM with its collective."""
-    h = shape.hidden
-    fused = shape.parallel_block and not shape.lfa and traits.fused_block_gemm
-    if shape.lfa:  # q/k read the filtered input, v the unfiltered one
-        v_width = shape.kv_heads * shape.head_dim
-        column = [("column", shape.qkv_width - v_width, h), ("column", v_width, h), ("column", shape.fc1_width, h)]
-    elif fused:
-        column = [("column", shape.qkv_width + shape.fc1_width, h)]
-    else:
-        column = [("column", shape.qkv_width, h), ("column", shape.fc1_width, h)]
-    gemms = [*column, ("row", h, shape.heads * shape.head_dim), ("row", h, shape.ffn)]
-    return [(role, n, k) for role, n, k in gemms if n > 0 and k > 0]  # an MoE layer may have no shared MLP
 
 
 def _shared_gemms(shape: LayerShape) -> list[tuple[int, int]]:
@@ -182,11 +97,13 @@ def _shared_half_seconds(shape: LayerShape, spec: GpuSpec) -> tuple[tuple[float,
     gemms = _shared_gemms(shape)
     if not gemms:
         return (0.0, 0.0), (0.0, 0.0)
-    t, dtype = shape.tokens, shape.dtype
+    t = shape.tokens
     (n1, k1), (n2, k2) = gemms
-    forward = (_gemm_time(spec, t, n1, k1, dtype), _gemm_time(spec, t, n2, k2, dtype))
-    backward = (_gemm_time(spec, t, k1, n1, dtype) + spec.gemm_seconds(n1, k1, t, dtype),
-                _gemm_time(spec, t, k2, n2, dtype) + spec.gemm_seconds(n2, k2, t, dtype))
+    d1 = FP8 if shape.fp8.fc1 else shape.dtype
+    d2 = FP8 if shape.fp8.fc2 else shape.dtype
+    forward = (_gemm_time(spec, t, n1, k1, d1), _gemm_time(spec, t, n2, k2, d2))
+    backward = (_gemm_time(spec, t, k1, n1, d1) + spec.gemm_seconds(n1, k1, t, d1),
+                _gemm_time(spec, t, k2, n2, d2) + spec.gemm_seconds(n2, k2, t, d2))
     return forward, backward
 
 
@@ -251,7 +168,7 @@ def _tp_collectives(shape: LayerShape, traits: SystemTraits) -> tuple[dict[str, 
     if shape.tp == 1:
         return {}, {}
     outputs = 1 if shape.shared_block(traits) else 1 + shape.mlp_branches
-    inputs = outputs + (1 if shape.lfa else 0)
+    inputs = shape.column_inputs(traits)
     if not shape.sp:
         return {"all_reduce": outputs}, {"all_reduce": inputs}
     backward = {"reduce_scatter": inputs, "all_gather": outputs}
@@ -263,13 +180,23 @@ def _regathers(shape: LayerShape, traits: SystemTraits) -> int:
 
     One per column-parallel input: one for the parallel block's shared input, two
     for the sequential block's; with LFA only fc1's (LFA's two-input projection
-    keeps its gathered inputs).
+    keeps its gathered inputs). Under train.fp8 the float8 ones re-gather float8
+    (`LayerShape.fp8_column_inputs`).
     """
     if shape.tp == 1 or not shape.regather:
         return 0
     if shape.lfa:
         return shape.mlp_branches
-    return 1 if shape.shared_block(traits) else 1 + shape.mlp_branches
+    return shape.column_inputs(traits)
+
+
+def _fp8_gathers(shape: LayerShape, traits: SystemTraits) -> tuple[int, int]:
+    """(forward, backward) all-gathers of one layer that move float8: the SP gathers of float8 GEMMs' inputs
+    and, with parallel.sp_regather_input, their re-gathers."""
+    if shape.tp == 1 or not shape.sp:
+        return 0, 0
+    inputs = shape.fp8_column_inputs(traits)
+    return inputs, inputs if shape.regather else 0
 
 
 @dataclass(frozen=True)
@@ -278,30 +205,52 @@ class TpLayerTraffic:
 
     Counts by kind (all_gather, reduce_scatter, all_reduce) for the forward and the
     backward (input re-gathers included); every one moves a [s/cp, b, h] tensor of
-    `message_bytes` (the gathered input, the summed output or their gradients). With
-    tp overlap each runs as tp - 1 ring steps of 1/tp of it.
+    `message_bytes` (the gathered input, the summed output or their gradients), except
+    `fp8_gathers` (forward, backward) of the all-gathers, which move a float8 input of
+    `fp8_message_bytes` (train.fp8 under SP; with per-row or tile scales each takes two
+    calls, `fp8_gather_calls`), and `amax_reduces` (forward, backward): the float8 GEMMs'
+    all-reduces of amaxes, a few bytes each, and `weight_amax_reduces` those of quantising
+    the weights (once per step, in its first forward). With tp overlap each collective runs
+    as tp - 1 ring steps of 1/tp of it.
     """
 
     forward: dict[str, int]
     backward: dict[str, int]
     message_bytes: int
+    fp8_gathers: tuple[int, int] = (0, 0)
+    fp8_message_bytes: int = 0
+    fp8_gather_calls: int = 1
+    amax_reduces: tuple[int, int] = (0, 0)
+    weight_amax_reduces: int = 0
 
 
-def tp_layer_traffic(cfg: Config, plan: RunPlan, traits: SystemTraits = MEGASCALE) -> TpLayerTraffic:
-    """What one layer of cfg under plan sends over its tp group, as the time model counts it."""
-    shape = LayerShape.of(cfg, plan)
+def tp_layer_traffic(cfg: Config, plan: RunPlan, traits: SystemTraits = MEGASCALE,
+                     layer_id: int = 0) -> TpLayerTraffic:
+    """What layer `layer_id` (a dense one) of cfg under plan sends over its tp group, as the time model counts it."""
+    shape = LayerShape.of(cfg, plan, fp8=layer_fp8(cfg, layer_id))
     forward, backward = _tp_collectives(shape, traits)
     backward = dict(backward)
     if _regathers(shape, traits):
         backward["all_gather"] = backward.get("all_gather", 0) + _regathers(shape, traits)
-    return TpLayerTraffic(forward, backward, shape.tokens * shape.hidden * shape.bytes)
+    reduces, weight_reduces = (0, 0), 0
+    if shape.fp8.tp_linears:
+        gemms = fp8_gemms(shape, layer_gemms(shape, traits))
+        passes = [amax_reduces(g, shape.fp8.scheme, shape.sp, shape.tp, shape.cp, shape.split_backward)
+                  for g in gemms]
+        forward_tp, backward_tp = ([r for reduces_of in group for r in reduces_of if r.group == "tp"]
+                                   for group in zip(*passes))
+        reduces = (len(forward_tp), len(backward_tp))
+        weight_reduces = sum(len(weight_amax_reduces(g, shape.fp8.scheme, shape.tp)) for g in gemms)
+    return TpLayerTraffic(forward, backward, shape.tokens * shape.hidden * shape.bytes, _fp8_gathers(shape, traits),
+                          shape.fp8_message_bytes, shape.fp8_gather_calls, reduces, weight_reduces)
 
 
 def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dict[str, int],
              paired_gemm: float, tp_overlap: bool, inter_node: bool, gap: float = 0.0,
-             regathers: int = 0) -> tuple[float, float]:
+             regathers: int = 0, fp8_gathers: int = 0) -> tuple[float, float]:
     """(exposed, hidden) seconds of one pass's tp collectives (and `regathers` input re-gathers),
-    `gap` seconds of compute apart.
+    `gap` seconds of compute apart; `fp8_gathers` of the all-gathers move a float8 input
+    (`LayerShape.fp8_message_bytes`).
 
     With overlap, each collective is cut into tp ring steps under the GEMM it feeds
     or follows: the first step is never hidden, the rest hide behind that GEMM. A
@@ -314,8 +263,13 @@ def _tp_pass(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, counts: dic
     kinds = {**counts}
     if regathers:
         kinds["all_gather"] = kinds.get("all_gather", 0) + regathers
+    if fp8_gathers:
+        kinds["all_gather"] -= fp8_gathers
     total = sum(pass_collective_seconds(kind, n * msg, shape.tp, spec, inter_node, gap, node_ranks, calls=n)
                 for kind, n in kinds.items())
+    if fp8_gathers:
+        total += pass_collective_seconds("all_gather", fp8_gathers * shape.fp8_message_bytes, shape.tp, spec,
+                                         inter_node, gap, node_ranks, calls=fp8_gathers * shape.fp8_gather_calls)
     if not tp_overlap or total == 0 or shares_cores(spec):
         return total, 0.0
     first = total / shape.tp
@@ -388,7 +342,7 @@ def _lfa_costs(shape: LayerShape, spec: GpuSpec, tp_inter: bool, cp_inter: bool)
     return fwd, bwd
 
 
-def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, gemms: list[tuple[str, int, int]],
+def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTraits, gemms: list[Gemm],
                            inter_node: bool) -> float:
     """Seconds of backward tp collectives Megatron-LM's asynchronous column layers hide under their GEMMs.
 
@@ -396,19 +350,25 @@ def _async_backward_hidden(shape: LayerShape, spec: GpuSpec, traits: SystemTrait
     GEMM; with SP the input's re-gather runs under the input-gradient GEMM and the
     input gradient's reduce-scatter under the weight-gradient GEMM. The row
     layers' gathers of the output gradient precede their GEMMs and stay exposed.
+    (The FP8 column linears run their backward collectives the same way.)
     """
     msg = shape.tokens * shape.hidden * shape.bytes
     node_ranks = min(shape.tp, spec.gpus_per_node)
-    inputs = 1 if shape.shared_block(traits) else 1 + shape.mlp_branches
-    inputs += 1 if shape.lfa else 0
+    inputs = shape.column_inputs(traits)
     kind = "reduce_scatter" if shape.sp else "all_reduce"
+    fp8_regathers = _fp8_gathers(shape, traits)[1]
     hideable = (inputs * collective_seconds(kind, msg, shape.tp, spec, inter_node, node_ranks)
-                + _regathers(shape, traits) * collective_seconds("all_gather", msg, shape.tp, spec, inter_node,
-                                                                 node_ranks))
-    columns = [(n, k) for role, n, k in gemms if role == "column"]
-    window = sum(spec.gemm_seconds(n, k, shape.tokens, shape.dtype) for n, k in columns)  # weight gradients
+                + (_regathers(shape, traits) - fp8_regathers) * collective_seconds("all_gather", msg, shape.tp, spec,
+                                                                                   inter_node, node_ranks))
+    if fp8_regathers:
+        calls = fp8_regathers * shape.fp8_gather_calls
+        hideable += calls * collective_seconds("all_gather", fp8_regathers * shape.fp8_message_bytes / calls, shape.tp,
+                                               spec, inter_node, node_ranks)
+    columns = [g for g in gemms if g.role == "column"]
+    t, dtype = shape.tokens, shape.dtype
+    window = sum(spec.gemm_seconds(g.n, g.k, t, gemm_precision(g, dtype)) for g in columns)  # weight gradients
     if shape.regather:
-        window += sum(spec.gemm_seconds(shape.tokens, k, n, shape.dtype) for n, k in columns)  # input gradients
+        window += sum(spec.gemm_seconds(t, g.k, g.n, gemm_precision(g, dtype)) for g in columns)  # input gradients
     return min(hideable, window)
 
 
@@ -445,10 +405,12 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
     fwd, bwd = Cost(), Cost()
     fwd.gemm = spec.gemm_seconds(n, experts, h, "fp32")  # the router runs in fp32 whatever the dtype
     bwd.gemm = spec.gemm_seconds(n, h, experts, "fp32") + spec.gemm_seconds(experts, h, n, "fp32")
-    for out, inner in ((fc1, h), (h, f)):  # fc1, then fc2, of every local expert
-        fwd.gemm += layout.local_experts * spec.gemm_seconds(per_expert, out, inner, dtype)
-        bwd.gemm += layout.local_experts * (spec.gemm_seconds(per_expert, inner, out, dtype)
-                                            + spec.gemm_seconds(out, inner, per_expert, dtype))
+    fp8_projections = (shape.fp8.experts_fc1, shape.fp8.experts_fc2)
+    for (out, inner), in_fp8 in zip(((fc1, h), (h, f)), fp8_projections):  # fc1, then fc2, of every local expert
+        d = FP8 if in_fp8 else dtype
+        fwd.gemm += layout.local_experts * spec.gemm_seconds(per_expert, out, inner, d)
+        bwd.gemm += layout.local_experts * (spec.gemm_seconds(per_expert, inner, out, d)
+                                            + spec.gemm_seconds(out, inner, per_expert, d))
     # Router scores (fp32 logits, probabilities), the permutation into expert order and back, the
     # experts' activation, the fp32 weighted combine; with etp the pool's reorder and back and the
     # fp32 sum of the partial outputs.
@@ -471,6 +433,14 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
         for cost, gap in ((fwd, gaps[0]), (bwd, gaps[1])):
             cost.tp_comm = pass_collective_seconds("all_gather", shape.tokens * h * e, shape.tp, spec, inter, gap,
                                                    node_ranks)
+    if any(fp8_projections):  # the float8 experts' casts (and, under etp, their amax all-reduces over tp)
+        local = layout.local_experts
+        sites = [Fp8Gemm(pooled, inner, out, pooled, split if etp > 1 else None, experts=local)
+                 for (out, inner), split, in_fp8 in zip(((fc1, h), (h, f)), ("out", "in"), fp8_projections) if in_fp8]
+        inter_tp = group_spans_nodes(plan, ("tp",), spec.gpus_per_node) if shape.tp > 1 else False
+        casts_f, casts_b = pass_costs(sites, cast_setting(shape, traits, inter_tp), spec, gaps)
+        fwd.add(casts_f)
+        bwd.add(casts_b)
     if etp > 1:  # pool the rows over tp and reduce-scatter the partial outputs back, in each pass
         traffic = moe.expert_tp_bytes(cfg, plan)
         # The forward first all-gathers the per-expert counts (the split sizes, kept for the backward).
@@ -484,19 +454,21 @@ def _moe_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, shape: LayerShape, tra
 
 
 def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE,
-                moe_layer: bool = False) -> LayerCosts:
+                moe_layer: bool = False, fp8: LayerFp8 = NO_FP8) -> LayerCosts:
     """Forward/backward seconds of one transformer layer (with `moe_layer`, an MoE layer) for one micro-batch
-    on one GPU."""
-    shape = LayerShape.of(cfg, plan, moe_layer)
+    on one GPU; fp8: which of its GEMMs run in float8 (`megascale.perf.fp8.layer_fp8`)."""
+    shape = LayerShape.of(cfg, plan, moe_layer, fp8)
     dtype, t = shape.dtype, shape.tokens
-    tp_overlap = cfg.parallel.tp_overlap and shape.tp > 1
+    # The float8 linears run their collectives whole, without tp overlap's ring chunking.
+    tp_overlap = cfg.parallel.tp_overlap and shape.tp > 1 and not fp8.tp_linears
     pieces = shape.tp if tp_overlap else 1
-    gemms = _gemms(shape, traits)
+    gemms = layer_gemms(shape, traits)
     fwd_gemm = {"column": 0.0, "row": 0.0}
     bwd_gemm = {"column": 0.0, "row": 0.0}
-    for role, n, k in gemms:
-        fwd_gemm[role] += _gemm_time(spec, t, n, k, dtype, pieces)
-        bwd_gemm[role] += _gemm_time(spec, t, k, n, dtype, pieces) + spec.gemm_seconds(n, k, t, dtype)
+    for g in gemms:
+        d = gemm_precision(g, dtype)
+        fwd_gemm[g.role] += _gemm_time(spec, t, g.n, g.k, d, pieces)
+        bwd_gemm[g.role] += _gemm_time(spec, t, g.k, g.n, d, pieces) + spec.gemm_seconds(g.n, g.k, t, d)
     attn_fwd, attn_bwd = _attention_seconds(shape, spec, traits)
     mem_fwd = spec.memory_seconds(_memory_bytes(shape))
     tp_inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
@@ -506,9 +478,11 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     stretch = ranks_per_core(plan, spec)
     gap_f = _pass_gap(gemm_f + attn_fwd + mem_fwd, counts_fwd, cp_pass_collectives(shape, False), stretch)
     gap_b = _pass_gap(gemm_b + attn_bwd + 2 * mem_fwd, counts_bwd, cp_pass_collectives(shape, True), stretch)
-    tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter, gap_f)
+    fp8_f, fp8_b = _fp8_gathers(shape, traits)
+    tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter, gap_f,
+                                 fp8_gathers=fp8_f)
     tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter, gap_b,
-                                 regathers=_regathers(shape, traits))
+                                 regathers=_regathers(shape, traits), fp8_gathers=fp8_b)
     # Ranks sharing a host's cores hide nothing: gloo's thread has no idle core to run the collective on.
     if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1 and not shares_cores(spec):
         hidden_b = _async_backward_hidden(shape, spec, traits, gemms, tp_inter)
@@ -528,6 +502,11 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
                                       (gap_f, gap_b))
         forward.add(moe_fwd)
         backward.add(moe_bwd)
+    if fp8.tp_linears:  # the float8 GEMMs' casts and amax all-reduces (the routed experts' are in _moe_costs)
+        casts_f, casts_b = pass_costs(fp8_gemms(shape, gemms), cast_setting(shape, traits, tp_inter, cp_inter),
+                                      spec, (gap_f, gap_b))
+        forward.add(casts_f)
+        backward.add(casts_b)
     return LayerCosts(forward, backward, recompute_selective=attn_fwd + cp_f, recompute_full=forward.total)
 
 

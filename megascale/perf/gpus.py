@@ -26,8 +26,14 @@ from typing import Any
 import yaml
 
 from megascale.errors import UserError
+from megascale.perf.flops import fp8_table_peak
 
 GB = 1e9
+FP8 = "fp8"
+"""The dtype name of a float8 GEMM (`train.fp8`): its peak is `peak_tflops["fp8"]`, which a GPU without FP8
+tensor cores lacks."""
+FP8_OUTPUT_BYTES = 2
+"""Bytes per output element of a float8 GEMM (a 16-bit result), for its memory-bound floor."""
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
@@ -46,7 +52,8 @@ class GpuSpec:
     name: str
     description: str
     peak_tflops: Mapping[str, float]
-    """Dense tensor-core peak per dtype (bf16, fp16) and the fp32 peak (no TF32): TFLOP/s."""
+    """Dense tensor-core peak per dtype (bf16, fp16; fp8 where the GPU has FP8 tensor cores) and the fp32 peak
+    (no TF32): TFLOP/s."""
     memory_gib: float
     """Device memory, GiB."""
     hbm_gbps: float
@@ -120,11 +127,23 @@ class GpuSpec:
         size = (float(m) * n * k) ** (1.0 / 3.0)
         return interpolate_log(self.gemm_efficiency, size)
 
+    @property
+    def has_fp8(self) -> bool:
+        """The GPU has FP8 tensor cores (its spec gives peak_tflops.fp8)."""
+        return FP8 in self.peak_tflops
+
     def gemm_seconds(self, m: float, n: float, k: float, dtype: str) -> float:
-        """Time of one GEMM: its FLOPs at the curve's efficiency, or its bytes at HBM speed if slower."""
+        """Time of one GEMM: its FLOPs at the curve's efficiency, or its bytes at HBM speed if slower.
+
+        dtype "fp8": a float8 GEMM at the FP8 peak, with the same fraction of peak for its shape as a 16-bit
+        one (an assumption until FP8 GEMMs are measured), reading 1-byte operands and writing a 16-bit output.
+        """
         flops = 2.0 * m * n * k
         compute = flops / (self.peak(dtype) * 1e12 * self.gemm_fraction(m, n, k)) * self.train_work_factor
-        nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
+        if dtype == FP8:
+            nbytes = m * k + k * n + m * n * FP8_OUTPUT_BYTES
+        else:
+            nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
         return max(compute, self.memory_seconds(nbytes))
 
     def memory_seconds(self, nbytes: float) -> float:
@@ -164,6 +183,14 @@ def interpolate_log(points: Sequence[tuple[float, float]], x: float) -> float:
     return y0 + t * (y1 - y0)
 
 
+def _table_fp8_peak(device: str) -> float:
+    """The dense FP8 peak of a device with FP8 tensor cores, from megascale.perf.flops' FP8 table."""
+    tflops = fp8_table_peak(device)[1]
+    if tflops is None:
+        raise ValueError(f"{device} has no FP8 peak in megascale.perf.flops.FP8_PEAK_TFLOPS")
+    return tflops
+
+
 # Datasheet peaks and bandwidths; efficiency curves read off public measurements (docs/planner.md).
 # The A100 level is fitted on published training runs, leave-one-table-out (docs/planner.md): 0.97 of the
 # earlier curve (256 0.24, 1024 0.55, 4096 0.71, 16384 0.78), rounded to two digits.
@@ -175,9 +202,11 @@ _A100 = GpuSpec(
     peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, memory_gib=80.0, hbm_gbps=2039.0,
     nvlink_gbps=300.0, nic_gbps=25.0, gemm_efficiency=_A100_GEMM,
     attention_fwd_efficiency=0.68, attention_bwd_efficiency=0.52)
+# H100 and H200 have FP8 tensor cores: their dense FP8 peak is megascale.perf.flops' one FP8 table's.
 _H100 = GpuSpec(
     name="h100", description="NVIDIA H100 80GB SXM, 8 per node on NVSwitch, 8 x 400 Gb/s NDR InfiniBand",
-    peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, memory_gib=80.0, hbm_gbps=3350.0,
+    peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, FP8: _table_fp8_peak("H100")},
+    memory_gib=80.0, hbm_gbps=3350.0,
     nvlink_gbps=450.0, nic_gbps=50.0, gemm_efficiency=_H100_GEMM,
     attention_fwd_efficiency=0.55, attention_bwd_efficiency=0.40)
 
@@ -307,5 +336,5 @@ def resolve_gpu(name: str | None, spec_file: str | None) -> GpuSpec:
     return builtin_gpu(name or "h100")
 
 
-__all__ = ["BUILTIN_GPUS", "COLLECTIVE_KINDS", "GpuSpec", "builtin_gpu", "dtype_bytes", "interpolate_log",
-           "load_gpu_spec", "resolve_gpu", "spec_from_dict", "write_gpu_spec"]
+__all__ = ["BUILTIN_GPUS", "COLLECTIVE_KINDS", "FP8", "FP8_OUTPUT_BYTES", "GpuSpec", "builtin_gpu", "dtype_bytes",
+           "interpolate_log", "load_gpu_spec", "resolve_gpu", "spec_from_dict", "write_gpu_spec"]

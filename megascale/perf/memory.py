@@ -22,6 +22,9 @@ schedule, micro-batches, precision) and the model's own parameter table:
   peak falls while the loss runs, the logits-sized buffers of that moment (the logits,
   their padded-vocabulary clone, the reference path's fp32 intermediates, or the
   logits gradient).
+- FP8 weights (`train.fp8`): the float8 W and W^T each FP8 linear keeps between optimizer
+  steps, 2 bytes per parameter of the rank's FP8 layers (`megascale.perf.fp8`); the saved
+  float8 GEMM inputs are part of the activations.
 - communication buffers: the tensor-parallel all-gather/all-reduce buffer, the
   context-parallel all-to-all or ring kv buffers and the posted pipeline receives.
 - transient: when the peak falls inside a layer's backward, that backward's working
@@ -49,6 +52,7 @@ from megascale.distributed.pipeline.simulator import peak_live
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf import activations as act
 from megascale.perf.activations import KernelProfile, Shapes
+from megascale.perf.fp8 import NO_FP8, WEIGHT_COPY_BYTES, LayerFp8, fp8_weight_numel, layer_fp8
 from megascale.perf.moe import rank_param_counts
 from megascale.perf.weight_stash import weight_stash_bytes
 from megascale.run_plan import NO_PIPELINE, RunPlan
@@ -83,12 +87,14 @@ class MemoryEstimate:
     layers: int
     kernels: str
     description: str
+    fp8_weights_bytes: Optional[float] = None
+    """The FP8 linears' float8 weight copies (W and W^T) kept between steps; None with train.fp8=off."""
 
     @property
     def total_bytes(self) -> float:
         """Sum of every term."""
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.logits_bytes + self.comm_buffers_bytes + self.transient_bytes)
+                + self.logits_bytes + self.comm_buffers_bytes + self.transient_bytes + (self.fp8_weights_bytes or 0.0))
 
 
 def kernel_profile(device_type: str, backend: str) -> KernelProfile:
@@ -153,8 +159,9 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
     """The `_Chunk` of every chunk of pipeline rank `rank`."""
     sh = Shapes.of(cfg, plan)
     message = sh.residual_tokens * sh.hidden * sh.act  # the activation passed between stages
-    layer_work = _backward_work(cfg, plan, sh, kernels, largest_param)
     layers = plan.chunk_layers(rank)
+    kinds = {layer_fp8(cfg, layer) for ids in layers for layer in ids if not cfg.model.is_moe_layer(layer)}
+    layer_work = max(_backward_work(cfg, plan, sh, kernels, largest_param, fp8) for fp8 in kinds or {NO_FP8})
     split = plan.schedule in SPLIT_BACKWARD
     out = []
     for v, layer_ids in enumerate(layers):
@@ -167,7 +174,7 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
             if not first and not act.input_kept(cfg, kernels, act.layer_recompute(cfg, 0)):
                 saved += message
         head_forward, head_backward = act.head_working_bytes(cfg, sh, kernels) if last else (0.0, 0.0)
-        stash = weight_stash_bytes(cfg, plan, kernels, len(layer_ids), first, last) if split else 0.0
+        stash = weight_stash_bytes(cfg, plan, kernels, len(layer_ids), first, last, layer_ids) if split else 0.0
         out.append(_Chunk(saved=saved, head=act.head_bytes(cfg, sh, kernels) if last else 0.0,
                           forward_work=head_forward, backward_work=max(layer_work, head_backward),
                           backward_is_loss=head_backward > layer_work, stash=stash))
@@ -194,13 +201,15 @@ def _comm_buffers(plan: RunPlan, sh: Shapes, window: int = 0) -> float:
     return total
 
 
-def _backward_work(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfile, largest_param: int) -> float:
+def _backward_work(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfile, largest_param: int,
+                   fp8: LayerFp8 = NO_FP8) -> float:
     """Working set of one layer's backward beside the saved activations: its recomputed activations,
-    plus its activation gradients or a parameter's gradient before bucketing, whichever is larger."""
+    plus its activation gradients or a parameter's gradient before bucketing, whichever is larger.
+    fp8: the layer's float8 GEMMs (what a fully recomputed layer saves)."""
     recompute = cfg.train.recompute
     replayed = 0.0
     if recompute == "full":
-        replayed = act.layer_bytes(cfg, sh, kernels, "none")
+        replayed = act.layer_bytes(cfg, sh, kernels, "none", fp8=fp8)
     elif recompute == "selective":
         replayed = act.attention_core_bytes(cfg, sh, kernels, selective=False)
     return replayed + max(act.backward_gradient_bytes(cfg, sh), largest_param * plan.precision.param_bytes)
@@ -229,7 +238,8 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
     # What the compute at the peak adds on top of the live items: the loss's buffers, or a backward's.
     work = peak - saved
     loss_work = at is not None and chunks[at[1]].loss_work_at(in_forward=at[0])
-    desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {plan.zero}, {plan.precision.name}, "
+    fp8 = f", fp8 {cfg.train.fp8}" if cfg.train.fp8 != "off" else ""
+    desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {plan.zero}, {plan.precision.name}{fp8}, "
             f"recompute {cfg.train.recompute}{', sequence parallel' if plan.sequence_parallel else ''}, "
             f"{kernels} kernels")
     return MemoryEstimate(
@@ -239,7 +249,8 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
         transient_bytes=0.0 if loss_work else work,
         num_params=count, stage=stage, inflight_microbatches=sum(live) / plan.vpp,
         awaiting_weight_microbatches=sum(held) / plan.vpp,
-        layers=plan.rank_layer_counts[stage], kernels=kernels, description=desc)
+        layers=plan.rank_layer_counts[stage], kernels=kernels, description=desc,
+        fp8_weights_bytes=(float(WEIGHT_COPY_BYTES * fp8_weight_numel(cfg, table, stage)) if fp8 else None))
 
 
 def stage_estimates(cfg: Config, plan: RunPlan, kernels: Optional[KernelProfile] = None,
@@ -269,10 +280,11 @@ def _size(nbytes: float) -> str:
 def format_memory(est: MemoryEstimate) -> str:
     """One-line summary, e.g. for the trainer's start-up banner."""
     logits = f", logits {_size(est.logits_bytes)}" if est.logits_bytes else ""
+    fp8 = f", fp8 weights {_size(est.fp8_weights_bytes)}" if est.fp8_weights_bytes is not None else ""
     awaiting = f", {est.awaiting_weight_microbatches:.3g} awaiting W" if est.awaiting_weight_microbatches else ""
     return (f"memory estimate per rank ({est.description}; {est.layers} layers, {est.num_params / 1e6:.2f}M params): "
             f"params {_size(est.params_bytes)}, grads {_size(est.grads_bytes)}, "
             f"optimizer {_size(est.optimizer_bytes)}, activations {_size(est.activations_bytes)} "
             f"({est.inflight_microbatches:.3g} micro-batches in flight{awaiting}){logits}, "
-            f"buffers {_size(est.comm_buffers_bytes)}, transient {_size(est.transient_bytes)}, "
+            f"buffers {_size(est.comm_buffers_bytes)}, transient {_size(est.transient_bytes)}{fp8}, "
             f"total {_size(est.total_bytes)}")

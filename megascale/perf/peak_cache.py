@@ -7,7 +7,9 @@ could log MFU 16% once and 99% the next time. The first measurement is therefore
 longer (best of ~1 s of matmuls) and is stored in the user's cache directory
 (``$XDG_CACHE_HOME/megascale/peaks.json``, else ``~/.cache/megascale/peaks.json``)
 under a key naming the device, the CPU model, the thread count, the dtype, the
-matmul size and the torch version; later runs read it. Delete the file to measure
+matmul size and the torch version; later runs read it. The FP8 peak of such a device
+(`mfu_fp8` of `train.fp8` runs: a `torch._scaled_mm` E4M3 matmul) is cached the same
+way under its own key. Delete the file to measure
 again, or set ``train.peak_tflops`` to use a number of your own.
 """
 
@@ -42,9 +44,12 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_key(device: torch.device, device_name: str, size: int) -> str:
-    """What the measurement depends on: device, CPU model, threads, dtype, matmul size, torch version."""
-    dtype = "bf16" if device.type == "cuda" else "fp32"
+def machine_key(device: torch.device, device_name: str, size: int, dtype: Optional[str] = None) -> str:
+    """What the measurement depends on: device, CPU model, threads, dtype, matmul size, torch version.
+
+    dtype: the matmul's operand type as the key names it (default: the dense peak's, bf16 on a GPU and
+    fp32 on a CPU; the FP8 peak passes "fp8-e4m3")."""
+    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
     return (f"{device_name} | {_cpu_model()} | {torch.get_num_threads()} threads | {dtype} | {size}^3 matmul | "
             f"torch {torch.__version__}")
 
@@ -78,9 +83,11 @@ def store(key: str, tflops: float, path: Optional[Path] = None) -> None:
 
 
 def cached_measurement(device: torch.device, device_name: str, size: int,
-                       measure: Callable[[torch.device, int, float], float]) -> tuple[float, str]:
-    """(peak TFLOP/s, note for the log): the cached value, else a measurement that is then cached."""
-    key = machine_key(device, device_name, size)
+                       measure: Callable[[torch.device, int, float], float],
+                       dtype: Optional[str] = None) -> tuple[float, str]:
+    """(peak TFLOP/s, note for the log): the cached value, else a measurement that is then cached.
+    dtype: as in `machine_key`."""
+    key = machine_key(device, device_name, size, dtype)
     path = cache_path()
     hit = lookup(key, path)
     if hit is not None:

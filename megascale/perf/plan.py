@@ -12,12 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+from typing import TYPE_CHECKING
 
 from megascale.config import Config, load_config
 from megascale.perf.gpus import BUILTIN_GPUS, GpuSpec, resolve_gpu
 from megascale.perf.memory import GIB
 from megascale.perf.predict import Prediction, memory_parts, predict
 from megascale.run_plan import resolve_plan
+
+if TYPE_CHECKING:
+    from megascale.perf.search import Candidate
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -39,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(fields of megascale.perf.gpus.GpuSpec; `megascale bench calibrate` writes one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--search", action="store_true",
-                        help="search tp, pp, vpp, cp, ep (MoE models), micro-batch, SP, ZeRO and recompute; rank by "
-                             "predicted MFU")
+                        help="search tp, pp, vpp, cp, ep (MoE models), micro-batch, SP, ZeRO, recompute and, on GPUs "
+                             "with FP8, train.fp8; rank by predicted MFU")
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument("--reproduce", default=None, metavar="TABLE",
                         help="predict a published table beside its numbers, with constants fitted on the other "
@@ -92,10 +96,12 @@ def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> i
     if as_json:
         print(json.dumps({"considered": result.considered, "dropped": dict(result.dropped),
                           "ranked": [{**c.prediction.to_json(), "label": c.label()} for c in result.ranked],
-                          "why": explain(result)}, indent=2))
+                          "why": explain(result), "fp8_modes": list(result.fp8_modes),
+                          "fp8_best": [{**c.prediction.to_json(), "label": c.label()} for c in result.fp8_best]},
+                         indent=2))
         return 0
-    print(f"searched {result.considered} layouts on {gpus} x {spec.name}; "
-          f"{sum(result.dropped.values())} dropped:")
+    fp8 = f" (train.fp8: {', '.join(result.fp8_modes)})" if len(result.fp8_modes) > 1 else ""
+    print(f"searched {result.considered} layouts on {gpus} x {spec.name}{fp8}; {sum(result.dropped.values())} dropped:")
     for reason, count in result.dropped.most_common():
         print(f"  {count:6d}  {reason}")
     if not result.ranked:
@@ -103,14 +109,21 @@ def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> i
         return 1
     print(f"\ntop {len(result.ranked)} by predicted MFU (pipeline simulated):")
     for index, candidate in enumerate(result.ranked, 1):
-        p = candidate.prediction
-        print(f"  #{index} {candidate.label():<58} MFU {p.mfu:6.1%}  {p.step_time_s:7.2f} s/step  "
-              f"{p.tokens_per_s / 1e3:9.1f}k tok/s  mem {p.memory_bytes / GIB:5.1f} GiB  "
-              f"bubble {p.step.bubble_fraction:5.1%}")
+        print(f"  #{index} {_candidate_line(candidate)}")
+    for candidate in result.fp8_best:
+        print(f"  best with train.fp8={candidate.cfg.train.fp8}: {_candidate_line(candidate)}")
     print("\nwhy:")
     for line in explain(result):
         print(f"  {line}")
     return 0
+
+
+def _candidate_line(candidate: Candidate) -> str:
+    """One ranked layout: its label, MFU, step time, throughput, memory and bubble."""
+    p = candidate.prediction
+    return (f"{candidate.label():<58} MFU {p.mfu:6.1%}  {p.step_time_s:7.2f} s/step  "
+            f"{p.tokens_per_s / 1e3:9.1f}k tok/s  mem {p.memory_bytes / GIB:5.1f} GiB  "
+            f"bubble {p.step.bubble_fraction:5.1%}")
 
 
 def format_prediction(pred: Prediction) -> str:
@@ -119,6 +132,8 @@ def format_prediction(pred: Prediction) -> str:
     lines = [f"layout: {plan.describe()}",
              f"gpu: {spec.name} ({spec.description}; {spec.source}), usable memory "
              f"{spec.usable_memory_bytes / GIB:.1f} GiB of {spec.memory_gib:g}"]
+    if pred.fp8:
+        lines.append(pred.fp8)
     if pred.params_active != pred.params_total:
         lines.append(f"parameters: {pred.params_total / 1e9:.2f}B, {pred.params_active / 1e9:.2f}B active per token "
                      f"(routed experts: top_k of num_experts)")

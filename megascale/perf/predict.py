@@ -16,6 +16,7 @@ from megascale.config import Config
 from megascale.model.flops import train_flops_per_token
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
+from megascale.perf.fp8 import check_fp8_supported, describe_fp8
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.memory import GIB, MemoryEstimate, stage_estimates
 from megascale.perf.moe import ExpertLayout, active_numel, expert_layout
@@ -42,6 +43,8 @@ class Prediction:
     """Parameters one token runs through (MoE: top_k of the routed experts; dense: params_total)."""
     experts: Optional[ExpertLayout] = None
     """MoE models: where the expert-parallel group sits (None for a dense model)."""
+    fp8: str = ""
+    """With train.fp8: which linears run in float8, at what peak, with what casts (`describe_fp8`); "" without."""
 
     @property
     def step_time_s(self) -> float:
@@ -109,6 +112,7 @@ class Prediction:
             "stages": stages,
             "breakdown": self.step.breakdown(),
             "hidden": self.step.hidden,
+            **({"fp8": self.fp8} if self.fp8 else {}),
         }
 
 
@@ -116,8 +120,12 @@ _MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "comm_
 
 
 def memory_parts(estimate: MemoryEstimate) -> dict[str, float]:
-    """Bytes of each part of a stage's memory estimate, in report order."""
-    return {name: float(getattr(estimate, f"{name}_bytes")) for name in _MEMORY_PARTS}
+    """Bytes of each part of a stage's memory estimate, in report order (with train.fp8, the float8 weight
+    copies last)."""
+    parts = {name: float(getattr(estimate, f"{name}_bytes")) for name in _MEMORY_PARTS}
+    if estimate.fp8_weights_bytes is not None:
+        parts["fp8_weights"] = estimate.fp8_weights_bytes
+    return parts
 
 
 def model_flops_per_step(cfg: Config, plan: RunPlan) -> float:
@@ -128,13 +136,15 @@ def model_flops_per_step(cfg: Config, plan: RunPlan) -> float:
 def predict(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE,
             table: Optional[ParamTable] = None) -> Prediction:
     """Memory and time of cfg under plan on spec's GPUs."""
+    check_fp8_supported(cfg, spec)
     if table is None:
         table = param_table(cfg, ModelLayout.from_plan(plan))
     memory = stage_estimates(cfg, plan, "fused", table)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step_time(cfg, plan, spec, table, traits),
                       model_flops_per_step=model_flops_per_step(cfg, plan), params_total=table.numel(),
                       params_active=active_numel(table, cfg.model) if cfg.model.moe.enabled else table.numel(),
-                      experts=expert_layout(cfg, plan, spec.gpus_per_node) if cfg.model.moe.enabled else None)
+                      experts=expert_layout(cfg, plan, spec.gpus_per_node) if cfg.model.moe.enabled else None,
+                      fp8=describe_fp8(cfg, spec, traits.fused_fp8_casts))
 
 
 __all__ = ["MFU_PEAK_DTYPE", "Prediction", "memory_parts", "model_flops_per_step", "predict"]

@@ -1,5 +1,5 @@
 """Layout search: every (tp, pp, vpp, cp, ep, micro-batch, sequence parallel, ZeRO, recompute, pipeline
-schedule) that fits, ranked by MFU.
+schedule, FP8) that fits, ranked by MFU.
 
 An MoE model (`model.moe`) also varies the expert-parallel size: every ep dividing
 both dp x cp and the expert count (the ep group is taken from the dp x cp ranks),
@@ -10,6 +10,11 @@ Sequence parallelism comes in its two memory modes (`parallel.sp_regather_input`
 column-parallel GEMMs keep their input shard and re-gather it in the backward, or
 keep the gathered input; the second wins only where its memory fits and the
 re-gather would cost time.
+
+On a GPU with FP8 tensor cores (a spec with `peak_tflops.fp8`) each layout is
+also tried with `train.fp8`: off, tensorwise (the recipe with the least cast
+traffic) and the config's own recipe if it names another (its `fp8_exclude`
+kept); elsewhere only with FP8 off.
 
 The search keeps the config's model, sequence, global batch and overlaps and
 varies the layout. Each candidate goes through `resolve_plan` (so an impossible
@@ -28,9 +33,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
 
-from megascale.config import Config, ConfigError, PipelineScheduleName, Recompute
+from megascale.config import Config, ConfigError, Fp8RecipeName, PipelineScheduleName, Recompute
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
+from megascale.perf.fp8 import check_fp8_supported
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.memory import stage_estimates
 from megascale.perf.predict import Prediction, model_flops_per_step, predict
@@ -58,8 +64,9 @@ class Candidate:
         cp += f" ep{self.cfg.parallel.ep}" if self.cfg.model.moe.enabled else ""
         cp += f" etp{p.etp}" if p.etp > 1 else ""
         schedule = f" {p.schedule}" if p.pp > 1 else ""
+        fp8 = f" fp8={t.fp8}" if t.fp8 != "off" else ""
         return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
-                f"recompute={t.recompute}")
+                f"recompute={t.recompute}{fp8}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -82,6 +89,20 @@ class Choice:
     schedule: PipelineScheduleName = "auto"
     ep: int = 1
     etp: int = 1
+    fp8: Fp8RecipeName = "off"
+
+
+FP8_SEARCHED: Fp8RecipeName = "tensorwise"
+"""The FP8 recipe the search tries beside off: the one with the least cast traffic (dy quantised once,
+the wgrad operands transposed rather than quantised again)."""
+
+
+def fp8_modes(cfg: Config, spec: GpuSpec) -> tuple[Fp8RecipeName, ...]:
+    """train.fp8 values to try on spec: off, and where the GPU has FP8 tensor cores the searched recipe and
+    the config's own."""
+    if not spec.has_fp8:
+        return ("off",)
+    return tuple(dict.fromkeys(("off", FP8_SEARCHED, cfg.train.fp8)))
 
 
 def _schedules(pp: int, vpp: int) -> tuple[PipelineScheduleName, ...]:
@@ -115,8 +136,9 @@ def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
                                     for schedule in _schedules(pp, vpp):
                                         for ep in _expert_parallel_sizes(m.moe.num_experts, gpus // (tp * pp)):
                                             for etp in _expert_tp_sizes(m.moe.num_experts, tp):
-                                                yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather,
-                                                             schedule, ep, etp)
+                                                for fp8 in fp8_modes(cfg, spec):
+                                                    yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather,
+                                                                 schedule, ep, etp, fp8)
 
 
 def _expert_parallel_sizes(num_experts: int, data_ranks: int) -> list[int]:
@@ -143,22 +165,29 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
     p.sp_regather_input = choice.sp_regather
     t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
-    t.recompute = choice.recompute
+    t.recompute, t.fp8 = choice.recompute, choice.fp8
     return new
 
 
 @dataclass
 class SearchResult:
-    """Ranked candidates and why the rest were dropped."""
+    """Ranked candidates and why the rest were dropped.
+
+    fp8_modes: the train.fp8 values tried; fp8_best: for each of them that no ranked candidate uses, its best
+    layout (timed in the simulator too), so the output shows what FP8 would give.
+    """
 
     ranked: list[Candidate]
     dropped: Counter[str]
     considered: int
+    fp8_modes: tuple[str, ...] = ("off",)
+    fp8_best: list[Candidate] = dataclasses.field(default_factory=list)
 
 
 def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCALE, top: int = 5,
            refine: int = 12) -> SearchResult:
     """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator."""
+    check_fp8_supported(cfg, spec)
     tables: dict[ModelLayout, ParamTable] = {}
     dropped: Counter[str] = Counter()
     fitting: list[tuple[Choice, Candidate]] = []
@@ -183,10 +212,19 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
     if len(kept) < len(fitting):
         dropped[DOMINATED] += len(fitting) - len(kept)
     kept.sort(key=lambda c: -c.prediction.mfu)
-    refined = [Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)]))
-               for c in kept[:refine]]
+
+    def simulated(c: Candidate) -> Candidate:
+        return Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)]))
+
+    refined = [simulated(c) for c in kept[:refine]]
     refined.sort(key=lambda c: -c.prediction.mfu)
-    return SearchResult(refined[:top], dropped, considered)
+    ranked = refined[:top]
+    modes = fp8_modes(cfg, spec)
+    shown = {c.cfg.train.fp8 for c in ranked}
+    best = [next((c for c in refined if c.cfg.train.fp8 == mode), None)
+            or next((simulated(c) for c in kept if c.cfg.train.fp8 == mode), None)
+            for mode in modes if mode not in shown]
+    return SearchResult(ranked, dropped, considered, modes, [c for c in best if c is not None])
 
 
 DOMINATED = "SP keeping the gathered input gains no time"

@@ -19,7 +19,9 @@ A step is:
    it hides; the collectives are waits the two-rank gloo probe priced,
    `host.collective_stretch`);
 3. the tied-embedding gradient all-reduce between the first and last stage;
-4. the optimizer step, memory-bound over this rank's (ZeRO-sharded) parameters.
+4. the optimizer step, memory-bound over this rank's (ZeRO-sharded) parameters;
+5. under train.fp8, quantising the rank's float8 weights (W and W^T) once, in the step's first
+   forward (`fp8_weight_cast`).
 """
 
 from __future__ import annotations
@@ -31,15 +33,15 @@ from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BA
 from megascale.distributed.pipeline.shared_cores import simulate_shared
 from megascale.distributed.pipeline.simulator import simulate
 from megascale.model.params import ParamTable
-from megascale.perf.chunk_costs import ChunkCost, chunk_cost
+from megascale.perf.chunk_costs import ChunkCost, LayerKind, chunk_cost, fp8_weight_seconds
 from megascale.perf.costs import (
     MEGASCALE,
     Cost,
+    LayerCosts,
     SystemTraits,
     collective_seconds,
     group_node_ranks,
     group_spans_nodes,
-    layer_costs,
     pass_collective_seconds,
     shares_cores,
 )
@@ -52,6 +54,8 @@ from megascale.run_plan import RunPlan
 # moments (16), read and write the fp32 master or fp32 parameter (8); 16-bit runs also write the
 # 16-bit parameter. LAMB reads the update and the parameter once more for its trust-ratio norms.
 _ADAM_BYTES = 4 + 16 + 8
+# The step's tail parts that compute (stretched by ranks sharing a CPU host's cores); the rest are collectives.
+_HOST_COMPUTE = ("optimizer", "fp8_weight_cast")
 _LAMB_EXTRA_BYTES = 8
 
 
@@ -79,14 +83,13 @@ class StepTime:
 
 def chunk_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) -> list[list[ChunkCost]]:
     """Cost of every (pipeline rank, local chunk) for one micro-batch."""
-    layer = layer_costs(cfg, plan, spec, traits)
-    moe_layer = layer_costs(cfg, plan, spec, traits, moe_layer=True) if cfg.model.moe.enabled else None
+    layers: dict[LayerKind, LayerCosts] = {}  # each kind of layer costed once, for every chunk
     costs = []
     for rank in range(plan.pp):
         chunks = plan.chunk_layers(rank)
         stages = [plan.global_stage(rank, v) for v in range(len(chunks))]
         costs.append([chunk_cost(cfg, plan, spec, ids, first=stage == 0, last=stage == plan.num_stages - 1,
-                                 traits=traits, layer=layer, moe_layer=moe_layer)
+                                 traits=traits, layers=layers)
                       for stage, ids in zip(stages, chunks)])
     return costs
 
@@ -283,9 +286,12 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
         exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank], experts, traits)
         exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local, experts)
         exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
+        if cfg.train.fp8 != "off":
+            layer_ids = [layer for ids in plan.chunk_layers(rank) for layer in ids]
+            exposed["fp8_weight_cast"] = fp8_weight_seconds(cfg, plan, spec, layer_ids, traits)
         if sharing > 1.0:
             # The optimizer is compute on shared cores; the collectives are waits (`collective_stretch`).
-            exposed = {name: value * (sharing if name == "optimizer" else waiting) for name, value in exposed.items()}
+            exposed = {name: value * (sharing if name in _HOST_COMPUTE else waiting) for name, value in exposed.items()}
             exposed["core_sharing"] = core_sharing
         step_parts.append((makespan + sum(exposed.values()), rank, exposed, hidden))
     total, rank, exposed, hidden = max(step_parts, key=lambda part: part[0])

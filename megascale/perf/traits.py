@@ -43,6 +43,11 @@ class SystemTraits:
       --accumulate-allreduce-grads-in-fp32), 2 where a 16-bit model's gradients
       are reduced in its own precision (Megatron-LM 2021 without that flag).
 
+    fused_fp8_casts: under train.fp8, each float8 operand's amax and cast run as
+      fused kernels (the input read twice, float8 written once: Transformer
+      Engine's cast kernels, or torch.compile's); False models megascale's eager
+      torch ops, each reading and writing a whole tensor (megascale/perf/fp8_casts.py).
+
     Whether sequence parallelism re-gathers a column-parallel GEMM's input in the
     backward (instead of saving the gathered input) is the config key
     `parallel.sp_regather_input`, which both the memory and the time model follow.
@@ -57,13 +62,15 @@ class SystemTraits:
     shared_expert_overlap: bool = False
     shared_expert_overlap_backward: bool = False
     grad_reduce_bytes: int = 4
+    fused_fp8_casts: bool = False
 
 
 MEGASCALE = SystemTraits(shared_block_comm=True, fused_block_gemm=True, tp_async_grad_reduce=True,
                          shared_expert_overlap=True, shared_expert_overlap_backward=True)
 """What megascale's trainer does: one gather and one reduce-scatter per parallel block around one
 fused qkv + fc1 GEMM, asynchronous column-parallel backward collectives, an MoE layer's shared experts
-computing while its token all-to-alls are in flight (both passes; parallel.ep_overlap=false turns it off)."""
+computing while its token all-to-alls are in flight (both passes; parallel.ep_overlap=false turns it off),
+and, under train.fp8, float8 casts as eager torch ops."""
 
 
 @dataclass
@@ -78,16 +85,20 @@ class Cost:
     recompute: float = 0.0
     hidden: dict[str, float] = field(default_factory=dict)
     ep_comm: float = 0.0
+    fp8_cast: float = 0.0
+    """train.fp8: the amax and cast kernels of the float8 GEMMs' operands (memory-bound)."""
 
     @property
     def total(self) -> float:
         """Exposed time of the pass."""
-        return self.gemm + self.attention + self.memory + self.tp_comm + self.cp_comm + self.recompute + self.ep_comm
+        return (self.gemm + self.attention + self.memory + self.tp_comm + self.cp_comm + self.recompute + self.ep_comm
+                + self.fp8_cast)
 
     def scaled(self, k: float) -> Cost:
         """This cost k times (k layers)."""
         return Cost(self.gemm * k, self.attention * k, self.memory * k, self.tp_comm * k, self.cp_comm * k,
-                    self.recompute * k, {name: v * k for name, v in self.hidden.items()}, self.ep_comm * k)
+                    self.recompute * k, {name: v * k for name, v in self.hidden.items()}, self.ep_comm * k,
+                    self.fp8_cast * k)
 
     def add(self, other: Cost) -> None:
         """Accumulate another cost in place."""
@@ -98,13 +109,17 @@ class Cost:
         self.cp_comm += other.cp_comm
         self.recompute += other.recompute
         self.ep_comm += other.ep_comm
+        self.fp8_cast += other.fp8_cast
         for name, value in other.hidden.items():
             self.hidden[name] = self.hidden.get(name, 0.0) + value
 
     def as_dict(self) -> dict[str, float]:
-        """Named parts, for the breakdown."""
-        return {"gemm": self.gemm, "attention": self.attention, "memory_bound": self.memory,
-                "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "ep_comm": self.ep_comm, "recompute": self.recompute}
+        """Named parts, for the breakdown (fp8_cast only where there is some)."""
+        parts = {"gemm": self.gemm, "attention": self.attention, "memory_bound": self.memory,
+                 "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "ep_comm": self.ep_comm, "recompute": self.recompute}
+        if self.fp8_cast:
+            parts["fp8_cast"] = self.fp8_cast
+        return parts
 
 
 __all__ = ["MEGASCALE", "Cost", "SystemTraits"]

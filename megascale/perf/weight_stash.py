@@ -6,6 +6,7 @@ byte against what `megascale.distributed.pipeline.split_backward` keeps (tests/t
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Optional
 
 from megascale.config import Config, Recompute
@@ -15,6 +16,8 @@ from megascale.perf.activations import (
     INDEX,
     KernelProfile,
     Shapes,
+    column_input_bytes,
+    fp8_input_bytes,
     gathered_input_bytes,
     heads_bytes,
     layer_recompute,
@@ -22,6 +25,7 @@ from megascale.perf.activations import (
     norm_rows_bytes,
     qkv_bytes,
 )
+from megascale.perf.fp8 import NO_FP8, LayerFp8, layer_fp8
 from megascale.run_plan import RunPlan
 
 
@@ -90,8 +94,10 @@ def _gemm_gradient_bytes(cfg: Config, sh: Shapes) -> float:
     return qkv_bytes(sh) + fc1 + rows * row_grads
 
 
-def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute) -> float:
-    """What one transformer block holds from B to W in a zero-bubble schedule (split backward).
+def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Recompute,
+                             fp8: LayerFp8 = NO_FP8) -> float:
+    """What one transformer block holds from B to W in a zero-bubble schedule (split backward); fp8: which
+    of its GEMMs run in float8 (W then reads their float8 inputs).
 
     B releases every saved tensor only it reads (the attention core, the activation
     function's input, dropout masks, the norms' inner statistics); W needs each GEMM's
@@ -110,24 +116,45 @@ def layer_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, re
         if cfg.model.lfa:  # the filter's recorded gradients (its convolutions' and its norm's)
             kept += _lfa_weight_stash_bytes(cfg, sh, kernels, replayed=True)
         return kept
-    linear_in = linear_input_bytes(sh)
-    if not cfg.model.lfa:  # qkv and fc1 (one fused GEMM in the parallel block)
-        inputs = linear_in * (1 if cfg.model.parallel_block else 2)
-    else:  # v's GEMM reads the gathered input, beside its own gather of fc1's under SP (as layer_bytes)
-        attention_in = gathered_input_bytes(sh)
-        if cfg.model.parallel_block:
-            inputs = attention_in + linear_in if sh.sp else linear_in
-        else:
-            inputs = attention_in + linear_in
-        inputs += _lfa_weight_stash_bytes(cfg, sh, kernels)
-    inputs += heads_bytes(sh, sh.q_heads) + sh.per_token(sh.ffn, sh.act)  # proj and fc2
+    inputs = _column_inputs_bytes(cfg, sh, kernels, fp8) + _row_inputs_bytes(sh, fp8)
     qk_norms = _qk_norm_weight_stash_bytes(cfg, sh, kernels)
     return norms * _norm_weight_bytes(cfg, sh, kernels) + qk_norms + inputs + gradients
 
 
+def _column_inputs_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, fp8: LayerFp8) -> float:
+    """The inputs W reads for the column GEMMs (qkv and fc1: one fused GEMM in the parallel block unless
+    only one of them runs in float8), and LFA's filter tensors: each the train.dtype input or, for a float8
+    GEMM, its float8 copy (as `activations.layer_bytes`)."""
+    linear_in = column_input_bytes(sh, fp8, fp8.fc1)
+    if not cfg.model.lfa:
+        if cfg.model.parallel_block and fp8.qkv == fp8.fc1:
+            return linear_in
+        return column_input_bytes(sh, fp8, fp8.qkv) + linear_in
+    # v's GEMM reads the gathered input, beside its own gather of fc1's under SP (as layer_bytes); without
+    # SP the parallel block's v GEMM keeps the norm output itself, which a float8 fc1 no longer shares.
+    attention_in = gathered_input_bytes(sh)
+    if cfg.model.parallel_block:
+        shared_in = attention_in if sh.sp else linear_input_bytes(sh) if fp8.fc1 else 0.0
+        inputs = shared_in + linear_in
+    else:
+        inputs = attention_in + linear_in
+    return inputs + _lfa_weight_stash_bytes(cfg, sh, kernels)
+
+
+def _row_inputs_bytes(sh: Shapes, fp8: LayerFp8) -> float:
+    """The inputs W reads for the output projection and fc2: train.dtype, or float8 copies with scales."""
+    width = sh.q_heads * sh.head_dim
+    proj = fp8_input_bytes(sh, fp8, sh.tokens, width, split=True) if fp8.proj else heads_bytes(sh, sh.q_heads)
+    fc2 = fp8_input_bytes(sh, fp8, sh.tokens, sh.ffn, split=True) if fp8.fc2 else sh.per_token(sh.ffn, sh.act)
+    return proj + fc2
+
+
 def weight_stash_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_layers: int, first: bool,
-                       last: bool) -> float:
+                       last: bool, layer_ids: Optional[Sequence[int]] = None) -> float:
     """What one micro-batch of a chunk holds from its input-gradient pass B to its weight pass W.
+
+    layer_ids: the chunk's global layer ids (which of them run which GEMMs in float8); default
+    0..num_layers-1.
 
     The layers' `layer_weight_stash_bytes`; on the first stage the embedding's saved
     tensors (W runs it) and the gradient of its output; on the last stage the final norm,
@@ -138,10 +165,11 @@ def weight_stash_bytes(cfg: Config, plan: RunPlan, kernels: KernelProfile, num_l
     attention output the projection reads, as for cp 1).
     """
     sh = Shapes.of(cfg, plan)
-    modes = Counter(layer_recompute(cfg, i) for i in range(num_layers))
+    ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
+    kinds = Counter((layer_recompute(cfg, i), layer_fp8(cfg, layer)) for i, layer in enumerate(ids))
     total = 0.0
-    for mode, count in modes.items():  # one layer_weight_stash_bytes per recompute mode, times its layers
-        total += count * layer_weight_stash_bytes(cfg, sh, kernels, mode)
+    for (mode, fp8), count in kinds.items():  # one layer_weight_stash_bytes per kind of layer, times its layers
+        total += count * layer_weight_stash_bytes(cfg, sh, kernels, mode, fp8)
     if first:  # ids and positions (the dropout mask goes with B) and the gradient
         learned = cfg.model.position == "learned"
         positions = sh.seq * sh.ulysses * INDEX if learned else 0

@@ -24,7 +24,7 @@ from megascale.model.flops import causal_halved_train_flops_per_token, train_flo
 from megascale.model.fp8_layers import check_fp8
 from megascale.model.gpt import build_model
 from megascale.model.moe import moe_layer_ids, reduce_moe_stats, update_router_biases
-from megascale.perf.flops import device_peak
+from megascale.perf.flops import device_peak, fp8_peak
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.timers import PhaseTimers
 from megascale.training.fault import numerics
@@ -148,6 +148,8 @@ class Trainer:
 
         self.train_data, self.valid_data = build_data(cfg, self.ctx, self.consumed_samples, plan=self.plan)
         self.peak = device_peak(self.device, cfg.train.peak_tflops)
+        # train.fp8: mfu_fp8 beside mfu, against the FP8 peak (None where the device has none).
+        self.fp8_peak = fp8_peak(self.device) if cfg.train.fp8 != "off" else None
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.causal_halved_flops_per_token = causal_halved_train_flops_per_token(cfg.model)
         self.memory_estimate_gb = 0.0
@@ -254,7 +256,7 @@ class Trainer:
             return
         params = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
         lines = [f"megascale: {self.ctx.describe()} | device {self.peak.device_name} | "
-                 f"peak {self.peak.tflops:.3g} TFLOP/s ({self.peak.label})",
+                 f"peak {self.peak.tflops:.3g} TFLOP/s ({self.peak.label}){self._fp8_peak_clause()}",
                  f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
                  f"{params / 1e6:.2f}M params on this rank | {self.plan.num_microbatches} micro-batches/step | "
                  f"{self.flops_per_token / 1e9:.3f} GFLOP/token",
@@ -270,6 +272,15 @@ class Trainer:
         lines.append(format_memory(estimate))
         for line in lines:
             self.sink.print(line)
+
+    def _fp8_peak_clause(self) -> str:
+        """With train.fp8: which peak MFU and mfu_fp8 are against, for the start-up line."""
+        if self.cfg.train.fp8 == "off":
+            return ""
+        if self.fp8_peak is None:
+            return "; MFU against the dense bf16 peak; no FP8 peak for this device, so no mfu_fp8"
+        return (f"; MFU against the dense bf16 peak; metrics mfu_fp8 against the FP8 peak "
+                f"{self.fp8_peak.tflops:.4g} TFLOP/s ({self.fp8_peak.source})")
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -432,6 +443,8 @@ class Trainer:
             "loss_scale": float(stats.loss_scale),
             **self.numerics.counters(),
         }
+        if self.fp8_peak is not None:
+            rec["mfu_fp8"] = tflops / self.fp8_peak.tflops
         if not math.isfinite(rec["loss"]):
             rec["loss"] = float("nan")
         return rec
