@@ -4,8 +4,8 @@ the float8 SP gathers, layers excluded from FP8, the search, and the refusal on 
 - GEMMs: a float8 GEMM runs at the spec's FP8 peak at the same fraction of peak as a 16-bit GEMM of its
   shape: on H100 the block GEMMs of Llama 3 8B take 989/1979 of their bf16 time, hand-computed from
   `GpuSpec.gemm_seconds`; the logits GEMM stays bf16.
-- casts: bytes per quantised element counted by hand (a bf16 tensor's eager quantisation moves 41 bytes: 14
-  for the amax, 27 for the cast; fused kernels 2e + 1 = 5) at HBM speed; and the eager counts against the
+- casts: bytes per quantised element counted by hand (a bf16 tensor's eager quantisation moves 9 bytes: 2
+  for the amax, 4 for the scaled product, 3 for the cast; fused kernels 2e + 1 = 5) at HBM speed; and the eager counts against the
   bytes the real FP8 linears' and experts' torch ops read and write, counted op by op on CPU.
 - memory: the float8 W and W^T (2 bytes per FP8 parameter) appear as `fp8_weights`; the saved inputs of the
   float8 GEMMs drop from 2 bytes to 1 plus a scale (the output projection's adds its float8 copy: the
@@ -102,14 +102,14 @@ X, DY, WEIGHTS = 7, 9, 12 * H * H
 
 
 @pytest.mark.parametrize("recipe,fused,forward,backward", [
-    # eager: quantise 41 B/element (bf16: abs 4, fp32 copy 6, amax 4; fp32 copy 6, scale 8, clamp 8, cast 5);
-    # tensorwise transposes the float8 dy and x for wgrad (2 B each)
-    ("tensorwise", False, 41 * X, 41 * DY + 2 * (DY + X)),
-    # rowwise quantises dy again (41 + 2 for the copy to the GEMM's layout), re-quantises x (dequantise 13 +
-    # quantise fp32 33 + copy 2) and copies the cached, strided W^T at dgrad (2 B per weight)
-    ("rowwise", False, 41 * X, 41 * DY + (41 + 2) * DY + (13 + 33 + 2) * X),
-    # blockwise: 8 B more wherever 1 x 128 scales are spread to every element; W^T is a copy already
-    ("blockwise", False, 49 * X, 49 * DY + (49 + 2) * DY + (21 + 41 + 2) * X),
+    # eager: quantise 9 B/element (bf16: amax 2; the scaled product 2 + 2; the cast 2 + 1); tensorwise
+    # transposes the float8 dy and x for wgrad (2 B each)
+    ("tensorwise", False, 9 * X, 9 * DY + 2 * (DY + X)),
+    # rowwise quantises dy again from its transposed view (9 + 2 for the contiguous copy) and re-quantises x
+    # (dequantise to bf16 7 + quantise 9 + copy 2)
+    ("rowwise", False, 9 * X, 9 * DY + (9 + 2) * DY + (7 + 9 + 2) * X),
+    # blockwise: the same bytes (block scales broadcast over block views)
+    ("blockwise", False, 9 * X, 9 * DY + (9 + 2) * DY + (7 + 9 + 2) * X),
     # fused kernels: the input read twice, float8 written once (2 x 2 + 1 = 5 B); transposes 2 B; a float8
     # operand re-quantised 3 B
     ("tensorwise", True, 5 * X, 5 * DY + 2 * (DY + X)),
@@ -118,16 +118,16 @@ X, DY, WEIGHTS = 7, 9, 12 * H * H
 def test_casts_are_their_bytes_at_hbm_speed(recipe: str, fused: bool, forward: int, backward: int) -> None:
     cfg, plan = _small(f"train.fp8={recipe}")
     costs = _layer(cfg, plan, traits=dataclasses.replace(MEGASCALE, fused_fp8_casts=fused))
-    weight_copies = 2 * WEIGHTS if recipe == "rowwise" and not fused else 0
     assert costs.forward.fp8_cast == pytest.approx(H100.memory_seconds(forward * T * H), rel=1e-12)
-    assert costs.backward.fp8_cast == pytest.approx(H100.memory_seconds(backward * T * H + weight_copies), rel=1e-12)
+    assert costs.backward.fp8_cast == pytest.approx(H100.memory_seconds(backward * T * H), rel=1e-12)
     assert costs.forward.tp_comm == costs.backward.tp_comm == 0.0  # one GPU: no amax to all-reduce
 
 
 def test_weights_are_quantised_once_per_step() -> None:
-    # Per step, W and W^T of each float8 linear: tensorwise quantises W (41 B/weight) and copies it
-    # transposed (2 B); rowwise quantises both (2 x 41 B).
-    for recipe, per_weight in (("tensorwise", 41 + 2), ("rowwise", 2 * 41)):
+    # Per step, W and W^T of each float8 linear: tensorwise quantises W (9 B/weight) and copies it
+    # transposed (2 B); rowwise quantises both (2 x 9 B), W^T from W's transposed view (+ 2 B to make it
+    # contiguous, once, so dgrad reads it as it is).
+    for recipe, per_weight in (("tensorwise", 9 + 2), ("rowwise", 2 * 9 + 2)):
         cfg, plan = _small(f"train.fp8={recipe}")
         assert fp8_weight_seconds(cfg, plan, H100, [0, 1]) == pytest.approx(
             H100.memory_seconds(2 * per_weight * WEIGHTS), rel=1e-12)
@@ -185,6 +185,9 @@ def _linear_traffic(recipe: str, kind: str, rows: int, k: int, n: int) -> tuple[
     settings = TPSettings(dtype=torch.bfloat16, fp8=Fp8Settings(recipe_of(recipe)))
     layer = (ColumnParallelLinear("x.fc1", (n, k), 0, settings, False, 0.02) if kind == "column"
              else RowParallelLinear("x.fc2", (n, k), settings, False, 0.02))
+    from megascale.distributed.tensor_parallel.fp8_linear import site_for
+
+    site_for([layer], "out" if kind == "column" else "in", settings)._axes([layer.weight])  # index bookkeeping
     x = torch.randn(rows, 1, k, dtype=torch.bfloat16, requires_grad=True)
     with _counting() as first:
         layer(x)  # quantises the weights into the cache, then x
@@ -221,21 +224,22 @@ def _expert_traffic(recipe: str, experts: int, rows: int, k: int, n: int) -> tup
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_eager_cast_bytes_are_what_the_fp8_layers_move(recipe: str) -> None:
     # The real FP8 linears (column and row) and routed experts on CPU, every non-GEMM op's reads and writes
-    # counted: the model's bytes within 1.5% (what it leaves out: the per-row scales' own small ops).
+    # counted: the model's bytes within 2.5%. What it leaves out: the scales' own small ops (amax to scale to
+    # reciprocal on one value per row: ~50 bytes per row, 1-2% here, a fraction 1/width of a row's casts).
     # (Blockwise runs a dequantising reference GEMM on CPU, not the CUDA kernel the model assumes.)
     r = recipe_of(recipe)
-    rows, k, n = 256, 384, 512
+    rows, k, n = 256, 768, 1024
     for kind in ("column", "row"):
         gemm = Fp8Gemm(tokens=rows, k=k, n=n, quantized_rows=rows)
         got = _linear_traffic(recipe, kind, rows, k, n)
         want = (weight_cast_bytes(gemm, r, 2, False), forward_cast_bytes(gemm, r, 2, False),
                 backward_cast_bytes(gemm, r, 2, 2, False))
-        assert got == pytest.approx(want, rel=0.015), kind
-    gemm = Fp8Gemm(tokens=4 * 64, k=256, n=384, quantized_rows=4 * 64, experts=4)
-    got = _expert_traffic(recipe, 4, 64, 256, 384)
+        assert got == pytest.approx(want, rel=0.025), kind
+    gemm = Fp8Gemm(tokens=4 * 256, k=512, n=768, quantized_rows=4 * 256, experts=4)
+    got = _expert_traffic(recipe, 4, 256, 512, 768)
     want = (weight_cast_bytes(gemm, r, 2, False), forward_cast_bytes(gemm, r, 2, False),
             backward_cast_bytes(gemm, r, 2, 2, False))
-    assert got == pytest.approx(want, rel=0.015), "experts"
+    assert got == pytest.approx(want, rel=0.025), "experts"
 
 
 # ----------------------------------------------------------------------------- memory
@@ -306,7 +310,7 @@ def test_excluded_linears_stay_in_train_dtype() -> None:
 
 def test_fp8_step_on_h100_with_eager_and_fused_casts() -> None:
     # Llama 3 8B on 8 H100 (the preset): the GEMMs take about half the time in float8; the casts as eager torch
-    # ops cost more than that saves, fused cast kernels less.
+    # ops give back part of that, fused cast kernels less.
     cfg = load_config(os.path.join(CONFIGS, "llama3-8b.yaml"), [])
     plan = resolve_plan(cfg, 8)
     fp8_cfg = load_config(os.path.join(CONFIGS, "llama3-8b.yaml"), ["train.fp8=tensorwise"])
@@ -314,8 +318,8 @@ def test_fp8_step_on_h100_with_eager_and_fused_casts() -> None:
     eager = predict(fp8_cfg, plan, H100)
     fused = predict(fp8_cfg, plan, H100, dataclasses.replace(MEGASCALE, fused_fp8_casts=True))
     assert 0.5 < eager.step.compute["gemm"] / off.step.compute["gemm"] < 0.55  # the logits GEMM stays bf16
-    assert fused.step_time_s < off.step_time_s < eager.step_time_s
-    assert eager.step.compute["fp8_cast"] > 4 * fused.step.compute["fp8_cast"]
+    assert fused.step_time_s < eager.step_time_s < off.step_time_s
+    assert eager.step.compute["fp8_cast"] > 1.5 * fused.step.compute["fp8_cast"]
     assert eager.memory_bytes > off.memory_bytes  # 2 B per block parameter outweigh the float8 inputs
     assert "fp8_cast" not in off.to_json()["breakdown"] and "fp8" not in off.to_json()
     assert "fp8_weights" not in off.to_json()["stages"][0]["parts_gib"]

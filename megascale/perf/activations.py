@@ -426,14 +426,14 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
     if moe:
         return _moe_layer_bytes(cfg, sh, kernels, recompute, fp8)
     norm = norm_bytes(cfg, sh, kernels)
-    lfa_filter = _lfa_bytes(cfg, sh, kernels) if m.lfa else 0.0
+    lfa_filter = _lfa_bytes(cfg, sh, kernels, fp8) if m.lfa else 0.0
     selective = recompute == "selective"
     core = attention_core_bytes(cfg, sh, kernels, selective=selective) + _fp8_proj_bytes(sh, fp8, selective)
     mask = dropout_mask_bytes(cfg, sh, kernels)
     linear_in = column_input_bytes(sh, fp8, fp8.fc1)
     mlp = mlp_bytes(cfg, sh, kernels, fc2_fp8=fp8 if fp8.fc2 else None)
     # LFA's q/k and v projections enter the tp region together and keep their gathered inputs.
-    attention_in = gathered_input_bytes(sh) if m.lfa else column_input_bytes(sh, fp8, fp8.qkv)
+    attention_in = _lfa_v_input_bytes(sh, fp8) if m.lfa else column_input_bytes(sh, fp8, fp8.qkv)
     if m.parallel_block:
         if not m.lfa and fp8.qkv == fp8.fc1:  # one GEMM for qkv and fc1: one kept input, one output both read
             fused = _fused_block_output_bytes(cfg, sh, kernels, recompute)
@@ -443,7 +443,9 @@ def layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute: Reco
         # One norm feeds both branches. With tp the attention branch's filtered and plain inputs enter
         # the tp region as one new tensor (all-gathered under SP) beside the MLP's own input; without tp
         # the v GEMM keeps the norm output itself, which a float8 fc1 no longer shares.
-        shared_in = gathered_input_bytes(sh) if sh.tp > 1 else linear_input_bytes(sh) if fp8.fc1 else 0.0
+        # A float8 v GEMM keeps the float8 copy of its input instead.
+        shared_in = (lfa_fp8_input_bytes(sh, fp8) if fp8.qkv else gathered_input_bytes(sh) if sh.tp > 1
+                     else linear_input_bytes(sh) if fp8.fc1 else 0.0)
         return norm + shared_in + linear_in + lfa_filter + core + mlp + mask
     return 2 * norm + attention_in + linear_in + lfa_filter + core + mlp + 2 * mask
 
@@ -465,11 +467,11 @@ def _moe_layer_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, recompute:
     """An MoE block: attention as in a dense block, the MoE MLP in place of the dense one (the parallel
     block keeps its branches apart around an MoE layer, so each keeps its own input)."""
     norm = norm_bytes(cfg, sh, kernels)
-    lfa_filter = _lfa_bytes(cfg, sh, kernels) if cfg.model.lfa else 0.0
+    lfa_filter = _lfa_bytes(cfg, sh, kernels, fp8) if cfg.model.lfa else 0.0
     selective = recompute == "selective"
     core = attention_core_bytes(cfg, sh, kernels, selective=selective) + _fp8_proj_bytes(sh, fp8, selective)
     mask = dropout_mask_bytes(cfg, sh, kernels)
-    attention_in = gathered_input_bytes(sh) if cfg.model.lfa else column_input_bytes(sh, fp8, fp8.qkv)
+    attention_in = _lfa_v_input_bytes(sh, fp8) if cfg.model.lfa else column_input_bytes(sh, fp8, fp8.qkv)
     if cfg.model.parallel_block:  # one norm output feeds both branches
         attention_keeps_it = (not sh.sp or (sh.regather and not cfg.model.lfa)) and not fp8.qkv
         mlp = moe_mlp_bytes(cfg, sh, kernels, norm_output_kept=attention_keeps_it, fp8=fp8)
@@ -490,14 +492,28 @@ def _fused_block_output_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, r
     return 0.0
 
 
-def _lfa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:
+def _lfa_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, fp8: LayerFp8 = NO_FP8) -> float:
     """What LFA's filter keeps beyond the plain layer (megascale/perf/lfa.py): its inputs, its RMSNorm,
-    the filtered input the q/k GEMM reads, and the q/k and v weight slices that are copies."""
+    the filtered input the q/k GEMM reads, and the q/k and v weight slices that are copies. A float8 q/k
+    GEMM keeps the float8 filtered input instead and reads its rows from the float8 weight copy."""
     split = sh.ulysses * (sh.tp if sh.sp else 1)  # parts each ring rank's zigzag pair is cut into
     runs = lfa.halo_runs(sh.ring, split)
     filters = lfa.filter_saved_bytes(sh.residual_tokens, sh.batch, sh.hidden, sh.act, runs)
+    norm = norm_bytes(cfg, sh, kernels, norm="rmsnorm")
+    if fp8.qkv:
+        return filters + norm + lfa_fp8_input_bytes(sh, fp8)
     weights = lfa.weight_copy_elements(sh.kv_heads, sh.group, sh.head_dim, sh.hidden) * sh.act
-    return filters + norm_bytes(cfg, sh, kernels, norm="rmsnorm") + gathered_input_bytes(sh) + weights
+    return filters + norm + gathered_input_bytes(sh) + weights
+
+
+def _lfa_v_input_bytes(sh: Shapes, fp8: LayerFp8) -> float:
+    """What LFA's v GEMM keeps of its input: the (gathered) attention input, or its float8 copy."""
+    return lfa_fp8_input_bytes(sh, fp8) if fp8.qkv else gathered_input_bytes(sh)
+
+
+def lfa_fp8_input_bytes(sh: Shapes, fp8: LayerFp8) -> float:
+    """A float8 LFA GEMM's saved input: the whole (gathered) sequence quantised after the tp region's entry."""
+    return fp8_input_bytes(sh, fp8, sh.tokens, sh.hidden)
 
 
 def embedding_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile) -> float:

@@ -6,9 +6,10 @@ the attention's qkv and output projection, the MLP's fc1 and fc2 (an MoE layer's
 shared experts' too) and the routed experts' fc1 and fc2, each unless
 `train.fp8_exclude` names it (glob patterns over the names the model gives its
 linears, e.g. `layers.3.mlp.fc2`; the rule is the model's own, `Fp8Settings.applies_to`).
-Yuan's LFA computes q/k and v from two inputs with plain GEMMs, so with `model.lfa` the
-qkv GEMMs stay in train.dtype. Embedding, output head, router, norms and the attention
-core never run in float8.
+Yuan's LFA computes q/k and v from two inputs: with `model.lfa` its qkv runs as two float8
+GEMMs over the qkv weight's q/k rows and v rows, whose inputs enter the tp region in
+train.dtype and are quantised after the gather. Embedding, output head, router, norms and
+the attention core never run in float8.
 
 What the memory and time models read here (`LayerFp8` per layer; bytes of a float8
 operand with its scales):
@@ -102,7 +103,7 @@ def layer_fp8(cfg: Config, layer_id: int) -> LayerFp8:
     kept = {field: settings.applies_to(name) for field, name in linear_names(cfg, layer_id).items()}
     moe = cfg.model.is_moe_layer(layer_id)
     shared = not moe or cfg.model.shared_ffn_size > 0
-    return LayerFp8(recipe=cfg.train.fp8, qkv=kept["qkv"] and not cfg.model.lfa, proj=kept["proj"],
+    return LayerFp8(recipe=cfg.train.fp8, qkv=kept["qkv"], proj=kept["proj"],
                     fc1=kept["fc1"] and shared, fc2=kept["fc2"] and shared,
                     experts_fc1=kept["experts_fc1"] and moe, experts_fc2=kept["experts_fc2"] and moe)
 

@@ -16,13 +16,14 @@ micro-batch (`Fp8Gemm`: x [tokens, k], W [n, k]):
 
 Two ways of running the casts (`SystemTraits.fused_fp8_casts`):
 
-- eager (megascale's trainer today): each torch op of `quantize` reads and writes a whole tensor: the
-  magnitude (abs, then fp32), its amax, an fp32 copy, the scaled product, the in-place clamp, the cast:
-  41 bytes per bf16 element (33 from fp32; 8 more where blockwise scales are expanded to every element).
-  Re-quantising a float8 operand dequantises it to fp32 first (13 bytes, 21 blockwise); an operand that
-  comes out transposed is copied to the layout the GEMM takes (2 bytes per element), as is the rowwise
-  recipe's cached W^T at every dgrad and each routed expert's. The routed experts' GEMM loop also copies
-  its outputs and input gradients into place and stacks the weight gradients.
+- eager (megascale's trainer today): `quantize` reads the tensor for its amax (an inf-norm), reads
+  and writes it for the scaled product (in its own dtype: a power-of-two scale is exact in bf16 and
+  fp32) and reads it for the cast, which writes float8: 9 bytes per bf16 element, 17 per fp32 one
+  (4e + 1). Block scales broadcast over block views of a tensor whose widths are multiples of 128
+  (assumed here). Re-quantising a float8 operand dequantises it to bf16 first (7 bytes); an operand
+  quantised from a transposed view comes out strided and is copied contiguous (2 bytes per element),
+  the rowwise recipe's W^T once per step. The routed experts' GEMM loop also copies its outputs and
+  input gradients into place and stacks the weight gradients.
   `tests/test_planner_fp8.py` counts these bytes op by op on the real layers and checks them here.
 - fused (Transformer Engine's, or torch.compile's, cast kernels): the amax pass and the cast pass read
   the input once each and the cast writes float8: 2e + 1 bytes per element for e-byte inputs; a
@@ -41,6 +42,7 @@ from megascale.perf.gpus import GpuSpec
 from megascale.perf.traits import Cost
 
 FP32 = 4
+BF16 = 2
 TRANSPOSE_COPY_BYTES = 2
 """Bytes per element of copying a float8 operand into another layout: read 1, write 1."""
 
@@ -72,22 +74,21 @@ class Fp8Gemm:
 
 
 def quantize_bytes(in_bytes: int, scaling: Scaling) -> int:
-    """HBM bytes per element of eager `quantize` of an in_bytes-per-element tensor (see the module docstring)."""
-    widen = in_bytes + FP32 if in_bytes != FP32 else 0  # x.to(float32): a copy unless x is fp32 already
-    amax = 2 * in_bytes + widen + FP32  # abs, its fp32 copy, the amax's read
-    cast = widen + 2 * FP32 + 2 * FP32 + FP32 + 1  # fp32 copy, times the scale, clamp_ in place, cast to float8
-    spread = 2 * FP32 if scaling in ("block1", "block128") else 0  # scales indexed out to every element and read
-    return amax + cast + spread
+    """HBM bytes per element of eager `quantize` of a contiguous in_bytes-per-element tensor (bf16 or fp32; see
+    the module docstring): the amax pass reads it, the scaled product reads and writes it, the cast reads it
+    and writes float8. The same for every scaling (block scales broadcast over block views)."""
+    return 4 * in_bytes + 1
 
 
 def dequantize_bytes(scaling: Scaling) -> int:
-    """HBM bytes per element of eager `Fp8Tensor.dequantize` (float8 to fp32, times the scales)."""
-    return 1 + FP32 + 2 * FP32 + (2 * FP32 if scaling in ("block1", "block128") else 0)
+    """HBM bytes per element of eager `Fp8Tensor.dequantize` to bf16 (the float8 widened, then times the scales)."""
+    return 1 + BF16 + 2 * BF16
 
 
 def requantize_bytes(scaling: Scaling) -> int:
-    """HBM bytes per element of re-quantising a float8 operand transposed (eager `requantize_t`)."""
-    return dequantize_bytes(scaling) + quantize_bytes(FP32, scaling)
+    """HBM bytes per element of re-quantising a float8 operand transposed (eager `requantize_t`: dequantised to
+    bf16, quantised again)."""
+    return dequantize_bytes(scaling) + quantize_bytes(BF16, scaling)
 
 
 def fused_quantize_bytes(in_bytes: int) -> int:
@@ -130,20 +131,18 @@ def backward_cast_bytes(gemm: Fp8Gemm, recipe: Fp8Recipe, act_bytes: int, param_
     if per_tensor:  # dgrad's float8 dy and the saved float8 x, transposed (contiguous copies)
         again = quantize_bytes(act_bytes, "tensor") * dy if split_backward else 0
         return float(dgrad + again + TRANSPOSE_COPY_BYTES * (dy + x))
-    w_t = TRANSPOSE_COPY_BYTES * gemm.weight_numel if recipe.weight_scaling == "row" else 0  # cached W^T, strided
     wgrad = (quantize_bytes(act_bytes, recipe.wgrad_scaling) + TRANSPOSE_COPY_BYTES) * dy
     wgrad += (requantize_bytes(recipe.wgrad_scaling) + TRANSPOSE_COPY_BYTES) * x
-    return float(dgrad + w_t + wgrad)
+    return float(dgrad + wgrad)
 
 
 def _eager_expert_backward(gemm: Fp8Gemm, recipe: Fp8Recipe, act_bytes: int, param_bytes: int) -> float:
-    """The routed experts' eager backward casts: dy quantised per row (tile) for dgrad, each expert's W^T
-    copied unless blockwise, dx zeroed and filled in place, then per expert dy^T quantised and x^T
-    re-quantised (each copied to the GEMM's layout), and the weight gradients stacked."""
+    """The routed experts' eager backward casts: dy quantised per row (tile) for dgrad, dx zeroed and filled in
+    place, then per expert dy^T quantised and x^T re-quantised (each copied to the GEMM's layout), and the
+    weight gradients stacked."""
     scaling = recipe.expert_act_scaling
     dy, x = gemm.tokens * gemm.n, gemm.tokens * gemm.k
-    w_t = TRANSPOSE_COPY_BYTES * gemm.weight_numel if recipe.expert_weight_scaling == "row" else 0
-    dgrad = quantize_bytes(act_bytes, scaling) * dy + w_t + 3 * act_bytes * x  # new_zeros, then the copies in
+    dgrad = quantize_bytes(act_bytes, scaling) * dy + 3 * act_bytes * x  # new_zeros, then the copies in
     wgrad = ((quantize_bytes(act_bytes, scaling) + TRANSPOSE_COPY_BYTES) * dy
              + (requantize_bytes(scaling) + TRANSPOSE_COPY_BYTES) * x + 2 * param_bytes * gemm.weight_numel)
     return float(dgrad + wgrad)
@@ -151,7 +150,8 @@ def _eager_expert_backward(gemm: Fp8Gemm, recipe: Fp8Recipe, act_bytes: int, par
 
 def weight_cast_bytes(gemm: Fp8Gemm, recipe: Fp8Recipe, param_bytes: int, fused: bool) -> float:
     """HBM bytes of quantising one FP8 GEMM's weights once per optimizer step: W, and W^T (a transposed copy
-    of W where the scales allow, else quantised again), after concatenating fused weights."""
+    of W where the scales allow, else quantised again from W's transposed view and copied contiguous), after
+    concatenating fused weights."""
     numel = gemm.weight_numel
     scaling = recipe.expert_weight_scaling if gemm.experts else recipe.weight_scaling
     twice = scaling == "row"  # a per-row scale of W is not one of W^T: quantised again
@@ -160,7 +160,8 @@ def weight_cast_bytes(gemm: Fp8Gemm, recipe: Fp8Recipe, param_bytes: int, fused:
         return float(numel * (2 * once if twice else once + TRANSPOSE_COPY_BYTES))
     once = quantize_bytes(param_bytes, scaling)
     concatenated = 2 * param_bytes if gemm.weights > 1 else 0
-    return float(numel * ((2 * once if twice else once + TRANSPOSE_COPY_BYTES) + concatenated))
+    return float(numel * (2 * once + concatenated + TRANSPOSE_COPY_BYTES if twice
+                          else once + TRANSPOSE_COPY_BYTES + concatenated))
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ def _reduces(gemm: Fp8Gemm, scaling: Scaling, operand: str, sp: bool, groups: se
         return []
     cut = "in" if operand in ("x", "x^T") else "out"
     tokens = ["cp"] if "cp" in groups and not gemm.experts else []
-    if operand == "x" and sp and gemm.split == "out" and "tp" in groups:
+    if operand == "x" and gemm.quantized_rows < gemm.tokens and "tp" in groups:  # an SP shard, before its gather
         tokens.append("tp")
     features = ["tp"] if "tp" in groups and gemm.split == cut else []
     if scaling == "tensor":

@@ -101,7 +101,7 @@ class LayerShape:
         """Those of `column_inputs` that a float8 GEMM reads: gathered in float8 under SP."""
         f = self.fp8
         fc1 = 1 if f.fc1 and self.mlp_branches else 0
-        if self.lfa:  # LFA's q/k and v GEMMs run in train.dtype
+        if self.lfa:  # LFA's q/k and v GEMMs gather their inputs in train.dtype, then quantise them
             return fc1
         if self.shared_block(traits) and not (self.mlp_branches and f.qkv != f.fc1):
             return 1 if f.qkv else 0
@@ -132,13 +132,16 @@ class LayerShape:
 
 class Gemm(NamedTuple):
     """One forward GEMM of a layer, M = tokens: role pairs it with its collective ('column' or 'row'); fp8:
-    it runs in float8; weights: weights concatenated for it (the parallel block's qkv and fc1)."""
+    it runs in float8; weights: weights concatenated for it (the parallel block's qkv and fc1); entered: a
+    column GEMM whose input enters the tp region in train.dtype (LFA's q/k and v GEMMs, which read the
+    gathered inputs and quantise the whole sequence after the gather)."""
 
     role: str
     n: int
     k: int
     fp8: bool = False
     weights: int = 1
+    entered: bool = False
 
 
 def layer_gemms(shape: LayerShape, traits: SystemTraits) -> list[Gemm]:
@@ -147,8 +150,8 @@ def layer_gemms(shape: LayerShape, traits: SystemTraits) -> list[Gemm]:
     fused = shape.parallel_block and not shape.lfa and traits.fused_block_gemm
     if shape.lfa:  # q/k read the filtered input, v the unfiltered one
         v_width = shape.kv_heads * shape.head_dim
-        column = [Gemm("column", shape.qkv_width - v_width, h), Gemm("column", v_width, h),
-                  Gemm("column", shape.fc1_width, h, f.fc1)]
+        column = [Gemm("column", shape.qkv_width - v_width, h, f.qkv, entered=True),
+                  Gemm("column", v_width, h, f.qkv, entered=True), Gemm("column", shape.fc1_width, h, f.fc1)]
     elif fused and (f.qkv == f.fc1 or not shape.fc1_width):
         column = [Gemm("column", shape.qkv_width + shape.fc1_width, h, f.qkv, 2 if shape.fc1_width else 1)]
     else:
@@ -164,13 +167,14 @@ def gemm_precision(gemm: Gemm, dtype: str) -> str:
 
 def fp8_gemms(shape: LayerShape, gemms: list[Gemm]) -> list[Fp8Gemm]:
     """The float8 ones among the layer's tensor-parallel GEMMs, as the cast model sees them: a column GEMM
-    quantises its input before the SP gather (this rank's shard of the rows)."""
+    quantises its input before the SP gather (this rank's shard of the rows), unless it entered the tp region
+    in train.dtype (LFA's)."""
     out = []
     for g in gemms:
         if g.fp8:
             column = g.role == "column"
             split = ("out" if column else "in") if shape.tp > 1 else None
-            rows = shape.region if column else shape.tokens
+            rows = shape.region if column and not g.entered else shape.tokens
             out.append(Fp8Gemm(tokens=shape.tokens, k=g.k, n=g.n, quantized_rows=rows, split=split, weights=g.weights))
     return out
 

@@ -21,6 +21,7 @@ from megascale.perf.activations import (
     gathered_input_bytes,
     heads_bytes,
     layer_recompute,
+    lfa_fp8_input_bytes,
     linear_input_bytes,
     norm_rows_bytes,
     qkv_bytes,
@@ -63,9 +64,11 @@ def _qk_norm_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile,
     return sum(_norm_rows_weight_bytes("rmsnorm", n, sh.head_dim, sh, kernels) for n in rows)
 
 
-def _lfa_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, replayed: bool = False) -> float:
+def _lfa_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, replayed: bool = False,
+                            fp8: LayerFp8 = NO_FP8) -> float:
     """What LFA's filter holds from B to W: both convolutions' inputs and output gradients, its RMSNorm's
-    weight-side tensors and gradient, the filtered input of the q/k GEMM, the weight slices that are copies.
+    weight-side tensors and gradient, the filtered input of the q/k GEMM, the weight slices that are copies
+    (a float8 q/k GEMM: the float8 filtered input, no copies).
     replayed (full recomputation): only the gradients stay, W's replay rebuilds the rest."""
     split = sh.ulysses * (sh.tp if sh.sp else 1)
     runs = lfa.halo_runs(sh.ring, split)
@@ -77,9 +80,11 @@ def _lfa_weight_stash_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, rep
     v_grad = heads_bytes(sh, sh.kv_heads) if cfg.model.bias else 0.0
     if replayed:
         return conv_grads + norm_grad + v_grad
+    kept = filters + conv_grads + v_grad + _norm_weight_bytes(cfg, sh, kernels, norm="rmsnorm")
+    if fp8.qkv:
+        return kept + lfa_fp8_input_bytes(sh, fp8)
     weights = lfa.weight_copy_elements(sh.kv_heads, sh.group, sh.head_dim, sh.hidden) * sh.act
-    return (filters + conv_grads + v_grad + _norm_weight_bytes(cfg, sh, kernels, norm="rmsnorm")
-            + gathered_input_bytes(sh) + weights)
+    return kept + gathered_input_bytes(sh) + weights
 
 
 def _gemm_gradient_bytes(cfg: Config, sh: Shapes) -> float:
@@ -132,6 +137,9 @@ def _column_inputs_bytes(cfg: Config, sh: Shapes, kernels: KernelProfile, fp8: L
         return column_input_bytes(sh, fp8, fp8.qkv) + linear_in
     # v's GEMM reads the gathered input, beside its own gather of fc1's under SP (as layer_bytes); without
     # SP the parallel block's v GEMM keeps the norm output itself, which a float8 fc1 no longer shares.
+    # A float8 v GEMM keeps the float8 copy of its input instead.
+    if fp8.qkv:
+        return lfa_fp8_input_bytes(sh, fp8) + linear_in + _lfa_weight_stash_bytes(cfg, sh, kernels, fp8=fp8)
     attention_in = gathered_input_bytes(sh)
     if cfg.model.parallel_block:
         shared_in = attention_in if sh.sp else linear_input_bytes(sh) if fp8.fc1 else 0.0

@@ -113,9 +113,9 @@ class Fp8Tensor:
         return _element_scale(self.scale, self.scaling, self.data.shape, self.row_blocks, self.col_blocks)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The values this tensor stands for, [rows, cols] in dtype (exact in fp32: powers of two or one
-        rounding of the product)."""
-        return (self.data.to(torch.float32) * self.element_scale()).to(dtype)
+        """The values this tensor stands for, [rows, cols] in dtype: computed in dtype (exact in fp32, and in
+        bf16 for power-of-two scales, the recipes' kind: a float8 mantissa fits bf16's)."""
+        return _scaled(self.data.to(dtype), self.scale.to(dtype), self.scaling, self.row_blocks, self.col_blocks)
 
     def t(self) -> Fp8Tensor:
         """The transpose with the same scale groups: per tensor, or per 128 x 128 block (a block of the
@@ -169,34 +169,43 @@ def amax_of(x: Tensor, scaling: Scaling, rows: Axis = LOCAL, cols: Axis = LOCAL)
     """The amax of every scale group of x [rows, cols], reduced over the ranks that hold parts of a group.
 
     tensor: [] over both axes' groups; row: [rows] over the contraction axis' groups;
-    block1: [rows, col blocks]; block128: [row blocks, col blocks].
+    block1: [rows, col blocks]; block128: [row blocks, col blocks]. One read of x where the blocks are the
+    local ones and whole (an inf-norm, which propagates NaN); a copy first where they are not.
     """
-    magnitude = x.detach().abs().to(torch.float32)
+    x = x.detach()
     if scaling == "tensor":
-        return _reduce_max(magnitude.amax(), [*rows.groups, *cols.groups])
+        return _reduce_max(_inf_norm(x, None), [*rows.groups, *cols.groups])
     if scaling == "row":
-        return _reduce_max(magnitude.amax(dim=1), cols.groups)
+        return _reduce_max(_inf_norm(x, 1), cols.groups)
     if scaling == "block1":
-        return _block1_amax(magnitude, cols)
-    return _block128_amax(magnitude, rows, cols)
+        return _block1_amax(x, cols)
+    return _block128_amax(x, rows, cols)
 
 
-def _block1_amax(magnitude: Tensor, cols: Axis) -> Tensor:
-    rows, length = magnitude.shape
+def _inf_norm(x: Tensor, dim: Any) -> Tensor:
+    """max |x| over dim (all of x for None) in fp32: exact, as a maximum is."""
+    return torch.linalg.vector_norm(x, float("inf"), dim=dim).to(torch.float32)
+
+
+def _block1_amax(x: Tensor, cols: Axis) -> Tensor:
+    rows, length = x.shape
     if cols.blocks is None:
-        padded = _padded(magnitude, 1, BLOCK)
-        return padded.view(rows, -1, BLOCK).amax(dim=2)
+        if length % BLOCK == 0:
+            return _inf_norm(x.unflatten(1, (length // BLOCK, BLOCK)), 2)
+        return _inf_norm(_padded(x, 1, BLOCK).unflatten(1, (-1, BLOCK)), 2)
+    magnitude = x.abs().to(torch.float32)
     out = magnitude.new_zeros((rows, cols.num_blocks))
     out.scatter_reduce_(1, cols.blocks.view(1, length).expand(rows, length), magnitude, "amax")
     return _reduce_max(out, cols.groups)
 
 
-def _block128_amax(magnitude: Tensor, rows: Axis, cols: Axis) -> Tensor:
-    num_rows, num_cols = magnitude.shape
+def _block128_amax(x: Tensor, rows: Axis, cols: Axis) -> Tensor:
+    num_rows, num_cols = x.shape
     if rows.blocks is None and cols.blocks is None:
-        padded = _padded(magnitude, BLOCK, BLOCK)
+        padded = x if num_rows % BLOCK == 0 and num_cols % BLOCK == 0 else _padded(x, BLOCK, BLOCK)
         r, c = padded.shape
-        return padded.view(r // BLOCK, BLOCK, c // BLOCK, BLOCK).amax(dim=(1, 3))
+        return _inf_norm(padded.unflatten(0, (r // BLOCK, BLOCK)).unflatten(2, (c // BLOCK, BLOCK)), (1, 3))
+    magnitude = x.abs().to(torch.float32)
     row_ids = rows.blocks if rows.blocks is not None else _local_blocks(num_rows, magnitude.device)
     col_ids = cols.blocks if cols.blocks is not None else _local_blocks(num_cols, magnitude.device)
     n_row = rows.num_blocks if rows.blocks is not None else -(-num_rows // BLOCK)
@@ -219,12 +228,18 @@ def scale_from_amax(amax: Tensor, dtype: torch.dtype, pow2: bool) -> Tensor:
 
 def quantize(x: Tensor, dtype: torch.dtype, scaling: Scaling, rows: Axis = LOCAL, cols: Axis = LOCAL,
              pow2: bool = False, amax: Optional[Tensor] = None) -> Fp8Tensor:
-    """x [rows, cols] (any float dtype) as float8 `dtype` with the given scaling.
+    """x [rows, cols] (any float dtype) as float8 `dtype` with the given scaling; the data come out contiguous.
 
     amax: the groups' amax when already known (a reduced amax reused), else computed by `amax_of`.
+
+    Eager and lean: one read for the amax, the scaled product, the cast. With power-of-two scales the
+    product is exact in x's own dtype (bf16 shares fp32's exponent range), so bf16 inputs are scaled in
+    bf16 with the same float8 result as in fp32, and no value can exceed the format's maximum: the
+    saturating clamp runs only for other scales or a given amax.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize takes a matrix [rows, cols], got shape {tuple(x.shape)}")
+    given = amax is not None
     if amax is None:
         amax = amax_of(x, scaling, rows, cols)
     if scaling == "row":
@@ -232,11 +247,29 @@ def quantize(x: Tensor, dtype: torch.dtype, scaling: Scaling, rows: Axis = LOCAL
     scale = scale_from_amax(amax, dtype, pow2)
     row_blocks = rows.blocks if scaling == "block128" else None
     col_blocks = cols.blocks if scaling in ("block1", "block128") else None
-    fmax = max_of(dtype)
+    exact = pow2 and x.dtype in (torch.bfloat16, torch.float32)
+    work = x if exact else x.to(torch.float32)
     # Multiply by the scale (not divide by the stored reciprocal): with pow2 scales both are exact.
-    scaled = x.to(torch.float32) * _element_scale(scale, scaling, x.shape, row_blocks, col_blocks)
-    data = scaled.clamp_(-fmax, fmax).to(dtype)
+    scaled = _scaled(work, scale.to(work.dtype), scaling, row_blocks, col_blocks)
+    if given or not pow2:
+        fmax = max_of(dtype)
+        scaled = scaled.clamp(-fmax, fmax)
+    data = scaled.to(dtype).contiguous()
     return Fp8Tensor(data, torch.reciprocal(scale), scaling, row_blocks, col_blocks)
+
+
+def _scaled(x: Tensor, scale: Tensor, scaling: Scaling, row_blocks: Optional[Tensor],
+            col_blocks: Optional[Tensor]) -> Tensor:
+    """x times its groups' scales, [rows, cols]: broadcast over block views where the blocks are the local
+    whole ones, spread to every element otherwise."""
+    rows, cols = x.shape
+    aligned = row_blocks is None and col_blocks is None and cols % BLOCK == 0
+    if scaling == "block1" and aligned:
+        return (x.unflatten(1, (cols // BLOCK, BLOCK)) * scale.unsqueeze(-1)).flatten(1)
+    if scaling == "block128" and aligned and rows % BLOCK == 0:
+        blocks = x.unflatten(0, (rows // BLOCK, BLOCK)).unflatten(2, (cols // BLOCK, BLOCK))
+        return (blocks * scale[:, None, :, None]).flatten(2).flatten(0, 1)
+    return x * _element_scale(scale, scaling, x.shape, row_blocks, col_blocks)
 
 
 def requantize_t(q: Fp8Tensor, dtype: torch.dtype, scaling: Scaling, rows: Axis = LOCAL, cols: Axis = LOCAL,
@@ -250,7 +283,8 @@ def requantize_t(q: Fp8Tensor, dtype: torch.dtype, scaling: Scaling, rows: Axis 
     """
     if q.scaling == scaling and scaling in ("tensor", "block128") and q.data.dtype == dtype:
         return q.t()
-    return quantize(q.dequantize().t(), dtype, scaling, rows, cols, pow2)
+    # A float8 value times a power-of-two scale is exact in bf16: dequantise there (half fp32's bytes).
+    return quantize(q.dequantize(torch.bfloat16 if pow2 else torch.float32).t(), dtype, scaling, rows, cols, pow2)
 
 
 __all__ = ["AMAX_FLOOR", "LOCAL", "Axis", "Fp8Tensor", "amax_of", "block_ids", "quantize", "requantize_t",
