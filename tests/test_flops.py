@@ -156,7 +156,12 @@ def test_fp8_run_logs_mfu_fp8_beside_mfu(tmp_path: Path) -> None:
     assert [r["step"] for r in records] == [1, 2]
     import torch
 
-    dense, fp8 = device_peak(torch.device("cpu")), fp8_peak(torch.device("cpu"))  # the run's, from the cache
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the run's threads (train_utils runs it with OMP_NUM_THREADS=1): the cache's key
+    try:
+        dense, fp8 = device_peak(torch.device("cpu")), fp8_peak(torch.device("cpu"))  # the run's, from the cache
+    finally:
+        torch.set_num_threads(threads)
     assert fp8 is not None
     for rec in records:
         assert rec["mfu"] == pytest.approx(rec["tflops_per_device"] / dense.tflops, rel=1e-9)
