@@ -25,8 +25,8 @@ layer's usual collective.
 Scales are layout-independent (see megascale.kernels.fp8.quantize): every
 `GemmSite` knows how its operands' axes lie over ranks (tokens over cp, out or in
 features over tp with their global 128-block indices), so a layout quantises the
-same values the single-process run does. With `parallel.tp_overlap` the FP8 GEMMs
-run without the ring chunking (the collectives are the plain ones above).
+same values the single-process run does. With `parallel.tp_overlap` the rings of
+megascale.distributed.tensor_parallel.fp8_overlap carry the same float8 operands.
 
 Weights are quantised once per optimizer step, not once per micro-batch: a
 `GemmSite` keeps the float8 W and W^T until a parameter changes. An in-place
@@ -248,9 +248,11 @@ def _start_row_gather(channel: Channel, q: Fp8Tensor) -> tuple[Fp8Tensor, _AllOf
     return q.with_tensors(data.view(q.data.dtype), scale), _AllOf(works)
 
 
-def _split_weight_grads(dw: Tensor, weights: Sequence[Tensor], needed: Sequence[bool],
-                        rows: Optional[Tensor] = None) -> list[Optional[Tensor]]:
-    if rows is not None:  # a GEMM over some rows of one weight: the rest of its gradient is zero
+def split_weight_grads(dw: Tensor, weights: Sequence[Tensor], needed: Sequence[bool],
+                       rows: Optional[Tensor] = None) -> list[Optional[Tensor]]:
+    """Each weight's gradient from the fused GEMM's [sum of outs, in] gradient (None where not needed); with
+    `rows`, the GEMM covered only those rows of its one weight and the rest of the gradient is zero."""
+    if rows is not None:
         full = dw.new_zeros((weights[0].numel() // weights[0].shape[-1], dw.shape[-1]))
         dw = full.index_copy_(0, rows, dw)
     parts = dw.split([w.numel() // w.shape[-1] for w in weights], dim=0)
@@ -309,7 +311,7 @@ class _Fp8Linear(torch.autograd.Function):
             if gathering is not None:
                 gathering.wait()
             dw = scaled_gemm(site.grad_for_wgrad(dy2d, dy_q), site.input_for_wgrad(full), weights[0].dtype)
-            dweights = _split_weight_grads(dw, weights, need_dw, site.rows)  # under dx's reduction
+            dweights = split_weight_grads(dw, weights, need_dw, site.rows)  # under dx's reduction
         if reducing is not None:
             reducing.wait()
         if dx is not None:
@@ -354,4 +356,4 @@ def fp8_linear(x: Tensor, site: GemmSite, weight: Tensor, settings: TPSettings) 
 
 
 __all__ = ["Fp8Settings", "GemmSite", "feature_axis", "fp8_column_linear", "fp8_linear", "in_index",
-           "invalidate_weight_caches", "out_index", "site_for"]
+           "invalidate_weight_caches", "out_index", "site_for", "split_weight_grads"]
