@@ -287,10 +287,7 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx: Any, grad_y: Tensor) -> tuple:
         site: GemmSite = ctx.site
         settings: TPSettings = ctx.settings
-        data, scale, *weights = ctx.saved_tensors
-        needed = comm.needed_grads(ctx)
-        need_dx, need_dw = needed[0], list(needed[4:])
-        saved = ctx.layout.with_tensors(data, scale)
+        saved, weights, need_dx, need_dw = saved_operands(ctx, 4)
         dy2d = grad_y.reshape(-1, grad_y.shape[-1])
         sp = ctx.column and settings.sp
         channel = Channel(settings.group, grad_y.device, settings.timers) if ctx.column else None
@@ -318,6 +315,15 @@ class _Fp8Linear(torch.autograd.Function):
             lead = (dx.shape[0] // math.prod(ctx.x_shape[1:-1]), *ctx.x_shape[1:-1])
             dx = dx.view(*lead, dx.shape[-1])
         return (dx, None, None, None, *dweights)
+
+
+def saved_operands(ctx: Any, first_weight: int) -> tuple[Fp8Tensor, list[Tensor], bool, list[bool]]:
+    """What an FP8 linear's backward unpacks: (the saved float8 input, the weights, dx wanted, dW wanted per
+    weight); first_weight: the position of the first weight among the Function's inputs. What the running
+    pass asks for (`comm.needed_grads`: a split backward's B or W asks for only some)."""
+    data, scale, *weights = ctx.saved_tensors
+    needed = comm.needed_grads(ctx)
+    return ctx.layout.with_tensors(data, scale), weights, needed[0], list(needed[first_weight:])
 
 
 def _reduce_dx(dx_full: Tensor, settings: TPSettings, channel: Optional[Channel],
@@ -356,4 +362,4 @@ def fp8_linear(x: Tensor, site: GemmSite, weight: Tensor, settings: TPSettings) 
 
 
 __all__ = ["Fp8Settings", "GemmSite", "feature_axis", "fp8_column_linear", "fp8_linear", "in_index",
-           "invalidate_weight_caches", "out_index", "site_for", "split_weight_grads"]
+           "invalidate_weight_caches", "out_index", "saved_operands", "site_for", "split_weight_grads"]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megascale.distributed import comm
-from megascale.distributed.tensor_parallel.fp8_linear import GemmSite, split_weight_grads
+from megascale.distributed.tensor_parallel.fp8_linear import GemmSite, saved_operands, split_weight_grads
 from megascale.distributed.tensor_parallel.overlap import _Channel as Channel
 from megascale.distributed.tensor_parallel.overlap import _ring_all_gather as ring_all_gather
 from megascale.distributed.tensor_parallel.overlap import _ring_reduce_scatter as ring_reduce_scatter
@@ -100,10 +100,7 @@ class _Fp8ColumnOverlap(torch.autograd.Function):
     def backward(ctx: Any, grad_y: Tensor) -> tuple:
         site: GemmSite = ctx.site
         settings: TPSettings = ctx.settings
-        data, scale, *weights = ctx.saved_tensors
-        needed = comm.needed_grads(ctx)
-        need_dx, need_dw = needed[0], list(needed[3:])
-        saved = ctx.layout.with_tensors(data, scale)
+        saved, weights, need_dx, need_dw = saved_operands(ctx, 3)
         dy2d = grad_y.reshape(-1, grad_y.shape[-1])
         channel = Channel(settings.group, grad_y.device, settings.timers)
         full, gathering = saved, None
@@ -169,17 +166,15 @@ class _Fp8RowOverlap(torch.autograd.Function):
     def backward(ctx: Any, grad_y: Tensor) -> tuple:
         site: GemmSite = ctx.site
         settings: TPSettings = ctx.settings
-        data, scale, weight = ctx.saved_tensors
-        needed = comm.needed_grads(ctx)
-        x_q = ctx.layout.with_tensors(data, scale)
+        x_q, (weight,), need_dx, need_dw = saved_operands(ctx, 3)
         dy_local = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
         if settings.sp:
-            dy2d, dx = _gather_dgrad(site, settings, dy_local, ctx.w_dgrad, needed[0], grad_y.dtype)
+            dy2d, dx = _gather_dgrad(site, settings, dy_local, ctx.w_dgrad, need_dx, grad_y.dtype)
         else:  # reduce_from_group's backward is the identity
             dy2d = dy_local
-            dx = scaled_gemm(site.grad_for_dgrad(dy2d), ctx.w_dgrad, grad_y.dtype) if needed[0] else None
+            dx = scaled_gemm(site.grad_for_dgrad(dy2d), ctx.w_dgrad, grad_y.dtype) if need_dx else None
         dw = None
-        if needed[3]:
+        if need_dw[0]:
             dw = scaled_gemm(site.grad_for_wgrad(dy2d, None), site.input_for_wgrad(x_q), weight.dtype)
             dw = dw.view(weight.shape)
         if dx is not None:
