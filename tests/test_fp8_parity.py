@@ -48,6 +48,10 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
                                                "parallel.sp_regather_input=false", "parallel.dp=2")),
     "tp2_sp_overlap": (DENSE, "rowwise", ("parallel.tp=2", "parallel.sequence_parallel=true",
                                           "parallel.tp_overlap=true", "parallel.dp=2")),
+    "tp2_overlap": (DENSE, "tensorwise", ("parallel.tp=2", "parallel.tp_overlap=true", "parallel.dp=2")),
+    "tp2_sp_overlap_keep_shard": (DENSE, "blockwise", ("parallel.tp=2", "parallel.sequence_parallel=true",
+                                                      "parallel.tp_overlap=true", "parallel.sp_regather_input=false",
+                                                      "parallel.pp=2")),
     "tp2_sp_pp2": (DENSE, "blockwise", ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2")),
     "pp2_1f1b": (DENSE, "tensorwise", ("parallel.pp=2", "parallel.dp=2", "parallel.pipeline_schedule=1f1b")),
     "pp2_interleaved": (DENSE, "rowwise", ("parallel.pp=2", "parallel.vpp=2", "parallel.dp=2",
@@ -76,7 +80,7 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
     "moe_cp2_ep2": (MOE_MODEL, "rowwise", ("parallel.cp=2", "parallel.dp=2", "parallel.ep=2")),
 }
 TOLERANCES = {"first_loss": 1e-5, "first_grad_norm": 1e-5, "first_grads": 1e-4, "later_losses": 1e-3}
-DEFAULT = ("tp2_sp", "pp2_zb_h1", "cp2_ulysses", "dp4_zero1", "moe_tp2_sp_ep2_etp2")
+DEFAULT = ("tp2_sp_overlap", "pp2_zb_h1", "cp2_ulysses", "dp4_zero1", "moe_tp2_sp_ep2_etp2")
 SLOW = tuple(name for name in LAYOUTS if name not in DEFAULT)
 
 

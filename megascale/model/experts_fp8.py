@@ -47,11 +47,6 @@ def _per_expert_index(spec: ShardSpec, axis: str) -> tuple[Tensor, int]:
     return torch.arange(math.prod(shape[:-1])).view(shape[:-1])[slices[:-1]].reshape(-1), math.prod(shape[:-1])
 
 
-def _rows(q: Fp8Tensor, start: int, end: int) -> Fp8Tensor:
-    """Rows start:end of a per-row or per-tile scaled operand."""
-    return q.with_tensors(q.data[start:end], q.scale[start:end])
-
-
 class ExpertGemmSite:
     """One projection of the routed experts (fc1 or fc2) in FP8: the recipe, the axes, the weight cache."""
 
@@ -112,7 +107,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         start = 0
         for (w_forward, _), rows in zip(quantized, sizes):
             if rows:
-                y[start:start + rows] = scaled_gemm(_rows(x_q, start, start + rows), w_forward, x.dtype)
+                y[start:start + rows] = scaled_gemm(x_q.rows(start, start + rows), w_forward, x.dtype)
             start += rows
         ctx.site, ctx.sizes, ctx.layout = site, list(sizes), x_q.layout()
         ctx.w_dgrad = [dgrad for _, dgrad in quantized]
@@ -134,7 +129,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             start = 0
             for w_dgrad, rows in zip(ctx.w_dgrad, ctx.sizes):
                 if rows:
-                    dx[start:start + rows] = scaled_gemm(_rows(dy_q, start, start + rows), w_dgrad, grad_y.dtype)
+                    dx[start:start + rows] = scaled_gemm(dy_q.rows(start, start + rows), w_dgrad, grad_y.dtype)
                 start += rows
         dweight = None
         if needed[3]:
@@ -146,7 +141,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
                     grads.append(grad_y.new_zeros((out_f, in_f), dtype=weight.dtype))
                     continue
                 dy_t = quantize(grad_y[start:start + rows].t(), r.grad, r.expert_act_scaling, site.n, LOCAL, r.pow2)
-                x_t = requantize_t(_rows(x_q, start, start + rows), r.act, r.expert_act_scaling, site.k, LOCAL,
+                x_t = requantize_t(x_q.rows(start, start + rows), r.act, r.expert_act_scaling, site.k, LOCAL,
                                    r.pow2)
                 grads.append(scaled_gemm(dy_t, x_t, weight.dtype))
                 start += rows

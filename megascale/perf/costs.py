@@ -37,9 +37,9 @@ plan's layout, the model config and a `GpuSpec`:
 Under `train.fp8` (megascale/perf/fp8.py: which GEMMs of the layer) each float8 GEMM runs at the
 spec's FP8 peak with the GEMM curve's fraction for its shape, a sequence-parallel column GEMM
 gathers its float8 input (1 byte per element and its scales), its casts are memory-bound traffic
-and its amax all-reduces latencies (megascale/perf/fp8_casts.py), and a layer with float8
-tensor-parallel GEMMs runs them without tp overlap's ring chunking (the FP8 linears' plain
-collectives, still asynchronous in the backward).
+and its amax all-reduces latencies (megascale/perf/fp8_casts.py). With tp overlap the float8
+GEMMs run the same rings (megascale/distributed/tensor_parallel/fp8_overlap.py), except in the
+parallel block and with LFA, whose float8 GEMMs run their collectives whole.
 
 `SystemTraits` names implementation facts that differ between systems (the
 MegaScale reproduction models Megatron-LM and MegaScale with them); megascale's
@@ -459,8 +459,9 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     on one GPU; fp8: which of its GEMMs run in float8 (`megascale.perf.fp8.layer_fp8`)."""
     shape = LayerShape.of(cfg, plan, moe_layer, fp8)
     dtype, t = shape.dtype, shape.tokens
-    # The float8 linears run their collectives whole, without tp overlap's ring chunking.
-    tp_overlap = cfg.parallel.tp_overlap and shape.tp > 1 and not fp8.tp_linears
+    # Float8 linears run tp overlap's rings too, but not the parallel block's summed row GEMMs or LFA's.
+    tp_overlap = cfg.parallel.tp_overlap and shape.tp > 1 and not (fp8.tp_linears and (shape.parallel_block
+                                                                                      or shape.lfa))
     pieces = shape.tp if tp_overlap else 1
     gemms = layer_gemms(shape, traits)
     fwd_gemm = {"column": 0.0, "row": 0.0}

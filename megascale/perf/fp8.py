@@ -69,8 +69,7 @@ class LayerFp8:
 
     @property
     def tp_linears(self) -> bool:
-        """Some tensor-parallel linear (qkv, proj, fc1, fc2) of the layer runs in float8: those run without
-        parallel.tp_overlap's ring chunking (fp8_linear.py)."""
+        """Some tensor-parallel linear (qkv, proj, fc1, fc2) of the layer runs in float8."""
         return self.qkv or self.proj or self.fc1 or self.fc2
 
     @property

@@ -25,8 +25,8 @@ layer's usual collective.
 Scales are layout-independent (see megascale.kernels.fp8.quantize): every
 `GemmSite` knows how its operands' axes lie over ranks (tokens over cp, out or in
 features over tp with their global 128-block indices), so a layout quantises the
-same values the single-process run does. With `parallel.tp_overlap` the FP8 GEMMs
-run without the ring chunking (the collectives are the plain ones above).
+same values the single-process run does. With `parallel.tp_overlap` the rings of
+megascale.distributed.tensor_parallel.fp8_overlap carry the same float8 operands.
 
 Weights are quantised once per optimizer step, not once per micro-batch: a
 `GemmSite` keeps the float8 W and W^T until a parameter changes. An in-place
@@ -248,9 +248,11 @@ def _start_row_gather(channel: Channel, q: Fp8Tensor) -> tuple[Fp8Tensor, _AllOf
     return q.with_tensors(data.view(q.data.dtype), scale), _AllOf(works)
 
 
-def _split_weight_grads(dw: Tensor, weights: Sequence[Tensor], needed: Sequence[bool],
-                        rows: Optional[Tensor] = None) -> list[Optional[Tensor]]:
-    if rows is not None:  # a GEMM over some rows of one weight: the rest of its gradient is zero
+def split_weight_grads(dw: Tensor, weights: Sequence[Tensor], needed: Sequence[bool],
+                       rows: Optional[Tensor] = None) -> list[Optional[Tensor]]:
+    """Each weight's gradient from the fused GEMM's [sum of outs, in] gradient (None where not needed); with
+    `rows`, the GEMM covered only those rows of its one weight and the rest of the gradient is zero."""
+    if rows is not None:
         full = dw.new_zeros((weights[0].numel() // weights[0].shape[-1], dw.shape[-1]))
         dw = full.index_copy_(0, rows, dw)
     parts = dw.split([w.numel() // w.shape[-1] for w in weights], dim=0)
@@ -285,10 +287,7 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx: Any, grad_y: Tensor) -> tuple:
         site: GemmSite = ctx.site
         settings: TPSettings = ctx.settings
-        data, scale, *weights = ctx.saved_tensors
-        needed = comm.needed_grads(ctx)
-        need_dx, need_dw = needed[0], list(needed[4:])
-        saved = ctx.layout.with_tensors(data, scale)
+        saved, weights, need_dx, need_dw = saved_operands(ctx, 4)
         dy2d = grad_y.reshape(-1, grad_y.shape[-1])
         sp = ctx.column and settings.sp
         channel = Channel(settings.group, grad_y.device, settings.timers) if ctx.column else None
@@ -309,13 +308,22 @@ class _Fp8Linear(torch.autograd.Function):
             if gathering is not None:
                 gathering.wait()
             dw = scaled_gemm(site.grad_for_wgrad(dy2d, dy_q), site.input_for_wgrad(full), weights[0].dtype)
-            dweights = _split_weight_grads(dw, weights, need_dw, site.rows)  # under dx's reduction
+            dweights = split_weight_grads(dw, weights, need_dw, site.rows)  # under dx's reduction
         if reducing is not None:
             reducing.wait()
         if dx is not None:
             lead = (dx.shape[0] // math.prod(ctx.x_shape[1:-1]), *ctx.x_shape[1:-1])
             dx = dx.view(*lead, dx.shape[-1])
         return (dx, None, None, None, *dweights)
+
+
+def saved_operands(ctx: Any, first_weight: int) -> tuple[Fp8Tensor, list[Tensor], bool, list[bool]]:
+    """What an FP8 linear's backward unpacks: (the saved float8 input, the weights, dx wanted, dW wanted per
+    weight); first_weight: the position of the first weight among the Function's inputs. What the running
+    pass asks for (`comm.needed_grads`: a split backward's B or W asks for only some)."""
+    data, scale, *weights = ctx.saved_tensors
+    needed = comm.needed_grads(ctx)
+    return ctx.layout.with_tensors(data, scale), weights, needed[0], list(needed[first_weight:])
 
 
 def _reduce_dx(dx_full: Tensor, settings: TPSettings, channel: Optional[Channel],
@@ -354,4 +362,4 @@ def fp8_linear(x: Tensor, site: GemmSite, weight: Tensor, settings: TPSettings) 
 
 
 __all__ = ["Fp8Settings", "GemmSite", "feature_axis", "fp8_column_linear", "fp8_linear", "in_index",
-           "invalidate_weight_caches", "out_index", "site_for"]
+           "invalidate_weight_caches", "out_index", "saved_operands", "site_for", "split_weight_grads"]

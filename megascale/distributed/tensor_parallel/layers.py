@@ -33,6 +33,7 @@ from megascale.distributed.sharding import (
 from megascale.distributed.tensor_parallel import column as tp_column
 from megascale.distributed.tensor_parallel import overlap as tp_overlap
 from megascale.distributed.tensor_parallel.fp8_linear import Fp8Settings, fp8_column_linear, fp8_linear, site_for
+from megascale.distributed.tensor_parallel.fp8_overlap import fp8_column_overlap, fp8_row_overlap
 from megascale.seeds import weight_init_seed
 
 
@@ -204,7 +205,9 @@ def column_parallel_forward(x: torch.Tensor, layers: Sequence[ColumnParallelLine
         return [out for layer in layers for out in column_parallel_forward(x, [layer], settings)]
     weights = [layer.weight_2d for layer in layers]
     if all(fp8):
-        y = fp8_column_linear(x, site_for(layers, "out", settings), [layer.weight for layer in layers], settings)
+        site, params = site_for(layers, "out", settings), [layer.weight for layer in layers]
+        overlapped = settings.overlap and settings.sp  # without SP the plain FP8 path overlaps dx's all-reduce
+        y = (fp8_column_overlap if overlapped else fp8_column_linear)(x, site, params, settings)
     elif settings.overlap and settings.size > 1:
         y = tp_overlap.column_linears(x, weights, settings)
     elif settings.size > 1 or len(weights) > 1:
@@ -244,7 +247,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s, b, in/tp] -> [s(/tp with SP), b, out]."""
         s = self.settings
-        if s.overlap and s.size > 1 and self.fp8 is None:
+        if s.overlap and s.size > 1 and self.fp8 is not None:
+            y = fp8_row_overlap(x, site_for([self], "in", s), self.weight, s)
+        elif s.overlap and s.size > 1:
             y = tp_overlap.row_linear(x, self.weight, s)
         else:
             y = self.local_product(x)

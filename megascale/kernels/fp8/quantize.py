@@ -127,6 +127,13 @@ class Fp8Tensor:
                              self.col_blocks, self.row_blocks)
         raise ValueError(f"a {self.scaling}-scaled operand does not transpose without requantising")
 
+    def rows(self, start: int, end: int) -> Fp8Tensor:
+        """Rows start:end (views): the same scale per tensor, the rows' own scales per row or 1 x 128 tile."""
+        if self.scaling == "block128":
+            raise ValueError("a 128 x 128 block-scaled operand is not cut by rows")
+        scale = self.scale if self.scaling == "tensor" else self.scale[start:end]
+        return self.with_tensors(self.data[start:end], scale)
+
     def tensors(self) -> tuple[Tensor, Tensor]:
         """What autograd saves: (data, scale); `with_tensors` rebuilds from them."""
         return self.data, self.scale
