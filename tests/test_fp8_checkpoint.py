@@ -8,7 +8,8 @@ another layout starts from bit-identical weights, so its first step matches the 
 run's to float32 reduction order (1e-5); later steps drift as FP8 training does (float8 rounding
 flips grow: see tests/test_fp8_parity.py) and are held to 1e-3.
 
-The default suite runs the same-layout resume; resharding, precision changes and the export are slow.
+All slow (a training launch each costs seconds on 2 cores): the default suite keeps FP8's part of a
+resume, that every load and optimizer step re-makes the float8 weights, in tests/test_fp8_numerics.py.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return _train(tmp_path_factory.mktemp("fp8") / "run", 6, "checkpoint.save_final=false")
 
 
+@pytest.mark.slow
 def test_fp8_resume_is_bit_exact_and_saves_no_float8(tmp_path: Path, uninterrupted: list[dict]) -> None:
     run = tmp_path / "run"
     _train(run, 3)
