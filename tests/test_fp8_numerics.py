@@ -209,3 +209,11 @@ def test_float8_weights_follow_every_optimizer_step() -> None:
         assert rel_err(dense, qkv.weight.detach()) < 0.04
         assert rel_err(expert, experts.weight.detach()[0].reshape(expert.shape)) < 0.04
     opt.remove_hooks()
+    # A checkpoint load writes the parameters through .data too: the trainer then calls invalidate_weight_caches.
+    from megascale.distributed.tensor_parallel.fp8_linear import invalidate_weight_caches
+
+    with torch.no_grad():
+        qkv.weight.data.copy_(qkv.weight * 3)
+    invalidate_weight_caches([chunk])
+    dense = site_for([qkv], "out", qkv.settings).weights([qkv.weight])[0].dequantize()
+    assert rel_err(dense, qkv.weight.detach()) < 0.04
