@@ -30,7 +30,7 @@ Activation = Literal["gelu", "gelu_exact", "swiglu"]
 Position = Literal["learned", "rope"]
 AttentionVariant = Literal["causal", "sliding_window"]
 CpMode = Literal["ulysses", "ring", "hybrid"]
-ZeroStage = Literal[0, 1]
+ZeroStage = Literal[0, 1, 2]
 PipelineScheduleName = Literal["auto", "1f1b", "interleaved", "gpipe", "zb-h1", "zbv"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 Fp8RecipeName = Literal["off", "tensorwise", "rowwise", "blockwise"]
@@ -155,7 +155,8 @@ class ParallelConfig:
     cp_mode: CpMode = _f("ulysses", "context-parallel algorithm", CpMode)
     ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring); null = "
                                                    "the largest divisor of cp dividing the kv heads per tp rank")
-    zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 distributed optimizer", ZeroStage)
+    zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 (optimizer state sharded over dp x cp), "
+                            "2 = ZeRO-2 (gradients sharded too: reduce-scattered after every micro-batch)", ZeroStage)
     pipeline_schedule: PipelineScheduleName = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else "
                                                  "1f1b; zb-h1 / zbv (vpp=2) split the backward into input- and "
                                                  "weight-gradient passes (zero bubble)", PipelineScheduleName)

@@ -2,7 +2,7 @@
 
 Four worker processes are spawned once for the module; each runs every scenario
 (dp=4 and dp x cp, tp-split tensors, sequence-parallel grads, tied embeddings
-over two pipeline stages; zero 0/1; AdamW and LAMB; gradient accumulation),
+over two pipeline stages; zero 0/1/2; AdamW and LAMB; gradient accumulation),
 compares against a plain single-process run of the same model on the whole
 global batch (computed inside the worker, it is tiny) and records the outcome
 per scenario. Tolerances: fp32, same math, only the summation order of the
@@ -374,6 +374,13 @@ SCENARIOS: dict[str, Callable[[int, int, object], None]] = {
     "dp2_tp2_zero1_adamw_sp": _scenario(scenario_tp, 1, "adamw", True),
     "dp2_pp2_tied_zero0_adamw": _scenario(scenario_tied, 0, "adamw"),
     "dp2_pp2_tied_zero1_lamb": _scenario(scenario_tied, 1, "lamb"),
+    # ZeRO-2: gradients reduce-scattered after every micro-batch, only the owned ranges kept.
+    "dp4_zero2_adamw": _scenario(scenario_dp, RankLayout(dp=4), 2, "adamw"),
+    "dp4_zero2_lamb_no_overlap": _scenario(scenario_dp, RankLayout(dp=4), 2, "lamb", False, False),
+    "dp4_zero2_two_chunks": _scenario(scenario_two_chunks, 2),
+    "dp2cp2_zero2_adamw": _scenario(scenario_dp, RankLayout(dp=2, cp=2), 2, "adamw"),
+    "dp2_tp2_zero2_adamw_sp": _scenario(scenario_tp, 2, "adamw", True),
+    "dp2_pp2_tied_zero2_lamb": _scenario(scenario_tied, 2, "lamb"),
 }
 
 

@@ -233,14 +233,14 @@ def _buffers(held: list[tuple[ParamSpec, ShardSpec]], layout: SimLayout, c: dict
     """The gradient buffers of one rank, as the data-parallel optimizer builds them: per chunk, its
     trainable parameters in reverse order, grouped by (dtype, routed expert under ep > 1); each with the
     ZeRO-1 group size and rank it is sharded by (1, 0 when replicated) and its all-reduced names."""
-    full_reduce = frozenset({TIED_EMBEDDING}) if tied and layout.pp > 1 and layout.zero == 1 else frozenset()
+    full_reduce = frozenset({TIED_EMBEDDING}) if tied and layout.pp > 1 and layout.zero >= 1 else frozenset()
     out = []
     for chunk in range(layout.vpp):
         kinds: dict[tuple[torch.dtype, bool], list[ShardSpec]] = {}
         for entry, spec in reversed([(e, s) for e, s in held if e.chunk == chunk and e.trainable]):
             kinds.setdefault((entry.dtype, layout.ep > 1 and entry.is_expert), []).append(spec)
         for (_, expert), specs in kinds.items():
-            if layout.zero != 1:
+            if layout.zero < 1:
                 out.append((specs, 1, 0, full_reduce))
             elif expert:  # sharded over the expert-data-parallel group
                 out.append((specs, layout.dp * layout.cp // layout.ep, c["edp"], full_reduce))

@@ -49,6 +49,7 @@ from megascale.config import Config
 from megascale.distributed.context_parallel.ring_hops import ring_hops
 from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BACKWARD, ActionKind, compute_order
 from megascale.distributed.pipeline.simulator import peak_live
+from megascale.distributed.sharding import TIED_EMBEDDING
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf import activations as act
 from megascale.perf.activations import KernelProfile, Shapes
@@ -155,6 +156,20 @@ def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int, c
     return peak, tuple(live), None if action is None else (action[0] is FORWARD, action[1]), tuple(held)
 
 
+def zero2_grad_bytes(cfg: Config, plan: RunPlan, table: ParamTable, stage: int, owned: float) -> float:
+    """ZeRO-2's gradient memory on pipeline rank `stage`: the owned fp32 ranges (`owned` elements), one bucket's
+    fp32 staging tensor being filled while the previous one is reduce-scattered (two buckets, or the chunk's
+    gradients if fewer), and the tied embedding's whole fp32 gradient on a stage that holds a tied copy with
+    pp > 1 (it is all-reduced over the embedding group, not sharded)."""
+    bucket = cfg.parallel.grad_bucket_mb * 2**20 / 4
+    local = sum(e.local_numel(plan.tp) // (cfg.parallel.ep if e.is_expert else 1) for e in table.held_by(stage))
+    staging = min(2 * bucket, local)
+    tied = 0
+    if cfg.model.tie_embeddings and plan.pp > 1:
+        tied = sum(e.local_numel(plan.tp) for e in table.held_by(stage) if e.name == TIED_EMBEDDING)
+    return 4.0 * (owned + staging + tied)
+
+
 def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, largest_param: int) -> tuple[_Chunk, ...]:
     """The `_Chunk` of every chunk of pipeline rank `rank`."""
     sh = Shapes.of(cfg, plan)
@@ -228,8 +243,12 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
     count, experts = rank_param_counts(cfg, table, stage)
     per_param = 8 + (4 if plan.precision.master_weights else 0)
     optimizer: float = count * per_param
-    if plan.zero == 1:  # dense weights sharded over dp x cp, routed experts over their dp x cp / ep replicas
-        optimizer = (count - experts) * per_param / (dp * cp) + experts * per_param / (dp * cp // ep)
+    grads = count * 4.0
+    if plan.zero >= 1:  # dense weights sharded over dp x cp, routed experts over their dp x cp / ep replicas
+        owned = (count - experts) / (dp * cp) + experts / (dp * cp // ep)
+        optimizer = owned * per_param
+        if plan.zero >= 2:
+            grads = zero2_grad_bytes(cfg, plan, table, stage, owned)
     largest = max((e.local_numel(tp) // (ep if e.is_expert else 1) for e in table.held_by(stage)), default=0)
     chunks = _chunks(cfg, plan, kernels, stage, largest)
     peak, live, at, held = _rank_peak(plan.schedule, pp, plan.vpp, plan.num_microbatches, stage, chunks)
@@ -243,7 +262,7 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
             f"recompute {cfg.train.recompute}{', sequence parallel' if plan.sequence_parallel else ''}, "
             f"{kernels} kernels")
     return MemoryEstimate(
-        params_bytes=float(count * plan.precision.param_bytes), grads_bytes=count * 4.0,
+        params_bytes=float(count * plan.precision.param_bytes), grads_bytes=grads,
         optimizer_bytes=float(optimizer), activations_bytes=saved - head,
         logits_bytes=head + (work if loss_work else 0.0), comm_buffers_bytes=_comm_buffers(plan, sh, window),
         transient_bytes=0.0 if loss_work else work,

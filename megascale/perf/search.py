@@ -162,7 +162,7 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     p.tp, p.cp, p.pp, p.vpp, p.dp, p.ep = choice.tp, choice.cp, choice.pp, choice.vpp, None, choice.ep
     p.etp = choice.etp
     p.pipeline_layers, p.pipeline_schedule = None, choice.schedule
-    p.sequence_parallel, p.zero = choice.sequence_parallel, 1 if choice.zero else 0
+    p.sequence_parallel, p.zero = choice.sequence_parallel, choice.zero
     p.sp_regather_input = choice.sp_regather
     t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
     t.recompute, t.fp8 = choice.recompute, choice.fp8
@@ -204,6 +204,14 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
         if key not in tables:
             tables[key] = param_table(candidate_cfg, key)
         pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
+        if pred is None and choice.zero == 1 and plan.dp * plan.cp > 1:
+            # ZeRO-2 shards the gradients too: tried where ZeRO-1 does not fit (it reduces after every
+            # micro-batch, so where ZeRO-1 fits it is not faster).
+            considered += 1
+            choice = dataclasses.replace(choice, zero=2)
+            candidate_cfg = _apply(cfg, choice)
+            plan = resolve_plan(candidate_cfg, gpus)
+            pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
         if pred is None:
             dropped["does not fit in memory"] += 1
             continue

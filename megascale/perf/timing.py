@@ -191,15 +191,24 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     grad_bytes = local_params * traits.grad_reduce_bytes  # fp32 gradient buckets unless the system says otherwise
     buckets = max(1.0, grad_bytes / (p.grad_bucket_mb * 2**20))
     exposed, hidden = {}, {}
-    reduce_kind = "reduce_scatter" if plan.zero == 1 else "all_reduce"
+    reduce_kind = "reduce_scatter" if plan.zero >= 1 else "all_reduce"
     reduce = sum(collective_seconds(reduce_kind, n * traits.grad_reduce_bytes, g, spec, i, nr)
                  for n, g, i, nr in groups)
     # Ranks sharing a host's cores have no idle core for gloo's thread: nothing hides under the passes.
     overlaps = not shares_cores(spec)
     window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce and overlaps else 0.0
-    exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
-    hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
-    if plan.zero == 1:
+    if plan.zero >= 2:
+        # ZeRO-2 reduce-scatters after every micro-batch's backward: m reductions, each under its own backward
+        # (the earlier ones also under the next micro-batch's forward); the last one's tail stays exposed.
+        m = plan.num_microbatches
+        forward = sum(c.forward.total for c in chunks) if window else 0.0
+        total = m * reduce
+        exposed["dp_grad_reduce"] = max(reduce / buckets, total - m * window - (m - 1) * forward) if window else total
+        hidden["dp_grad_reduce"] = total - exposed["dp_grad_reduce"]
+    else:
+        exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
+        hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
+    if plan.zero >= 1:
         gather = sum(collective_seconds("all_gather", n * plan.precision.param_bytes, g, spec, i, nr)
                      for n, g, i, nr in groups)
         window = sum(c.forward.total for c in chunks) if p.overlap_param_gather and overlaps else 0.0
@@ -212,7 +221,7 @@ def optimizer_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: i
     """Memory-bound optimizer update over the parameters this rank updates (ZeRO-1: its shard; routed-expert
     weights, expert_params of local_params, are sharded over the expert-data-parallel group)."""
     updated: float = local_params
-    if plan.zero == 1:
+    if plan.zero >= 1:
         edp = plan.dp * plan.cp // cfg.parallel.ep
         updated = (local_params - expert_params) / (plan.dp * plan.cp) + expert_params / edp
     per_param = _ADAM_BYTES + (plan.precision.param_bytes if plan.precision.master_weights else 0)

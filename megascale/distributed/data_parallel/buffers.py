@@ -8,7 +8,13 @@ bucket fills first and its reduction starts while backward is still running.
 Two buffers share that layout:
 - `grad`: fp32 accumulation buffer (Megatron's main_grad). A hook on each
   parameter adds `param.grad` into its view and frees `param.grad`, so
-  micro-batch gradients accumulate in fp32 whatever the model dtype.
+  micro-batch gradients accumulate in fp32 whatever the model dtype. With
+  sharded gradients (ZeRO-2, `shard_grads`) there is no whole buffer: a
+  bucket's gradients of one micro-batch collect in a `staging` tensor of the
+  bucket's size, made when its first gradient arrives and dropped once its
+  reduce-scatter has been added into `grad`, which then holds this rank's
+  owned ranges only (laid out like the optimizer state). A bucket reduced with all-reduce
+  (`full_reduce`: the tied embedding's) keeps a whole fp32 gradient, `whole`.
 - `param_data`: the model parameters themselves (`param.data` is re-pointed into
   it), so ZeRO-1 can all-gather updated parameters bucket by bucket in place.
 
@@ -102,6 +108,22 @@ class Bucket:
     launched: bool = False
     gather_handle: Optional[Any] = None
     owner_modules: set = field(default_factory=set)  # ids of modules whose forward pre-hook waits for the gather
+    # Sharded gradients (ZeRO-2): this micro-batch's gradients (bucket-sized, fp32) and where their
+    # reduce-scatter lands before it is added into the buffer's grad_shard.
+    staging: Optional[Tensor] = None
+    reduced: Optional[Tensor] = None
+    # A full_reduce bucket under sharded gradients: its whole fp32 gradient, kept across micro-batches.
+    whole: Optional[Tensor] = None
+
+    @property
+    def numel(self) -> int:
+        """Elements of the bucket (padding included)."""
+        return self.end - self.start
+
+    @property
+    def own_numel(self) -> int:
+        """Elements of the bucket this rank owns."""
+        return self.own_end - self.own_start
 
 
 @dataclass(frozen=True)
@@ -189,11 +211,12 @@ class GradBuffer:
     """The fp32 gradient buffer and parameter buffer of one (chunk, dtype), with its buckets."""
 
     def __init__(self, params: list[nn.Parameter], bucket_numel: int, shard_count: int, shard_rank: int,
-                 full_reduce_names: frozenset[str], no_decay_fn: Any) -> None:
+                 full_reduce_names: frozenset[str], no_decay_fn: Any, shard_grads: bool = False) -> None:
         """Lay out `params` (already in reverse order) and re-point them into the new buffers.
 
-        shard_count/shard_rank: ZeRO-1 group size and rank (1/0 when the optimizer is replicated).
+        shard_count/shard_rank: ZeRO group size and rank (1/0 when the optimizer is replicated).
         full_reduce_names: global names that get a bucket of their own reduced with all-reduce.
+        shard_grads: keep only this rank's owned ranges of the reduced gradients (ZeRO-2).
         """
         if not params:
             raise ValueError("GradBuffer needs at least one parameter")
@@ -218,20 +241,69 @@ class GradBuffer:
                 self.slots.append(slot)
             self.buckets.append(bucket)
         self.numel = plan.numel
-        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self.own_numel = plan.own_numel
+        self.shard_grads = shard_grads
+        self.staged_bytes = self.peak_staged_bytes = 0  # bytes of live staging tensors (ZeRO-2), and their peak
+        # Sharded: the owned ranges only (plus each full_reduce bucket's `whole`); else the whole buffer.
+        self.grad = torch.zeros(self.own_numel if shard_grads else self.numel, dtype=torch.float32,
+                                device=self.device)
         self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         for slot in self.slots:
             view = self.param_data[slot.start:slot.end].view_as(slot.param)
             view.copy_(slot.param.data)
             slot.param.data = view
-            setattr(slot.param, MAIN_GRAD_ATTR, self.grad[slot.start:slot.end].view_as(slot.param))
-        self.own_numel = plan.own_numel
+            if not shard_grads:
+                setattr(slot.param, MAIN_GRAD_ATTR, self.grad[slot.start:slot.end].view_as(slot.param))
+        for bucket in self.buckets:
+            if shard_grads and bucket.full_reduce:
+                bucket.whole = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+                self._point_main_grads(bucket, bucket.whole)
         self.segments = [Segment(self.slots[i], start, end, state_offset)
                          for i, start, end, state_offset in plan.segments()]
 
     def owned(self, flat: Tensor, bucket: Bucket) -> Tensor:
         """The bucket's owned range of a buffer-shaped flat tensor."""
         return flat[bucket.own_start:bucket.own_end]
+
+    def sharded(self, bucket: Bucket) -> bool:
+        """Whether the bucket's reduced gradients are kept as this rank's owned range only (ZeRO-2)."""
+        return self.shard_grads and not bucket.full_reduce
+
+    def owned_grad(self, seg: Segment) -> Tensor:
+        """The reduced fp32 gradient of an owned segment: in the whole buffer, in `grad_shard` (sharded),
+        or in its full_reduce bucket's `whole`."""
+        if not self.shard_grads:
+            return self.grad[seg.start:seg.end]
+        bucket = seg.slot.bucket
+        if bucket.whole is not None:
+            return bucket.whole[seg.start - bucket.start:seg.end - bucket.start]
+        return self.grad[seg.state_offset:seg.state_offset + seg.end - seg.start]
+
+    def grad_shard(self, bucket: Bucket) -> Tensor:
+        """A sharded bucket's owned range of the reduced gradients (its part of `grad`)."""
+        return self.state_view(self.grad, bucket)
+
+    def stage(self, bucket: Bucket) -> Tensor:
+        """A new, zeroed staging tensor for the bucket's gradients of one micro-batch; the parameters' main_grad
+        point into it until `unstage`."""
+        bucket.staging = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+        self._point_main_grads(bucket, bucket.staging)
+        self.staged_bytes += 4 * bucket.numel
+        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+        return bucket.staging
+
+    def unstage(self, bucket: Bucket) -> None:
+        """Drop the bucket's staging tensor (its reduce-scatter is done and added into `grad`)."""
+        if bucket.staging is not None:
+            self.staged_bytes -= 4 * bucket.numel
+        bucket.staging = bucket.reduced = None
+        for slot in bucket.slots:
+            setattr(slot.param, MAIN_GRAD_ATTR, None)
+
+    def _point_main_grads(self, bucket: Bucket, flat: Tensor) -> None:
+        for slot in bucket.slots:
+            setattr(slot.param, MAIN_GRAD_ATTR, flat[slot.start - bucket.start:slot.end - bucket.start]
+                    .view_as(slot.param))
 
     def state_view(self, state: Tensor, bucket: Bucket) -> Tensor:
         """The bucket's part of a flat optimizer-state tensor (length own_numel)."""

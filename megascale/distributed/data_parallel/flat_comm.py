@@ -25,6 +25,11 @@ class FlatComm:
         self.rank = dist.get_rank(group) if group is not None else 0
         self._reduce_scatter_ok = True
 
+    @property
+    def reduce_scatter_ok(self) -> bool:
+        """False once a reduce-scatter fell back to an all-reduce: the sum is then in the whole flat tensor."""
+        return self._reduce_scatter_ok
+
     def all_reduce(self, flat: Tensor, async_op: bool) -> Optional[Any]:
         """Sum `flat` in place over the group."""
         if self.group is None:

@@ -33,6 +33,7 @@ which is the single-process gradient, as the dense sum over dp x cp is.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_s
 from megascale.optim.loss_scale import LossScaler
 from megascale.optim.schedules import lr_at
 from megascale.timers import PhaseTimers, timed
+
+SHARDED_IN_FLIGHT = 2
+"""ZeRO-2: reduce-scatters of buckets left in flight while the backward goes on; launching another finishes
+the oldest (adds it into the gradient shard and frees its staging tensor)."""
 
 
 @dataclass
@@ -111,6 +116,7 @@ class DistributedOptimizer:
         self.ctx, self.cfg, self.timers = ctx, cfg, timers
         self.chunks = list(chunks)
         self.zero = int(cfg.parallel.zero)
+        self.sharded = self.zero >= 1  # optimizer state (and with zero 2 the gradients) sharded over dp x cp
         self.overlap_grad = bool(cfg.parallel.overlap_grad_reduce)
         self.overlap_gather = bool(cfg.parallel.overlap_param_gather)
         self.comm = FlatComm(ctx.group("dp_cp"))
@@ -123,7 +129,7 @@ class DistributedOptimizer:
         tied = cfg.model.tie_embeddings and ctx.pp_size > 1
         # The tied embedding's gradient is summed over first+last stage after the dp
         # reduction; the stages' buffers differ, so it must be whole there: all-reduce it.
-        full_reduce = frozenset({TIED_EMBEDDING}) if tied and self.zero == 1 else frozenset()
+        full_reduce = frozenset({TIED_EMBEDDING}) if tied and self.sharded else frozenset()
         self.buffers: list[GradBuffer] = []
         self.buffer_chunk: list[int] = []  # chunk index of each buffer
         self.buffer_comms: list[FlatComm] = []  # the group each buffer is reduced (and sharded) over
@@ -134,30 +140,35 @@ class DistributedOptimizer:
                 by_kind.setdefault((param.dtype, expert), []).append(param)
             for (_, expert), params in by_kind.items():
                 comm = self.expert_comm if expert else self.comm
-                shards, shard_rank = (comm.size, comm.rank) if self.zero == 1 else (1, 0)
+                shards, shard_rank = (comm.size, comm.rank) if self.sharded else (1, 0)
                 self.buffers.append(GradBuffer(params, bucket_size, shards, shard_rank, full_reduce,
-                                               default_no_decay))
+                                               default_no_decay, shard_grads=self.zero >= 2))
                 self.buffer_chunk.append(index)
                 self.buffer_comms.append(comm)
         self._comm_of = {id(buf): comm for buf, comm in zip(self.buffers, self.buffer_comms)}
         self.slots = [slot for buf in self.buffers for slot in buf.slots]
         self.sp_params = [s.param for s in self.slots if getattr(s.param, SEQUENCE_PARALLEL_GRAD_ATTR, False)]
         self.tied_params = [s.param for s in self.slots if tied and s.spec.global_name == TIED_EMBEDDING]
-        self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.zero == 1,
+        self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.sharded,
                                    expert_buffers=[comm is self.expert_comm and self.expert_parallel
                                                    for comm in self.buffer_comms])
         # Views of the owned gradient ranges (the buffers are never reallocated): all, and those the norm counts.
-        self._owned_grads = [buf.grad[seg.start:seg.end] for buf in self.buffers for seg in buf.segments]
-        self._norm_grads = [buf.grad[seg.start:seg.end] for buf, counted in zip(self.buffers, self._norm_buffers())
+        self._owned_grads = [buf.owned_grad(seg) for buf in self.buffers for seg in buf.segments]
+        self._norm_grads = [buf.owned_grad(seg) for buf, counted in zip(self.buffers, self._norm_buffers())
                             if counted for seg in buf.segments if seg.slot.spec.counts_for_norm]
+        # Sharded gradients: the owned pieces of the sequence-parallel partial gradients (summed over tp).
+        self._sp_owned = [buf.owned_grad(seg) for buf in self.buffers for seg in buf.segments
+                          if buf.sharded(seg.slot.bucket) and getattr(seg.slot.param, SEQUENCE_PARALLEL_GRAD_ATTR,
+                                                                      False)]
         self.scaler = LossScaler(cfg.train.dtype == "fp16", cfg.train.loss_scale, cfg.optim.loss_scale_window,
                                  cfg.optim.min_loss_scale)
         self.num_updates = 0
+        self._in_flight: collections.deque[tuple[GradBuffer, Bucket]] = collections.deque()  # zero 2 reductions
         self._sync = [False] * len(chunks)  # per chunk: does this backward complete its gradients?
         self._fired_modules: set[int] = set()  # modules whose forward pre-hook ran since the last step
         self._hooks = [self._register_grad_hook(buf, slot, chunk) for buf, chunk in zip(self.buffers, self.buffer_chunk)
                        for slot in buf.slots]
-        if self.zero == 1 and self._any_sharded_group():
+        if self.sharded and self._any_sharded_group():
             self._hooks += self._register_gather_waits(chunks)
 
     def _any_sharded_group(self) -> bool:
@@ -169,10 +180,16 @@ class DistributedOptimizer:
         def hook(param: Tensor) -> None:
             if param.grad is None:
                 return
+            bucket = slot.bucket
+            sharded = buf.sharded(bucket)
+            if sharded and bucket.launched:  # a later micro-batch's gradient: the earlier one's reduction is done
+                self._complete_sharded(buf, bucket)
+            if sharded and bucket.staging is None:
+                buf.stage(bucket)
             main_grad(param).add_(param.grad)
             param.grad = None  # the fp32 buffer is the only copy: halves gradient memory for 16-bit models
-            if self._sync[chunk]:
-                self._mark_ready(buf, slot.bucket, param)
+            if sharded or self._sync[chunk]:  # sharded gradients are reduced after every micro-batch
+                self._mark_ready(buf, bucket, param)
 
         return slot.param.register_post_accumulate_grad_hook(hook)
 
@@ -185,13 +202,44 @@ class DistributedOptimizer:
             self._launch_reduce(buf, bucket)
 
     def _launch_reduce(self, buf: GradBuffer, bucket: Bucket) -> None:
-        flat = buf.grad[bucket.start:bucket.end]
         comm = self._comm_of[id(buf)]
-        if self.zero == 1 and not bucket.full_reduce:
+        if buf.sharded(bucket):
+            assert bucket.staging is not None
+            # Reduce-scatter into a shard of its own (the collective writes, it does not add): added into the
+            # accumulated gradient by `_complete_sharded`. A lone rank's shard is the staging's owned range.
+            local = bucket.staging[bucket.own_start - bucket.start:bucket.own_end - bucket.start]
+            bucket.reduced = torch.empty_like(local) if comm.group is not None else local
+            bucket.reduce_handle = comm.reduce_scatter(bucket.staging, bucket.reduced, async_op=True)
+            bucket.launched = True
+            # Bound the staging memory: at most SHARDED_IN_FLIGHT reductions in flight (the oldest finished first),
+            # beside the buckets still filling.
+            self._in_flight.append((buf, bucket))
+            while len(self._in_flight) > SHARDED_IN_FLIGHT:
+                older_buf, older = self._in_flight.popleft()
+                if older.launched:
+                    self._complete_sharded(older_buf, older)
+            return
+        flat = bucket.whole if bucket.whole is not None else buf.grad[bucket.start:bucket.end]
+        if self.sharded and not bucket.full_reduce:
             bucket.reduce_handle = comm.reduce_scatter(flat, buf.owned(buf.grad, bucket), async_op=True)
         else:
             bucket.reduce_handle = comm.all_reduce(flat, async_op=True)
         bucket.launched = True
+
+    def _complete_sharded(self, buf: GradBuffer, bucket: Bucket) -> None:
+        """Finish a sharded bucket's reduce-scatter, add it into this rank's accumulated gradient shard and drop
+        the staging tensor: the bucket is ready for the next micro-batch's gradients."""
+        if bucket.reduce_handle is not None:
+            bucket.reduce_handle.wait()
+        comm = self._comm_of[id(buf)]
+        if bucket.staging is not None and comm.group is not None and not comm.reduce_scatter_ok:
+            # gloo without reduce-scatter all-reduced the whole staging tensor: the owned range holds the sum
+            bucket.reduced = bucket.staging[bucket.own_start - bucket.start:bucket.own_end - bucket.start]
+        assert bucket.reduced is not None
+        buf.grad_shard(bucket).add_(bucket.reduced)
+        buf.unstage(bucket)
+        bucket.reduce_handle, bucket.launched = None, False
+        bucket.ready.clear()
 
     def sync_enabled(self, enabled: bool, chunk: Optional[int] = None) -> None:
         """While disabled, backward passes only accumulate; enable right before the last backward of a chunk.
@@ -213,7 +261,12 @@ class DistributedOptimizer:
                     bucket.reduce_handle.wait()
                 bucket.reduce_handle, bucket.launched = None, False
                 bucket.ready.clear()
+                if bucket.staging is not None:
+                    buf.unstage(bucket)
+                if bucket.whole is not None:
+                    bucket.whole.zero_()
             buf.grad.zero_()
+        self._in_flight.clear()
         for slot in self.slots:
             slot.param.grad = None
         self._sync = [False] * len(self._sync)
@@ -222,25 +275,40 @@ class DistributedOptimizer:
         """Wait for (or start, if not yet started) every bucket's reduction, then the tp and embedding sums."""
         for buf in self.buffers:
             for bucket in buf.buckets:
-                if not bucket.launched:
+                if not bucket.launched and (not buf.sharded(bucket) or bucket.staging is not None):
                     self._launch_reduce(buf, bucket)
         in_flight = any(bucket.reduce_handle is not None for buf in self.buffers for bucket in buf.buckets)
-        with timed(self.timers if in_flight else None, "dp_reduce_scatter" if self.zero == 1 else "dp_all_reduce"):
+        with timed(self.timers if in_flight else None, "dp_reduce_scatter" if self.sharded else "dp_all_reduce"):
             for buf in self.buffers:
                 for bucket in buf.buckets:
-                    if bucket.reduce_handle is not None:
+                    if buf.sharded(bucket) and bucket.launched:
+                        self._complete_sharded(buf, bucket)
+                    elif bucket.reduce_handle is not None:
                         bucket.reduce_handle.wait()
                         bucket.reduce_handle = None
         # Under sequence parallelism each tp rank saw only its sequence shard, so the grads
         # of tp-replicated params (norms, row-parallel biases) are partial: sum them over tp.
-        # Buffer layouts are identical across tp ranks, so with ZeRO-1 the owned ranges line up.
-        self._sum_grads(self.sp_params, self.ctx.group("tp"), "tp_all_reduce")
+        # Buffer layouts are identical across tp ranks, so with ZeRO the owned ranges line up.
+        if self.zero >= 2:
+            self._sum_flat(self._sp_owned, self.ctx.group("tp"), "tp_all_reduce")
+            self._sum_grads([p for p in self.sp_params if not self._grad_is_sharded(p)], self.ctx.group("tp"),
+                            "tp_all_reduce")
+        else:
+            self._sum_grads(self.sp_params, self.ctx.group("tp"), "tp_all_reduce")
         self._sum_grads(self.tied_params, self.ctx.group("embedding"), "embedding_all_reduce")
+
+    def _grad_is_sharded(self, param: Tensor) -> bool:
+        return any(buf.sharded(slot.bucket) for buf in self.buffers for slot in buf.slots if slot.param is param)
 
     def _sum_grads(self, params: list[nn.Parameter], group: Optional[Any], phase: str) -> None:
         if not params or group is None:
             return
-        grads = [main_grad(p) for p in params]
+        self._sum_flat([main_grad(p) for p in params], group, phase)
+
+    def _sum_flat(self, grads: list[Tensor], group: Optional[Any], phase: str) -> None:
+        """Sum these gradient tensors over the group, in place (one all-reduce of their concatenation)."""
+        if not grads or group is None:
+            return
         flat = _flatten_dense_tensors(grads)
         with timed(self.timers, phase):
             torch.distributed.all_reduce(flat, group=group)
@@ -279,8 +347,8 @@ class DistributedOptimizer:
 
     @property
     def _norm_over_dp_cp(self) -> bool:
-        """Whether the grad norm's sums run over dp x cp: ZeRO-1 shards, or expert shards that differ over ep."""
-        return self.zero == 1 or self.expert_parallel
+        """Whether the grad norm's sums run over dp x cp: ZeRO shards, or expert shards that differ over ep."""
+        return self.sharded or self.expert_parallel
 
     def _norm_buffers(self) -> list[bool]:
         """Per buffer, whether this rank counts it in the grad norm over dp x cp.
@@ -289,7 +357,7 @@ class DistributedOptimizer:
         when the norm sums over dp x cp (ep > 1), one replica of each: dense buffers on dp x cp
         rank 0, expert buffers on edp rank 0 (one per ep rank, i.e. each expert shard once).
         """
-        if self.zero == 1 or not self._norm_over_dp_cp:
+        if self.sharded or not self._norm_over_dp_cp:
             return [True] * len(self.buffers)
         return [comm.rank == 0 for comm in self.buffer_comms]
 
@@ -344,7 +412,7 @@ class DistributedOptimizer:
         return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss, stop_votes=votes)
 
     def _gather_params(self) -> None:
-        if self.zero != 1 or not self._any_sharded_group():
+        if not self.sharded or not self._any_sharded_group():
             return
         with timed(self.timers, "dp_param_all_gather"):
             self._start_gathers()

@@ -62,7 +62,7 @@ class OptimizerState:
                 master_flat = tensors.get("master")
                 group.masters.append(buf.param_data[seg.start:seg.end] if master_flat is None
                                      else master_flat[seg.state_offset:seg.state_offset + n])
-                group.grads.append(buf.grad[seg.start:seg.end])
+                group.grads.append(buf.owned_grad(seg))
                 group.exp_avgs.append(tensors["exp_avg"][seg.state_offset:seg.state_offset + n])
                 group.exp_avg_sqs.append(tensors["exp_avg_sq"][seg.state_offset:seg.state_offset + n])
                 group.segments.append(seg)
