@@ -36,6 +36,8 @@ def test_loss_decreases_and_metrics_fields(tmp_path: Path) -> None:
     (["parallel.dp=2", "parallel.zero=1"], 2),
     # 8 ranks on 2 cores: the three axes together are also covered by the resume and parity tests.
     pytest.param(["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], 8, marks=pytest.mark.slow),
+    # ZeRO-2 on 4 ranks, as docs/optim.md runs it (slow: its optimizer-level parity is in test_dp_parity.py).
+    pytest.param(["parallel.dp=4", "parallel.zero=2", "train.micro_batch_size=1"], 4, marks=pytest.mark.slow),
 ])
 def test_layout_reproduces_single_process_curve(tmp_path: Path, layout: list[str], nproc: int) -> None:
     steps = ["train.steps=3"]

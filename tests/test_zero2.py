@@ -10,8 +10,10 @@ plus the buckets being filled, and the planner's gradient bytes are that, by han
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from dist_utils import run_distributed
 
@@ -124,3 +126,50 @@ def test_search_tries_zero2_where_zero1_does_not_fit() -> None:
     result = search(cfg, 8, small, top=50)
     zeros = {c.plan.zero for c in result.ranked}
     assert 2 in zeros, [c.label() for c in result.ranked]
+
+
+# Training layouts through the trainer's own pieces (tests/moe_utils.py), against one process (slow).
+ZERO2_LAYOUTS = {
+    "tp2_sp": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"),
+    "pp2_zb_h1": ("parallel.pp=2", "parallel.dp=2", "parallel.pipeline_schedule=zb-h1"),
+    "pp2_interleaved": ("parallel.pp=2", "parallel.vpp=2", "parallel.dp=2"),
+    "cp2_ring": ("parallel.cp=2", "parallel.cp_mode=ring", "parallel.dp=2"),
+    "dp4_lamb_recompute": ("optim.name=lamb", "train.recompute=full", "parallel.dp=4"),
+    "moe_ep2": ("parallel.dp=4", "parallel.ep=2"),
+    "moe_tp2_sp_ep2_etp2": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_outcomes() -> dict[str, Any]:
+    from moe_utils import MOE_MODEL, run_layouts
+    from test_fp8_parity import DENSE
+
+    return run_layouts({name: (*(MOE_MODEL if name.startswith("moe") else DENSE), *layout, "parallel.zero=2")
+                        for name, layout in ZERO2_LAYOUTS.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZERO2_LAYOUTS))
+def test_zero2_layouts_match_single_process(layout_outcomes: dict[str, Any], name: str) -> None:
+    problems = layout_outcomes[name].check()[0]
+    assert problems == [], f"{name}: " + "; ".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved,resumed", [
+    (("parallel.dp=2", "parallel.zero=2"), ("parallel.tp=2", "parallel.zero=1")),
+    (("parallel.tp=2", "parallel.zero=1"), ("parallel.dp=2", "parallel.zero=2")),
+])
+def test_zero2_checkpoints_reshard(tmp_path: Path, saved: tuple[str, ...], resumed: tuple[str, ...]) -> None:
+    """A ZeRO-2 checkpoint holds what a ZeRO-1 one does: it resumes at ZeRO-1 under tp 2, and the other way."""
+    from train_utils import train
+
+    schedule = ("train.micro_batch_size=1", "optim.warmup_steps=2", "optim.decay_steps=4")
+    full = train(tmp_path / "full", "train.steps=5", *schedule, "checkpoint.save_final=false")
+    run = tmp_path / "run"
+    train(run, "train.steps=3", *schedule, *saved, nproc=2)
+    recs = train(run, "train.steps=5", *schedule, *resumed, nproc=2)
+    for got, want in zip(recs[3:], full[3:]):
+        assert got["step"] == want["step"]
+        assert abs(got["loss"] - want["loss"]) < 1e-4 * want["loss"], (got["loss"], want["loss"])
