@@ -47,6 +47,8 @@ from typing import Optional
 
 from megascale.config import Config
 from megascale.distributed.context_parallel.ring_hops import ring_hops
+from megascale.distributed.data_parallel.buffers import bucket_numel, plan_buffer
+from megascale.distributed.data_parallel.optimizer import SHARDED_IN_FLIGHT
 from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BACKWARD, ActionKind, compute_order
 from megascale.distributed.pipeline.simulator import peak_live
 from megascale.distributed.sharding import TIED_EMBEDDING
@@ -157,17 +159,36 @@ def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int, c
 
 
 def zero2_grad_bytes(cfg: Config, plan: RunPlan, table: ParamTable, stage: int, owned: float) -> float:
-    """ZeRO-2's gradient memory on pipeline rank `stage`: the owned fp32 ranges (`owned` elements), one bucket's
-    fp32 staging tensor being filled while the previous one is reduce-scattered (two buckets, or the chunk's
-    gradients if fewer), and the tied embedding's whole fp32 gradient on a stage that holds a tied copy with
-    pp > 1 (it is all-reduced over the embedding group, not sharded)."""
-    bucket = cfg.parallel.grad_bucket_mb * 2**20 / 4
-    local = sum(e.local_numel(plan.tp) // (cfg.parallel.ep if e.is_expert else 1) for e in table.held_by(stage))
-    staging = min(2 * bucket, local)
+    """ZeRO-2's gradient memory on pipeline rank `stage`: the owned fp32 ranges (`owned` elements), the peak of
+    the staging tensors (`zero2_staging_numel`), and the tied embedding's whole fp32 gradient on a stage that
+    holds a tied copy with pp > 1 (all-reduced over the embedding group, not sharded)."""
     tied = 0
     if cfg.model.tie_embeddings and plan.pp > 1:
         tied = sum(e.local_numel(plan.tp) for e in table.held_by(stage) if e.name == TIED_EMBEDDING)
-    return 4.0 * (owned + staging + tied)
+    return 4.0 * (owned + zero2_staging_numel(cfg, plan, table, stage) + tied)
+
+
+def zero2_staging_numel(cfg: Config, plan: RunPlan, table: ParamTable, stage: int) -> int:
+    """fp32 elements of ZeRO-2 staging at its peak on pipeline rank `stage`: the largest SHARDED_IN_FLIGHT + 1
+    buckets of the rank's gradient buffers (reductions in flight and the bucket being filled; a bucket holds
+    whole parameters, so one larger than parallel.grad_bucket_mb, like a big embedding, is a bucket alone).
+    The buckets are laid out by the optimizer's own `plan_buffer` over each chunk's parameters in reverse."""
+    ep = cfg.parallel.ep
+    tied = cfg.model.tie_embeddings and plan.pp > 1
+    shards = plan.dp * plan.cp
+    sizes: list[int] = []
+    entries = [e for e in table.held_by(stage) if e.trainable]
+    for chunk in sorted({e.chunk for e in entries}):
+        groups: dict[bool, list] = {}
+        for e in reversed([e for e in entries if e.chunk == chunk]):
+            groups.setdefault(ep > 1 and e.is_expert, []).append(e)
+        for expert, group in groups.items():
+            n = shards // ep if expert else shards
+            layout = plan_buffer([e.local_numel(plan.tp) // (ep if e.is_expert else 1) for e in group],
+                                 [tied and e.name == TIED_EMBEDDING for e in group],
+                                 bucket_numel(cfg.parallel.grad_bucket_mb), n, 0)
+            sizes += [b.end - b.start for b in layout.buckets if not b.full_reduce]
+    return sum(sorted(sizes, reverse=True)[:SHARDED_IN_FLIGHT + 1])
 
 
 def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, largest_param: int) -> tuple[_Chunk, ...]:

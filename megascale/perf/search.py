@@ -31,9 +31,9 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
-from megascale.config import Config, ConfigError, Fp8RecipeName, PipelineScheduleName, Recompute
+from megascale.config import Config, ConfigError, Fp8RecipeName, PipelineScheduleName, Recompute, ZeroStage
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.fp8 import check_fp8_supported
@@ -162,7 +162,7 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     p.tp, p.cp, p.pp, p.vpp, p.dp, p.ep = choice.tp, choice.cp, choice.pp, choice.vpp, None, choice.ep
     p.etp = choice.etp
     p.pipeline_layers, p.pipeline_schedule = None, choice.schedule
-    p.sequence_parallel, p.zero = choice.sequence_parallel, choice.zero
+    p.sequence_parallel, p.zero = choice.sequence_parallel, cast(ZeroStage, choice.zero)
     p.sp_regather_input = choice.sp_regather
     t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
     t.recompute, t.fp8 = choice.recompute, choice.fp8

@@ -208,16 +208,16 @@ class DistributedOptimizer:
             # Reduce-scatter into a shard of its own (the collective writes, it does not add): added into the
             # accumulated gradient by `_complete_sharded`. A lone rank's shard is the staging's owned range.
             local = bucket.staging[bucket.own_start - bucket.start:bucket.own_end - bucket.start]
-            bucket.reduced = torch.empty_like(local) if comm.group is not None else local
-            bucket.reduce_handle = comm.reduce_scatter(bucket.staging, bucket.reduced, async_op=True)
-            bucket.launched = True
             # Bound the staging memory: at most SHARDED_IN_FLIGHT reductions in flight (the oldest finished first),
             # beside the buckets still filling.
-            self._in_flight.append((buf, bucket))
-            while len(self._in_flight) > SHARDED_IN_FLIGHT:
+            while len(self._in_flight) >= SHARDED_IN_FLIGHT:
                 older_buf, older = self._in_flight.popleft()
                 if older.launched:
                     self._complete_sharded(older_buf, older)
+            bucket.reduced = torch.empty_like(local) if comm.group is not None else local
+            bucket.reduce_handle = comm.reduce_scatter(bucket.staging, bucket.reduced, async_op=True)
+            bucket.launched = True
+            self._in_flight.append((buf, bucket))
             return
         flat = bucket.whole if bucket.whole is not None else buf.grad[bucket.start:bucket.end]
         if self.sharded and not bucket.full_reduce:
