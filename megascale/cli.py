@@ -21,8 +21,8 @@ COMMANDS = {
     "plan": ("megascale.perf.plan", "estimate memory and time of a layout"),
     "config": ("megascale.show_config", "print the resolved config: every key with its value, help and default"),
     "doctor": ("megascale.doctor", "check the environment, every device and every communication group"),
-    "bench": ("megascale.bench", "benchmarks: kernels, mfu, fp8, gpu (all GPU checks), tp, cp, pipeline, dp, zero, moe, "
-                                 "checkpoint, ... (megascale bench --help)"),
+    "bench": ("megascale.bench", "benchmarks: kernels, mfu, fp8, gpu (all GPU checks), tp, cp, pipeline, dp, zero, "
+                                 "moe, checkpoint, ... (megascale bench --help)"),
     "report": ("megascale.report.cli", "plots, rank x step heat map and merged timeline of a run directory"),
 }
 
