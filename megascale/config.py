@@ -30,7 +30,7 @@ Activation = Literal["gelu", "gelu_exact", "swiglu"]
 Position = Literal["learned", "rope"]
 AttentionVariant = Literal["causal", "sliding_window"]
 CpMode = Literal["ulysses", "ring", "hybrid"]
-ZeroStage = Literal[0, 1, 2]
+ZeroStage = Literal[0, 1, 2, 3]
 PipelineScheduleName = Literal["auto", "1f1b", "interleaved", "gpipe", "zb-h1", "zbv"]
 DtypeName = Literal["fp32", "bf16", "fp16"]
 Fp8RecipeName = Literal["off", "tensorwise", "rowwise", "blockwise"]
@@ -156,7 +156,11 @@ class ParallelConfig:
     ulysses_size: Optional[int] = _f(None, "hybrid cp: ranks in each Ulysses group (the rest is ring); null = "
                                                    "the largest divisor of cp dividing the kv heads per tp rank")
     zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 (optimizer state sharded over dp x cp), "
-                            "2 = ZeRO-2 (gradients sharded too: reduce-scattered after every micro-batch)", ZeroStage)
+                            "2 = ZeRO-2 (gradients sharded too: reduce-scattered after every micro-batch), "
+                            "3 = ZeRO-3 (parameters sharded too: each layer gathered just before use)", ZeroStage)
+    reshard_after_forward: bool = _f(True, "zero=3: free a layer's gathered parameters after its forward and "
+                                           "gather them again for its backward; false keeps them until the "
+                                           "backward (less traffic, more memory)")
     pipeline_schedule: PipelineScheduleName = _f("auto", "pipeline schedule; auto = interleaved when vpp>1 else "
                                                  "1f1b; zb-h1 / zbv (vpp=2) split the backward into input- and "
                                                  "weight-gradient passes (zero bubble)", PipelineScheduleName)
@@ -165,8 +169,9 @@ class ParallelConfig:
                                                         "with vpp), or 'auto'")
     grad_bucket_mb: float = _f(25.0, "gradient bucket size for the overlapped data-parallel reduction, MiB")
     overlap_grad_reduce: bool = _f(True, "start each bucket's reduction as soon as its gradients are ready")
-    overlap_param_gather: bool = _f(True, "zero=1: all-gather updated params bucket by bucket under the next "
-                                          "forward")
+    overlap_param_gather: bool = _f(True, "zero=1/2: all-gather updated params bucket by bucket under the "
+                                          "next forward; zero=3: prefetch the next layer's gather under this "
+                                          "layer's compute")
 
 
 @dataclass

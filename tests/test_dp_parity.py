@@ -85,7 +85,7 @@ def run_ours(opt: DistributedOptimizer, micro_losses: Callable[[int], list[Calla
                 dist.all_reduce(total, group=group)
         losses.append(float(total))
         norms.append(stats.grad_norm)
-    opt.wait_params()
+    opt.gather_params()
     return losses, norms
 
 
@@ -126,11 +126,12 @@ def check_state(opt: DistributedOptimizer, ref_state: dict[str, torch.Tensor], w
 
 
 def scenario_dp(rank: int, layout: RankLayout, zero: int, name: str, overlap_grad: bool = True,
-                overlap_gather: bool = True) -> None:
+                overlap_gather: bool = True, reshard: bool = True) -> None:
     """Tiny MLP replicated on every rank; the global batch of 16 is split over dp x cp, 2 micro-batches each."""
     ctx = ParallelContext(layout, rank=rank)
     cfg = make_cfg(name=name)
     cfg.parallel.zero, cfg.parallel.overlap_grad_reduce, cfg.parallel.overlap_param_gather = zero, overlap_grad, overlap_gather
+    cfg.parallel.reshard_after_forward = reshard
     torch.manual_seed(1)
     ref = Tiny()
     model = Tiny()
@@ -198,7 +199,7 @@ def scenario_two_chunks(rank: int, zero: int) -> None:
         norms.append(opt.step(step - 1).grad_norm)
         dist.all_reduce(loss_sum, group=ctx.group("dp"))
         losses.append(float(loss_sum))
-    opt.wait_params()
+    opt.gather_params()
     check_close(losses, ref_losses, "loss")
     check_close(norms, ref_norms, "grad norm")
     check_params(dict(model.named_parameters()), dict(ref.named_parameters()))
@@ -381,6 +382,13 @@ SCENARIOS: dict[str, Callable[[int, int, object], None]] = {
     "dp2cp2_zero2_adamw": _scenario(scenario_dp, RankLayout(dp=2, cp=2), 2, "adamw"),
     "dp2_tp2_zero2_adamw_sp": _scenario(scenario_tp, 2, "adamw", True),
     "dp2_pp2_tied_zero2_lamb": _scenario(scenario_tied, 2, "lamb"),
+    # ZeRO-3: parameters sharded too, each module gathered before its forward and again for its backward.
+    "dp4_zero3_adamw": _scenario(scenario_dp, RankLayout(dp=4), 3, "adamw"),
+    "dp4_zero3_lamb_no_overlap": _scenario(scenario_dp, RankLayout(dp=4), 3, "lamb", False, False),
+    "dp4_zero3_adamw_kept_until_backward": _scenario(scenario_dp, RankLayout(dp=4), 3, "adamw", True, True, False),
+    "dp4_zero3_two_chunks": _scenario(scenario_two_chunks, 3),
+    "dp2cp2_zero3_adamw": _scenario(scenario_dp, RankLayout(dp=2, cp=2), 3, "adamw"),
+    "dp2_tp2_zero3_lamb_sp": _scenario(scenario_tp, 3, "lamb", True),
 }
 
 

@@ -75,6 +75,15 @@ class GPTChunk(nn.Module):
                 spec = split_spec(OUTPUT_WEIGHT, (m.padded_vocab_size, m.hidden_size), 0, bc.tp.rank, bc.tp.size)
                 self.output = make_param(spec, bc.tp, "normal", m.init_std)
 
+    def directly_read_modules(self) -> list[nn.Module]:
+        """Submodules whose weights this chunk reads without calling them (the output layer's embedding): ZeRO-3
+        gathers them with the chunk's own parameters, for the whole of the chunk's forward and backward."""
+        if hasattr(self, "output_embedding"):
+            return [self.output_embedding]
+        if self.last and self.first and not hasattr(self, "output"):
+            return [self.word_embeddings]
+        return []
+
     def head_weight(self) -> torch.Tensor:
         """This rank's vocabulary slice of the output projection."""
         if hasattr(self, "output"):

@@ -17,8 +17,7 @@ from megascale.config import Config, ConfigError
 from megascale.data.tokenizer import check_tokenizer
 from megascale.distributed.random import seed_everything
 from megascale.distributed.sequence import attention_kernels_for, build_sequence_layout
-from megascale.distributed.sharding import TensorShard, param_shard
-from megascale.distributed.tensor_parallel.fp8_linear import invalidate_weight_caches
+from megascale.distributed.sharding import TensorShard
 from megascale.distributed.topology import ParallelContext
 from megascale.model.flops import causal_halved_train_flops_per_token, train_flops_per_token
 from megascale.model.fp8_layers import check_fp8
@@ -200,8 +199,7 @@ class Trainer:
 
     def state_shards(self) -> list[TensorShard]:
         """Model and optimizer state of this rank as checkpoint shards."""
-        shards = [param_shard(p) for chunk in self.chunks for p in chunk.parameters()]
-        return shards + self.optimizer.state_shards()
+        return self.optimizer.model_shards() + self.optimizer.state_shards()
 
     def _resume(self) -> None:
         c = self.cfg.checkpoint
@@ -213,7 +211,7 @@ class Trainer:
         # Optimizer state the checkpoint lacks (weights only, e.g. converted from HuggingFace, or an
         # fp32 run's checkpoint that has no fp32 master copy) starts fresh from the loaded weights.
         extra = self.ckpt.load(shards, path, optional=lambda name: name.startswith("optim."))
-        invalidate_weight_caches(self.chunks)  # the load wrote the parameters: FP8 weight copies are stale
+        self.optimizer.params_loaded()  # the load wrote the parameters: FP8 weight copies are stale
         for name, reason in self.ckpt.last_load_stats.get("skipped", []):
             self._note_skipped(name, reason)
         if extra is None:

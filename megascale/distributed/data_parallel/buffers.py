@@ -17,6 +17,13 @@ Two buffers share that layout:
   (`full_reduce`: the tied embedding's) keeps a whole fp32 gradient, `whole`.
 - `param_data`: the model parameters themselves (`param.data` is re-pointed into
   it), so ZeRO-1 can all-gather updated parameters bucket by bucket in place.
+  With sharded parameters (ZeRO-3, `shard_params`) there is no whole buffer:
+  `param_shard` holds this rank's owned ranges (laid out like the optimizer
+  state) and each bucket has a `full` tensor whose storage exists only while
+  the bucket is gathered. The parameters are views of their bucket's `full`;
+  `gather` re-allocates the storage and all-gathers into it, `free` shrinks it
+  to zero bytes, so the views (and whatever autograd saved of them) read the
+  gathered values while they exist.
 
 With ZeRO-1 every bucket is padded to a multiple of the reduction group size N
 and rank r owns the r-th contiguous 1/N of each bucket (a flat range that may
@@ -114,6 +121,11 @@ class Bucket:
     reduced: Optional[Tensor] = None
     # A full_reduce bucket under sharded gradients: its whole fp32 gradient, kept across micro-batches.
     whole: Optional[Tensor] = None
+    # Sharded parameters (ZeRO-3): the bucket's gathered parameters (storage freed while not gathered),
+    # whether they are there (or being gathered), and how many units hold them.
+    full: Optional[Tensor] = None
+    gathered: bool = True
+    holders: int = 0
 
     @property
     def numel(self) -> int:
@@ -211,12 +223,15 @@ class GradBuffer:
     """The fp32 gradient buffer and parameter buffer of one (chunk, dtype), with its buckets."""
 
     def __init__(self, params: list[nn.Parameter], bucket_numel: int, shard_count: int, shard_rank: int,
-                 full_reduce_names: frozenset[str], no_decay_fn: Any, shard_grads: bool = False) -> None:
+                 full_reduce_names: frozenset[str], no_decay_fn: Any, shard_grads: bool = False,
+                 shard_params: bool = False) -> None:
         """Lay out `params` (already in reverse order) and re-point them into the new buffers.
 
         shard_count/shard_rank: ZeRO group size and rank (1/0 when the optimizer is replicated).
         full_reduce_names: global names that get a bucket of their own reduced with all-reduce.
         shard_grads: keep only this rank's owned ranges of the reduced gradients (ZeRO-2).
+        shard_params: keep only this rank's owned ranges of the parameters between uses (ZeRO-3; implies
+        shard_grads). The buckets start freed: `gather` them before the parameters are read.
         """
         if not params:
             raise ValueError("GradBuffer needs at least one parameter")
@@ -242,16 +257,22 @@ class GradBuffer:
             self.buckets.append(bucket)
         self.numel = plan.numel
         self.own_numel = plan.own_numel
+        self.shard_params = shard_params and shard_count > 1
+        shard_grads = shard_grads or self.shard_params
         self.shard_grads = shard_grads
         self.staged_bytes = self.peak_staged_bytes = 0  # bytes of live staging tensors (ZeRO-2), and their peak
         # Sharded: the owned ranges only (plus each full_reduce bucket's `whole`); else the whole buffer.
         self.grad = torch.zeros(self.own_numel if shard_grads else self.numel, dtype=torch.float32,
                                 device=self.device)
-        self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        if self.shard_params:
+            self.param_shard = self._shard_params()
+        else:
+            self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            for slot in self.slots:
+                view = self.param_data[slot.start:slot.end].view_as(slot.param)
+                view.copy_(slot.param.data)
+                slot.param.data = view
         for slot in self.slots:
-            view = self.param_data[slot.start:slot.end].view_as(slot.param)
-            view.copy_(slot.param.data)
-            slot.param.data = view
             if not shard_grads:
                 setattr(slot.param, MAIN_GRAD_ATTR, self.grad[slot.start:slot.end].view_as(slot.param))
         for bucket in self.buckets:
@@ -260,6 +281,62 @@ class GradBuffer:
                 self._point_main_grads(bucket, bucket.whole)
         self.segments = [Segment(self.slots[i], start, end, state_offset)
                          for i, start, end, state_offset in plan.segments()]
+
+    def _shard_params(self) -> Tensor:
+        """ZeRO-3: give every bucket a `full` tensor holding its parameters (views of it), keep the owned ranges
+        in the returned shard, and free every bucket."""
+        shard = torch.zeros(self.own_numel, dtype=self.dtype, device=self.device)
+        for bucket in self.buckets:
+            bucket.full = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            for slot in bucket.slots:
+                view = bucket.full[slot.start - bucket.start:slot.end - bucket.start].view_as(slot.param)
+                view.copy_(slot.param.data)
+                slot.param.data = view
+            self.state_view(shard, bucket).copy_(bucket.full[bucket.own_start - bucket.start:
+                                                             bucket.own_end - bucket.start])
+            self.free(bucket)
+        return shard
+
+    def param_owned(self, bucket: Bucket) -> Tensor:
+        """This rank's owned range of the bucket's parameters (in `param_shard` under ZeRO-3)."""
+        if self.shard_params:
+            return self.state_view(self.param_shard, bucket)
+        return self.owned(self.param_data, bucket)
+
+    def param_segment(self, seg: Segment) -> Tensor:
+        """The parameter values of an owned segment (flat), written in place by an fp32 update."""
+        if self.shard_params:
+            return self.param_shard[seg.state_offset:seg.state_offset + seg.end - seg.start]
+        return self.param_data[seg.start:seg.end]
+
+    def param_flat(self, bucket: Bucket) -> Tensor:
+        """The bucket's whole parameter range: what its all-gather fills."""
+        if self.shard_params:
+            assert bucket.full is not None
+            return bucket.full
+        return self.param_data[bucket.start:bucket.end]
+
+    def allocate(self, bucket: Bucket) -> None:
+        """ZeRO-3: give a freed bucket's `full` tensor its storage back (contents undefined until gathered)."""
+        assert bucket.full is not None
+        storage = bucket.full.untyped_storage()
+        nbytes = bucket.numel * bucket.full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        bucket.gathered = True
+
+    def free(self, bucket: Bucket) -> None:
+        """ZeRO-3: release a bucket's gathered parameters (the views stay, with no storage behind them)."""
+        assert bucket.full is not None
+        bucket.full.untyped_storage().resize_(0)
+        bucket.gathered = False
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered ZeRO-3 parameter buckets held right now."""
+        if not self.shard_params:
+            return 0
+        return sum(b.full.untyped_storage().nbytes() for b in self.buckets if b.full is not None)
 
     def owned(self, flat: Tensor, bucket: Bucket) -> Tensor:
         """The bucket's owned range of a buffer-shaped flat tensor."""

@@ -46,6 +46,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megascale.config import Config
 from megascale.distributed.data_parallel.buffers import Bucket, GradBuffer, bucket_numel, main_grad, reverse_params
 from megascale.distributed.data_parallel.flat_comm import FlatComm
+from megascale.distributed.data_parallel.param_units import ParamSharder
 from megascale.distributed.data_parallel.update import OptimizerState
 from megascale.distributed.sharding import (
     SEQUENCE_PARALLEL_GRAD_ATTR,
@@ -53,6 +54,7 @@ from megascale.distributed.sharding import (
     ShardSpec,
     TensorShard,
     get_shard,
+    param_shard,
 )
 from megascale.distributed.tensor_parallel.fp8_linear import invalidate_weight_caches
 from megascale.distributed.topology import ParallelContext
@@ -142,7 +144,8 @@ class DistributedOptimizer:
                 comm = self.expert_comm if expert else self.comm
                 shards, shard_rank = (comm.size, comm.rank) if self.sharded else (1, 0)
                 self.buffers.append(GradBuffer(params, bucket_size, shards, shard_rank, full_reduce,
-                                               default_no_decay, shard_grads=self.zero >= 2))
+                                               default_no_decay, shard_grads=self.zero >= 2,
+                                               shard_params=self.zero >= 3))
                 self.buffer_chunk.append(index)
                 self.buffer_comms.append(comm)
         self._comm_of = {id(buf): comm for buf, comm in zip(self.buffers, self.buffer_comms)}
@@ -166,9 +169,12 @@ class DistributedOptimizer:
         self._in_flight: collections.deque[tuple[GradBuffer, Bucket]] = collections.deque()  # zero 2 reductions
         self._sync = [False] * len(chunks)  # per chunk: does this backward complete its gradients?
         self._fired_modules: set[int] = set()  # modules whose forward pre-hook ran since the last step
+        # ZeRO-3: layers gather their parameters before use and free them after (param_units).
+        self.sharder = ParamSharder(chunks, self.buffers, self.buffer_comms, bool(cfg.parallel.reshard_after_forward),
+                                    self.overlap_gather, timers) if self.zero >= 3 else None
         self._hooks = [self._register_grad_hook(buf, slot, chunk) for buf, chunk in zip(self.buffers, self.buffer_chunk)
                        for slot in buf.slots]
-        if self.sharded and self._any_sharded_group():
+        if self.sharded and self.sharder is None and self._any_sharded_group():
             self._hooks += self._register_gather_waits(chunks)
 
     def _any_sharded_group(self) -> bool:
@@ -190,6 +196,8 @@ class DistributedOptimizer:
             param.grad = None  # the fp32 buffer is the only copy: halves gradient memory for 16-bit models
             if sharded or self._sync[chunk]:  # sharded gradients are reduced after every micro-batch
                 self._mark_ready(buf, bucket, param)
+            if self.sharder is not None:
+                self.sharder.grad_arrived(param)
 
         return slot.param.register_post_accumulate_grad_hook(hook)
 
@@ -296,6 +304,8 @@ class DistributedOptimizer:
         else:
             self._sum_grads(self.sp_params, self.ctx.group("tp"), "tp_all_reduce")
         self._sum_grads(self.tied_params, self.ctx.group("embedding"), "embedding_all_reduce")
+        if self.sharder is not None:
+            self.sharder.release_all()
 
     def _grad_is_sharded(self, param: Tensor) -> bool:
         return any(buf.sharded(slot.bucket) for buf in self.buffers for slot in buf.slots if slot.param is param)
@@ -387,6 +397,8 @@ class DistributedOptimizer:
         all-reduce; StepStats.stop_votes is then the total over every rank, read in the same host sync.
         """
         self.wait_params()
+        if self.sharder is not None:  # the update writes the shards: no gathered copy may outlive it
+            self.sharder.release_all()
         grads = self._owned_grads
         if self.scaler.dynamic:
             scale_(grads, torch.tensor(1.0 / self.scaler.scale, device=self.ctx.device))
@@ -412,7 +424,7 @@ class DistributedOptimizer:
         return StepStats(lr, grad_norm, False, self.scaler.scale, global_loss, stop_votes=votes)
 
     def _gather_params(self) -> None:
-        if not self.sharded or not self._any_sharded_group():
+        if not self.sharded or self.sharder is not None or not self._any_sharded_group():
             return
         with timed(self.timers, "dp_param_all_gather"):
             self._start_gathers()
@@ -422,8 +434,7 @@ class DistributedOptimizer:
         # in reverse order, so the last bucket of the first chunk is used first.
         for buf, comm in zip(self.buffers, self.buffer_comms):
             for bucket in reversed(buf.buckets):
-                flat = buf.param_data[bucket.start:bucket.end]
-                bucket.gather_handle = comm.all_gather(flat, buf.owned(buf.param_data, bucket),
+                bucket.gather_handle = comm.all_gather(buf.param_flat(bucket), buf.param_owned(bucket),
                                                        async_op=self.overlap_gather)
                 if not self.overlap_gather:
                     bucket.gather_handle = None
@@ -445,6 +456,13 @@ class DistributedOptimizer:
             for buf in self.buffers:
                 for bucket in buf.buckets:
                     self._wait_gather(bucket)
+
+    def gather_params(self) -> None:
+        """Make every parameter readable whole outside a forward (tests, tools): wait for ZeRO-1's gathers; under
+        ZeRO-3 gather every layer and keep it until the next backward's gradients are reduced."""
+        self.wait_params()
+        if self.sharder is not None:
+            self.sharder.gather_all()
 
     @staticmethod
     def _wait_gather(bucket: Bucket) -> None:
@@ -476,6 +494,30 @@ class DistributedOptimizer:
         return pre_hook
 
     # ------------------------------------------------------------------ state
+    def model_shards(self) -> list[TensorShard]:
+        """The model's parameters as checkpoint shards: whole local tensors, or under ZeRO-3 this rank's owned
+        flat ranges of the sharded ones (views of the shards: loading fills them in place)."""
+        flat: list[TensorShard] = []
+        sharded: set[int] = set()
+        for buf in self.buffers:
+            if not buf.shard_params:
+                continue
+            sharded.update(id(slot.param) for slot in buf.slots)
+            for seg in buf.segments:
+                spec = seg.slot.spec
+                piece = buf.param_segment(seg)
+                flat.append(TensorShard(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape,
+                                        piece.view(spec.local_shape) if seg.whole else piece,
+                                        None if seg.whole else (seg.lo, seg.hi)))
+        whole = [param_shard(p) for chunk in self.chunks for p in chunk.parameters() if id(p) not in sharded]
+        return whole + flat
+
+    def params_loaded(self) -> None:
+        """The parameters were written from outside (a checkpoint load): drop gathered copies and FP8 weights."""
+        if self.sharder is not None:
+            self.sharder.release_all()
+        invalidate_weight_caches(self.chunks)
+
     def state_shards(self) -> list[TensorShard]:
         """Optimizer state as TensorShards ('optim.exp_avg.<name>', ..., 'optim.master.<name>' for 16-bit models)."""
         return self.math.state_shards()
@@ -503,6 +545,8 @@ class DistributedOptimizer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self.sharder is not None:
+            self.sharder.remove_hooks()
 
 
 __all__ = ["DistributedOptimizer", "StepStats", "default_no_decay"]

@@ -52,7 +52,7 @@ class OptimizerState:
             if buf.dtype != torch.float32:
                 master = torch.zeros(buf.own_numel, dtype=torch.float32, device=buf.device)
                 for bucket in buf.buckets:
-                    buf.state_view(master, bucket).copy_(buf.owned(buf.param_data, bucket))
+                    buf.state_view(master, bucket).copy_(buf.param_owned(bucket))
                 tensors["master"] = master
             self.state.append(tensors)
             for seg in buf.segments:
@@ -60,7 +60,7 @@ class OptimizerState:
                 n = seg.end - seg.start
                 # fp32 models update the parameters in place: the parameter is the master copy.
                 master_flat = tensors.get("master")
-                group.masters.append(buf.param_data[seg.start:seg.end] if master_flat is None
+                group.masters.append(buf.param_segment(seg) if master_flat is None
                                      else master_flat[seg.state_offset:seg.state_offset + n])
                 group.grads.append(buf.owned_grad(seg))
                 group.exp_avgs.append(tensors["exp_avg"][seg.state_offset:seg.state_offset + n])
@@ -137,7 +137,7 @@ class OptimizerState:
             if master is None:
                 continue
             for bucket in buf.buckets:
-                buf.owned(buf.param_data, bucket).copy_(buf.state_view(master, bucket))
+                buf.param_owned(bucket).copy_(buf.state_view(master, bucket))
 
     def params_to_master(self) -> None:
         """Re-initialise fp32 master weights from the parameters (a checkpoint without master weights)."""
@@ -146,7 +146,7 @@ class OptimizerState:
             if master is None:
                 continue
             for bucket in buf.buckets:
-                buf.state_view(master, bucket).copy_(buf.owned(buf.param_data, bucket))
+                buf.state_view(master, bucket).copy_(buf.param_owned(bucket))
 
     def state_shards(self) -> list[TensorShard]:
         """Every state tensor of every owned segment as a TensorShard (views: loading fills them in place)."""

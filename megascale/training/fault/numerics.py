@@ -265,6 +265,7 @@ def rollback(trainer: Trainer, fault: Fault) -> None:
     guard = trainer.numerics
     trainer.optimizer.wait_params()
     extra = trainer.ckpt.load(trainer.state_shards())  # waits for an in-flight save; all ranks agree on the step
+    trainer.optimizer.params_loaded()  # FP8 weight copies and ZeRO-3 gathered layers are stale now
     if extra is None:
         stop(trainer, fault, "no checkpoint to roll back to yet (checkpoint.interval)")
     assert extra is not None
