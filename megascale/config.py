@@ -158,6 +158,9 @@ class ParallelConfig:
     zero: ZeroStage = _f(0, "0 = replicated optimizer, 1 = ZeRO-1 (optimizer state sharded over dp x cp), "
                             "2 = ZeRO-2 (gradients sharded too: reduce-scattered after every micro-batch), "
                             "3 = ZeRO-3 (parameters sharded too: each layer gathered just before use)", ZeroStage)
+    dp_shard: Optional[int] = _f(None, "zero>=1: shard within groups of this many data-parallel ranks (x cp) and "
+                                       "replicate across the groups, whose gradient shards are all-reduced "
+                                       "(hybrid sharding, HSDP; a node's ranks, typically); null = dp")
     reshard_after_forward: bool = _f(True, "zero=3: free a layer's gathered parameters after its forward and "
                                            "gather them again for its backward; false keeps them until the "
                                            "backward (less traffic, more memory)")

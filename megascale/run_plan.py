@@ -70,7 +70,8 @@ class RunPlan:
     order: str
     """Rank order, fastest-varying axis first (e.g. tp-cp-dp-pp)."""
     zero: int
-    """0 = replicated optimizer state, 1 = ZeRO-1 (state sharded over dp x cp)."""
+    """0 = replicated optimizer state, 1 = ZeRO-1 (state sharded over dp x cp), 2 = ZeRO-2 (gradients too),
+    3 = ZeRO-3 (parameters too)."""
     sequence_parallel: bool
     """Norms, dropout and residuals are sharded over the sequence inside tp groups
     (parallel.sequence_parallel and tp > 1)."""
@@ -102,6 +103,24 @@ class RunPlan:
     """Expert-parallel size: routed experts split over ep of the dp x cp ranks of one (tp, pp) coordinate."""
     etp: int = 1
     """Expert tensor parallelism: 1, or tp when every routed expert's MLP is split over the tp ranks."""
+    dp_shard: int = 0
+    """Hybrid sharding: ZeRO shards over groups of dp_shard data-parallel ranks (x cp) and replicates across
+    dp / dp_shard of them; 0 = dp (plain ZeRO). See `shard_dp`."""
+
+    @property
+    def shard_dp(self) -> int:
+        """Data-parallel ranks of one ZeRO shard group: dp_shard, or dp without hybrid sharding."""
+        return self.dp_shard or self.dp
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks one ZeRO-sharded dense tensor is cut over: shard_dp * cp."""
+        return self.shard_dp * self.cp
+
+    @property
+    def dp_replicas(self) -> int:
+        """Copies of each ZeRO shard (hybrid sharding): dp / shard_dp."""
+        return self.dp // self.shard_dp
 
     @property
     def num_stages(self) -> int:
@@ -250,8 +269,25 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
         num_microbatches=micro, schedule=schedule, layer_split=_split_kind(p.pipeline_layers),
         stage_layer_counts=tuple(counts),
         activation_shape=(local_seq // p.tp if sequence_parallel else local_seq, t.micro_batch_size, m.hidden_size),
-        precision=precision_of(t.dtype), ep=p.ep, etp=p.etp,
+        precision=precision_of(t.dtype), ep=p.ep, etp=p.etp, dp_shard=check_dp_shard(cfg, dp),
     )
+
+
+def check_dp_shard(cfg: Config, dp: int) -> int:
+    """The resolved parallel.dp_shard (0 = no hybrid sharding), or ConfigError naming the keys and the fix."""
+    p = cfg.parallel
+    if p.dp_shard is None or p.dp_shard == dp:
+        return 0
+    if p.dp_shard < 1 or dp % p.dp_shard:
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} must divide the data-parallel size {dp}; set it to a "
+                          f"divisor of {dp} (the ranks of a node, typically) or null")
+    if p.zero < 1:
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards ZeRO state, but parallel.zero=0 shards nothing; "
+                          "set parallel.zero to 1, 2 or 3, or parallel.dp_shard=null")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} with parallel.ep={p.ep}: hybrid sharding of expert "
+                          "parameters is not supported; set parallel.dp_shard=null or parallel.ep=1")
+    return int(p.dp_shard)
 
 
 __all__ = [
@@ -261,6 +297,7 @@ __all__ = [
     "Precision",
     "RunPlan",
     "check_context_parallel",
+    "check_dp_shard",
     "check_expert_parallel",
     "check_layout",
     "check_order",
