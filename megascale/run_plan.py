@@ -154,7 +154,8 @@ class RunPlan:
 
     def rank_layout(self) -> RankLayout:
         """The rank <-> (tp, cp, dp, pp) coordinate arithmetic of this layout (no process groups)."""
-        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.order, ep=self.ep)
+        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.order, ep=self.ep,
+                          dp_shard=self.dp_shard)
 
     @property
     def v_shape(self) -> bool:
@@ -188,8 +189,9 @@ class RunPlan:
         pipe = f", {self.schedule} schedule, {split}" if self.pp > 1 else ""
         ep = f", ep {self.ep} (edp {self.edp})" if self.ep > 1 else ""
         ep += f", etp {self.etp}" if self.etp > 1 else ""
+        hybrid = f" sharded over {self.zero_shards} x {self.dp_replicas} replicas" if self.dp_shard else ""
         return (f"tp {self.tp} x pp {self.pp} (vpp {self.vpp}){cp} x dp {self.dp} = {self.world_size} ranks{sp}{ep}, "
-                f"zero {self.zero}, {self.num_microbatches} micro-batches/step{pipe}, {self.precision.name}")
+                f"zero {self.zero}{hybrid}, {self.num_microbatches} micro-batches/step{pipe}, {self.precision.name}")
 
 
 # ----------------------------------------------------------------------------- checks

@@ -139,7 +139,7 @@ def train_steps(overrides: Sequence[str], rank: int, world: int, steps: int = 3,
             update_router_biases(chunks, cfg.model, table)
         result.losses.append(float(stats.loss) if stats.loss is not None else float("nan"))
         result.grad_norms.append(stats.grad_norm)
-    opt.wait_params()
+    opt.gather_params()
     result.params = gather_model(chunks, ctx, grads=False)
     opt.remove_hooks()
     return result

@@ -389,6 +389,11 @@ SCENARIOS: dict[str, Callable[[int, int, object], None]] = {
     "dp4_zero3_two_chunks": _scenario(scenario_two_chunks, 3),
     "dp2cp2_zero3_adamw": _scenario(scenario_dp, RankLayout(dp=2, cp=2), 3, "adamw"),
     "dp2_tp2_zero3_lamb_sp": _scenario(scenario_tp, 3, "lamb", True),
+    # Hybrid sharding: ZeRO within blocks of dp_shard x cp ranks, the blocks' gradient shards all-reduced.
+    "dp4_shard2_zero1_lamb": _scenario(scenario_dp, RankLayout(dp=4, dp_shard=2), 1, "lamb"),
+    "dp4_shard2_zero2_adamw": _scenario(scenario_dp, RankLayout(dp=4, dp_shard=2), 2, "adamw"),
+    "dp4_shard2_zero3_lamb": _scenario(scenario_dp, RankLayout(dp=4, dp_shard=2), 3, "lamb"),
+    "dp2cp2_shard1_zero3_adamw": _scenario(scenario_dp, RankLayout(dp=2, cp=2, dp_shard=1), 3, "adamw"),
 }
 
 

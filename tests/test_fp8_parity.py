@@ -64,6 +64,8 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
     "dp4_zero1": (DENSE, "tensorwise", ("parallel.dp=4", "parallel.zero=1")),
     "tp2_zero2": (DENSE, "blockwise", ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2",
                                        "parallel.zero=2")),
+    "tp2_zero3": (DENSE, "tensorwise", ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2",
+                                        "parallel.zero=3")),
     "tp2_zero1_lamb": ((*DENSE, "optim.name=lamb"), "rowwise", ("parallel.tp=2", "parallel.dp=2",
                                                                   "parallel.zero=1")),
     "tp2_recompute_full": ((*DENSE, "train.recompute=full"), "blockwise", ("parallel.tp=2", "parallel.dp=2")),

@@ -19,6 +19,12 @@ enumerated in the order string's order (ascending global rank, so with the defau
 order cp varies fastest); an expert-parallel group is a contiguous block of ep of
 them, and the expert-data-parallel group (edp, which reduces expert gradients) is
 the ranks at the same position of every block: edp size = dp * cp / ep.
+
+Hybrid sharding (parallel.dp_shard) cuts the dp x cp ranks the same way: a ZeRO
+shard group (`zero_shard`) is a contiguous block of dp_shard * cp of them (with
+the default order, dp_shard neighbouring data-parallel replicas with all their cp
+ranks: one node, typically), and the replica group (`zero_replica`) the ranks at
+the same position of every block, which all-reduce their gradient shards.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class RankLayout:
     pp: int = 1
     order: str = DEFAULT_ORDER
     ep: int = 1
+    dp_shard: int = 0  # hybrid sharding: dp ranks of one ZeRO shard group; 0 = dp
     axes: tuple[str, ...] = field(init=False)
     strides: dict[str, int] = field(init=False)
 
@@ -74,6 +81,8 @@ class RankLayout:
         if not isinstance(self.ep, int) or self.ep < 1 or (self.dp * self.cp) % self.ep:
             raise LayoutError(f"parallel.ep={self.ep!r} must divide dp {self.dp} * cp {self.cp} = "
                               f"{self.dp * self.cp} (experts are split over the dp x cp ranks)")
+        if not isinstance(self.dp_shard, int) or self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
+            raise LayoutError(f"parallel.dp_shard={self.dp_shard!r} must divide dp {self.dp}")
         strides: dict[str, int] = {}
         stride = 1
         for axis in axes:
@@ -179,6 +188,34 @@ class RankLayout:
         dp_cp = self.offsets(("dp", "cp"))
         return dp_cp[:self.ep], dp_cp[::self.ep]
 
+    @property
+    def zero_shards(self) -> int:
+        """Ranks of one ZeRO shard group: dp_shard * cp (dp * cp without hybrid sharding)."""
+        return (self.dp_shard or self.dp) * self.cp
+
+    def zero_offsets(self) -> tuple[list[int], list[int]]:
+        """Offsets to the members of the ZeRO shard group and of the replica group (as for ep and edp)."""
+        dp_cp = self.offsets(("dp", "cp"))
+        return dp_cp[:self.zero_shards], dp_cp[::self.zero_shards]
+
+    def zero_ranks(self, rank: int) -> tuple[list[int], list[int]]:
+        """The ZeRO shard group and the replica group of `rank`."""
+        dp_cp = self.group_ranks(rank, ("dp", "cp"))
+        position, size = dp_cp.index(rank), self.zero_shards
+        block = position // size
+        return dp_cp[block * size:(block + 1) * size], dp_cp[position % size::size]
+
+    def zero_tables(self) -> dict[str, GroupTable]:
+        """Every ZeRO shard and replica group, as group tables."""
+        shard_groups: list[list[int]] = []
+        replica_groups: list[list[int]] = []
+        size = self.zero_shards
+        for dp_cp in self.all_groups(("dp", "cp")):
+            shard_groups += [dp_cp[start:start + size] for start in range(0, len(dp_cp), size)]
+            replica_groups += [dp_cp[position::size] for position in range(size)]
+        return {"zero_shard": GroupTable.from_groups(shard_groups, self.world_size),
+                "zero_replica": GroupTable.from_groups(replica_groups, self.world_size)}
+
     def expert_position(self, rank: int) -> tuple[int, int]:
         """(ep rank, edp rank) of a global rank: its position inside its ep and its edp group."""
         position = self.group_ranks(rank, ("dp", "cp")).index(rank)
@@ -210,6 +247,7 @@ class RankLayout:
         tables = {name: self.group_table(axes) for name, axes in GROUP_AXES.items()}
         tables["embedding"] = self.embedding_table()
         tables.update(self.expert_tables())
+        tables.update(self.zero_tables())
         return tables
 
 
@@ -255,6 +293,7 @@ def group_members(layout: RankLayout, rank: int) -> dict[str, list[int]]:
     members["embedding"] = embedding if rank in embedding else [rank]
     members["ep"] = layout.ep_ranks(rank)
     members["edp"] = layout.edp_ranks(rank)
+    members["zero_shard"], members["zero_replica"] = layout.zero_ranks(rank)
     return members
 
 
@@ -286,7 +325,8 @@ def creation_plan(layout: RankLayout) -> list[tuple[str, ...]]:
     if layout.pp > 1:
         key = frozenset({"pp"}) if layout.pp == 2 else "embedding"
         merged.setdefault(key, []).append("embedding")
-    for name, offsets in zip(("ep", "edp"), layout.expert_offsets()):
+    for name, offsets in [*zip(("ep", "edp"), layout.expert_offsets()),
+                          *zip(("zero_shard", "zero_replica"), layout.zero_offsets())]:
         if len(offsets) > 1:
             merged.setdefault(_expert_group_key(layout, offsets) or name, []).append(name)
     return [tuple(names) for names in merged.values()]
@@ -395,7 +435,8 @@ class ParallelContext:
         return list(self._ranks[name])
 
     def group(self, name: str) -> Optional[Any]:
-        """Process group by name (tp, cp, dp, pp, dp_cp, tp_cp, mp, tp_pp_cp, embedding, ep, edp); None if trivial."""
+        """Process group by name (tp, cp, dp, pp, dp_cp, tp_cp, mp, tp_pp_cp, embedding, ep, edp, zero_shard,
+        zero_replica); None if trivial."""
         return self._groups.get(name)
 
     tp_group = property(lambda self: self.group("tp"), doc="Tensor-parallel group.")

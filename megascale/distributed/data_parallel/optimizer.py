@@ -121,7 +121,10 @@ class DistributedOptimizer:
         self.sharded = self.zero >= 1  # optimizer state (and with zero 2 the gradients) sharded over dp x cp
         self.overlap_grad = bool(cfg.parallel.overlap_grad_reduce)
         self.overlap_gather = bool(cfg.parallel.overlap_param_gather)
-        self.comm = FlatComm(ctx.group("dp_cp"))
+        # ZeRO shards over dp x cp, or with hybrid sharding (parallel.dp_shard) over a block of it whose
+        # replicas then all-reduce their gradient shards.
+        self.comm = FlatComm(ctx.group("zero_shard" if self.sharded else "dp_cp"))
+        self.replica_group = ctx.group("zero_replica") if self.sharded else None
         # Expert shards differ across the ep group: they get buffers of their own, reduced over edp.
         self.expert_parallel = ctx.ep_size > 1
         self.expert_comm = FlatComm(ctx.group("edp")) if self.expert_parallel else self.comm
@@ -152,7 +155,7 @@ class DistributedOptimizer:
         self.slots = [slot for buf in self.buffers for slot in buf.slots]
         self.sp_params = [s.param for s in self.slots if getattr(s.param, SEQUENCE_PARALLEL_GRAD_ATTR, False)]
         self.tied_params = [s.param for s in self.slots if tied and s.spec.global_name == TIED_EMBEDDING]
-        self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.sharded,
+        self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.sharded, shard_group=self.comm.group,
                                    expert_buffers=[comm is self.expert_comm and self.expert_parallel
                                                    for comm in self.buffer_comms])
         # Views of the owned gradient ranges (the buffers are never reallocated): all, and those the norm counts.
@@ -294,6 +297,7 @@ class DistributedOptimizer:
                     elif bucket.reduce_handle is not None:
                         bucket.reduce_handle.wait()
                         bucket.reduce_handle = None
+        self._sum_over_replicas()
         # Under sequence parallelism each tp rank saw only its sequence shard, so the grads
         # of tp-replicated params (norms, row-parallel biases) are partial: sum them over tp.
         # Buffer layouts are identical across tp ranks, so with ZeRO the owned ranges line up.
@@ -306,6 +310,23 @@ class DistributedOptimizer:
         self._sum_grads(self.tied_params, self.ctx.group("embedding"), "embedding_all_reduce")
         if self.sharder is not None:
             self.sharder.release_all()
+
+    def _sum_over_replicas(self) -> None:
+        """Hybrid sharding: sum each reduced gradient shard (and each whole full_reduce bucket) over the replicas
+        of this rank's shard group, in place: the sum over every dp x cp rank."""
+        if self.replica_group is None:
+            return
+        pieces: list[Tensor] = []
+        for buf in self.buffers:
+            if buf.shard_grads:
+                pieces.append(buf.grad)
+                pieces += [bucket.whole for bucket in buf.buckets if bucket.whole is not None]
+            else:
+                pieces += [buf.grad[b.start:b.end] if b.full_reduce else buf.owned(buf.grad, b) for b in buf.buckets]
+        with timed(self.timers, "dp_replica_all_reduce"):
+            handles = [torch.distributed.all_reduce(p, group=self.replica_group, async_op=True) for p in pieces]
+            for handle in handles:
+                handle.wait()
 
     def _grad_is_sharded(self, param: Tensor) -> bool:
         return any(buf.sharded(slot.bucket) for buf in self.buffers for slot in buf.slots if slot.param is param)

@@ -10,7 +10,7 @@ one global tensor, to sum their squared norms across ranks.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,11 @@ class OptimizerState:
     """fp32 state for the owned segments and the AdamW / LAMB update over them."""
 
     def __init__(self, buffers: list[GradBuffer], optim: OptimConfig, ctx: ParallelContext, sharded: bool,
-                 expert_buffers: Optional[list[bool]] = None) -> None:
-        """expert_buffers: per buffer, whether it holds routed-expert shards that differ over the ep group."""
+                 expert_buffers: Optional[list[bool]] = None, shard_group: Optional[Any] = None) -> None:
+        """expert_buffers: per buffer, whether it holds routed-expert shards that differ over the ep group.
+        shard_group: the ranks the dense buffers are sharded over (dp x cp, or a hybrid-sharding block of it)."""
         self.buffers, self.optim, self.ctx, self.sharded = buffers, optim, ctx, sharded
+        self.shard_group = shard_group if sharded else None
         self.expert_buffers = expert_buffers or [False] * len(buffers)
         self.state: list[dict[str, Tensor]] = []
         self.decay, self.no_decay = SegmentGroup(), SegmentGroup()
@@ -112,7 +114,7 @@ class OptimizerState:
             device = self.ctx.device
             pieces = torch.stack([piece_sq_norms(masters, device), piece_sq_norms(updates, device)], 1)
             sq.index_add_(0, seg_index, pieces)
-        dp_group = self.ctx.group("dp_cp")
+        dp_group = self.shard_group
         if self.sharded and dp_group is not None:
             # ZeRO-1 flat pieces of a tensor live on several dp ranks; an expert tensor's pieces on the
             # edp ranks of each of its ep shards, which together are dp x cp as well.
