@@ -66,6 +66,9 @@ def test_extra_state_round_trip() -> None:
 @pytest.mark.parametrize("saved,loaded", [
     (SimLayout(tp=4, pp=3, dp=2, zero=1), SimLayout(tp=1, pp=2, vpp=3, dp=3, zero=1)),
     (SimLayout(tp=2, pp=2, vpp=3, stage_layers=(1, 2, 1, 1, 0, 1)), SimLayout(tp=4, dp=5, zero=1)),
+    # ZeRO-3 parameters as flat ranges (hybrid blocks of 2 x cp 2 on the saving side), to and from other layouts.
+    (SimLayout(tp=2, pp=2, dp=4, cp=2, zero=3, dp_shard=2, grad_bucket_mb=1e-3), SimLayout(tp=4, dp=3, zero=1)),
+    (SimLayout(tp=2, pp=2, dp=2, zero=1), SimLayout(dp=6, zero=3, grad_bucket_mb=1e-3)),
 ])
 def test_reshard_in_one_process(tmp_path: Path, saved: SimLayout, loaded: SimLayout) -> None:
     mgr = _manager(tmp_path, async_save=False)

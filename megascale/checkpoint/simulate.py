@@ -17,14 +17,14 @@ through tensors the way Megatron's distributed optimizer does.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from megascale.config import Config, ModelConfig, ParallelConfig
-from megascale.distributed.data_parallel.buffers import bucket_numel, plan_buffer
+from megascale.distributed.data_parallel.buffers import BufferPlan, bucket_numel, plan_buffer
 from megascale.distributed.sharding import TIED_EMBEDDING, ShardSpec, TensorShard
 from megascale.distributed.topology import DEFAULT_ORDER, RankLayout
 from megascale.layout_rules import check_expert_tensor_parallel, check_moe
@@ -45,7 +45,9 @@ class SimLayout:
     remainder), which also covers synthetic layouts a real run would refuse; `from_plan` gives
     the split a real run uses. ep: routed experts split over ep of the dp x cp ranks
     (parallel.ep); etp: 1, or tp to split each routed expert's MLP over the tp ranks (parallel.etp);
-    grad_bucket_mb: parallel.grad_bucket_mb, which decides the ZeRO-1 flat ranges.
+    grad_bucket_mb: parallel.grad_bucket_mb, which decides the ZeRO flat ranges; zero 3 saves the
+    parameters of sharded buffers as those flat ranges too; dp_shard: hybrid sharding (parallel.dp_shard,
+    0 = dp).
     """
 
     tp: int = 1
@@ -58,6 +60,7 @@ class SimLayout:
     ep: int = 1
     etp: int = 1
     grad_bucket_mb: float = DEFAULT_BUCKET_MB
+    dp_shard: int = 0
 
     @classmethod
     def from_plan(cls, plan: RunPlan, grad_bucket_mb: float = DEFAULT_BUCKET_MB) -> SimLayout:
@@ -66,7 +69,8 @@ class SimLayout:
             raise ValueError(f"the simulator places ranks in the default order {DEFAULT_ORDER!r}, "
                              f"not {plan.order!r}")
         return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, cp=plan.cp, vpp=plan.vpp, zero=plan.zero,
-                   stage_layers=plan.stage_layer_counts, ep=plan.ep, etp=plan.etp, grad_bucket_mb=grad_bucket_mb)
+                   stage_layers=plan.stage_layer_counts, ep=plan.ep, etp=plan.etp, grad_bucket_mb=grad_bucket_mb,
+                   dp_shard=plan.dp_shard)
 
     @property
     def world(self) -> int:
@@ -75,7 +79,7 @@ class SimLayout:
 
     def ranks(self) -> RankLayout:
         """The rank arithmetic of the layout (default order)."""
-        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)
+        return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep, dp_shard=self.dp_shard)
 
     def coords(self, rank: int) -> dict[str, int]:
         """(tp, cp, dp, pp) coordinates of a rank in the default order, with its ep and edp ranks and its
@@ -83,7 +87,8 @@ class SimLayout:
         ranks = self.ranks()
         coords = ranks.coords(rank)
         ep_rank, edp_rank = ranks.expert_position(rank)
-        return {**coords, "ep": ep_rank, "edp": edp_rank, "dp_cp": edp_rank * self.ep + ep_rank}
+        dp_cp = edp_rank * self.ep + ep_rank
+        return {**coords, "ep": ep_rank, "edp": edp_rank, "dp_cp": dp_cp, "zero_shard": dp_cp % ranks.zero_shards}
 
     def check(self, model: ModelConfig) -> None:
         """Refuse, with the run's own one-line ConfigError, an ep or etp a real run of this model refuses."""
@@ -205,22 +210,39 @@ def rank_shards(model: Model, layout: SimLayout, rank: int, value_fn: ValueFn,
         layout.check(model.model_config())
     c = layout.coords(rank)
     held = [(entry, entry.shard(c["tp"], layout.tp, c["ep"], layout.ep)) for entry in table.held_by(c["pp"])]
-    shards = [TensorShard(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape,
-                          value_fn(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape).to(dtype))
-              for _, spec in held]
+    buffers = []
     for specs, shard_count, shard_rank, full_reduce in _buffers(held, layout, c, table.output_weight == TIED_EMBEDDING):
         plan = plan_buffer([_numel(s) for s in specs], [s.global_name in full_reduce for s in specs],
                            bucket_numel(layout.grad_bucket_mb), shard_count, shard_rank)
-        for index, start, end, _ in plan.segments():
-            spec = specs[index]
-            lo, hi = start - plan.param_ranges[index][0], end - plan.param_ranges[index][0]
-            whole = lo == 0 and hi == _numel(spec)
-            for state in optim_states:
-                name = f"optim.{state}.{spec.global_name}"
-                box = value_fn(name, spec.global_shape, spec.offsets, spec.local_shape).float()
-                tensor = box if whole else box.reshape(-1)[lo:hi].clone()
-                shards.append(TensorShard(name, spec.global_shape, spec.offsets, spec.local_shape, tensor,
-                                          None if whole else (lo, hi)))
+        buffers.append((specs, plan, layout.zero >= 3 and shard_count > 1))
+    # ZeRO-3 (`DistributedOptimizer.model_shards`): whole parameters of unsharded buffers, then the owned
+    # flat ranges of the sharded ones; otherwise every parameter whole, in module order.
+    flat = {id(spec) for specs, _, sharded in buffers if sharded for spec in specs}
+    shards = [TensorShard(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape,
+                          value_fn(spec.global_name, spec.global_shape, spec.offsets, spec.local_shape).to(dtype))
+              for _, spec in held if id(spec) not in flat]
+    for specs, plan, sharded in buffers:
+        if sharded:
+            shards += _pieces(specs, plan, ("",), value_fn, dtype)
+    for specs, plan, _ in buffers:
+        shards += _pieces(specs, plan, [f"optim.{state}." for state in optim_states], value_fn, torch.float32)
+    return shards
+
+
+def _pieces(specs: list[ShardSpec], plan: BufferPlan, prefixes: Sequence[str], value_fn: ValueFn,
+            dtype: torch.dtype) -> list[TensorShard]:
+    """Per owned segment of the buffer plan and per name prefix, the piece (whole box or flat range)."""
+    shards = []
+    for index, start, end, _ in plan.segments():
+        spec = specs[index]
+        lo, hi = start - plan.param_ranges[index][0], end - plan.param_ranges[index][0]
+        whole = lo == 0 and hi == _numel(spec)
+        for prefix in prefixes:
+            name = prefix + spec.global_name
+            box = value_fn(name, spec.global_shape, spec.offsets, spec.local_shape).to(dtype)
+            tensor = box if whole else box.reshape(-1)[lo:hi].clone()
+            shards.append(TensorShard(name, spec.global_shape, spec.offsets, spec.local_shape, tensor,
+                                      None if whole else (lo, hi)))
     return shards
 
 
@@ -244,8 +266,8 @@ def _buffers(held: list[tuple[ParamSpec, ShardSpec]], layout: SimLayout, c: dict
                 out.append((specs, 1, 0, full_reduce))
             elif expert:  # sharded over the expert-data-parallel group
                 out.append((specs, layout.dp * layout.cp // layout.ep, c["edp"], full_reduce))
-            else:
-                out.append((specs, layout.dp * layout.cp, c["dp_cp"], full_reduce))
+            else:  # over dp x cp, or a hybrid-sharding block of it
+                out.append((specs, layout.ranks().zero_shards, c["zero_shard"], full_reduce))
     return out
 
 
