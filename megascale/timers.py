@@ -26,7 +26,8 @@ import torch
 # report can group them; "wait" phases are time a rank spends waiting for others or for data.
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
 COMM_PHASES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "tp_overlap_wait", "cp_all_to_all", "cp_ring",
-               "dp_reduce_scatter", "dp_all_reduce", "dp_param_all_gather", "dp_replica_all_reduce", "pp_send_wait", "pp_recv_wait",
+               "dp_reduce_scatter", "dp_all_reduce", "dp_param_all_gather", "dp_replica_all_reduce", "pp_send_wait",
+               "pp_recv_wait",
                "embedding_all_reduce", "loss_all_reduce", "grad_norm_all_reduce", "ep_dispatch",
                "ep_combine")
 # "pipeline" spans a pipelined forward/backward; "pp_bubble" is derived from it: the part of it
