@@ -232,7 +232,7 @@ def test_layout_errors_are_raised_by_the_plan(overrides: list[str], world: int, 
 def test_pipeline_errors_stop_the_launcher_before_any_worker() -> None:
     """Interleaving with too few micro-batches is caught once, before spawning, as one line."""
     proc = subprocess.run([sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
-                           "parallel.pp=2", "parallel.vpp=2", "--nproc", "2"],
+                           "parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=16", "--nproc", "2"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

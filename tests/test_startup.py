@@ -144,4 +144,5 @@ def test_bench_rejects_bad_input() -> None:
 
 
 def test_named_groups_cover_group_axes() -> None:
-    assert set(group_members(RankLayout(), 0)) == set(GROUP_AXES) | {"embedding", "ep", "edp"}
+    assert set(group_members(RankLayout(), 0)) == set(GROUP_AXES) | {"embedding", "ep", "edp", "zero_shard",
+                                                                     "zero_replica"}

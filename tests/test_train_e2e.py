@@ -38,6 +38,9 @@ def test_loss_decreases_and_metrics_fields(tmp_path: Path) -> None:
     pytest.param(["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], 8, marks=pytest.mark.slow),
     # ZeRO-2 on 4 ranks, as docs/optim.md runs it (slow: its optimizer-level parity is in test_dp_parity.py).
     pytest.param(["parallel.dp=4", "parallel.zero=2", "train.micro_batch_size=1"], 4, marks=pytest.mark.slow),
+    # ZeRO-3 on 4 ranks, README's command (tiny.yaml's micro-batch of 4); hybrid blocks of 2 over 2 replicas.
+    pytest.param(["parallel.dp=4", "parallel.zero=3"], 4, marks=pytest.mark.slow),
+    pytest.param(["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2"], 4, marks=pytest.mark.slow),
 ])
 def test_layout_reproduces_single_process_curve(tmp_path: Path, layout: list[str], nproc: int) -> None:
     steps = ["train.steps=3"]

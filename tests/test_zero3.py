@@ -201,3 +201,18 @@ def test_zero3_hf_export_matches_zero1(tmp_path: Path) -> None:
     assert set(exported[1]) == set(exported[3])
     for name, tensor in exported[1].items():
         torch.testing.assert_close(exported[3][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_zero3_rollback_policy_two_ranks(tmp_path: Path) -> None:
+    """The NaN policy under ZeRO-3: a NaN at step 4 rolls the parameter shards back to the step-2 checkpoint
+    (the gathered layers and FP8 copies of the old weights are dropped) and the run ends as the reference."""
+    from test_fault_numerics import _check_against, _metrics, _reference, _run
+
+    out = tmp_path / "run"
+    proc = _run(out, "fault.nan_policy=rollback", "checkpoint.interval=2", "fault.inject=nan:rank=0:step=4",
+                "parallel.dp=2", "parallel.zero=3", nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = _metrics(out)
+    _check_against(recs, _reference(tmp_path / "ref", {3, 4}), fault_step=4)
+    assert recs[-1]["rollbacks"] == 1
