@@ -160,8 +160,8 @@ def format_prediction(pred: Prediction) -> str:
                      + f"  {estimate.total_bytes / GIB:>10.2f}{verdict}")
     if not pred.fits:
         lines.append(f"  -> does not fit: the largest stage needs {pred.memory_bytes / GIB:.1f} GiB of "
-                     f"{spec.usable_memory_bytes / GIB:.1f} GiB; try recompute, a smaller micro-batch, ZeRO-1, "
-                     "more pipeline stages or `--search`")
+                     f"{spec.usable_memory_bytes / GIB:.1f} GiB; try recompute, a smaller micro-batch, a higher "
+                     "parallel.zero (1, 2, 3), more pipeline stages or `--search`")
     lines.append(f"time per step on pipeline rank {step.bottleneck_rank} (the slowest):")
     total = step.step_time_s
     for name, value in sorted(step.breakdown().items(), key=lambda kv: -kv[1]):
