@@ -6,7 +6,10 @@ the data-parallel optimizer at that level, and runs one training step (forward,
 backward over the step's micro-batches, reduction, update). It then counts the bytes
 of the tensors the optimizer actually holds:
 
-- params: the parameter buffers (`param_data`, the parameters are views of them);
+- params: the parameter buffers (`param_data`, the parameters are views of them), or with
+  ZeRO-3 the owned ranges (`param_shard`) of each sharded buffer;
+- gathered (ZeRO-3): the peak bytes of gathered parameter buckets during the step
+  (`ParamSharder.peak_gathered_bytes`), the working set the layers' gathers hold at once;
 - grads: the fp32 gradient storage left after the step (the whole buffer, or with
   ZeRO-2 the owned ranges and a tied embedding's whole gradient) plus the peak of the
   ZeRO-2 staging tensors during the backward (freed by the end of the step);
@@ -15,8 +18,8 @@ of the tensors the optimizer actually holds:
 and prints them beside the planner's `MemoryEstimate` parts for the same rank, with the
 difference in percent. On CUDA it also reports `torch.cuda.max_memory_allocated`.
 
-    megascale bench zero --nproc 4                       # zero 0, 1, 2 of the 110M model, 4 gloo ranks
-    megascale bench zero --nproc 4 --levels 1,2 --json zero.json
+    megascale bench zero --nproc 4                       # zero 0, 1, 2, 3 of the 110M model, 4 gloo ranks
+    megascale bench zero --nproc 4 --levels 1,3 --json zero.json
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from megascale.bench._spawned import resolve_backend, spawn_and_collect
 DEFAULT_MODEL = ["model.num_layers=12", "model.hidden_size=768", "model.num_heads=12", "model.num_kv_heads=12",
                  "model.vocab_size=32000", "model.seq_length=64", "train.global_batch_size=8",
                  "train.micro_batch_size=1", "train.dtype=bf16", "data.demo=false"]
-PARTS = ("params", "grads", "optimizer")
+PARTS = ("params", "gathered", "grads", "optimizer")
 
 
 def _config(args: argparse.Namespace, zero: int) -> Any:
@@ -66,7 +69,8 @@ def measure(cfg: Any, rank: int, world: int, device: torch.device) -> dict[str, 
     opt.step(0, loss=loss)
     opt.wait_params()
     held = {
-        "params": sum(buf.param_data.numel() * buf.param_data.element_size() for buf in opt.buffers),
+        "params": sum(_kept_param_bytes(buf) for buf in opt.buffers),
+        "gathered": opt.sharder.peak_gathered_bytes if opt.sharder is not None else 0,
         "grads": sum(buf.grad.numel() * 4 + buf.peak_staged_bytes
                      + sum(b.whole.numel() * 4 for b in buf.buckets if b.whole is not None) for buf in opt.buffers),
         "optimizer": sum(t.numel() * t.element_size() for tensors in opt.math.state for t in tensors.values()),
@@ -77,13 +81,20 @@ def measure(cfg: Any, rank: int, world: int, device: torch.device) -> dict[str, 
     return {k: float(v) for k, v in held.items()}
 
 
+def _kept_param_bytes(buf: Any) -> int:
+    """Bytes of parameters a buffer keeps between uses: its owned shard under ZeRO-3, else the whole buffer."""
+    kept = buf.param_shard if buf.shard_params else buf.param_data
+    return int(kept.numel() * kept.element_size())
+
+
 def planned(cfg: Any, world: int, stage: int) -> dict[str, float]:
     """The planner's model-state bytes of pipeline rank `stage` (its MemoryEstimate parts)."""
     from megascale.perf.memory import stage_estimates
     from megascale.run_plan import resolve_plan
 
     est = stage_estimates(cfg, resolve_plan(cfg, world))[stage]
-    return {"params": est.params_bytes, "grads": est.grads_bytes, "optimizer": est.optimizer_bytes}
+    return {"params": est.params_bytes, "gathered": est.gathered_params_bytes or 0.0, "grads": est.grads_bytes,
+            "optimizer": est.optimizer_bytes}
 
 
 def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
@@ -123,19 +134,30 @@ def results(values: dict[str, float], args: argparse.Namespace) -> list[dict[str
     return rows
 
 
+def _diff(measured: float, planned: float) -> str:
+    """Measured against planned, in percent ('-' when both are zero: a part the level does not have)."""
+    if planned == 0:
+        return "-" if measured == 0 else "+inf"
+    return f"{100 * (measured - planned) / planned:+.1f}%"
+
+
 def format_table(rows: list[dict[str, Any]], args: argparse.Namespace, device: str) -> str:
-    """Markdown table: per zero level (rank 0), measured and planned MiB per part, and their difference."""
+    """Markdown table: per zero level and rank, measured and planned MiB per part, and their difference."""
     mib = 2 ** 20
+    cuda = any(row["max_allocated"] for row in rows)
     lines = [f"zero bench: {args.nproc} ranks, {args.backend} on {device}; model-state bytes per rank after one "
-             "step (grads: what stays, plus the peak of ZeRO-2's staging)", "",
-             "| zero | rank | " + " | ".join(f"{p} MiB (planner) | diff" for p in PARTS) + " | total MiB (planner) |",
-             "|---|---|" + "---|---|" * len(PARTS) + "---|"]
+             "step (params: what is kept, the ZeRO-3 shard; gathered: ZeRO-3's peak gathered buckets; grads: what "
+             "stays, plus the peak of ZeRO-2/3 staging)", "",
+             "| zero | rank | " + " | ".join(f"{p} MiB (planner) | diff" for p in PARTS) + " | total MiB (planner) |"
+             + (" max allocated MiB |" if cuda else ""),
+             "|---|---|" + "---|---|" * len(PARTS) + "---|" + ("---|" if cuda else "")]
     for row in rows:
         m, p = row["measured"], row["planned"]
-        cells = [f"{m[k] / mib:.1f} ({p[k] / mib:.1f}) | {100 * (m[k] - p[k]) / p[k]:+.1f}%" for k in PARTS]
+        cells = [f"{m[k] / mib:.1f} ({p[k] / mib:.1f}) | {_diff(m[k], p[k])}" for k in PARTS]
         total_m, total_p = sum(m.values()), sum(p.values())
         lines.append(f"| {row['zero']} | {row['rank']} | " + " | ".join(cells)
-                     + f" | {total_m / mib:.1f} ({total_p / mib:.1f}) |")
+                     + f" | {total_m / mib:.1f} ({total_p / mib:.1f}) |"
+                     + (f" {row['max_allocated'] / mib:.1f} |" if cuda else ""))
     return "\n".join(lines)
 
 
@@ -143,7 +165,7 @@ def main(argv: list[str]) -> int:
     """Run the benchmark, print the table (and write JSON)."""
     parser = argparse.ArgumentParser(prog="megascale bench zero", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--levels", default="0,1,2", help="comma-separated parallel.zero levels")
+    parser.add_argument("--levels", default="0,1,2,3", help="comma-separated parallel.zero levels")
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")

@@ -15,6 +15,7 @@ split size, and which pipeline rank and chunk hold each parameter.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 
 from megascale.config import Config, ModelConfig
+from megascale.distributed.data_parallel.param_units import chunk_units
 from megascale.distributed.pipeline.partition import chunk_layer_ids, global_stage, gpt_stage_cost, layers_for_rank
 from megascale.distributed.pipeline.schedules import is_v_shape
 from megascale.distributed.random import RNGTracker
@@ -124,6 +126,10 @@ class ParamSpec:
     trainable: bool = True
     """False for a parameter the optimizer never sees (the sigmoid router's expert_bias): saved in
     checkpoints, but without optimizer state."""
+    unit: int = -1
+    """Index of the ZeRO-3 gather unit holding this parameter in its chunk's forward order (0: the chunk's
+    root, with its own and directly read weights; then each child: embedding, layers, final norm), as
+    `data_parallel.param_units.chunk_units` groups them; -1 for a parameter outside the optimizer's buffers."""
 
     @property
     def is_expert(self) -> bool:
@@ -143,7 +149,7 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         """Elements of the global tensor."""
-        return int(torch.Size(self.global_shape).numel())
+        return math.prod(self.global_shape)
 
     def shard(self, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> ShardSpec:
         """The slice tp rank tp_rank of tp_size (and, for a routed-expert weight, ep rank ep_rank of ep_size) holds."""
@@ -155,7 +161,12 @@ class ParamSpec:
 
     def local_numel(self, tp_size: int) -> int:
         """Elements each tp rank holds (the same on every tp rank)."""
-        return int(torch.Size(self.shard(0, tp_size).local_shape).numel())
+        if self.split_dim is None:
+            return self.numel
+        if self.global_shape[self.split_dim] % tp_size:
+            self.shard(0, tp_size)  # raises, naming the parameter
+        # An equal cut along split_dim (the planner asks this for every parameter of every candidate layout).
+        return self.numel // tp_size
 
 
 @dataclass(frozen=True)
@@ -267,11 +278,15 @@ def param_table(model_or_cfg: Union[Config, ModelConfig],
         chunk_layers = model_layout.chunk_layers(cfg.model.num_layers, pp_rank, gpt_stage_cost(cfg.model))
         chunks = build_model(cfg, ctx, rng, materialize=False, chunk_layers=chunk_layers)
         for index, chunk in enumerate(chunks):
+            trainable = {id(p) for p in chunk.parameters() if p.requires_grad}
+            unit_of = {id(p): unit for unit, (_, _, _, params) in enumerate(chunk_units(chunk, trainable))
+                       for p in params}
             for param in chunk.parameters():
                 spec = get_shard(param)
                 entries.append(ParamSpec(name=spec.global_name, global_shape=spec.global_shape, dtype=param.dtype,
                                          split_dim=spec.split_dim, pp_rank=pp_rank, chunk=index,
                                          stage=global_stage(model_layout.pp, pp_rank, index, model_layout.v_shape),
                                          tied_to=None if spec.primary else spec.global_name,
-                                         ep_dim=spec.ep_dim, trainable=param.requires_grad))
+                                         ep_dim=spec.ep_dim, trainable=param.requires_grad,
+                                         unit=unit_of.get(id(param), -1)))
     return ParamTable(tuple(entries), model_layout, output_weight_name(cfg.model.tie_embeddings))

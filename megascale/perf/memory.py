@@ -11,8 +11,12 @@ schedule, micro-batches, precision) and the model's own parameter table:
 - gradients: the fp32 bucket buffer of the data-parallel optimizer (4 bytes per
   parameter whatever the model dtype; reductions run in place on it).
 - optimizer: two fp32 moments plus, for 16-bit models, an fp32 master copy, over the
-  rank's owned range: divided over dp x cp with ZeRO-1, routed-expert weights over
+  rank's owned range: divided over the ZeRO shard group with ZeRO-1/2/3 (dp x cp, or
+  dp_shard x cp with hybrid sharding: `RunPlan.zero_shards`), routed-expert weights over
   their expert-data-parallel replicas (dp x cp / ep).
+- ZeRO-2/3 gradients and ZeRO-3 parameters: the owned ranges of the optimizer's own
+  bucket plan, ZeRO-2's staging peak, and ZeRO-3's gathered working set
+  (`megascale.perf.zero_memory`).
 - activations: what autograd keeps per micro-batch and chunk (`megascale.perf.activations`,
   checked against autograd's saved tensors in the tests), plus the chunk output the
   pipeline executor keeps until its backward, for the (chunk, micro-batch) items live
@@ -47,17 +51,15 @@ from typing import Optional
 
 from megascale.config import Config
 from megascale.distributed.context_parallel.ring_hops import ring_hops
-from megascale.distributed.data_parallel.buffers import bucket_numel, plan_buffer
-from megascale.distributed.data_parallel.optimizer import SHARDED_IN_FLIGHT
 from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BACKWARD, ActionKind, compute_order
 from megascale.distributed.pipeline.simulator import peak_live
-from megascale.distributed.sharding import TIED_EMBEDDING
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf import activations as act
 from megascale.perf.activations import KernelProfile, Shapes
 from megascale.perf.fp8 import NO_FP8, WEIGHT_COPY_BYTES, LayerFp8, fp8_weight_numel, layer_fp8
 from megascale.perf.moe import rank_param_counts
 from megascale.perf.weight_stash import weight_stash_bytes
+from megascale.perf.zero_memory import rank_buffers, zero2_grad_bytes, zero3_gathered_bytes, zero3_param_bytes
 from megascale.run_plan import NO_PIPELINE, RunPlan
 
 GIB = 2 ** 30
@@ -92,12 +94,16 @@ class MemoryEstimate:
     description: str
     fp8_weights_bytes: Optional[float] = None
     """The FP8 linears' float8 weight copies (W and W^T) kept between steps; None with train.fp8=off."""
+    gathered_params_bytes: Optional[float] = None
+    """ZeRO-3: the gathered parameter buckets held at once at the peak (`zero_memory.zero3_gathered_bytes`);
+    params_bytes is then the owned shard. None below ZeRO-3."""
 
     @property
     def total_bytes(self) -> float:
         """Sum of every term."""
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.logits_bytes + self.comm_buffers_bytes + self.transient_bytes + (self.fp8_weights_bytes or 0.0))
+                + self.logits_bytes + self.comm_buffers_bytes + self.transient_bytes + (self.fp8_weights_bytes or 0.0)
+                + (self.gathered_params_bytes or 0.0))
 
 
 def kernel_profile(device_type: str, backend: str) -> KernelProfile:
@@ -156,39 +162,6 @@ def _rank_peak(schedule: str, pp: int, vpp: int, microbatches: int, rank: int, c
                                          [(c.forward_work, c.backward_work) for c in chunks],
                                          [c.stash for c in chunks])
     return peak, tuple(live), None if action is None else (action[0] is FORWARD, action[1]), tuple(held)
-
-
-def zero2_grad_bytes(cfg: Config, plan: RunPlan, table: ParamTable, stage: int, owned: float) -> float:
-    """ZeRO-2's gradient memory on pipeline rank `stage`: the owned fp32 ranges (`owned` elements), the peak of
-    the staging tensors (`zero2_staging_numel`), and the tied embedding's whole fp32 gradient on a stage that
-    holds a tied copy with pp > 1 (all-reduced over the embedding group, not sharded)."""
-    tied = 0
-    if cfg.model.tie_embeddings and plan.pp > 1:
-        tied = sum(e.local_numel(plan.tp) for e in table.held_by(stage) if e.name == TIED_EMBEDDING)
-    return 4.0 * (owned + zero2_staging_numel(cfg, plan, table, stage) + tied)
-
-
-def zero2_staging_numel(cfg: Config, plan: RunPlan, table: ParamTable, stage: int) -> int:
-    """fp32 elements of ZeRO-2 staging at its peak on pipeline rank `stage`: the largest SHARDED_IN_FLIGHT + 1
-    buckets of the rank's gradient buffers (reductions in flight and the bucket being filled; a bucket holds
-    whole parameters, so one larger than parallel.grad_bucket_mb, like a big embedding, is a bucket alone).
-    The buckets are laid out by the optimizer's own `plan_buffer` over each chunk's parameters in reverse."""
-    ep = cfg.parallel.ep
-    tied = cfg.model.tie_embeddings and plan.pp > 1
-    shards = plan.dp * plan.cp
-    sizes: list[int] = []
-    entries = [e for e in table.held_by(stage) if e.trainable]
-    for chunk in sorted({e.chunk for e in entries}):
-        groups: dict[bool, list] = {}
-        for e in reversed([e for e in entries if e.chunk == chunk]):
-            groups.setdefault(ep > 1 and e.is_expert, []).append(e)
-        for expert, group in groups.items():
-            n = shards // ep if expert else shards
-            layout = plan_buffer([e.local_numel(plan.tp) // (ep if e.is_expert else 1) for e in group],
-                                 [tied and e.name == TIED_EMBEDDING for e in group],
-                                 bucket_numel(cfg.parallel.grad_bucket_mb), n, 0)
-            sizes += [b.end - b.start for b in layout.buckets if not b.full_reduce]
-    return sum(sorted(sizes, reverse=True)[:SHARDED_IN_FLIGHT + 1])
 
 
 def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, largest_param: int) -> tuple[_Chunk, ...]:
@@ -265,11 +238,18 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
     per_param = 8 + (4 if plan.precision.master_weights else 0)
     optimizer: float = count * per_param
     grads = count * 4.0
-    if plan.zero >= 1:  # dense weights sharded over dp x cp, routed experts over their dp x cp / ep replicas
-        owned = (count - experts) / (dp * cp) + experts / (dp * cp // ep)
+    params = float(count * plan.precision.param_bytes)
+    gathered: Optional[float] = None
+    if plan.zero >= 1:  # dense weights sharded over the shard group, routed experts over their 1/ep of it
+        shards = plan.zero_shards
+        owned = (count - experts) / shards + experts / (shards // ep)
         optimizer = owned * per_param
         if plan.zero >= 2:
-            grads = zero2_grad_bytes(cfg, plan, table, stage, owned)
+            buffers = rank_buffers(cfg, plan, table, stage)
+            grads = zero2_grad_bytes(cfg, plan, table, stage, owned, buffers)
+            if plan.zero >= 3:
+                params = float(zero3_param_bytes(table, stage, buffers))
+                gathered = float(zero3_gathered_bytes(cfg, plan, buffers))
     largest = max((e.local_numel(tp) // (ep if e.is_expert else 1) for e in table.held_by(stage)), default=0)
     chunks = _chunks(cfg, plan, kernels, stage, largest)
     peak, live, at, held = _rank_peak(plan.schedule, pp, plan.vpp, plan.num_microbatches, stage, chunks)
@@ -279,18 +259,21 @@ def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[Para
     work = peak - saved
     loss_work = at is not None and chunks[at[1]].loss_work_at(in_forward=at[0])
     fp8 = f", fp8 {cfg.train.fp8}" if cfg.train.fp8 != "off" else ""
-    desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {plan.zero}, {plan.precision.name}{fp8}, "
+    hybrid = f" (shards {plan.zero_shards} x {plan.dp_replicas} replicas)" if plan.dp_replicas > 1 else ""
+    desc = (f"pipeline stage {stage}/{pp}, tp {tp}, cp {cp}, dp {dp}, zero {plan.zero}{hybrid}, "
+            f"{plan.precision.name}{fp8}, "
             f"recompute {cfg.train.recompute}{', sequence parallel' if plan.sequence_parallel else ''}, "
             f"{kernels} kernels")
     return MemoryEstimate(
-        params_bytes=float(count * plan.precision.param_bytes), grads_bytes=grads,
+        params_bytes=params, grads_bytes=grads,
         optimizer_bytes=float(optimizer), activations_bytes=saved - head,
         logits_bytes=head + (work if loss_work else 0.0), comm_buffers_bytes=_comm_buffers(plan, sh, window),
         transient_bytes=0.0 if loss_work else work,
         num_params=count, stage=stage, inflight_microbatches=sum(live) / plan.vpp,
         awaiting_weight_microbatches=sum(held) / plan.vpp,
         layers=plan.rank_layer_counts[stage], kernels=kernels, description=desc,
-        fp8_weights_bytes=(float(WEIGHT_COPY_BYTES * fp8_weight_numel(cfg, table, stage)) if fp8 else None))
+        fp8_weights_bytes=(float(WEIGHT_COPY_BYTES * fp8_weight_numel(cfg, table, stage)) if fp8 else None),
+        gathered_params_bytes=gathered)
 
 
 def stage_estimates(cfg: Config, plan: RunPlan, kernels: Optional[KernelProfile] = None,
@@ -322,6 +305,8 @@ def format_memory(est: MemoryEstimate) -> str:
     logits = f", logits {_size(est.logits_bytes)}" if est.logits_bytes else ""
     fp8 = f", fp8 weights {_size(est.fp8_weights_bytes)}" if est.fp8_weights_bytes is not None else ""
     awaiting = f", {est.awaiting_weight_microbatches:.3g} awaiting W" if est.awaiting_weight_microbatches else ""
+    if est.gathered_params_bytes is not None:
+        fp8 += f", gathered params {_size(est.gathered_params_bytes)}"
     return (f"memory estimate per rank ({est.description}; {est.layers} layers, {est.num_params / 1e6:.2f}M params): "
             f"params {_size(est.params_bytes)}, grads {_size(est.grads_bytes)}, "
             f"optimizer {_size(est.optimizer_bytes)}, activations {_size(est.activations_bytes)} "

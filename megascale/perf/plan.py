@@ -149,17 +149,19 @@ def format_prediction(pred: Prediction) -> str:
     lines.append(f"memory per pipeline rank at its peak, GiB ({pred.memory[0].kernels} kernels; "
                  "modelled from what autograd saves, docs/planner.md):")
     parts = list(memory_parts(pred.memory[0]))
-    lines.append("  rank  layers  in-flight  " + "  ".join(f"{name:>12}" for name in parts) + "       total")
+    widths = [max(12, len(name)) for name in parts]
+    lines.append("  rank  layers  in-flight  " + "  ".join(f"{name:>{w}}" for name, w in zip(parts, widths))
+                 + "       total")
     for estimate in pred.memory:
         values = memory_parts(estimate)
         verdict = "" if pred.stage_fits(estimate) else "  DOES NOT FIT"
         lines.append(f"  {estimate.stage:>4}  {estimate.layers:>6}  {estimate.inflight_microbatches:>9.3g}  "
-                     + "  ".join(f"{values[name] / GIB:>12.2f}" for name in parts)
+                     + "  ".join(f"{values[name] / GIB:>{w}.2f}" for name, w in zip(parts, widths))
                      + f"  {estimate.total_bytes / GIB:>10.2f}{verdict}")
     if not pred.fits:
         lines.append(f"  -> does not fit: the largest stage needs {pred.memory_bytes / GIB:.1f} GiB of "
-                     f"{spec.usable_memory_bytes / GIB:.1f} GiB; try recompute, a smaller micro-batch, ZeRO-1, "
-                     "more pipeline stages or `--search`")
+                     f"{spec.usable_memory_bytes / GIB:.1f} GiB; try recompute, a smaller micro-batch, a higher "
+                     "parallel.zero (1, 2, 3), more pipeline stages or `--search`")
     lines.append(f"time per step on pipeline rank {step.bottleneck_rank} (the slowest):")
     total = step.step_time_s
     for name, value in sorted(step.breakdown().items(), key=lambda kv: -kv[1]):

@@ -120,9 +120,11 @@ _MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "logits", "comm_
 
 
 def memory_parts(estimate: MemoryEstimate) -> dict[str, float]:
-    """Bytes of each part of a stage's memory estimate, in report order (with train.fp8, the float8 weight
-    copies last)."""
+    """Bytes of each part of a stage's memory estimate, in report order (with ZeRO-3, the gathered parameters
+    after the parameter shard; with train.fp8, the float8 weight copies last)."""
     parts = {name: float(getattr(estimate, f"{name}_bytes")) for name in _MEMORY_PARTS}
+    if estimate.gathered_params_bytes is not None:
+        parts = {"params": parts.pop("params"), "gathered_params": estimate.gathered_params_bytes, **parts}
     if estimate.fp8_weights_bytes is not None:
         parts["fp8_weights"] = estimate.fp8_weights_bytes
     return parts

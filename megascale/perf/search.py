@@ -1,6 +1,10 @@
 """Layout search: every (tp, pp, vpp, cp, ep, micro-batch, sequence parallel, ZeRO, recompute, pipeline
 schedule, FP8) that fits, ranked by MFU.
 
+ZeRO: each layout is tried at levels 0 and 1, and where ZeRO-1 does not fit at 2, then 3
+(the first that fits). A ZeRO-2/3 layout whose shard group crosses nodes is also tried
+hybrid-sharded (`parallel.dp_shard` = the data-parallel ranks of a node).
+
 An MoE model (`model.moe`) also varies the expert-parallel size: every ep dividing
 both dp x cp and the expert count (the ep group is taken from the dp x cp ranks),
 and, with tp > 1, expert tensor parallelism: etp 1 (experts whole on each tp rank)
@@ -41,6 +45,7 @@ from megascale.perf.gpus import GpuSpec
 from megascale.perf.memory import stage_estimates
 from megascale.perf.predict import Prediction, model_flops_per_step, predict
 from megascale.perf.timing import step_time
+from megascale.perf.zero_timing import zero_groups
 from megascale.run_plan import RunPlan, resolve_plan
 
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
@@ -65,8 +70,9 @@ class Candidate:
         cp += f" etp{p.etp}" if p.etp > 1 else ""
         schedule = f" {p.schedule}" if p.pp > 1 else ""
         fp8 = f" fp8={t.fp8}" if t.fp8 != "off" else ""
-        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero} "
-                f"recompute={t.recompute}{fp8}")
+        hybrid = f" dp_shard{p.dp_shard}" if p.dp_shard else ""
+        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero}"
+                f"{hybrid} recompute={t.recompute}{fp8}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -90,6 +96,7 @@ class Choice:
     ep: int = 1
     etp: int = 1
     fp8: Fp8RecipeName = "off"
+    dp_shard: Optional[int] = None
 
 
 FP8_SEARCHED: Fp8RecipeName = "tensorwise"
@@ -163,7 +170,7 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     p.etp = choice.etp
     p.pipeline_layers, p.pipeline_schedule = None, choice.schedule
     p.sequence_parallel, p.zero = choice.sequence_parallel, cast(ZeroStage, choice.zero)
-    p.sp_regather_input = choice.sp_regather
+    p.sp_regather_input, p.dp_shard = choice.sp_regather, choice.dp_shard
     t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
     t.recompute, t.fp8 = choice.recompute, choice.fp8
     return new
@@ -204,11 +211,12 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
         if key not in tables:
             tables[key] = param_table(candidate_cfg, key)
         pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
-        if pred is None and choice.zero == 1 and plan.dp * plan.cp > 1:
-            # ZeRO-2 shards the gradients too: tried where ZeRO-1 does not fit (it reduces after every
-            # micro-batch, so where ZeRO-1 fits it is not faster).
+        while pred is None and 1 <= choice.zero < 3 and plan.dp * plan.cp > 1:
+            # ZeRO-2 shards the gradients too, ZeRO-3 the parameters as well: each tried where the level
+            # below does not fit (more collectives per micro-batch, so where the lower level fits it is
+            # not faster).
             considered += 1
-            choice = dataclasses.replace(choice, zero=2)
+            choice = dataclasses.replace(choice, zero=choice.zero + 1)
             candidate_cfg = _apply(cfg, choice)
             plan = resolve_plan(candidate_cfg, gpus)
             pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
@@ -216,6 +224,16 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
             dropped["does not fit in memory"] += 1
             continue
         fitting.append((choice, Candidate(candidate_cfg, plan, pred)))
+        hybrid = _hybrid_choice(choice, plan, spec)
+        if hybrid is not None:
+            considered += 1
+            hybrid_cfg = _apply(cfg, hybrid)
+            hybrid_plan = resolve_plan(hybrid_cfg, gpus)
+            hybrid_pred = _quick(hybrid_cfg, hybrid_plan, spec, traits, tables[key])
+            if hybrid_pred is None:
+                dropped["does not fit in memory"] += 1
+            else:
+                fitting.append((hybrid, Candidate(hybrid_cfg, hybrid_plan, hybrid_pred)))
     kept = _drop_dominated(fitting)
     if len(kept) < len(fitting):
         dropped[DOMINATED] += len(fitting) - len(kept)
@@ -233,6 +251,19 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
             or next((simulated(c) for c in kept if c.cfg.train.fp8 == mode), None)
             for mode in modes if mode not in shown]
     return SearchResult(ranked, dropped, considered, modes, [c for c in best if c is not None])
+
+
+def _hybrid_choice(choice: Choice, plan: RunPlan, spec: GpuSpec) -> Optional[Choice]:
+    """The hybrid-sharded twin of a ZeRO-2/3 layout whose shard group crosses nodes: dp_shard = the data-parallel
+    ranks of one node, so the per-micro-batch collectives stay on NVLink and only the gradient shards'
+    all-reduce leaves the node; None where it does not apply. ZeRO-1 is not tried hybrid: it holds more
+    memory for no time the model can see (its one reduce-scatter per step already uses every NIC of a node)."""
+    if choice.zero < 2 or choice.dp_shard is not None or not zero_groups(plan, spec.gpus_per_node).shard[0]:
+        return None
+    per_node = spec.gpus_per_node // (plan.tp * plan.cp) if spec.gpus_per_node % (plan.tp * plan.cp) == 0 else 0
+    if per_node < 2 or plan.dp % per_node or per_node >= plan.dp or choice.ep > 1:
+        return None
+    return dataclasses.replace(choice, dp_shard=per_node)
 
 
 DOMINATED = "SP keeping the gathered input gains no time"

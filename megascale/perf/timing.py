@@ -11,13 +11,17 @@ A step is:
    async p2p, and on a CPU host (ranks sharing cores, where a receive is a
    meeting of two ranks and nothing overlaps), every compute also waits for its
    own transfer.
-2. the data-parallel gradient reduction (reduce-scatter with ZeRO-1, all-reduce
-   without) and, with ZeRO-1, the parameter all-gather: exposed in full, or only
-   what the last micro-batch's backward (`overlap_grad_reduce`) or the first
-   micro-batch's forward (`overlap_param_gather`) cannot hide, and never less
-   than one bucket's worth (on a CPU host, where ranks share the cores, none of
-   it hides; the collectives are waits the two-rank gloo probe priced,
-   `host.collective_stretch`);
+2. the data-parallel gradient reduction (reduce-scatter with ZeRO, all-reduce
+   without; ZeRO-2/3 once per micro-batch) and, with ZeRO-1/2, the parameter
+   all-gather: exposed in full, or only what the last micro-batch's backward
+   (`overlap_grad_reduce`) or the first micro-batch's forward
+   (`overlap_param_gather`) cannot hide, and never less than one bucket's worth
+   (on a CPU host, where ranks share the cores, none of it hides; the collectives
+   are waits the two-rank gloo probe priced, `host.collective_stretch`). ZeRO-3
+   gathers each layer before its forward and backward (`zero_timing`), exposing
+   what the previous layer's compute cannot hide. ZeRO collectives run over the
+   shard group; hybrid sharding (`parallel.dp_shard`) adds the all-reduce of the
+   gradient shards over the replica group, exposed;
 3. the tied-embedding gradient all-reduce between the first and last stage;
 4. the optimizer step, memory-bound over this rank's (ZeRO-sharded) parameters;
 5. under train.fp8, quantising the rank's float8 weights (W and W^T) once, in the step's first
@@ -27,6 +31,7 @@ A step is:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megascale.config import Config
 from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BACKWARD, Action, build_all_schedules
@@ -40,7 +45,6 @@ from megascale.perf.costs import (
     LayerCosts,
     SystemTraits,
     collective_seconds,
-    group_node_ranks,
     group_spans_nodes,
     pass_collective_seconds,
     shares_cores,
@@ -48,6 +52,7 @@ from megascale.perf.costs import (
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.host import collective_stretch, host_share, ranks_per_core, shared_makespan
 from megascale.perf.moe import expert_layout, rank_param_counts
+from megascale.perf.zero_timing import replica_all_reduce_seconds, zero3_gather_seconds, zero_groups
 from megascale.run_plan import RunPlan
 
 # Optimizer bytes per parameter it updates: read the fp32 gradient (4), read and write the two fp32
@@ -172,22 +177,27 @@ def _shared_pipeline(plan: RunPlan, spec: GpuSpec, costs: list[list[ChunkCost]],
 
 def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
                 chunks: list[ChunkCost], expert_params: int = 0,
-                traits: SystemTraits = MEGASCALE) -> tuple[dict[str, float], dict[str, float]]:
-    """(exposed, hidden) seconds of the data-parallel reduction and the ZeRO-1 parameter gather.
+                traits: SystemTraits = MEGASCALE, table: Optional[ParamTable] = None,
+                rank: int = 0) -> tuple[dict[str, float], dict[str, float]]:
+    """(exposed, hidden) seconds of the data-parallel reduction, the ZeRO parameter gathers and, with hybrid
+    sharding, the gradient shards' all-reduce over the replicas.
 
     local_params: the elements this rank holds, of which expert_params are routed-expert weights
-    (reduced and gathered over the expert-data-parallel group instead of dp x cp).
+    (reduced and gathered over the expert-data-parallel group instead of dp x cp). With ZeRO the dense
+    ones are reduce-scattered and gathered over the shard group (`zero_timing.zero_groups`).
+    table / rank: the parameter table and pipeline rank, for ZeRO-3's per-layer gathers.
     """
-    ranks = plan.dp * plan.cp
-    if ranks == 1:
+    if plan.dp * plan.cp == 1:
         return {}, {}
     p = cfg.parallel
-    inter = group_spans_nodes(plan, ("dp", "cp"), spec.gpus_per_node)
-    node_ranks = group_node_ranks(plan, ("dp", "cp"), spec.gpus_per_node)
-    groups = [(local_params - expert_params, ranks, inter, node_ranks)]
+    zero_groups_ = zero_groups(plan, spec.gpus_per_node)
+    shards = plan.zero_shards if plan.zero >= 1 else plan.dp * plan.cp
+    groups = [(local_params - expert_params, shards, *zero_groups_.shard)]
+    edp: tuple[int, bool, int] = (1, False, 1)
     if expert_params:
         layout = expert_layout(cfg, plan, spec.gpus_per_node)
-        groups.append((expert_params, layout.edp, layout.edp_inter_node, layout.edp_node_ranks))
+        edp = (layout.edp, layout.edp_inter_node, layout.edp_node_ranks)
+        groups.append((expert_params, *edp))
     grad_bytes = local_params * traits.grad_reduce_bytes  # fp32 gradient buckets unless the system says otherwise
     buckets = max(1.0, grad_bytes / (p.grad_bucket_mb * 2**20))
     exposed, hidden = {}, {}
@@ -198,7 +208,7 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     overlaps = not shares_cores(spec)
     window = sum(c.backward.total for c in chunks) if p.overlap_grad_reduce and overlaps else 0.0
     if plan.zero >= 2:
-        # ZeRO-2 reduce-scatters after every micro-batch's backward: m reductions, each under its own backward
+        # ZeRO-2/3 reduce-scatter after every micro-batch's backward: m reductions, each under its own backward
         # (the earlier ones also under the next micro-batch's forward); the last one's tail stays exposed.
         m = plan.num_microbatches
         forward = sum(c.forward.total for c in chunks) if window else 0.0
@@ -208,7 +218,15 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     else:
         exposed["dp_grad_reduce"] = max(reduce / buckets, reduce - window) if window else reduce
         hidden["dp_grad_reduce"] = reduce - exposed["dp_grad_reduce"]
-    if plan.zero >= 1:
+    if plan.dp_replicas > 1:  # hybrid sharding: the reduced shards summed over the replicas, exposed
+        shard_bytes = (local_params - expert_params) * traits.grad_reduce_bytes / shards
+        exposed["dp_replica_all_reduce"] = replica_all_reduce_seconds(plan, spec, shard_bytes, zero_groups_)
+    if plan.zero >= 3 and table is not None:
+        # Every layer gathered before its forward and (resharded) its backward, the next one prefetched.
+        gather_exposed, gather = zero3_gather_seconds(cfg, plan, spec, table, rank, chunks, zero_groups_, edp)
+        exposed["dp_param_gather"] = gather_exposed
+        hidden["dp_param_gather"] = gather - gather_exposed
+    elif plan.zero >= 1:
         gather = sum(collective_seconds("all_gather", n * plan.precision.param_bytes, g, spec, i, nr)
                      for n, g, i, nr in groups)
         window = sum(c.forward.total for c in chunks) if p.overlap_param_gather and overlaps else 0.0
@@ -221,9 +239,9 @@ def optimizer_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: i
     """Memory-bound optimizer update over the parameters this rank updates (ZeRO-1: its shard; routed-expert
     weights, expert_params of local_params, are sharded over the expert-data-parallel group)."""
     updated: float = local_params
-    if plan.zero >= 1:
+    if plan.zero >= 1:  # dense weights over the shard group (dp x cp, or dp_shard x cp), experts over edp
         edp = plan.dp * plan.cp // cfg.parallel.ep
-        updated = (local_params - expert_params) / (plan.dp * plan.cp) + expert_params / edp
+        updated = (local_params - expert_params) / plan.zero_shards + expert_params / edp
     per_param = _ADAM_BYTES + (plan.precision.param_bytes if plan.precision.master_weights else 0)
     if cfg.optim.name == "lamb":
         per_param += _LAMB_EXTRA_BYTES
@@ -292,7 +310,7 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     step_parts = []
     for rank in range(plan.pp):
         local, experts = rank_param_counts(cfg, table, rank)
-        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank], experts, traits)
+        exposed, hidden = _dp_seconds(cfg, plan, spec, local, costs[rank], experts, traits, table, rank)
         exposed["optimizer"] = optimizer_seconds(cfg, plan, spec, local, experts)
         exposed["embedding_grad_sync"] = _embedding_sync(cfg, plan, spec)
         if cfg.train.fp8 != "off":
