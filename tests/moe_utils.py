@@ -194,3 +194,16 @@ def run_layouts(layouts: dict[str, Sequence[str]], extra: Optional[dict[str, Any
 
     scenarios = {name: partial(layout_scenario, tuple(overrides)) for name, overrides in layouts.items()}
     return run_scenarios({**scenarios, **(extra or {})}, WORLD, setup=own_groups, timeout=900.0, pg_timeout=300.0)
+
+
+def run_zero_layouts(layouts: dict[str, Sequence[str]], zero: int) -> dict[str, Any]:
+    """`run_layouts` of named layouts at ZeRO level `zero`: the small dense model of the FP8 parity tests, or
+    MOE_MODEL for names starting with 'moe'; a layout's non-`parallel.*` overrides change the model."""
+    from test_fp8_parity import DENSE
+
+    def overrides(name: str, layout: Sequence[str]) -> tuple[str, ...]:
+        base = MOE_MODEL if name.startswith("moe") else DENSE
+        model = tuple(o for o in layout if not o.startswith("parallel."))
+        return (*base, *model, *(o for o in layout if o.startswith("parallel.")), f"parallel.zero={zero}")
+
+    return run_layouts({name: overrides(name, layout) for name, layout in layouts.items()})

@@ -140,16 +140,9 @@ ZERO3_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def layout_outcomes() -> dict[str, Any]:
-    from moe_utils import MOE_MODEL, run_layouts
-    from test_fp8_parity import DENSE
+    from moe_utils import run_zero_layouts
 
-    def model(name: str, layout: tuple[str, ...]) -> tuple[str, ...]:
-        base = MOE_MODEL if name.startswith("moe") else DENSE
-        return (*base, *(o for o in layout if not o.startswith("parallel.")))
-
-    return run_layouts({name: (*model(name, layout), *(o for o in layout if o.startswith("parallel.")),
-                               "parallel.zero=3")
-                        for name, layout in ZERO3_LAYOUTS.items()})
+    return run_zero_layouts(ZERO3_LAYOUTS, 3)
 
 
 @pytest.mark.slow
@@ -166,16 +159,9 @@ def test_zero3_layouts_match_single_process(layout_outcomes: dict[str, Any], nam
 ])
 def test_zero3_checkpoints_reshard(tmp_path: Path, saved: tuple[str, ...], resumed: tuple[str, ...]) -> None:
     """A ZeRO-3 checkpoint (parameters as flat ranges) resumes at ZeRO-1 under tp 2, and the other way."""
-    from train_utils import train
+    from train_utils import check_resume_across_layouts
 
-    schedule = ("train.micro_batch_size=1", "optim.warmup_steps=2", "optim.decay_steps=4")
-    full = train(tmp_path / "full", "train.steps=5", *schedule, "checkpoint.save_final=false")
-    run = tmp_path / "run"
-    train(run, "train.steps=3", *schedule, *saved, nproc=2)
-    recs = train(run, "train.steps=5", *schedule, *resumed, nproc=2)
-    for got, want in zip(recs[3:], full[3:]):
-        assert got["step"] == want["step"]
-        assert abs(got["loss"] - want["loss"]) < 1e-4 * want["loss"], (got["loss"], want["loss"])
+    check_resume_across_layouts(tmp_path, saved, resumed)
 
 
 @pytest.mark.slow

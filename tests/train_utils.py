@@ -29,3 +29,16 @@ def train(out: Path, *overrides: str, nproc: int = 0, config: str = "configs/tin
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_resume_across_layouts(tmp_path: Path, saved: tuple[str, ...], resumed: tuple[str, ...]) -> None:
+    """Train 3 of 5 steps of the tiny model (2 ranks) under `saved`, resume under `resumed`: steps 4-5 must match
+    an uninterrupted single-process run to 1e-4 (the checkpoint reshards parameters and optimizer state)."""
+    schedule = ("train.micro_batch_size=1", "optim.warmup_steps=2", "optim.decay_steps=4")
+    full = train(tmp_path / "full", "train.steps=5", *schedule, "checkpoint.save_final=false")
+    run = tmp_path / "run"
+    train(run, "train.steps=3", *schedule, *saved, nproc=2)
+    recs = train(run, "train.steps=5", *schedule, *resumed, nproc=2)
+    for got, want in zip(recs[3:], full[3:]):
+        assert got["step"] == want["step"]
+        assert abs(got["loss"] - want["loss"]) < 1e-4 * want["loss"], (got["loss"], want["loss"])
