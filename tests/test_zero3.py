@@ -95,6 +95,34 @@ def test_zero3_holds_a_quarter_and_gathers_each_layer_twice_a_micro_batch() -> N
         assert kept["peak_gathered"] >= 4 * z3["whole_numel"] - z3["bucket_bytes"]
 
 
+def _init(rank: int, world: int) -> list[str]:
+    """ZeRO-3 over a model built on the meta device (what the trainer does) against one built whole: the
+    same initial parameters, real parameters registered everywhere, the hooks on the new ones."""
+    import torch
+
+    from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
+    from megascale.distributed.topology import ParallelContext
+    from megascale.model.gpt import build_model
+
+    cfg = load_config(None, [*MODEL, "parallel.zero=3"])
+    plan = resolve_plan(cfg, world)
+    ctx = ParallelContext(plan.rank_layout(), rank=rank)
+    whole = {n: p.detach().clone() for n, p in build_model(cfg, ctx, plan=plan)[0].named_parameters()}
+    chunks = build_model(cfg, ctx, plan=plan, materialize=False)
+    assert all(p.is_meta for p in chunks[0].parameters())
+    opt = DistributedOptimizer(chunks, ctx, cfg)
+    problems = [n for n, p in chunks[0].named_parameters() if p.is_meta]
+    assert opt.sharder is not None and opt.sharder.unit_of.keys() == {id(p) for p in chunks[0].parameters()}
+    opt.gather_params()
+    problems += [n for n, p in chunks[0].named_parameters() if not torch.equal(p.detach(), whole[n])]
+    opt.remove_hooks()
+    return problems
+
+
+def test_zero3_initialises_a_meta_model_into_its_shards() -> None:
+    assert run_distributed(_init, 2) == [[], []]
+
+
 def test_dp_shard_must_divide_dp_and_needs_zero() -> None:
     cfg = load_config(None, [*MODEL, "parallel.zero=3", "parallel.dp_shard=3"])
     with pytest.raises(ConfigError, match=r"parallel.dp_shard=3 must divide the data-parallel size 4"):

@@ -123,7 +123,9 @@ class Trainer:
             # NCCL: the first op on the pp group must include every member, not a batched p2p.
             dist.barrier(group=self.ctx.pp_group)
         sequence = build_sequence_layout(self.ctx, cfg, timers=self.timers, kernels=self.attention)
-        self.chunks = build_model(cfg, self.ctx, self.rng, plan=self.plan, timers=self.timers, sequence=sequence)
+        # ZeRO-3 initialises the parameters bucket by bucket into their shards (never the whole model at once).
+        self.chunks = build_model(cfg, self.ctx, self.rng, plan=self.plan, timers=self.timers, sequence=sequence,
+                                  materialize=cfg.parallel.zero < 3)
         self.optimizer = self._build_optimizer()
         self.timer_log = TimerLog(self.ctx, self.run_dir, cfg.log.timers, cfg.log.straggler_threshold,
                                   cfg.log.straggler_window, self.sink.print)

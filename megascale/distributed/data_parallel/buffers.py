@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from megascale.distributed.sharding import ShardSpec, get_shard
+from megascale.distributed.tensor_parallel.layers import home_device, initial_values
 
 ALIGN = 16  # elements: parameter starts stay 64-byte aligned for fp32, 32-byte for 16-bit
 MAIN_GRAD_ATTR = "main_grad"  # the parameter attribute that holds its view of the fp32 gradient buffer
@@ -232,11 +233,17 @@ class GradBuffer:
         shard_grads: keep only this rank's owned ranges of the reduced gradients (ZeRO-2).
         shard_params: keep only this rank's owned ranges of the parameters between uses (ZeRO-3; implies
         shard_grads). The buckets start freed: `gather` them before the parameters are read.
+
+        Parameters still on the meta device (a model built with materialize=False) are initialised here,
+        straight into their buffer, and replaced by real parameters (`replaced`: old id -> new parameter, to
+        register in the modules with `swap_params`): under ZeRO-3 one bucket at a time, so no rank ever holds
+        the whole model.
         """
         if not params:
             raise ValueError("GradBuffer needs at least one parameter")
         self.dtype = params[0].dtype
-        self.device = params[0].device
+        self.device = home_device(params[0])
+        self.replaced: dict[int, nn.Parameter] = {}
         self.shard_count = shard_count
         specs = []
         for param in params:
@@ -269,9 +276,7 @@ class GradBuffer:
         else:
             self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
             for slot in self.slots:
-                view = self.param_data[slot.start:slot.end].view_as(slot.param)
-                view.copy_(slot.param.data)
-                slot.param.data = view
+                self._place(slot, self.param_data[slot.start:slot.end].view(slot.param.shape))
         for slot in self.slots:
             if not shard_grads:
                 setattr(slot.param, MAIN_GRAD_ATTR, self.grad[slot.start:slot.end].view_as(slot.param))
@@ -289,13 +294,27 @@ class GradBuffer:
         for bucket in self.buckets:
             bucket.full = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
             for slot in bucket.slots:
-                view = bucket.full[slot.start - bucket.start:slot.end - bucket.start].view_as(slot.param)
-                view.copy_(slot.param.data)
-                slot.param.data = view
+                self._place(slot, bucket.full[slot.start - bucket.start:slot.end - bucket.start].view(slot.param.shape))
             self.state_view(shard, bucket).copy_(bucket.full[bucket.own_start - bucket.start:
                                                              bucket.own_end - bucket.start])
             self.free(bucket)
         return shard
+
+    def _place(self, slot: ParamSlot, view: Tensor) -> None:
+        """Make `view` (in a buffer) the parameter's storage, holding its current or (meta) initial values."""
+        param = slot.param
+        if not param.is_meta:
+            view.copy_(param.data)
+            param.data = view
+            return
+        view.copy_(initial_values(param))
+        # `.data =` keeps the new parameter's own version counter (a Parameter made from the view would share the
+        # buffer's, which every gather into the buffer moves: autograd would see its saved weights as modified).
+        real = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=param.requires_grad)
+        real.data = view
+        real.__dict__.update(param.__dict__)
+        self.replaced[id(param)] = real
+        slot.param = real
 
     def param_owned(self, bucket: Bucket) -> Tensor:
         """This rank's owned range of the bucket's parameters (in `param_shard` under ZeRO-3)."""

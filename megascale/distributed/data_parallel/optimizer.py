@@ -57,6 +57,7 @@ from megascale.distributed.sharding import (
     param_shard,
 )
 from megascale.distributed.tensor_parallel.fp8_linear import invalidate_weight_caches
+from megascale.distributed.tensor_parallel.layers import materialize_params, swap_params
 from megascale.distributed.topology import ParallelContext
 from megascale.errors import UserError
 from megascale.optim.clip import clip_coefficient, global_norm, scale_, sum_of_squares
@@ -151,6 +152,11 @@ class DistributedOptimizer:
                                                shard_params=self.zero >= 3))
                 self.buffer_chunk.append(index)
                 self.buffer_comms.append(comm)
+        # A model built on the meta device (ZeRO-3 builds it so) was initialised into the buffers above.
+        replaced = {old: new for buf in self.buffers for old, new in buf.replaced.items()}
+        for chunk in chunks:
+            swap_params(chunk, replaced)
+            materialize_params(chunk)  # what no buffer holds (frozen parameters)
         self._comm_of = {id(buf): comm for buf, comm in zip(self.buffers, self.buffer_comms)}
         self.slots = [slot for buf in self.buffers for slot in buf.slots]
         self.sp_params = [s.param for s in self.slots if getattr(s.param, SEQUENCE_PARALLEL_GRAD_ATTR, False)]

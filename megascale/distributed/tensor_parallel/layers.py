@@ -137,6 +137,30 @@ def make_param(spec: ShardSpec, settings: TPSettings, init: str, std: float = 0.
     return param
 
 
+def initial_values(param: nn.Parameter) -> torch.Tensor:
+    """The initial local values of a meta parameter (made by `make_param` with defer_init), on its device."""
+    recipe = getattr(param, _INIT_ATTR, None)
+    if recipe is None:
+        raise ValueError(f"meta parameter {get_shard(param).global_name!r} has no init recipe; build it with "
+                         "make_param")
+    return init_local(get_shard(param), recipe)
+
+
+def home_device(param: nn.Parameter) -> torch.device:
+    """Where a parameter lives, or (a meta parameter) will live once initialised."""
+    recipe = getattr(param, _INIT_ATTR, None)
+    return recipe.device if param.is_meta and recipe is not None else param.device
+
+
+def swap_params(module: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
+    """Register the parameters of `replaced` (old parameter id -> new parameter) in place of the old ones, under
+    every module that holds them."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in replaced:
+                sub._parameters[name] = replaced[id(param)]
+
+
 def materialize_params(module: nn.Module) -> None:
     """Replace every meta parameter under module by its initialised slice, one parameter at a time.
 
