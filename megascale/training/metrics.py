@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from megascale.training.fault.disk_writes import append_whole
 from megascale.training.sinks import ScalarSink, numeric_scalars, open_tensorboard, open_wandb
 
 
@@ -113,8 +114,7 @@ class MetricsSink:
         if not self.enabled:
             return
         try:
-            with self.path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_whole(self.path, (json.dumps(rec) + "\n").encode(), exclusive=True)  # never half a record
         except OSError as err:  # a full disk must not end the run: training and checkpoints decide that
             if not self._write_failed:
                 print(f"megascale: WARNING: cannot append to {self.path} ({err}); training goes on, metrics records "

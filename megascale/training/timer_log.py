@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megascale.timers import StepTimes
+from megascale.training.fault.disk_writes import RecordWriter
 from megascale.training.fault.events import append_event
 from megascale.training.stragglers import find_stragglers, phase_spread
 
@@ -47,6 +48,7 @@ class TimerLog:
         self.dest = logging_rank(ctx.layout)
         self.is_dest = self.rank == self.dest
         self.path = Path(run_dir) / TIMERS_FILE
+        self.writer = RecordWriter("the phase timers")  # a full disk loses records, not the run
         self.run_dir = Path(run_dir)
         coords = ctx.layout.coords(self.rank)
         self.identity = {"host": socket.gethostname(), "coords": {a: int(coords[a]) for a in ("pp", "dp", "cp", "tp")}}
@@ -128,8 +130,7 @@ class TimerLog:
 
     def _record_interval(self, records: list[dict], step: int) -> None:
         records.sort(key=lambda r: (r["step"], r["rank"]))
-        with self.path.open("a") as f:
-            f.write("".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records))
+        self.writer.append(self.path, "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records))
         self.summary = phase_spread(records)
         for record in records:
             if record["step"] != self.first_step:  # the first step warms up allocators and caches: not a signal

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, cast
 
+from megascale.training.fault.disk_writes import RecordWriter
 from megascale.training.fault.events import append_event
 
 ATTEMPTS_DIR = "attempts"
@@ -64,11 +65,17 @@ class AttemptInfo:
 
 
 def _write_json(path: Path, record: dict) -> None:
-    """Write-then-rename so a reader never sees half a record."""
+    """Write-then-rename so a reader never sees half a record (raises OSError; see `RecordWriter` for the
+    records a full disk must not stop)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -108,16 +115,17 @@ class AttemptRecorder:
                              "pid": os.getpid(), "host": socket.gethostname(), "start_time": process_start_time(),
                              "group": worker_group_id()}
         self._exited = False
+        self.writer = RecordWriter("the attempt record")  # a full disk warns, once per file and outage
 
     def started(self) -> None:
         """Record this rank's start (pid, host, time)."""
-        _write_json(self.rank_file, self.start_record)
+        self.writer.replace(self.rank_file, json.dumps(self.start_record))
 
     def progress(self, step: int) -> None:
         """Rank 0: the last completed step of this attempt, so a restart can count the steps lost."""
         if self.info.rank == 0:
-            _write_json(self.dir / "progress.json", {"launch_id": self.info.launch_id, "step": step,
-                                                     "time": time.time()})
+            self.writer.replace(self.dir / "progress.json", json.dumps({"launch_id": self.info.launch_id, "step": step,
+                                                                        "time": time.time()}))
 
     def exited(self, kind: str, step: Optional[int] = None, error: Optional[str] = None) -> None:
         """Record how this rank ended (first call wins: the primary cause, not its echoes)."""
@@ -127,8 +135,7 @@ class AttemptRecorder:
         record = dict(self.start_record, exit=kind, exit_time=time.time(), step=step)
         if error:
             record["error"] = error[:2000]
-        with contextlib.suppress(OSError):  # an exit record is best effort: the run dir may be gone or full
-            _write_json(self.rank_file, record)
+        self.writer.replace(self.rank_file, json.dumps(record))  # best effort: the run dir may be gone or full
 
     # ------------------------------------------------------------------ launch state
     def launch_state(self, useful_s_at_start: float) -> dict:

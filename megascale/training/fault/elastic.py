@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megascale.config import Config, ConfigError
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.training.fault.attempts import ATTEMPTS_DIR, AttemptInfo, worker_group_id
+from megascale.training.fault.disk_writes import RecordWriter
 
 ATTEMPT_BASE_ENV = "MEGASCALE_ATTEMPT_BASE"
 """Attempts run by earlier worker groups of this launch (megascale's elastic launcher starts a new torch agent for
@@ -100,10 +101,7 @@ def describe_layout(layout: dict[str, Any]) -> str:
 
 def write_layout(attempt_dir: Path, layout: dict[str, Any]) -> None:
     """Rank 0: record this attempt's layout (write-then-rename)."""
-    attempt_dir.mkdir(parents=True, exist_ok=True)
-    tmp = attempt_dir / f".layout.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(layout))
-    os.replace(tmp, attempt_dir / "layout.json")
+    RecordWriter("the layout record").replace(attempt_dir / "layout.json", json.dumps(layout))
 
 
 def read_layout(attempt_dir: Path) -> Optional[dict[str, Any]]:

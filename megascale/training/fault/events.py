@@ -12,11 +12,12 @@ raises: the run, not its log, decides when to stop.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from megascale.training.fault.disk_writes import append_whole
 
 EVENTS_FILE = "events.jsonl"
 
@@ -30,11 +31,7 @@ def append_event(run_dir: str | Path, kind: str, step: Optional[int] = None,
     path = Path(run_dir) / EVENTS_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        append_whole(path, line, exclusive=False)  # every rank may append: a torn piece is ended, not cut
     except OSError as err:
         print(f"megascale: WARNING: cannot append the {kind} event to {path} ({err}); the run goes on, this "
               "event is lost", file=sys.stderr, flush=True)

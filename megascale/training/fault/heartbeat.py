@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional, Protocol
 
 from megascale.config import HeartbeatStore
+from megascale.training.fault.disk_writes import RecordWriter
 
 
 class HeartbeatBoard(Protocol):
@@ -41,16 +42,14 @@ class FileBoard:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.writer = RecordWriter("the heartbeat")  # a full disk warns once; the watchdog sees the beat as late
 
     def _path(self, rank: int) -> Path:
         return self.directory / f"rank_{rank}.json"
 
     def publish(self, rank: int, record: dict) -> None:
         """Write to a private temporary name, then rename: readers never see a torn record."""
-        path = self._path(rank)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        self.writer.replace(self._path(rank), json.dumps(record))
 
     def read(self, ranks: Iterable[int]) -> dict[int, dict]:
         """Records of `ranks` whose file exists and parses."""
