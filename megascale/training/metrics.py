@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -86,6 +87,31 @@ def _si(value: float) -> str:
     return f"{value:.0f} "
 
 
+NONFINITE_FIELD = "nonfinite_values"
+
+
+def strict_json_record(rec: dict) -> dict:
+    """The record as strict JSON takes it: every NaN or infinite number (at any depth) becomes null, and
+    `nonfinite_values` names each such field with what it was ('nan', 'inf', '-inf'), e.g.
+    {"loss": null, ..., "nonfinite_values": {"loss": "nan"}}. Records without one are unchanged."""
+    found: dict[str, str] = {}
+
+    def clean(value: Any, where: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            found[where] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    out = clean(rec, "")
+    if found:
+        out[NONFINITE_FIELD] = found
+    return out
+
+
 class MetricsSink:
     """Appends records to metrics.jsonl (never rewritten: a resumed run continues the file),
     mirrors their numbers to TensorBoard / W&B when asked for and installed, prints log lines."""
@@ -114,7 +140,8 @@ class MetricsSink:
         if not self.enabled:
             return
         try:
-            append_whole(self.path, (json.dumps(rec) + "\n").encode(), exclusive=True)  # never half a record
+            line = json.dumps(strict_json_record(rec), allow_nan=False) + "\n"
+            append_whole(self.path, line.encode(), exclusive=True)  # never half a record
         except OSError as err:  # a full disk must not end the run: training and checkpoints decide that
             if not self._write_failed:
                 print(f"megascale: WARNING: cannot append to {self.path} ({err}); training goes on, metrics records "
