@@ -275,7 +275,9 @@ class LogConfig:
     """Logging and metrics."""
 
     interval: int = _f(1, "steps between log lines and metrics records")
-    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
+    tensorboard: Optional[bool] = _f(None, "TensorBoard events: null = write them when tensorboard is installed "
+                                           "(silently skipped when not); true = write them, with a warning when "
+                                           "tensorboard is not installed; false = never")
     level: LogLevel = _f("info", "log level", LogLevel)
     timers: bool = _f(True, "always-on per-rank phase timers (forward, backward, each collective, optimizer, "
                             "data wait, checkpoint blocking, pipeline bubble) gathered into timers.jsonl every "

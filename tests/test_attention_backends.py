@@ -294,3 +294,12 @@ def test_flex_forward_on_cpu_matches_dense() -> None:
             out = kernels.local(q, k, v, window)
             assert (out.double() - dense_reference(q, k, v, window)[0]).abs().max() < 2e-5
     assert len(kernels._block_masks) == 2
+
+
+def test_the_attention_line_names_no_window_kernel_for_a_model_without_a_window() -> None:
+    from megascale.kernels.attention import resolve_attention
+
+    choice = resolve_attention("auto", torch.device("cpu"), torch.float32)
+    assert "sliding window" in choice.describe(ring=False)
+    line = choice.describe(ring=False, window=False)
+    assert line == "attention: sdpa (causal)", line

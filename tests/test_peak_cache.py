@@ -71,3 +71,11 @@ def test_fp8_peak_is_measured_and_cached_under_its_own_key(cache_home: Path) -> 
     again = fp8_peak(torch.device("cpu"), measure_size=128)
     assert again is not None and again.tflops == first.tflops and again.note == f"cached in {cache_home}"
     assert device_peak(torch.device("cpu"), measure_size=128).tflops == dense.tflops
+
+
+def test_a_peak_measured_now_says_measured_once() -> None:
+    from megascale.perf.flops import Peak
+
+    assert Peak(0.14, "measured", "cpu", "measured now, cached in /x").label == "measured now, cached in /x"
+    assert Peak(0.14, "measured", "cpu", "cached in /x").label == "measured, cached in /x"
+    assert Peak(989.0, "table", "H100").label == "table"

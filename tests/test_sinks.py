@@ -28,6 +28,17 @@ def test_tensorboard_missing_is_one_line(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "tensorboard").exists()
 
 
+def test_tensorboard_not_asked_for_is_quiet_when_missing(tmp_path, monkeypatch, capsys):
+    """log.tensorboard unset (the default run): events only if tensorboard is installed, and no line if not."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    assert load_config("configs/tiny.yaml", []).log.tensorboard is None
+    sink = MetricsSink(tmp_path, enabled=True, tensorboard=None)
+    sink.write(RECORD)
+    sink.close()
+    assert capsys.readouterr().out == ""
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == RECORD
+
+
 @pytest.mark.slow  # importing tensorboard takes seconds
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard not installed")
 def test_tensorboard_events_hold_the_scalars(tmp_path):

@@ -68,12 +68,15 @@ class AttentionChoice:
     tiles: str  # cpu_flash | cuda_flash (aten flash for unmasked/causal tiles, else blockwise) | torch
     reasons: tuple[str, ...] = ()
 
-    def describe(self, ring: bool = True) -> str:
-        """One log line: what serves plain causal, sliding window and (ring: True) ring tiles, with the reasons."""
+    def describe(self, ring: bool = True, window: bool = True) -> str:
+        """One log line: what serves plain causal, (window: the model has one) sliding window and (ring: True) ring
+        tiles, with the reasons (those about the sliding window only when it has one)."""
         tiles = _TILE_NAMES[self.tiles]
-        line = f"attention: {_NAMES[self.causal]} (causal), {_NAMES[self.window]} (sliding window)"
+        line = f"attention: {_NAMES[self.causal]} (causal)"
+        line += f", {_NAMES[self.window]} (sliding window)" if window else ""
         line += f", {tiles} (ring tiles)" if ring else ""
-        return line + (f" [{'; '.join(self.reasons)}]" if self.reasons else "")
+        reasons = [r for r in self.reasons if window or not r.startswith("sliding window")]
+        return line + (f" [{'; '.join(reasons)}]" if reasons else "")
 
 
 _NAMES = {"sdpa": "sdpa", "flex": "FlexAttention", "flash_attn": "flash-attn", "torch": "torch blockwise"}

@@ -80,7 +80,10 @@ class Peak:
     @property
     def label(self) -> str:
         """Where the number came from, as the log shows it."""
-        return f"{self.source}, {self.note}" if self.note else self.source
+        if not self.note:
+            return self.source
+        # "measured, measured now, cached in ..." says measured twice: the note alone says it
+        return self.note if self.note.startswith(self.source) else f"{self.source}, {self.note}"
 
 
 def device_peak(device: torch.device, configured: Optional[float] = None, measure_size: int = 1024) -> Peak:

@@ -116,7 +116,7 @@ class MetricsSink:
     """Appends records to metrics.jsonl (never rewritten: a resumed run continues the file),
     mirrors their numbers to TensorBoard / W&B when asked for and installed, prints log lines."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, cfg: Optional[Any] = None) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: Optional[bool], cfg: Optional[Any] = None) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self._write_failed = False
@@ -131,7 +131,10 @@ class MetricsSink:
             return
         self._sinks_wanted = False
         run_dir = self.path.parent
-        opened = [open_tensorboard(run_dir, self.print) if self._tensorboard else None,
+        # log.tensorboard null (the default) means "if installed": an optional sink nobody asked for stays quiet
+        quiet = self._tensorboard is None
+        opened = [open_tensorboard(run_dir, (lambda line: None) if quiet else self.print)
+                  if self._tensorboard is not False else None,
                   open_wandb(run_dir, self._cfg, self.print) if self._cfg is not None else None]
         self.scalar_sinks = [sink for sink in opened if sink is not None]
 

@@ -85,8 +85,8 @@ def open_tensorboard(run_dir: Path, note: Any) -> Optional[ScalarSink]:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        note("log.tensorboard: tensorboard is not installed, so no TensorBoard events are written "
-             "(pip install 'megascale[tensorboard]', or set log.tensorboard=false to silence this)")
+        note("log.tensorboard=true but tensorboard is not installed, so no TensorBoard events are written "
+             "(pip install 'megascale[tensorboard]', or leave log.tensorboard unset to write them only when it is)")
         return None
     def writer() -> Any:
         return SummaryWriter(str(run_dir / "tensorboard"))

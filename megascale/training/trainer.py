@@ -260,7 +260,8 @@ class Trainer:
                  f"model: {self.cfg.model.num_layers} layers, hidden {self.cfg.model.hidden_size}, "
                  f"{params / 1e6:.2f}M params on this rank | {self.plan.num_microbatches} micro-batches/step | "
                  f"{self.flops_per_token / 1e9:.3f} GFLOP/token",
-                 self.attention.choice.describe(ring=self.ctx.cp_size > 1 and self.cfg.parallel.cp_mode != "ulysses")]
+                 self.attention.choice.describe(ring=self.ctx.cp_size > 1 and self.cfg.parallel.cp_mode != "ulysses",
+                                                window=self.cfg.model.attention == "sliding_window")]
         if self.plan.cp_mode == "hybrid" and self.cfg.parallel.ulysses_size is None:
             lines.append(f"parallel.cp_mode=hybrid: picked ulysses_size {self.plan.ulysses_size} x ring "
                          f"{self.plan.ring_size} (the largest divisor of cp {self.plan.cp} dividing the kv heads "
