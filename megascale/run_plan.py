@@ -258,10 +258,9 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
     schedule = NO_PIPELINE
     if p.pp > 1:
         schedule = resolve_schedule_name(p.pipeline_schedule, p.vpp)
+        if is_v_shape(schedule):
+            check_zbv(cfg)
         validate_schedule(schedule, p.pp, p.vpp, micro)
-        if is_v_shape(schedule) and m.tie_embeddings:
-            raise ConfigError("parallel.pipeline_schedule=zbv puts the first and the last stage on pipeline rank 0, "
-                              "which the tied embedding copy does not support; set model.tie_embeddings=false")
     sequence_parallel = p.sequence_parallel and p.tp > 1
     local_seq = m.seq_length // p.cp
     return RunPlan(
@@ -273,6 +272,18 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
         activation_shape=(local_seq // p.tp if sequence_parallel else local_seq, t.micro_batch_size, m.hidden_size),
         precision=precision_of(t.dtype), ep=p.ep, etp=p.etp, dp_shard=check_dp_shard(cfg, dp),
     )
+
+
+def check_zbv(cfg: Config) -> None:
+    """ZB-V's requirements, all of them in one line: two chunks per rank, untied embeddings."""
+    needs = []
+    if cfg.parallel.vpp != 2:
+        needs.append(f"parallel.vpp=2 (two chunks per rank form the V; it is {cfg.parallel.vpp})")
+    if cfg.model.tie_embeddings:
+        needs.append("model.tie_embeddings=false (the first and the last stage share pipeline rank 0, which the "
+                     "tied embedding copy does not support)")
+    if needs:
+        raise ConfigError("parallel.pipeline_schedule=zbv needs " + " and ".join(needs))
 
 
 def check_dp_shard(cfg: Config, dp: int) -> int:
@@ -300,6 +311,7 @@ __all__ = [
     "RunPlan",
     "check_context_parallel",
     "check_dp_shard",
+    "check_zbv",
     "check_expert_parallel",
     "check_layout",
     "check_order",

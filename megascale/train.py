@@ -149,8 +149,23 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         with launcher_lock(cfg.train.output_dir, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s):
             return launch_local(argv, args.nproc, args.max_restarts, cfg)
+    _hint_nproc(cfg)
     run_training(cfg, args.backend)
     return 0
+
+
+def _hint_nproc(cfg: Config) -> None:
+    """A lone process (no --nproc, not under torchrun/srun) whose layout needs more ranks: the error names the
+    --nproc that launches them."""
+    from megascale.distributed.topology import read_dist_env
+
+    if read_dist_env().world_size > 1:
+        return
+    p = cfg.parallel
+    need = p.tp * p.pp * p.cp * (p.dp or 1)
+    if need > 1:
+        raise ConfigError(f"this layout needs {need} ranks (tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp or 1}) and "
+                          f"this is one process; add --nproc {need} to start them here, or launch under torchrun/srun")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import operator
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +252,22 @@ def test_hybrid_without_ulysses_size_picks_the_largest_divisor_of_cp_dividing_kv
     plan = resolve_plan(cfg, 8 * cfg.parallel.tp)
     assert (plan.ulysses_size, plan.ring_size) == (ulysses, 8 // ulysses)
     assert f"cp 8 (hybrid: ulysses {ulysses} x ring {8 // ulysses})" in plan.describe()
+
+
+def test_a_layout_of_two_ranks_in_one_process_names_the_nproc() -> None:
+    proc = subprocess.run([sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
+                           "parallel.tp=2"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "add --nproc 2" in lines[0], proc.stderr
+
+
+def test_zbv_names_all_its_requirements_at_once() -> None:
+    cfg = load_config(None, ["parallel.pp=2", "parallel.pipeline_schedule=zbv", "model.tie_embeddings=true",
+                             "train.global_batch_size=8", "train.micro_batch_size=1"])
+    with pytest.raises(ConfigError, match=r"zbv needs parallel.vpp=2 .* and model.tie_embeddings=false"):
+        resolve_plan(cfg, 2)
+    cfg.parallel.vpp = 2
+    with pytest.raises(ConfigError, match=r"zbv needs model.tie_embeddings=false \(the first"):
+        resolve_plan(cfg, 2)
