@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
