@@ -110,23 +110,44 @@ def test_launch_env_sets_fresh_store_and_forwards_preempt_signal() -> None:
 
 def test_launcher_names_a_rank_killed_outright_from_this_launchs_records(tmp_path: Path) -> None:
     """An earlier launch left attempts 0-2; this launch failed in attempt 0 with rank 1 killed (no exit record)."""
-    from megascale.training.fault.launcher import _vanished_cause
+    from megascale.training.fault.launcher import _silent_ranks
 
     def record(attempt: int, rank: int, launch: str, **exit_fields: object) -> None:
         path = tmp_path / "attempts" / str(attempt) / f"rank_{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"launch_id": launch, "pid": 1, "start_time": 1.0, **exit_fields}))
 
-    assert _vanished_cause(tmp_path, 2, "new") is None  # no records at all
+    assert _silent_ranks(tmp_path, 2, "new") == []  # no records at all
     for attempt in range(3):
         for rank in range(2):
             record(attempt, rank, "old", exit="done", exit_time=2.0)
     record(0, 0, "new", exit="peer_lost", exit_time=3.0)
     record(0, 1, "new")
-    assert _vanished_cause(tmp_path, 2, "new") == ("rank 1 died without an exit record (killed by a signal, "
-                                                   "the OOM killer, or a lost node)")
+    assert _silent_ranks(tmp_path, 2, "new") == [1]
     record(0, 1, "new", exit="error", exit_time=2.5, error="RuntimeError: boom")
-    assert _vanished_cause(tmp_path, 2, "new") is None  # it printed its own message
+    assert _silent_ranks(tmp_path, 2, "new") == []  # it printed its own message
+
+
+def test_ranks_that_exited_on_their_own_are_not_called_killed() -> None:
+    """Ranks that printed an error and exited 1 or 2 but could not write their exit records (a full disk): the
+    agent's codes are what is known for certain, so the line says how they exited, not that they were killed."""
+    from types import SimpleNamespace
+
+    from megascale.training.fault.launcher import _report_failure
+
+    class Failed(Exception):
+        failures = {0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=2)}
+
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = _report_failure(Failed(), 2, 0, silent=[0, 1])  # type: ignore[arg-type]
+    assert code == 2
+    line = err.getvalue().strip()
+    assert line == ("megascale: error: training failed (a user or data error, exit 2): rank 0 exited with code 1; "
+                    "rank 1 exited with code 2; see the ranks' messages above"), line
 
 
 # ------------------------------------------------------------------------------------------ fast drills
@@ -175,7 +196,9 @@ def test_exception_on_one_rank_ends_the_job_with_one_message(tmp_path: Path) -> 
     assert text.count("failed at step") == 1, text
     assert "megascale: rank 1 failed at step 1: RuntimeError: injected fault: raise on rank 1 at step 2" in text
     assert "Traceback" not in text and "ChildFailedError" not in text, text
-    assert text.strip().splitlines()[-1].startswith("megascale: error: training failed: 2 of 2 workers")
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("megascale: error: training failed (a crash, exit 1): "), last
+    assert "rank 1 exited with code 1" in last and "died without an exit record" not in last, last
     failed = events(out, "rank_failed")
     assert [e["ranks"] for e in failed] == [[1]] and "RuntimeError: injected fault" in failed[0]["traceback"]
     assert time.time() - began < 120
@@ -194,8 +217,11 @@ def test_sigkill_of_a_worker_without_restarts_ends_the_job(tmp_path: Path) -> No
     text = log.read_text()
     assert code == 1, text
     assert text.count("megascale: error: training failed") == 1 and "Traceback" not in text, text
-    # The agent may list the survivor's echo first; the line names the rank that was killed either way.
-    assert "workers exited non-zero (first: rank " in text and "); rank 1 died without an exit record" in text, text
+    # The agent saw rank 1 die of SIGKILL, or (when it saw the survivor's echo first) the records show that rank 1
+    # left no exit record: the line names the rank that was killed either way.
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("megascale: error: training failed (a crash, exit 1): "), last
+    assert "rank 1 killed by SIGKILL" in last or "rank 1 died without an exit record" in last, last
     survivor = json.loads((out / "attempts" / "0" / "rank_0.json").read_text())
     detect_s = survivor["exit_time"] - killed
     print(f"dead rank drill: rank 1 SIGKILLed, survivor stopped {detect_s:.2f} s later")
@@ -423,3 +449,16 @@ def test_launcher_options_never_reach_the_workers() -> None:
     assert without_options(argv, "--nproc", "--max-restarts") == ["--config", "c.yaml", "train.steps=5", "--json",
                                                                   "r.json"]
     assert without_options(argv, "--nproc", "--json") == ["--config", "c.yaml", "--max-restarts=3", "train.steps=5"]
+
+
+@pytest.mark.parametrize("codes,expected", [
+    ([1, 1], 1),  # an exception and its echo
+    ([2, 1], 2), ([1, 2], 2),  # a data or user error and the peers that lost it: whichever the agent saw first
+    ([124, 1], 124), ([1, 124, 2], 124),  # a watchdog declared a hang
+    ([-9, 1], 1), ([-9, 2], 1),  # a worker killed outright: a crash it could not report
+])
+def test_the_launcher_code_is_a_function_of_the_workers_codes(codes: list[int], expected: int) -> None:
+    from megascale.training.fault.launcher import failure_exit_code, signal_deaths
+
+    assert failure_exit_code(codes) == expected == failure_exit_code(codes[::-1])
+    assert signal_deaths({0: 1, 3: -9}) == {3: "killed by SIGKILL"}

@@ -43,7 +43,7 @@ from megascale.training.fault.events import append_event, read_events
 from megascale.training.fault.launcher import (
     _report_failure,
     _report_signal,
-    _vanished_cause,
+    _silent_ranks,
     launch_env,
     quiet_elastic_logs,
 )
@@ -162,8 +162,8 @@ def run_elastic_local(worker_args: list[str], nproc: int, min_nproc: int, max_re
         if detail == 2:
             return 2  # a user error: every worker printed the same one-line message already
         if restarts_left == 0:
-            vanished = _vanished_cause(run_dir, size, os.environ["MEGASCALE_LAUNCH_ID"])
-            return _report_failure(detail, size, max_restarts, vanished)  # type: ignore[arg-type]
+            silent = _silent_ranks(run_dir, size, os.environ["MEGASCALE_LAUNCH_ID"])
+            return _report_failure(detail, size, max_restarts, silent)  # type: ignore[arg-type]
         restarts_left -= 1
         now_out = excluded_slots(run_dir, nproc)
         lost = sorted(now_out - excluded)

@@ -6,9 +6,14 @@ shutdown timeout) and, while restarts remain, starts a new group that resumes
 from the latest complete checkpoint. This module only prepares its
 environment and turns its outcomes into one line and an exit code:
 
-- 0: finished; 1: a worker failed (restarts exhausted); 2: user error;
-- 75: preempted, with a committed checkpoint (run the same command to resume);
-- 130: interrupted (Ctrl-C); 128+N: stopped by another signal N.
+- 0: finished; 1: a crash (an exception, a worker killed by a signal or the OOM
+  killer; restarts exhausted); 2: a user or data error (a worker exited 2: the
+  peers that failed because it left are echoes); 124: a hang (a worker's watchdog
+  fired); 75: preempted, with a committed checkpoint (run the same command to
+  resume); 130: interrupted (Ctrl-C); 128+N: the launcher stopped by signal N.
+
+The failure code is `failure_exit_code` of the failed workers' codes, the same
+whichever of them the agent saw first.
 """
 
 from __future__ import annotations
@@ -80,8 +85,7 @@ def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Conf
     try:
         run(launcher)
     except ChildFailedError as err:
-        vanished = _vanished_cause(run_dir, nproc, env["MEGASCALE_LAUNCH_ID"])
-        return _report_failure(err, nproc, max_restarts, vanished)
+        return _report_failure(err, nproc, max_restarts, _silent_ranks(run_dir, nproc, env["MEGASCALE_LAUNCH_ID"]))
     except SignalException as err:
         return _report_signal(signal.Signals(err.sigval), cfg, run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
     except KeyboardInterrupt:
@@ -90,38 +94,65 @@ def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Conf
     return _exit_after_success(run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
 
 
-def _vanished_cause(run_dir: Path, nproc: int, launch_id: str) -> Optional[str]:
-    """Which ranks of the last attempt were killed outright, from their records (None when every rank recorded
-    its exit): such a rank printed nothing, and the agent may list a survivor's echo as the first failure."""
-    from megascale.training.fault.attempts import (
-        ATTEMPTS_DIR,
-        AttemptInfo,
-        AttemptRecorder,
-        describe_restart,
-    )
+def failure_exit_code(codes: list[int]) -> int:
+    """The launcher's exit code from the exit codes of the workers that failed (negative: killed by that
+    signal), independent of their order: 124 when a watchdog declared a hang; else 1 when a worker was killed
+    by a signal (a crash the worker could not report); else 2 when a worker stopped on a user or data error
+    (its peers' 1s are the collective failures its exit caused); else 1."""
+    from megascale.training.fault.watchdog import HANG_EXIT_CODE
+
+    if HANG_EXIT_CODE in codes:
+        return HANG_EXIT_CODE
+    if any(code < 0 for code in codes):
+        return 1
+    return 2 if 2 in codes else 1
+
+
+def signal_deaths(codes: dict[int, int]) -> dict[int, str]:
+    """Rank -> 'killed by SIGNAME' for the failed workers the agent saw die of a signal."""
+    out = {}
+    for rank, code in codes.items():
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            out[rank] = f"killed by {name}"
+    return out
+
+
+def _silent_ranks(run_dir: Path, nproc: int, launch_id: str) -> list[int]:
+    """Ranks of this launch's newest attempt that left no exit record (killed outright, or a full disk)."""
+    from megascale.training.fault.attempts import ATTEMPTS_DIR, AttemptInfo, AttemptRecorder
 
     attempts = sorted((int(p.name) for p in (run_dir / ATTEMPTS_DIR).glob("*") if p.name.isdigit()), reverse=True)
     for attempt in attempts:  # the newest attempt of this launch (an earlier launch may have left higher ones)
-        previous = AttemptRecorder(run_dir, AttemptInfo(launch_id, attempt + 1, 0, nproc)).previous_attempt()
-        if previous["ranks"]:
-            cause = describe_restart(previous, nproc, 0, time.time())["cause"]
-            return cause if "died without an exit record" in cause else None
-    return None
+        ranks = AttemptRecorder(run_dir, AttemptInfo(launch_id, attempt + 1, 0, nproc)).previous_attempt()["ranks"]
+        if ranks:
+            return [r for r in range(nproc) if r not in ranks or "exit" not in ranks[r]]
+    return []
 
 
-def _report_failure(err: ChildFailedError, nproc: int, max_restarts: int, vanished: Optional[str] = None) -> int:
-    """One line: which ranks failed with which codes (their own message was printed by the rank, unless it was
-    killed outright: then `vanished` says which)."""
+def _report_failure(err: ChildFailedError, nproc: int, max_restarts: int, silent: Optional[list[int]] = None) -> int:
+    """One line with what is known for certain first: each failed worker's exit code, or the signal that killed
+    it, from the agent; then ranks that left no exit record and that the agent did not see exit on their own
+    (their death is a guess: a signal, the OOM killer, a lost node). Returns `failure_exit_code`."""
     failures = err.failures
-    first_rank, first = err.get_first_failure()
-    codes = sorted({failure.exitcode for failure in failures.values()})
+    codes = {rank: failure.exitcode for rank, failure in failures.items()}
+    code = failure_exit_code(list(codes.values()))
     restarts = f" after {max_restarts} restart{'s' if max_restarts != 1 else ''}" if max_restarts else ""
-    if codes == [2]:
+    if set(codes.values()) == {2}:
         return 2  # a user error: every worker printed the same one-line message already
-    where = vanished or "see the rank's message above"
-    print(f"megascale: error: training failed{restarts}: {len(failures)} of {nproc} workers exited non-zero "
-          f"(first: rank {first_rank}, exit code {first.exitcode}); {where}", file=sys.stderr)
-    return 1
+    killed = signal_deaths(codes)
+    how = "; ".join(f"rank {rank} {killed.get(rank, f'exited with code {c}')}" for rank, c in sorted(codes.items()))
+    unseen = [r for r in (silent or []) if r not in codes]  # the agent stopped the group before it saw them end
+    if unseen:
+        how += (f"; rank{'s' if len(unseen) > 1 else ''} {', '.join(map(str, unseen))} died without an exit record "
+                "(killed by a signal, the OOM killer, or a lost node)")
+    where = "see the ranks' messages above" if len(killed) < len(codes) else "a killed rank prints nothing"
+    kind = {2: "a user or data error", 124: "a hang"}.get(code, "a crash")
+    print(f"megascale: error: training failed{restarts} ({kind}, exit {code}): {how}; {where}", file=sys.stderr)
+    return code
 
 
 def _report_signal(sig: signal.Signals, cfg: Config, run_dir: Path, launch_time: float) -> int:
