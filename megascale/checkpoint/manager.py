@@ -398,7 +398,7 @@ class CheckpointManager:
         skipped: list[tuple[str, str]] = [(name, reason) for name, reason in unusable_list]
         for name, reason in skipped:
             if self.rank == 0:
-                log.warning("checkpoint %s skipped: %s", self.root / name, reason)
+                log.info("checkpoint %s skipped: %s", self.root / name, reason)  # the trainer prints it once
         mask = self._broadcast_mask(shards) if self._use_broadcast() and candidates else None
         for cand in candidates:
             step_dir = Path(cand) if not is_remote_url(cand) else Path(cand.rsplit("/", 1)[1])
@@ -422,7 +422,8 @@ class CheckpointManager:
             if path is not None:
                 raise CheckpointError(message)
             if self.rank == 0:
-                log.error("checkpoint %s is not loadable, falling back to an older one: %s", step_dir, message)
+                # last_load_stats["skipped"] carries it: the trainer prints it once, with the other skipped ones
+                log.info("checkpoint %s is not loadable, falling back to an older one: %s", step_dir, message)
             skipped.append((step_dir.name, message))
         self._nothing_loaded(skipped)
         return None

@@ -161,7 +161,6 @@ class RunLock:
             aside.unlink(missing_ok=True)
             return
         aside.unlink(missing_ok=True)
-        log.warning("took over the stale run lock of %s: %s", describe(holder, age), reason)
         print(f"megascale: took over the stale run lock of {describe(holder, age)}: {reason}", flush=True)
 
     def _beat(self) -> None:
