@@ -135,15 +135,13 @@ def test_ranks_that_exited_on_their_own_are_not_called_killed() -> None:
 
     from megascale.training.fault.launcher import _report_failure
 
-    class Failed(Exception):
-        failures = {0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=2)}
-
     import contextlib
     import io
 
+    failed = SimpleNamespace(failures={0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=2)})
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = _report_failure(Failed(), 2, 0, silent=[0, 1])  # type: ignore[arg-type]
+        code = _report_failure(failed, 2, 0, silent=[0, 1])  # type: ignore[arg-type]
     assert code == 2
     line = err.getvalue().strip()
     assert line == ("megascale: error: training failed (a user or data error, exit 2): rank 0 exited with code 1; "
