@@ -131,12 +131,11 @@ def test_launcher_names_a_rank_killed_outright_from_this_launchs_records(tmp_pat
 def test_ranks_that_exited_on_their_own_are_not_called_killed() -> None:
     """Ranks that printed an error and exited 1 or 2 but could not write their exit records (a full disk): the
     agent's codes are what is known for certain, so the line says how they exited, not that they were killed."""
+    import contextlib
+    import io
     from types import SimpleNamespace
 
     from megascale.training.fault.launcher import _report_failure
-
-    import contextlib
-    import io
 
     failed = SimpleNamespace(failures={0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=2)})
     err = io.StringIO()
