@@ -162,6 +162,8 @@ def test_fresh_output_dir_resumes_from_the_bucket(server: WeedServer, tmp_path: 
     assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
     store = open_store(url)
     assert {"step_00000003/COMMITTED", "step_00000006/COMMITTED"} <= set(store.listing(""))
+    for name in ("step_00000003", "step_00000006"):  # the log says when a checkpoint reached the bucket
+        assert full.stdout.count(f"checkpoint {name} uploaded to {url} (") == 1, full.stdout[-3000:]
     store.delete_prefix("step_00000006/")  # as if the last upload never committed
     # Another machine: an empty output_dir, the same bucket.
     resumed = _train(tmp_path / "other", server, "train.steps=6", f"checkpoint.dir={url}")

@@ -182,6 +182,7 @@ class Trainer:
         manager = CheckpointManager(local, self.ctx, self.cfg, remote_url=remote)
         if manager.remote is not None:
             manager.remote.on_failure = self._upload_failed
+            manager.remote.on_uploaded = self._uploaded
         if self.faults.active:
             manager.fault_hook = self.faults.checkpoint_hook(lambda: manager.last_save_stats.get("step", 0))
         return manager
@@ -192,6 +193,12 @@ class Trainer:
         if self.ckpt.remote is None or self.ctx.rank != 0:
             return
         self.ckpt.remote.catch_up(complete_checkpoints(self.ckpt.root))
+
+    def _uploaded(self, name: str, size: int, seconds: float) -> None:
+        """A checkpoint committed in the remote tier (called on rank 0's upload thread): one line says so."""
+        assert self.ckpt.remote is not None
+        print(f"checkpoint {name} uploaded to {self.ckpt.remote.store.url} ({size / 2**20:.1f} MiB in {seconds:.2f} s)",
+              flush=True)
 
     def _upload_failed(self, name: str, error: str) -> None:
         """A checkpoint the remote tier could not take (called on the upload thread): a `checkpoint_upload_failed`

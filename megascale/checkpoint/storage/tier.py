@@ -60,6 +60,7 @@ class RemoteTier:
         self.store = store
         self.keep_last = keep_last
         self.on_failure = on_failure
+        self.on_uploaded: Optional[Callable[[str, int, float], None]] = None  # (step dir, bytes, seconds) per commit
         self.last_error: Optional[str] = None
         self.uploaded: list[dict] = []
         self._lock = threading.Lock()
@@ -126,6 +127,11 @@ class RemoteTier:
                                       "upload_s": time.perf_counter() - start, "catch_up": only_newer})
                 if only_newer:
                     log.info("checkpoint %s uploaded to %s (the remote tier lacked it)", step_dir.name, self.store.url)
+                if self.on_uploaded is not None:
+                    try:
+                        self.on_uploaded(step_dir.name, size, time.perf_counter() - start)
+                    except Exception as hook_err:  # noqa: BLE001 - a reporting failure must not stop later uploads
+                        log.error("reporting the upload of %s failed: %s", step_dir.name, hook_err)
 
     def _failed(self, name: str, err: Exception) -> None:
         """Record a failed upload: `last_error`, one log line, and the `on_failure` callback."""
