@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import os
 import re
 import subprocess
 import sys
@@ -254,13 +253,17 @@ def test_hybrid_without_ulysses_size_picks_the_largest_divisor_of_cp_dividing_kv
     assert f"cp 8 (hybrid: ulysses {ulysses} x ring {8 // ulysses})" in plan.describe()
 
 
-def test_a_layout_of_two_ranks_in_one_process_names_the_nproc() -> None:
-    proc = subprocess.run([sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
-                           "parallel.tp=2"], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
-    assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "add --nproc 2" in lines[0], proc.stderr
+def test_a_layout_of_two_ranks_in_one_process_names_the_nproc(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megascale.train import _hint_nproc
+
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match=r"needs 2 ranks .* add --nproc 2 to start them here"):
+        _hint_nproc(load_config("configs/tiny.yaml", ["parallel.tp=2"]))
+    _hint_nproc(load_config("configs/tiny.yaml", []))  # one rank: nothing to say
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _hint_nproc(load_config("configs/tiny.yaml", ["parallel.tp=2"]))  # under torchrun: the plan checks the world
 
 
 def test_zbv_names_all_its_requirements_at_once() -> None:
