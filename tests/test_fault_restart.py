@@ -305,6 +305,9 @@ def test_sigkill_of_a_worker_restarts_and_matches_fault_free(tmp_path: Path, fau
     os.kill(rank_pid(out, 1), signal.SIGKILL)
     assert wait_exit(proc, 400) == 0, (tmp_path / "log").read_text()
     assert losses(out) == fault_free_dp2
+    text = (tmp_path / "log").read_text()  # the restart's silent seconds are announced, once
+    assert text.count("megascale: the worker group failed; restarting it from the latest checkpoint (restart 1 of 2)") \
+        == 1, text
     (restart,) = events(out, "restart")
     assert restart["attempt"] == 1 and restart["ranks"] == [1] and "rank 1 died" in restart["cause"]
     assert restart["resumed_from"] in (4, 6) and restart["steps_lost"] == restart["last_step"] - restart["resumed_from"]
@@ -461,3 +464,23 @@ def test_the_launcher_code_is_a_function_of_the_workers_codes(codes: list[int], 
 
     assert failure_exit_code(codes) == expected == failure_exit_code(codes[::-1])
     assert signal_deaths({0: 1, 3: -9}) == {3: "killed by SIGKILL"}
+
+
+def test_the_agents_restart_decision_is_one_megascale_line() -> None:
+    """The agent's log is silenced, but its decision to restart the group becomes one line (and nothing else does)."""
+    import contextlib
+    import io
+
+    import torch.distributed.elastic.agent.server.api as api
+
+    from megascale.training.fault.launcher import quiet_elastic_logs
+
+    quiet_elastic_logs()
+    quiet_elastic_logs()  # once per launch; a second call adds no second handler
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        api.logger.info("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "default",
+                        "FAILED", 2, 3)
+        api.logger.info("[%s] Rendezvous complete for workers", "default")
+    assert err.getvalue() == ("megascale: the worker group failed; restarting it from the latest checkpoint "
+                              "(restart 2 of 3)\n")

@@ -59,7 +59,9 @@ def launch_env(cfg: Config, environ: Optional[dict] = None) -> dict[str, str]:
 
 
 def quiet_elastic_logs(level: int = logging.CRITICAL) -> None:
-    """Silence the agent's own log lines (each torch logger sets its level); MEGASCALE_ELASTIC_LOG=INFO keeps them."""
+    """Silence the agent's own log lines (each torch logger sets its level); MEGASCALE_ELASTIC_LOG=INFO keeps them.
+    The agent's decision to restart the worker group still reaches the user, as one megascale line
+    (`RestartNotice`)."""
     wanted = os.environ.get("MEGASCALE_ELASTIC_LOG")
     if wanted:
         named = logging.getLevelName(wanted.upper())  # an int for a known level name
@@ -67,6 +69,27 @@ def quiet_elastic_logs(level: int = logging.CRITICAL) -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(level)
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    if not any(isinstance(h, RestartNotice) for h in agent.handlers):
+        agent.addHandler(RestartNotice())
+    agent.setLevel(min(agent.level or logging.INFO, logging.INFO))  # the notice needs the agent's INFO records
+    agent.propagate = bool(wanted)  # ...which reach the root handlers only when asked for
+
+
+class RestartNotice(logging.Handler):
+    """Prints one line when the elastic agent decides to restart the worker group: the seconds of the restart
+    (stopping the group, a new rendezvous, the resume) are otherwise silent."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "will restart worker group" not in str(record.msg) or "attempts left" not in str(record.msg):
+            return
+        try:
+            _, state, left, total = (str(arg) for arg in record.args or ())
+            number = int(total) - int(left) + 1
+        except (TypeError, ValueError):
+            return
+        print(f"megascale: the worker group {state.lower()}; restarting it from the latest checkpoint "
+              f"(restart {number} of {total})", file=sys.stderr, flush=True)
 
 
 def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Config) -> int:
