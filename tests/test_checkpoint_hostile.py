@@ -105,6 +105,9 @@ def test_symlinked_rank_file_and_step_dir_are_refused(clean, tmp_path: Path) -> 
     extra, got, stats = _load(root)
     _assert_fell_back_to(tensors, got, extra, stats, STEPS[1], "symbolic link")
     assert [name for name, _ in stats["skipped"]] == ["step_00000008", STEPS[2]]
+    # said as what it is (a link), not as a short file
+    assert dict(stats["skipped"])[STEPS[2]] == ("rank_00000.safetensors is a symbolic link (checkpoint files are "
+                                                "never followed through links)")
 
 
 @pytest.mark.parametrize("name", ["metadata.json", "COMMITTED", "extra_state.json"])

@@ -258,7 +258,9 @@ def incomplete_reason(step_dir: Path) -> Optional[str]:
         for file, size in files.items():
             if not _RANK_FILE_RE.match(str(file)):
                 return f"{METADATA_FILE} field files names {str(file)[:80]!r}, outside the step directory"
-            actual = (step_dir / str(file)).lstat().st_size  # a link's own size: links are refused on read
+            if (step_dir / str(file)).is_symlink():
+                return f"{file} is a symbolic link (checkpoint files are never followed through links)"
+            actual = (step_dir / str(file)).lstat().st_size
             if not isinstance(size, int) or actual < size:
                 return f"{file} is truncated ({actual} of {size} bytes)"
     except FileNotFoundError as err:
