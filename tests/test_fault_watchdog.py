@@ -310,3 +310,26 @@ def test_checkpoint_writer_hang_trips_the_checkpoint_timeout(tmp_path):
     dump = (out / "hang" / "0" / "rank_0.txt").read_text()
     assert "phase: checkpoint_save" in dump and "write_rank_file" in dump  # the writer thread's stack
     assert max(metrics_steps(out)) == 4  # training went on under the hung save until the next one
+
+
+def test_a_silent_rank_whose_last_beat_predates_training_is_placed_by_its_peers(tmp_path):
+    """A rank frozen at step 12 whose last heartbeat was published at startup (heartbeat_s longer than the
+    steps): the verdict gives the step its peers prove it reached, not step 0 in phase startup."""
+    group = _Group(tmp_path)
+    now = time.monotonic()
+    group.dogs[3].progress.enter("startup", 0)
+    group.dogs[3].publish()  # its last beat: startup, step 0
+    for dog in group.dogs[:3]:
+        dog.progress.enter("step", 13)  # the others wait in step 13, which they could not have reached without it
+    group.tick(now, [0, 1, 2])
+    verdicts = {}
+    for offset in range(1, 80):  # until the startup timeout of its last phase ends its silence
+        verdicts = group.tick(now + offset, [0, 1, 2])
+        if verdicts[0] is not None:
+            break
+    verdict = verdicts[0]
+    # judged by the step timeout (5 s here), not by the 60 s startup timeout of its stale last beat
+    assert verdict is not None and offset <= 7, offset
+    assert verdict.culprits == [3] and verdict.step == 12
+    assert "in step 12 or 13 (its peers are in step 13, which needs it; its last heartbeat was in phase startup " \
+           "at step 0)" in verdict.details[3], verdict.details[3]

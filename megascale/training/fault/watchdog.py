@@ -181,6 +181,9 @@ class Watchdog:
 
     def _peer_timeout(self, view: PeerView) -> Optional[float]:
         phase = view.record.get("phase", "startup") if view.record else "startup"
+        heard = int((view.record or {}).get("step", 0))
+        if phase != "step" and self.progress.phase == "step" and self.progress.step > heard + 1:
+            phase = "step"  # it trained since its last beat (this rank could not have stepped without it)
         return phase_timeout(phase, self.fault_cfg)
 
     def check(self, now: float) -> Optional[HangVerdict]:
@@ -211,7 +214,7 @@ class Watchdog:
                         if self.silent_for(r, now) > self.silence_limit and self._peer_timeout(view) is not None)
         if silent:
             details = {r: self._describe_silent(r, now) for r in silent}
-            step = min(int((self.peers[r].record or {}).get("step", self.progress.step)) for r in silent)
+            step = min(self._known_step(r) for r in silent)
             waiting = {r: self._describe_waiting(rec) for r, rec in self._stuck_records(now, fallback=False).items()
                        if r not in silent}
             return HangVerdict("silent", silent, details, step, waiting)
@@ -224,11 +227,31 @@ class Watchdog:
                       f"{stuck[r]['phase_age_s']:.0f} s in phase {_where(stuck[r])}" for r in culprits}
         return HangVerdict("stuck" if own_stuck else "silent", culprits, details, behind)
 
+    def _peers_step(self) -> int:
+        """The lowest step a live rank (this one, or a peer still beating) is in: every rank took part in the
+        collectives of the steps before it, so a silent rank reached at least the step before it."""
+        live = [self.progress.step] + [int(v.record.get("step", 0)) for r, v in self.peers.items()
+                                       if v.record is not None and v.record.get("phase") == "step"
+                                       and time.monotonic() - v.changed_at <= self.silence_limit]
+        return min(live)
+
+    def _known_step(self, rank: int) -> int:
+        """The latest step a silent rank is known to have reached: its last heartbeat's, or (when that beat
+        predates the steps its peers could not have run without it) the step before the peers' step."""
+        heard = int((self.peers[rank].record or {}).get("step", 0))
+        return max(heard, self._peers_step() - 1)
+
     def _describe_silent(self, rank: int, now: float) -> str:
         rec = self.peers[rank].record or {}
         host = rec.get("host", "unknown host")
         where = _where(rec) if rec else "startup (never reported)"
-        return f"{rank_label(rank, self.layout, host)} silent for {self.silent_for(rank, now):.0f} s in phase {where}"
+        line = f"{rank_label(rank, self.layout, host)} silent for {self.silent_for(rank, now):.0f} s"
+        heard, known = int(rec.get("step", 0)), self._known_step(rank)
+        if known > heard:  # its last heartbeat is older than what the peers prove it did
+            peers = self._peers_step()
+            return (f"{line}, in step {known} or {known + 1} (its peers are in step {peers}, which needs it; its "
+                    f"last heartbeat was in phase {where} at step {heard})")
+        return f"{line} in phase {where}"
 
     def _describe_waiting(self, rec: dict) -> str:
         return (f"{rank_label(int(rec['rank']), self.layout, rec.get('host', '?'))} waiting for "
