@@ -150,8 +150,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         with launcher_lock(cfg.train.output_dir, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s):
             return launch_local(argv, args.nproc, args.max_restarts, cfg)
     _hint_nproc(cfg)
-    run_training(cfg, args.backend)
+    try:
+        run_training(cfg, args.backend)
+    except (Exception, KeyboardInterrupt) as err:
+        _record_single_failure(cfg, err)
+        raise
     return 0
+
+
+def _record_single_failure(cfg: Config, err: BaseException) -> None:
+    """A single-process run that gives up (a failed final save, every checkpoint damaged, a crash): a terminal
+    `run_failed` event with its cause and exit code, in a run directory the run already wrote to."""
+    from megascale.errors import UserError
+    from megascale.training.fault.events import append_event
+    from megascale.training.fault.worker import under_agent
+
+    run_dir = Path(cfg.train.output_dir)
+    if under_agent() or not (run_dir / "config.yaml").exists() or isinstance(err, KeyboardInterrupt):
+        return
+    code = 2 if isinstance(err, (ConfigError, UserError)) else 1
+    append_event(run_dir, "run_failed", step=None, ranks=[0], exit_code=code,
+                 cause=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500])
 
 
 def _hint_nproc(cfg: Config) -> None:

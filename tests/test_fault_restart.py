@@ -484,3 +484,40 @@ def test_the_agents_restart_decision_is_one_megascale_line() -> None:
         api.logger.info("[%s] Rendezvous complete for workers", "default")
     assert err.getvalue() == ("megascale: the worker group failed; restarting it from the latest checkpoint "
                               "(restart 2 of 3)\n")
+
+
+def test_a_launcher_that_gives_up_writes_a_terminal_event_only_where_the_run_wrote(tmp_path: Path) -> None:
+    from megascale.training.fault.launcher import record_run_failed
+
+    record_run_failed(tmp_path, 2, {0: 2, 1: 1}, 0)  # a refused command's directory stays as it was
+    assert not (tmp_path / "events.jsonl").exists()
+    (tmp_path / "config.yaml").write_text("{}\n")
+    record_run_failed(tmp_path, 1, {1: -9, 0: 1}, 3)
+    (event,) = events(tmp_path, "run_failed")
+    assert (event["exit_code"], event["cause"], event["worker_codes"], event["restarts"]) == (
+        1, "a crash", {"0": 1, "1": -9}, 3)
+
+
+@pytest.mark.slow
+def test_giving_up_and_resuming_by_hand_are_events(tmp_path: Path) -> None:
+    """A run started again by hand is a `run_resumed` event saying what it followed; with every checkpoint
+    damaged the run exits 2 with a `run_failed` event naming the cause."""
+    from train_utils import SMALL
+
+    out = tmp_path / "run"
+
+    def run(steps: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "megascale.cli", "train", "--config", "configs/tiny.yaml",
+                               f"train.output_dir={out}", *SMALL, f"train.steps={steps}", "checkpoint.interval=2"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    assert run(4).returncode == 0
+    assert run(6).returncode == 0  # run again by hand with more steps: it resumes from step 4
+    assert [(e["step"], e["after"]) for e in events(out, "run_resumed")] == [(4, "run_end")]
+    for step_dir in sorted((out / "checkpoints").glob("step_*")):
+        corrupt_data_file(step_dir)
+    failed = run(8)
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    (event,) = events(out, "run_failed")
+    assert event["exit_code"] == 2 and "none is usable" in event["cause"]

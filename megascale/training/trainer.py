@@ -27,7 +27,7 @@ from megascale.perf.flops import device_peak, fp8_peak
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.timers import PhaseTimers
 from megascale.training.fault import numerics
-from megascale.training.fault.events import append_event
+from megascale.training.fault.events import append_event, read_events
 from megascale.training.fault.inject import FaultInjector
 from megascale.training.fault.progress import Progress
 from megascale.training.metrics import MetricsSink, elapsed_and_eta, format_line, moe_fields
@@ -243,6 +243,14 @@ class Trainer:
         if rng is not None and self.ckpt.last_load_stats.get("same_layout"):
             torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
             self.rng.load_state_dict(rng["tracker"])
+        from megascale.training.fault.inject import restart_attempt
+
+        if self.ctx.rank == 0 and not weights_only and restart_attempt() == 0:
+            # a run started again by hand (restarts of the worker group have their `restart` event)
+            ended = [e for e in read_events(self.run_dir) if e["kind"] in ("run_end", "run_failed", "preempted")]
+            append_event(self.run_dir, "run_resumed", step=self.step, ranks=[],
+                         after=ended[-1]["kind"] if ended else "no terminal event (killed)",
+                         checkpoint=str(self.ckpt.last_load_stats.get("path")))
         if self.ctx.is_logging_rank:
             if weights_only:
                 self.sink.print(f"loaded model weights from {path or self.ckpt.latest()}; optimizer starts fresh")
@@ -405,6 +413,9 @@ class Trainer:
             self.sink.print(f"checkpoint step {stats['step']} {state}: training blocked {stats['blocking_s']:.3f} s, "
                             f"total {stats['total_s']:.2f} s, {stats.get('bytes', 0) / 2**20:.1f} MiB")
         if not stats.get("ok") and numerics.NONFINITE_TAG not in (stats.get("error") or ""):
+            if self.ctx.rank == 0:
+                append_event(self.run_dir, "checkpoint_failed", step=int(stats["step"]), ranks=[],
+                             error=str(stats.get("error"))[:500], final=stats["step"] == self.cfg.train.steps)
             self._save_failed(stats)
 
     def _wait_uploads(self) -> None:

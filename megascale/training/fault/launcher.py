@@ -108,7 +108,9 @@ def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Conf
     try:
         run(launcher)
     except ChildFailedError as err:
-        return _report_failure(err, nproc, max_restarts, _silent_ranks(run_dir, nproc, env["MEGASCALE_LAUNCH_ID"]))
+        code = _report_failure(err, nproc, max_restarts, _silent_ranks(run_dir, nproc, env["MEGASCALE_LAUNCH_ID"]))
+        record_run_failed(run_dir, code, {rank: f.exitcode for rank, f in err.failures.items()}, max_restarts)
+        return code
     except SignalException as err:
         return _report_signal(signal.Signals(err.sigval), cfg, run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
     except KeyboardInterrupt:
@@ -142,6 +144,18 @@ def signal_deaths(codes: dict[int, int]) -> dict[int, str]:
                 name = f"signal {-code}"
             out[rank] = f"killed by {name}"
     return out
+
+
+def record_run_failed(run_dir: Path, code: int, codes: dict[int, int], restarts: int) -> None:
+    """The launcher gave up: a terminal `run_failed` event with the exit code, the failed workers' codes and the
+    restarts used (only in a run directory the run already wrote to: a refused command leaves none behind)."""
+    from megascale.training.fault.events import EVENTS_FILE, append_event
+
+    if not (run_dir / EVENTS_FILE).exists() and not (run_dir / "config.yaml").exists():
+        return
+    kind = {2: "a user or data error", 124: "a hang"}.get(code, "a crash")
+    append_event(run_dir, "run_failed", step=None, ranks=sorted(codes), exit_code=code, cause=kind,
+                 worker_codes={str(r): c for r, c in sorted(codes.items())}, restarts=restarts)
 
 
 def _silent_ranks(run_dir: Path, nproc: int, launch_id: str) -> list[int]:
