@@ -13,7 +13,7 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from megascale.cli import without_options
 from megascale.config import Config, ConfigError, load_config
@@ -69,21 +69,10 @@ def launch_elastic_local(argv: list[str], args: argparse.Namespace, overrides: l
 
 
 def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
-    """Initialise the process group from the environment (if any) and train."""
-    import torch.distributed as dist
-
-    from megascale.distributed.topology import init_process_group, read_dist_env
-    from megascale.training.fault.progress import Progress
-    from megascale.training.fault.rendezvous import init_on_agent_store
-    from megascale.training.fault.supervise import (
-        collective_timeout_s,
-        configure_nccl,
-        start_watchdog,
-    )
-    from megascale.training.fault.worker import exit_after_hang, worker_process
+    """Check the run, initialise the process group from the environment (if any) and train."""
+    from megascale.distributed.topology import read_dist_env
     from megascale.training.run_dir import preflight
     from megascale.training.run_lock import run_lock
-    from megascale.training.trainer import Trainer
 
     if backend is None and cfg.train.device == "cpu":
         backend = "gloo"
@@ -96,6 +85,24 @@ def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
     env = read_dist_env()
     cfg = elastic_config(cfg, env.world_size)  # fault.elastic=dp: dp and micro-batches for the ranks this group got
     lock = run_lock(cfg.train.output_dir, env.rank, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s)
+    try:
+        return _train_under(cfg, backend, env, lock)
+    except (Exception, KeyboardInterrupt) as err:
+        _record_single_failure(cfg, err)
+        raise
+
+
+def _train_under(cfg: Config, backend: Optional[str], env: Any, lock: Any) -> list[dict]:
+    """The run proper, once the checks passed: the fault protections, the process group, the trainer."""
+    import torch.distributed as dist
+
+    from megascale.distributed.topology import init_process_group
+    from megascale.training.fault.progress import Progress
+    from megascale.training.fault.rendezvous import init_on_agent_store
+    from megascale.training.fault.supervise import collective_timeout_s, configure_nccl, start_watchdog
+    from megascale.training.fault.worker import exit_after_hang, worker_process
+    from megascale.training.trainer import Trainer
+
     with lock, worker_process(env.rank, cfg.train.output_dir, env.world_size) as fault_state:
         # Hang watchdog: from launch on, so a rank stuck before its first step is named too.
         progress = Progress()
@@ -150,27 +157,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         with launcher_lock(cfg.train.output_dir, cfg.fault.heartbeat_s, cfg.fault.run_lock_stale_s):
             return launch_local(argv, args.nproc, args.max_restarts, cfg)
     _hint_nproc(cfg)
-    try:
-        run_training(cfg, args.backend)
-    except (Exception, KeyboardInterrupt) as err:
-        _record_single_failure(cfg, err)
-        raise
+    run_training(cfg, args.backend)
     return 0
 
 
 def _record_single_failure(cfg: Config, err: BaseException) -> None:
-    """A single-process run that gives up (a failed final save, every checkpoint damaged, a crash): a terminal
-    `run_failed` event with its cause and exit code, in a run directory the run already wrote to."""
-    from megascale.errors import UserError
+    """A single-process run that gives up after it started (a failed final save, every checkpoint damaged, a
+    crash): a terminal `run_failed` event with its cause and exit code. Not for a command refused by its checks
+    (a user error about the command leaves the run directory as it was), nor for the numerics' own `stop`."""
+    from megascale.checkpoint.format import CheckpointError, CheckpointMismatch
+    from megascale.errors import CommandDone, UserError
     from megascale.training.fault.events import append_event
+    from megascale.training.fault.numerics import NumericalStop
     from megascale.training.fault.worker import under_agent
 
     run_dir = Path(cfg.train.output_dir)
-    if under_agent() or not (run_dir / "config.yaml").exists() or isinstance(err, KeyboardInterrupt):
+    if under_agent() or read_dist_env_world() > 1 or not (run_dir / "config.yaml").exists():
         return
-    code = 2 if isinstance(err, (ConfigError, UserError)) else 1
+    gave_up = isinstance(err, CheckpointError) and not isinstance(err, CheckpointMismatch)
+    if not gave_up and isinstance(err, (ConfigError, UserError, CommandDone, NumericalStop, KeyboardInterrupt)):
+        return
+    code = 2 if isinstance(err, UserError) else 1
     append_event(run_dir, "run_failed", step=None, ranks=[0], exit_code=code,
                  cause=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500])
+
+
+def read_dist_env_world() -> int:
+    """World size from torchrun/srun variables (1 for a lone process)."""
+    from megascale.distributed.topology import read_dist_env
+
+    return read_dist_env().world_size
 
 
 def _hint_nproc(cfg: Config) -> None:

@@ -153,6 +153,9 @@ def record_run_failed(run_dir: Path, code: int, codes: dict[int, int], restarts:
 
     if not (run_dir / EVENTS_FILE).exists() and not (run_dir / "config.yaml").exists():
         return
+    last = read_events(run_dir)[-1:]
+    if last and last[0]["kind"] == "stop":  # the numerics policy's stop is the run's terminal event already
+        return
     kind = {2: "a user or data error", 124: "a hang"}.get(code, "a crash")
     append_event(run_dir, "run_failed", step=None, ranks=sorted(codes), exit_code=code, cause=kind,
                  worker_codes={str(r): c for r, c in sorted(codes.items())}, restarts=restarts)
