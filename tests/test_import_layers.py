@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "megascale"
 # and the run plan can weigh stages without reaching up into the model or the planner.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("megascale.errors", "megascale.seeds", "megascale.timers"),
-    ("megascale.config", "megascale.config_fields", "megascale.config_moe", "megascale.precision",
+    ("megascale.config", "megascale.config_fault", "megascale.config_fields", "megascale.config_moe", "megascale.precision",
      "megascale.layout_rules"),
     ("megascale.model.flops",),
     ("megascale.kernels", "megascale.optim"),

@@ -24,6 +24,18 @@ def resolve_backend(args: argparse.Namespace) -> str:
     return torch.cuda.get_device_name(0) if args.backend == "nccl" else f"CPU ({os.cpu_count()} cores)"
 
 
+def join_spawned(rank: int, args: argparse.Namespace, init_file: str) -> torch.device:
+    """A spawned worker's start: its threads (args.threads), its GPU under NCCL, the process group through
+    file://init_file; returns the rank's device."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=args.nproc)
+    return torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+
+
 def spawn_and_collect(worker: Callable[..., Any], args: argparse.Namespace) -> dict[str, float]:
     """Spawn args.nproc ranks of worker and return {name: value} of what rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:

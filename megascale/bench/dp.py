@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megascale.bench._spawned import resolve_backend, spawn_and_collect
+from megascale.bench._spawned import join_spawned, resolve_backend, spawn_and_collect
 from megascale.config import Config, ZeroStage
 from megascale.distributed.data_parallel.optimizer import DistributedOptimizer
 from megascale.distributed.sharding import full_spec, set_shard
@@ -97,12 +97,7 @@ class Variant:
 
 
 def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
-    torch.set_num_threads(args.threads)
-    backend = args.backend
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=args.nproc)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = join_spawned(rank, args, init_file)
     variants = {label: Variant(args, rank, device, zero, use_dp, overlap_grad, overlap_gather)
                 for label, zero, use_dp, overlap_grad, overlap_gather in VARIANTS}
     samples: dict[str, list[float]] = {label: [] for label in variants}

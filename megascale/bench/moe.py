@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megascale.bench._spawned import resolve_backend, spawn_and_collect
+from megascale.bench._spawned import join_spawned, resolve_backend, spawn_and_collect
 from megascale.config import Config, load_config
 from megascale.distributed.expert_parallel.dispatch import PHASES, all_to_all_rows
 from megascale.distributed.topology import ParallelContext, RankLayout
@@ -188,11 +188,7 @@ def timed_pass(layer: Any, x: Tensor, overlap: bool, device: torch.device) -> tu
 
 
 def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
-    torch.set_num_threads(args.threads)
-    if args.backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=args.nproc)
-    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    device = join_spawned(rank, args, init_file)
     torch.manual_seed(10 + rank)
     moe, dense = build_layers(args, rank, device)
     dtype = next(dense.parameters()).dtype

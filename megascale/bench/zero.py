@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megascale.bench._spawned import resolve_backend, spawn_and_collect
+from megascale.bench._spawned import join_spawned, resolve_backend, spawn_and_collect
 
 DEFAULT_MODEL = ["model.num_layers=12", "model.hidden_size=768", "model.num_heads=12", "model.num_kv_heads=12",
                  "model.vocab_size=32000", "model.seq_length=64", "train.global_batch_size=8",
@@ -98,11 +98,7 @@ def planned(cfg: Any, world: int, stage: int) -> dict[str, float]:
 
 
 def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
-    torch.set_num_threads(args.threads)
-    if args.backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=args.nproc)
-    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    device = join_spawned(rank, args, init_file)
     rows = []
     for zero in args.levels:
         cfg = _config(args, zero)

@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Protocol
 
-from megascale.config import HeartbeatStore
+from megascale.config_fault import HeartbeatStore
 from megascale.training.fault.disk_writes import RecordWriter
 
 

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
-from megascale.config import NanPolicy, choices_of
+from megascale.config import choices_of
+from megascale.config_fault import NanPolicy
 from megascale.errors import UserError
 from megascale.training.fault.events import append_event
 

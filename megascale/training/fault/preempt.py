@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megascale.config import PreemptSignal
+from megascale.config_fault import PreemptSignal
 
 EXIT_STUCK = 143  # 128 + SIGTERM: what a rank killed by the agent's SIGTERM would have returned
 
