@@ -157,6 +157,8 @@ class DistributedOptimizer:
         for chunk in chunks:
             swap_params(chunk, replaced)
             materialize_params(chunk)  # what no buffer holds (frozen parameters)
+        for buf in self.buffers:
+            buf.replaced = {}  # ids of parameters now gone: never to be looked up again
         self._comm_of = {id(buf): comm for buf, comm in zip(self.buffers, self.buffer_comms)}
         self.slots = [slot for buf in self.buffers for slot in buf.slots]
         self.sp_params = [s.param for s in self.slots if getattr(s.param, SEQUENCE_PARALLEL_GRAD_ATTR, False)]
@@ -169,6 +171,9 @@ class DistributedOptimizer:
         self._norm_grads = [buf.owned_grad(seg) for buf, counted in zip(self.buffers, self._norm_buffers())
                             if counted for seg in buf.segments if seg.slot.spec.counts_for_norm]
         # Sharded gradients: the owned pieces of the sequence-parallel partial gradients (summed over tp).
+        # ...and those whose gradient stays whole (a full_reduce bucket's): summed over tp as whole tensors.
+        self._sp_whole = [s.param for buf in self.buffers for s in buf.slots
+                          if not buf.sharded(s.bucket) and getattr(s.param, SEQUENCE_PARALLEL_GRAD_ATTR, False)]
         self._sp_owned = [buf.owned_grad(seg) for buf in self.buffers for seg in buf.segments
                           if buf.sharded(seg.slot.bucket) and getattr(seg.slot.param, SEQUENCE_PARALLEL_GRAD_ATTR,
                                                                       False)]
@@ -309,7 +314,7 @@ class DistributedOptimizer:
         # Buffer layouts are identical across tp ranks, so with ZeRO the owned ranges line up.
         if self.zero >= 2:
             self._sum_flat(self._sp_owned, self.ctx.group("tp"), "tp_all_reduce")
-            self._sum_grads([p for p in self.sp_params if not self._grad_is_sharded(p)], self.ctx.group("tp"),
+            self._sum_grads(self._sp_whole, self.ctx.group("tp"),
                             "tp_all_reduce")
         else:
             self._sum_grads(self.sp_params, self.ctx.group("tp"), "tp_all_reduce")
@@ -333,9 +338,6 @@ class DistributedOptimizer:
             handles = [torch.distributed.all_reduce(p, group=self.replica_group, async_op=True) for p in pieces]
             for handle in handles:
                 handle.wait()
-
-    def _grad_is_sharded(self, param: Tensor) -> bool:
-        return any(buf.sharded(slot.bucket) for buf in self.buffers for slot in buf.slots if slot.param is param)
 
     def _sum_grads(self, params: list[nn.Parameter], group: Optional[Any], phase: str) -> None:
         if not params or group is None:

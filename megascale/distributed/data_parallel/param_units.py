@@ -132,7 +132,7 @@ class ParamSharder:
             self.chunk_units.append(units)
         self.buckets = [(buf, bucket) for buf in buffers if buf.shard_params for bucket in buf.buckets]
         self.gathers = 0  # bucket all-gathers launched (for benchmarks and tests)
-        self.peak_gathered_bytes = 0
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # bytes of gathered buckets now, and at most
         self._hooks: list[Any] = []
         for units in self.chunk_units:
             for index, unit in enumerate(units):
@@ -146,11 +146,13 @@ class ParamSharder:
         comm = self._comm_of[id(buf)]
         bucket.gather_handle = comm.all_gather(buf.param_flat(bucket), buf.param_owned(bucket), async_op=True)
         self.gathers += 1
-        self._note_peak()
+        self.gathered_bytes += _nbytes(bucket)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
-    def _note_peak(self) -> None:
-        held = sum(bucket.full.untyped_storage().nbytes() for _, bucket in self.buckets if bucket.full is not None)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
+    def _free(self, buf: GradBuffer, bucket: Bucket) -> None:
+        self._wait(bucket)
+        buf.free(bucket)
+        self.gathered_bytes -= _nbytes(bucket)
 
     def _hold(self, unit: ShardUnit) -> None:
         for buf, bucket in unit.buckets:
@@ -163,8 +165,7 @@ class ParamSharder:
         for buf, bucket in unit.buckets:
             bucket.holders -= 1
             if bucket.holders == 0:
-                self._wait(bucket)
-                buf.free(bucket)
+                self._free(buf, bucket)
                 freed = True
         if freed:
             invalidate_weight_caches(unit.modules)  # their float8 weight copies go with the gathered weights
@@ -212,14 +213,16 @@ class ParamSharder:
             for unit in units:
                 unit.active = unit.arrived = unit.backwards = unit.kept = 0
                 unit.prefetched = False
+        freed = set()
         for buf, bucket in self.buckets:
-            self._wait(bucket)
             bucket.holders = 0
             if bucket.gathered:
-                buf.free(bucket)
-        for units in self.chunk_units:
+                self._free(buf, bucket)
+                freed.add(id(bucket))
+        for units in self.chunk_units:  # FP8 weight copies go with the gathered weights they were made from
             for unit in units:
-                invalidate_weight_caches(unit.modules)
+                if any(id(bucket) in freed for _, bucket in unit.buckets):
+                    invalidate_weight_caches(unit.modules)
 
     def gather_all(self) -> None:
         """Gather every bucket and keep it (reading whole parameters outside a forward: evaluation tools)."""
@@ -293,6 +296,12 @@ class ParamSharder:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _nbytes(bucket: Bucket) -> int:
+    """Bytes of a bucket's gathered parameters."""
+    assert bucket.full is not None
+    return bucket.numel * bucket.full.element_size()
 
 
 def _tensors(value: Any) -> list[Tensor]:
