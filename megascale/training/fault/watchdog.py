@@ -214,7 +214,7 @@ class Watchdog:
                         if self.silent_for(r, now) > self.silence_limit and self._peer_timeout(view) is not None)
         if silent:
             details = {r: self._describe_silent(r, now) for r in silent}
-            step = min(self._known_step(r) for r in silent)
+            step = min(self._known_step(r, now) for r in silent)
             waiting = {r: self._describe_waiting(rec) for r, rec in self._stuck_records(now, fallback=False).items()
                        if r not in silent}
             return HangVerdict("silent", silent, details, step, waiting)
@@ -227,28 +227,28 @@ class Watchdog:
                       f"{stuck[r]['phase_age_s']:.0f} s in phase {_where(stuck[r])}" for r in culprits}
         return HangVerdict("stuck" if own_stuck else "silent", culprits, details, behind)
 
-    def _peers_step(self) -> int:
+    def _peers_step(self, now: float) -> int:
         """The lowest step a live rank (this one, or a peer still beating) is in: every rank took part in the
         collectives of the steps before it, so a silent rank reached at least the step before it."""
         live = [self.progress.step] + [int(v.record.get("step", 0)) for r, v in self.peers.items()
                                        if v.record is not None and v.record.get("phase") == "step"
-                                       and time.monotonic() - v.changed_at <= self.silence_limit]
+                                       and now - v.changed_at <= self.silence_limit]
         return min(live)
 
-    def _known_step(self, rank: int) -> int:
+    def _known_step(self, rank: int, now: float) -> int:
         """The latest step a silent rank is known to have reached: its last heartbeat's, or (when that beat
         predates the steps its peers could not have run without it) the step before the peers' step."""
         heard = int((self.peers[rank].record or {}).get("step", 0))
-        return max(heard, self._peers_step() - 1)
+        return max(heard, self._peers_step(now) - 1)
 
     def _describe_silent(self, rank: int, now: float) -> str:
         rec = self.peers[rank].record or {}
         host = rec.get("host", "unknown host")
         where = _where(rec) if rec else "startup (never reported)"
         line = f"{rank_label(rank, self.layout, host)} silent for {self.silent_for(rank, now):.0f} s"
-        heard, known = int(rec.get("step", 0)), self._known_step(rank)
+        heard, known = int(rec.get("step", 0)), self._known_step(rank, now)
         if known > heard:  # its last heartbeat is older than what the peers prove it did
-            peers = self._peers_step()
+            peers = self._peers_step(now)
             return (f"{line}, in step {known} or {known + 1} (its peers are in step {peers}, which needs it; its "
                     f"last heartbeat was in phase {where} at step {heard})")
         return f"{line} in phase {where}"
