@@ -18,7 +18,7 @@ from megascale.timers import PhaseTimers, StepTimes, timed
 from megascale.training.fault.inject import FaultInjector, parse_fault_spec
 from megascale.training.metrics import elapsed_and_eta, format_line
 from megascale.training.profiling import parse_profile_steps
-from megascale.training.stragglers import find_stragglers, phase_spread, relative_slowness
+from megascale.training.stragglers import find_stragglers, phase_field, phase_spread, relative_slowness
 
 
 @pytest.fixture
@@ -233,3 +233,11 @@ def test_bookkeeping_is_not_compute():
                       spans=[("forward", 0.0, 10.0), ("dp_all_reduce", 10.0, 1.0), ("logging", 12.0, 5.0),
                              ("loss_all_reduce", 13.0, 2.0)])
     assert times.compute_s == pytest.approx(20.0 - 1.0 - 5.0)
+
+
+
+def test_log_line_shows_a_spread_only_between_ranks():
+    """One rank has no spread to report: the log line names the slowest phase alone."""
+    assert phase_field(_records({0: [200.0, 240.0]})) == " | slowest forward 110 ms"
+    assert phase_field(_records({0: [200.0], 1: [280.0]})) == " | slowest forward 120 ms (spread 40 ms)"
+    assert phase_field([]) == ""

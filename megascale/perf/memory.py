@@ -300,6 +300,10 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
+def _micro_batches(count: float) -> str:
+    return "micro-batch" if count == 1 else "micro-batches"
+
+
 def format_memory(est: MemoryEstimate) -> str:
     """One-line summary, e.g. for the trainer's start-up banner."""
     logits = f", logits {_size(est.logits_bytes)}" if est.logits_bytes else ""
@@ -307,9 +311,10 @@ def format_memory(est: MemoryEstimate) -> str:
     awaiting = f", {est.awaiting_weight_microbatches:.3g} awaiting W" if est.awaiting_weight_microbatches else ""
     if est.gathered_params_bytes is not None:
         fp8 += f", gathered params {_size(est.gathered_params_bytes)}"
+    inflight = f"{est.inflight_microbatches:.3g} {_micro_batches(est.inflight_microbatches)} in flight"
     return (f"memory estimate per rank ({est.description}; {est.layers} layers, {est.num_params / 1e6:.2f}M params): "
             f"params {_size(est.params_bytes)}, grads {_size(est.grads_bytes)}, "
             f"optimizer {_size(est.optimizer_bytes)}, activations {_size(est.activations_bytes)} "
-            f"({est.inflight_microbatches:.3g} micro-batches in flight{awaiting}){logits}, "
+            f"({inflight}{awaiting}){logits}, "
             f"buffers {_size(est.comm_buffers_bytes)}, transient {_size(est.transient_bytes)}{fp8}, "
             f"total {_size(est.total_bytes)}")

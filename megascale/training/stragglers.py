@@ -155,5 +155,16 @@ def phase_spread(records: list[dict]) -> tuple[str, float, float]:
     return slowest, statistics.fmean(values), max(values) - min(values)
 
 
-__all__ = ["Straggler", "find_stragglers", "peer_groups", "per_rank_medians", "phase_spread", "relative_slowness",
-           "step_ratios"]
+def phase_field(records: list[dict]) -> str:
+    """' | slowest PHASE x ms (spread y ms)' for the log line from an interval's records; one rank has no
+    spread to show, and no records give ''."""
+    name, mean_ms, spread_ms = phase_spread(records)
+    if not name:
+        return ""
+    if len({int(record["rank"]) for record in records}) < 2:
+        return f" | slowest {name} {mean_ms:.0f} ms"
+    return f" | slowest {name} {mean_ms:.0f} ms (spread {spread_ms:.0f} ms)"
+
+
+__all__ = ["Straggler", "find_stragglers", "peer_groups", "per_rank_medians", "phase_field", "phase_spread",
+           "relative_slowness", "step_ratios"]

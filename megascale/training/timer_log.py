@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megascale.timers import StepTimes
 from megascale.training.fault.disk_writes import RecordWriter
 from megascale.training.fault.events import append_event
-from megascale.training.stragglers import find_stragglers, phase_spread
+from megascale.training.stragglers import find_stragglers, phase_field
 
 TIMERS_FILE = "timers.jsonl"
 _STOP = object()
@@ -55,7 +55,7 @@ class TimerLog:
         self.pending: list[dict] = []
         self.recent: dict[int, list[dict]] = {}  # step -> every rank's record: the straggler window
         self.first_step: Optional[int] = None
-        self.summary: Optional[tuple[str, float, float]] = None
+        self.field = ""  # the log line's phase field from the latest interval
         self.named: set[int] = set()
         self._arrived: queue.Queue[list[dict]] = queue.Queue()
         self._outbox: queue.Queue[Any] = queue.Queue()
@@ -131,7 +131,7 @@ class TimerLog:
     def _record_interval(self, records: list[dict], step: int) -> None:
         records.sort(key=lambda r: (r["step"], r["rank"]))
         self.writer.append(self.path, "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records))
-        self.summary = phase_spread(records)
+        self.field = phase_field(records)
         for record in records:
             if record["step"] != self.first_step:  # the first step warms up allocators and caches: not a signal
                 self.recent.setdefault(int(record["step"]), []).append(record)
@@ -147,10 +147,7 @@ class TimerLog:
 
     def log_fields(self) -> str:
         """' | slowest PHASE x ms (spread y ms)' for the log line, or '' before any interval arrived."""
-        if not self.summary or not self.summary[0]:
-            return ""
-        name, mean_ms, spread_ms = self.summary
-        return f" | slowest {name} {mean_ms:.0f} ms (spread {spread_ms:.0f} ms)"
+        return self.field
 
 
 __all__ = ["TIMERS_FILE", "TimerLog", "logging_rank"]
