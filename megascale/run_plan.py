@@ -258,8 +258,6 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
     schedule = NO_PIPELINE
     if p.pp > 1:
         schedule = resolve_schedule_name(p.pipeline_schedule, p.vpp)
-        if is_v_shape(schedule):
-            check_zbv(cfg)
         validate_schedule(schedule, p.pp, p.vpp, micro)
     sequence_parallel = p.sequence_parallel and p.tp > 1
     local_seq = m.seq_length // p.cp
@@ -272,18 +270,6 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
         activation_shape=(local_seq // p.tp if sequence_parallel else local_seq, t.micro_batch_size, m.hidden_size),
         precision=precision_of(t.dtype), ep=p.ep, etp=p.etp, dp_shard=check_dp_shard(cfg, dp),
     )
-
-
-def check_zbv(cfg: Config) -> None:
-    """ZB-V's requirements, all of them in one line: two chunks per rank, untied embeddings."""
-    needs = []
-    if cfg.parallel.vpp != 2:
-        needs.append(f"parallel.vpp=2 (two chunks per rank form the V; it is {cfg.parallel.vpp})")
-    if cfg.model.tie_embeddings:
-        needs.append("model.tie_embeddings=false (the first and the last stage share pipeline rank 0, which the "
-                     "tied embedding copy does not support)")
-    if needs:
-        raise ConfigError("parallel.pipeline_schedule=zbv needs " + " and ".join(needs))
 
 
 def check_dp_shard(cfg: Config, dp: int) -> int:
@@ -314,7 +300,6 @@ __all__ = [
     "check_expert_parallel",
     "check_layout",
     "check_order",
-    "check_zbv",
     "data_parallel_size",
     "microbatches_per_step",
     "precision_of",

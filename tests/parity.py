@@ -11,8 +11,8 @@ What this module gives the parity tests:
   `world` ranks, the model chunks; only this file follows `build_model`'s signature;
 - the reductions the data-parallel optimizer applies before reading gradients
   (sequence-parallel partial sums over tp, the dp x cp sum over cp, the tied
-  embedding's two copies over the embedding group), so a test compares what the
-  optimizer would see;
+  embedding's two copies over the embedding group, or on rank 0 under ZB-V), so a
+  test compares what the optimizer would see;
 - gathering a rank's shards to global shape by the ShardSpec every parameter
   carries (megascale/distributed/sharding.py), keyed by global name, and merging
   the parts the pipeline stages hold;
@@ -125,17 +125,26 @@ def reduce_grads(params: Iterable[torch.Tensor], ctx: ParallelContext, *, over_c
       sums over their sequence shard: sum over tp;
     - over_cp: each cp rank saw only its tokens: sum over cp (the dp x cp reduction);
     - tied: the word embedding also lives on the last pipeline stage; both copies sum
-      over the embedding group (needs pp > 1).
+      over the embedding group (needs pp > 1), or under ZB-V (ctx.v_shape), where the
+      first and the last stage are both on pipeline rank 0, on that rank.
     """
     from megascale.distributed import comm
     from megascale.distributed.sharding import get_shard
 
+    copies = []
     for param in params:
         if getattr(param, "sequence_parallel_grad", False):
             comm.all_reduce(param.grad, ctx.group("tp"))
         if over_cp:
             comm.all_reduce(param.grad, ctx.group("cp"))
         if tied and get_shard(param).global_name == TIED_EMBEDDING:
+            copies.append(param)
+    if ctx.v_shape and len(copies) > 1:
+        total = sum(param.grad for param in copies)
+        for param in copies:
+            param.grad = total.clone()
+    elif not ctx.v_shape:
+        for param in copies:
             comm.all_reduce(param.grad, ctx.group("embedding"))
 
 

@@ -28,11 +28,14 @@ from train_utils import train
 
 BASE = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.vocab_size=100",
         "model.vocab_pad_multiple=16", "model.seq_length=8", "train.seed=11", "train.micro_batch_size=2"]
-ZBV = ["parallel.vpp=2", "parallel.pipeline_schedule=zbv", "model.tie_embeddings=false"]
+ZBV_TIED = ["parallel.vpp=2", "parallel.pipeline_schedule=zbv"]  # embeddings tied by default
+ZBV = [*ZBV_TIED, "model.tie_embeddings=false"]
 LFA = ["model.lfa=true", "model.norm=rmsnorm"]
 CASES = {  # name -> (layout overrides, micro-batches)
     "pp2_zbh1_tied": (["parallel.pp=2", "parallel.pipeline_schedule=zb-h1"], 4),
     "pp2_zbv_lfa": (["parallel.pp=2", *ZBV, *LFA], 4),
+    # Tied: rank 0 holds the embedding (chunk 0) and its copy in the loss head (chunk 1), summed there.
+    "pp2_zbv_tied": (["parallel.pp=2", *ZBV_TIED], 4),
 }
 SLOW_CASES = {
     "tp2_pp2_sp_zbh1_lfa": (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
@@ -151,6 +154,7 @@ def _curve(out: Path, *overrides: str, nproc: int = 0) -> list[dict]:
     pytest.param(["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "parallel.pipeline_schedule=zb-h1",
                   "parallel.grad_bucket_mb=0.05"], 4, id="pp2_dp2_zero1_zbh1", marks=pytest.mark.slow),
     pytest.param(["parallel.pp=2", *ZBV], 2, id="pp2_zbv", marks=pytest.mark.slow),
+    pytest.param(["parallel.pp=2", *ZBV_TIED], 2, id="pp2_zbv_tied", marks=pytest.mark.slow),
 ])
 def test_training_reproduces_single_process_curve(tmp_path: Path, layout: list[str], nproc: int) -> None:
     ref = _curve(tmp_path / "ref", *parity.reference_overrides(layout))

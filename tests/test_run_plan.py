@@ -266,11 +266,23 @@ def test_a_layout_of_two_ranks_in_one_process_names_the_nproc(monkeypatch: pytes
     _hint_nproc(load_config("configs/tiny.yaml", ["parallel.tp=2"]))  # under torchrun: the plan checks the world
 
 
-def test_zbv_names_all_its_requirements_at_once() -> None:
-    cfg = load_config(None, ["parallel.pp=2", "parallel.pipeline_schedule=zbv", "model.tie_embeddings=true",
-                             "train.global_batch_size=8", "train.micro_batch_size=1"])
-    with pytest.raises(ConfigError, match=r"zbv needs parallel.vpp=2 .* and model.tie_embeddings=false"):
+def test_zbv_needs_two_chunks_and_takes_tied_embeddings() -> None:
+    """ZB-V's V puts the first and the last stage on pipeline rank 0: the tied embedding's copies add there, so
+    the plan accepts tied embeddings and the planner times no embedding all-reduce for them."""
+    from megascale.model.params import ModelLayout, param_table
+    from megascale.perf.gpus import builtin_gpu
+    from megascale.perf.timing import step_time
+
+    base = ["parallel.pp=2", "model.tie_embeddings=true", "train.global_batch_size=8", "train.micro_batch_size=1"]
+    cfg = load_config(None, [*base, "parallel.pipeline_schedule=zbv"])
+    with pytest.raises(ConfigError, match=r"zbv runs two chunks per rank .* set parallel.vpp=2"):
         resolve_plan(cfg, 2)
     cfg.parallel.vpp = 2
-    with pytest.raises(ConfigError, match=r"zbv needs model.tie_embeddings=false \(the first"):
-        resolve_plan(cfg, 2)
+    syncs = {}
+    for schedule in ("zbv", "interleaved"):
+        cfg.parallel.pipeline_schedule = schedule
+        plan = resolve_plan(cfg, 2)
+        table = param_table(cfg, ModelLayout.from_plan(plan))
+        step = step_time(cfg, plan, builtin_gpu("h100"), table, simulate_pipeline=False)
+        syncs[schedule] = step.exposed["embedding_grad_sync"]
+    assert syncs["zbv"] == 0.0 < syncs["interleaved"]

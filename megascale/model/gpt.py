@@ -67,8 +67,9 @@ class GPTChunk(nn.Module):
             if m.tie_embeddings and first:
                 self.output_weight = None  # reuse self.word_embeddings.weight
             elif m.tie_embeddings:
-                # A copy of the first stage's embedding; same init (seeded by name), grads summed over
-                # the embedding group, written to checkpoints by the first stage only.
+                # A copy of the first stage's embedding; same init (seeded by name), grads summed with the
+                # primary's (over the embedding group, or on this rank under ZB-V, whose V puts the first and
+                # the last stage on pipeline rank 0), written to checkpoints once.
                 self.output_embedding = VocabParallelEmbedding(WORD_EMBEDDING_MODULE, m.padded_vocab_size,
                                                                m.hidden_size, bc.tp, m.init_std, primary=False)
             else:

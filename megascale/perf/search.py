@@ -291,8 +291,7 @@ def _reason(message: str) -> str:
                         ("divisible by parallel.tp", "a model width does not divide by tp"),
                         ("divisible by parallel.etp", "the expert width does not divide by etp"),
                         ("Ulysses", "heads do not divide by the Ulysses size"),
-                        ("seq_length", "sequence does not split over tp x cp"),
-                        ("tie_embeddings", "zbv needs untied embeddings")):
+                        ("seq_length", "sequence does not split over tp x cp")):
         if key in message:
             return reason
     return message.split(";")[0]

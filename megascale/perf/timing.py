@@ -22,7 +22,8 @@ A step is:
    what the previous layer's compute cannot hide. ZeRO collectives run over the
    shard group; hybrid sharding (`parallel.dp_shard`) adds the all-reduce of the
    gradient shards over the replica group, exposed;
-3. the tied-embedding gradient all-reduce between the first and last stage;
+3. the tied-embedding gradient all-reduce between the first and last stage (none under zbv, whose
+   V puts both on pipeline rank 0);
 4. the optimizer step, memory-bound over this rank's (ZeRO-sharded) parameters;
 5. under train.fp8, quantising the rank's float8 weights (W and W^T) once, in the step's first
    forward (`fp8_weight_cast`).
@@ -250,8 +251,9 @@ def optimizer_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: i
 
 
 def _embedding_sync(cfg: Config, plan: RunPlan, spec: GpuSpec) -> float:
-    """All-reduce of the tied embedding's gradient between the first and last pipeline stage."""
-    if plan.pp == 1 or not cfg.model.tie_embeddings:
+    """All-reduce of the tied embedding's gradient between the first and last pipeline stage (none under ZB-V,
+    whose V puts both on pipeline rank 0: its copies add there)."""
+    if plan.pp == 1 or plan.v_shape or not cfg.model.tie_embeddings:
         return 0.0
     nbytes = cfg.model.padded_vocab_size // plan.tp * cfg.model.hidden_size * 4
     return collective_seconds("all_reduce", nbytes, 2, spec, group_spans_nodes(plan, ("pp",), spec.gpus_per_node))

@@ -133,8 +133,8 @@ class DistributedOptimizer:
             raise UserError(f"parallel.grad_bucket_mb={cfg.parallel.grad_bucket_mb} must be > 0")
         bucket_size = bucket_numel(cfg.parallel.grad_bucket_mb)
         tied = cfg.model.tie_embeddings and ctx.pp_size > 1
-        # The tied embedding's gradient is summed over first+last stage after the dp
-        # reduction; the stages' buffers differ, so it must be whole there: all-reduce it.
+        # The tied embedding's gradient is summed over its two copies (first and last stage) after the dp
+        # reduction; the copies' buffers differ, so it must be whole there: all-reduce it.
         full_reduce = frozenset({TIED_EMBEDDING}) if tied and self.sharded else frozenset()
         self.buffers: list[GradBuffer] = []
         self.buffer_chunk: list[int] = []  # chunk index of each buffer
@@ -163,6 +163,8 @@ class DistributedOptimizer:
         self.slots = [slot for buf in self.buffers for slot in buf.slots]
         self.sp_params = [s.param for s in self.slots if getattr(s.param, SEQUENCE_PARALLEL_GRAD_ATTR, False)]
         self.tied_params = [s.param for s in self.slots if tied and s.spec.global_name == TIED_EMBEDDING]
+        # ZB-V puts the first and the last stage on pipeline rank 0: both copies are here, the tie is local.
+        self.tied_group = None if ctx.v_shape else ctx.group("embedding")
         self.math = OptimizerState(self.buffers, cfg.optim, ctx, sharded=self.sharded, shard_group=self.comm.group,
                                    expert_buffers=[comm is self.expert_comm and self.expert_parallel
                                                    for comm in self.buffer_comms])
@@ -318,9 +320,20 @@ class DistributedOptimizer:
                             "tp_all_reduce")
         else:
             self._sum_grads(self.sp_params, self.ctx.group("tp"), "tp_all_reduce")
-        self._sum_grads(self.tied_params, self.ctx.group("embedding"), "embedding_all_reduce")
+        self._sum_tied()
         if self.sharder is not None:
             self.sharder.release_all()
+
+    def _sum_tied(self) -> None:
+        """Give each tied embedding copy the gradient of both ends: added on this rank when both copies are here
+        (ZB-V: rank 0 holds the first and the last stage), else over the embedding group. The copies then step
+        alike and stay equal; norms count the primary only."""
+        if len(self.tied_params) > 1:
+            grads = [main_grad(p) for p in self.tied_params]
+            total = sum(grads[1:], grads[0].clone())
+            for grad in grads:
+                grad.copy_(total)
+        self._sum_grads(self.tied_params, self.tied_group, "embedding_all_reduce")
 
     def _sum_over_replicas(self) -> None:
         """Hybrid sharding: sum each reduced gradient shard (and each whole full_reduce bucket) over the replicas
