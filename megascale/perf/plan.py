@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import textwrap
-from typing import TYPE_CHECKING, Optional
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, TextIO
 
 from megascale.config import Config, load_config
 from megascale.perf.gpus import BUILTIN_GPUS, GpuSpec, resolve_gpu
@@ -20,7 +25,7 @@ from megascale.run_plan import resolve_plan
 
 if TYPE_CHECKING:
     from megascale.perf.predict import Prediction
-    from megascale.perf.search import Candidate
+    from megascale.perf.search import Candidate, SearchProgress
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -96,10 +101,37 @@ def _reproduce(name: str, as_json: bool) -> int:
     return 0
 
 
+@dataclass
+class ProgressLines:
+    """Writes a running search's progress to `stream` (stderr: stdout keeps the result, one JSON object with
+    --json): nothing for the first `after` seconds, so a quick search prints only its result; after that a
+    line at most every `every` seconds, and one as the second phase (the pipeline simulator) starts."""
+
+    stream: TextIO
+    after: float = 3.0
+    every: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    start: float = field(init=False)
+    last: float = field(init=False, default=-math.inf)
+    phase: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.start = self.clock()
+
+    def __call__(self, status: SearchProgress) -> None:
+        """`search`'s progress callback."""
+        now = self.clock()
+        if now - self.start < self.after or (now - self.last < self.every and status.phase == self.phase):
+            return
+        self.last, self.phase = now, status.phase
+        print(f"megascale plan --search: {status.describe()} [{now - self.start:.0f} s]", file=self.stream,
+              flush=True)
+
+
 def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> int:
     from megascale.perf.search import explain, search
 
-    result = search(cfg, gpus, spec, top=top)
+    result = search(cfg, gpus, spec, top=top, progress=ProgressLines(sys.stderr))
     if as_json:
         print(json.dumps({"considered": result.considered, "dropped": dict(result.dropped),
                           "ranked": [{**c.prediction.to_json(), "label": c.label()} for c in result.ranked],
@@ -191,4 +223,4 @@ def format_prediction(pred: Prediction) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_prediction", "main"]
+__all__ = ["ProgressLines", "format_prediction", "main"]
