@@ -21,6 +21,7 @@ runs it so those errors surface as soon as the file is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megascale.config import Config, ConfigError
 from megascale.distributed.pipeline.partition import (
@@ -34,7 +35,6 @@ from megascale.distributed.pipeline.schedules import (
     resolve_schedule_name,
     validate_schedule,
 )
-from megascale.distributed.topology import RankLayout
 from megascale.layout_rules import (
     check_context_parallel,
     check_expert_tensor_parallel,
@@ -42,7 +42,10 @@ from megascale.layout_rules import (
     check_moe,
     check_order,
 )
-from megascale.precision import DTYPES, PRECISIONS, Precision, precision_of
+
+if TYPE_CHECKING:
+    from megascale.distributed.topology import RankLayout
+    from megascale.precision import Precision
 
 NO_PIPELINE = "none"
 
@@ -154,6 +157,8 @@ class RunPlan:
 
     def rank_layout(self) -> RankLayout:
         """The rank <-> (tp, cp, dp, pp) coordinate arithmetic of this layout (no process groups)."""
+        from megascale.distributed.topology import RankLayout
+
         return RankLayout(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.order, ep=self.ep,
                           dp_shard=self.dp_shard)
 
@@ -243,7 +248,10 @@ def _split_kind(split: object) -> str:
 
 
 def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
-    """The run plan of cfg on world_size ranks; raises ConfigError naming the key and the fix."""
+    """The run plan of cfg on world_size ranks; raises ConfigError naming the key and the fix.
+
+    Every check runs before torch is imported (the precision's torch dtypes are the last thing read), so a
+    refused layout is answered in the time the config takes to load."""
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be >= 1")
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -261,6 +269,8 @@ def resolve_plan(cfg: Config, world_size: int) -> RunPlan:
         validate_schedule(schedule, p.pp, p.vpp, micro)
     sequence_parallel = p.sequence_parallel and p.tp > 1
     local_seq = m.seq_length // p.cp
+    from megascale.precision import precision_of  # torch: imported once every check has passed
+
     return RunPlan(
         world_size=world_size, tp=p.tp, pp=p.pp, dp=dp, cp=p.cp, vpp=p.vpp, order=p.order, zero=p.zero,
         sequence_parallel=sequence_parallel, cp_mode=p.cp_mode, ulysses_size=ulysses, ring_size=p.cp // ulysses,
@@ -290,10 +300,7 @@ def check_dp_shard(cfg: Config, dp: int) -> int:
 
 
 __all__ = [
-    "DTYPES",
     "NO_PIPELINE",
-    "PRECISIONS",
-    "Precision",
     "RunPlan",
     "check_context_parallel",
     "check_dp_shard",
@@ -302,6 +309,5 @@ __all__ = [
     "check_order",
     "data_parallel_size",
     "microbatches_per_step",
-    "precision_of",
     "resolve_plan",
 ]

@@ -22,7 +22,8 @@ from megascale.distributed.pipeline.partition import gpt_stage_cost, layers_for_
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.model.gpt import build_model
 from megascale.perf.memory import estimate_memory, stage_estimates
-from megascale.run_plan import DTYPES, PRECISIONS, RunPlan, resolve_plan
+from megascale.precision import DTYPES, PRECISIONS
+from megascale.run_plan import RunPlan, resolve_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.num_layers=8", "model.hidden_size=32", "model.num_heads=4", "model.vocab_size=256",

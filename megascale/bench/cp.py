@@ -38,7 +38,7 @@ import torch
 
 from megascale.errors import UserError
 from megascale.perf.cp_traffic import CPTraffic, cp_layer_traffic
-from megascale.run_plan import PRECISIONS
+from megascale.precision import PRECISIONS
 
 MODES = ("ulysses", "ring", "hybrid")
 
@@ -251,7 +251,7 @@ def format_table(args: argparse.Namespace, results: list[Result], device: str) -
 def attention_note(args: argparse.Namespace) -> str:
     """Which attention kernels the cases run (the run's start-up note, resolved from the same inputs)."""
     from megascale.kernels.attention import resolve_attention
-    from megascale.run_plan import precision_of
+    from megascale.precision import precision_of
 
     device = torch.device(args.device)
     return resolve_attention(args.attention, device, precision_of(args.dtype).param_dtype).describe()

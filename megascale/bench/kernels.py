@@ -25,7 +25,7 @@ import torch
 
 from megascale.kernels import get_ops
 from megascale.kernels.build import try_load_extension
-from megascale.run_plan import DTYPES
+from megascale.precision import DTYPES
 
 Tensor = torch.Tensor
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.errors import UserError
-from megascale.run_plan import PRECISIONS
+from megascale.precision import PRECISIONS
 
 
 @dataclass(frozen=True)

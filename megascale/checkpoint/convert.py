@@ -46,7 +46,7 @@ from megascale.config import Config, config_from_dict, load_config
 from megascale.distributed.sharding import TensorShard
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.errors import UserError
-from megascale.run_plan import DTYPES as PRECISION_DTYPES
+from megascale.precision import DTYPES as PRECISION_DTYPES
 
 
 def read_global_state(step_dir: Path, include_optim: bool = False) -> dict[str, torch.Tensor]:

@@ -37,7 +37,8 @@ from megascale.kernels.fp8 import recipe_of
 from megascale.model.block import TransformerBlock
 from megascale.model.kv_cache import InferenceCache
 from megascale.model.layers import BuildContext, Norm, dropout, rope_tables
-from megascale.run_plan import RunPlan, precision_of
+from megascale.precision import precision_of
+from megascale.run_plan import RunPlan
 from megascale.seeds import tensor_parallel_seed
 from megascale.timers import PhaseTimers
 

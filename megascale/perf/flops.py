@@ -16,9 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from megascale.model.flops import (  # noqa: F401 - re-exported: MFU's numerator
     TRAIN_FORWARD_MULTIPLE,
@@ -38,6 +36,9 @@ from megascale.model.flops import (  # noqa: F401 - re-exported: MFU's numerator
     router_forward_flops,
     train_flops_per_token,
 )
+
+if TYPE_CHECKING:  # torch is imported where a peak is measured, so the peak tables load without it
+    import torch
 
 # Dense bf16 TFLOP/s per device (SXM parts unless named). 1979 for H100 is the sparse figure:
 # never use it. The one peak table: the trainer, the benchmarks and `megascale plan` read it
@@ -91,6 +92,8 @@ def device_peak(device: torch.device, configured: Optional[float] = None, measur
 
     measure_size: side of the square matmul timed when the device is not in the table.
     """
+    import torch
+
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -134,6 +137,8 @@ def fp8_peak(device: torch.device, measure_size: int = 1024) -> Optional[Peak]:
 
     measure_size: side of the square float8 matmul timed when the device is not in the table.
     """
+    import torch
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     known, tflops = fp8_table_peak(name)
     if known:
@@ -151,6 +156,8 @@ def fp8_peak(device: torch.device, measure_size: int = 1024) -> Optional[Peak]:
 
 def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float = 0.3) -> float:
     """Best observed square-matmul throughput (bf16 on GPU, fp32 on CPU)."""
+    import torch
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
@@ -159,6 +166,8 @@ def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float
 
 def _best_tflops(device: torch.device, size: int, seconds: float, matmul: Callable[[], torch.Tensor]) -> float:
     """Best TFLOP/s of `matmul` (a size^3 product) over groups of four calls, for about `seconds`."""
+    import torch
+
     best = 0.0
     matmul()
     deadline = time.perf_counter() + seconds
@@ -178,6 +187,8 @@ def _best_tflops(device: torch.device, size: int, seconds: float, matmul: Callab
 def measure_fp8_matmul_tflops(device: torch.device, size: int = 1024, seconds: float = 0.3) -> float:
     """Best observed square float8 matmul throughput: `torch._scaled_mm` of two E4M3 operands with
     per-tensor scales and a bf16 output, the GEMM `train.fp8` runs (megascale.kernels.fp8.gemm)."""
+    import torch
+
     a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
     one = torch.ones((), device=device)

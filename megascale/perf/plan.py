@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import textwrap
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, TextIO
 
 from megascale.config import Config, load_config
 from megascale.perf.gpus import BUILTIN_GPUS, GpuSpec, resolve_gpu
-from megascale.perf.memory import GIB
-from megascale.perf.predict import Prediction, memory_parts, predict
 from megascale.run_plan import resolve_plan
 
 if TYPE_CHECKING:
-    from megascale.perf.search import Candidate
+    from megascale.perf.predict import Prediction
+    from megascale.perf.search import Candidate, SearchProgress
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -31,7 +35,10 @@ class _HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(tables: Optional[list[str]] = None) -> argparse.ArgumentParser:
+    """The options; `tables` (the published tables' names, listed under --reproduce) only for --help: reading
+    them loads the cost model, which a plain plan must not wait for before its layout checks."""
+    listed = f": {', '.join(tables)}" if tables else " (in tests/data/planner; --help lists them)"
     parser = argparse.ArgumentParser(
         prog="megascale plan", formatter_class=_HelpFormatter,
         description="Predict a layout's memory per pipeline stage, step time, tokens/s and MFU on a GPU cluster.")
@@ -48,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument("--reproduce", default=None, metavar="TABLE",
                         help="predict a published table beside its numbers, with constants fitted on the other "
-                             f"tables: {', '.join(_tables())}")
+                             f"tables{listed}")
     return parser
 
 
@@ -60,7 +67,7 @@ def _tables() -> list[str]:
 
 def main(argv: list[str]) -> int:
     """Entry of `megascale plan`."""
-    parser = _parser()
+    parser = _parser(_tables() if {"-h", "--help"} & set(argv) else None)
     args, overrides = parser.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
@@ -75,7 +82,12 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     if args.search:
         return _search(cfg, args.gpus, spec, args.top, args.json)
-    pred = predict(cfg, resolve_plan(cfg, args.gpus), spec)
+    # Every layout check (world size, batch split, stages, schedule) runs here, before the model and the
+    # perf model (torch, ~3 s) are imported: a refused layout is answered at once.
+    plan = resolve_plan(cfg, args.gpus)
+    from megascale.perf.predict import predict
+
+    pred = predict(cfg, plan, spec)
     print(json.dumps(pred.to_json(), indent=2) if args.json else format_prediction(pred))
     return 0
 
@@ -89,10 +101,37 @@ def _reproduce(name: str, as_json: bool) -> int:
     return 0
 
 
+@dataclass
+class ProgressLines:
+    """Writes a running search's progress to `stream` (stderr: stdout keeps the result, one JSON object with
+    --json): nothing for the first `after` seconds, so a quick search prints only its result; after that a
+    line at most every `every` seconds, and one as the second phase (the pipeline simulator) starts."""
+
+    stream: TextIO
+    after: float = 3.0
+    every: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    start: float = field(init=False)
+    last: float = field(init=False, default=-math.inf)
+    phase: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.start = self.clock()
+
+    def __call__(self, status: SearchProgress) -> None:
+        """`search`'s progress callback."""
+        now = self.clock()
+        if now - self.start < self.after or (now - self.last < self.every and status.phase == self.phase):
+            return
+        self.last, self.phase = now, status.phase
+        print(f"megascale plan --search: {status.describe()} [{now - self.start:.0f} s]", file=self.stream,
+              flush=True)
+
+
 def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> int:
     from megascale.perf.search import explain, search
 
-    result = search(cfg, gpus, spec, top=top)
+    result = search(cfg, gpus, spec, top=top, progress=ProgressLines(sys.stderr))
     if as_json:
         print(json.dumps({"considered": result.considered, "dropped": dict(result.dropped),
                           "ranked": [{**c.prediction.to_json(), "label": c.label()} for c in result.ranked],
@@ -120,6 +159,8 @@ def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> i
 
 def _candidate_line(candidate: Candidate) -> str:
     """One ranked layout: its label, MFU, step time, throughput, memory and bubble."""
+    from megascale.perf.memory import GIB
+
     p = candidate.prediction
     return (f"{candidate.label():<58} MFU {p.mfu:6.1%}  {p.step_time_s:7.2f} s/step  "
             f"{p.tokens_per_s / 1e3:9.1f}k tok/s  mem {p.memory_bytes / GIB:5.1f} GiB  "
@@ -128,6 +169,9 @@ def _candidate_line(candidate: Candidate) -> str:
 
 def format_prediction(pred: Prediction) -> str:
     """The text report of one layout."""
+    from megascale.perf.memory import GIB
+    from megascale.perf.predict import memory_parts
+
     plan, step, spec = pred.plan, pred.step, pred.spec
     lines = [f"layout: {plan.describe()}",
              f"gpu: {spec.name} ({spec.description}; {spec.source}), usable memory "
@@ -179,4 +223,4 @@ def format_prediction(pred: Prediction) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_prediction", "main"]
+__all__ = ["ProgressLines", "format_prediction", "main"]

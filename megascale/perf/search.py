@@ -26,6 +26,9 @@ layout is dropped for the same reason the trainer would refuse it) and the
 memory model; what fits is timed with the pipeline bubble from the analytic
 (p-1)/(v m) formula, and the best few are timed again in the schedule
 simulator, which decides the final order.
+
+A search of a large model takes a minute or more: `search(..., progress=f)` calls f with a
+`SearchProgress` after every layout of both phases (the caller decides what to print and how often).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional, cast
 
@@ -191,66 +194,141 @@ class SearchResult:
     fp8_best: list[Candidate] = dataclasses.field(default_factory=list)
 
 
+ESTIMATE = "estimate"
+"""The first phase: every layout through the memory model and the analytic-bubble time."""
+SIMULATE = "simulate"
+"""The second phase: the best layouts of the first timed again in the schedule simulator."""
+
+
+@dataclass(frozen=True)
+class SearchProgress:
+    """Where a running search is, handed to `search`'s progress callback after every layout."""
+
+    phase: str
+    """ESTIMATE or SIMULATE."""
+    done: int
+    """Layouts of this phase done (each layout of the space once, whatever ZeRO levels and hybrid sharding
+    were tried for it)."""
+    total: int
+    """Layouts of this phase."""
+    fitting: int
+    """Layouts found to fit so far."""
+    best: Optional[Candidate]
+    """The best so far by predicted MFU (analytic bubble in ESTIMATE, simulated in SIMULATE), or None."""
+
+    def describe(self) -> str:
+        """One line: the phase, its layouts done of the total, and the best so far."""
+        if self.phase == ESTIMATE:
+            where = f"{self.done}/{self.total} layouts estimated, {self.fitting} fit"
+        else:
+            where = f"{self.done}/{self.total} best layouts timed in the pipeline simulator"
+        best = ("" if self.best is None
+                else f"; best so far {self.best.label()} MFU {self.best.prediction.mfu:.1%}")
+        return where + best
+
+
+Progress = Callable[[SearchProgress], None]
+
+
+def _ignore(_: SearchProgress) -> None:
+    """The progress callback of a search nobody watches."""
+
+
+def _best(best: Optional[Candidate], candidate: Candidate) -> Candidate:
+    return candidate if best is None or candidate.prediction.mfu > best.prediction.mfu else best
+
+
 def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCALE, top: int = 5,
-           refine: int = 12) -> SearchResult:
-    """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator."""
+           refine: int = 12, progress: Progress = _ignore) -> SearchResult:
+    """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator.
+    `progress` is called after every layout of each phase."""
     check_fp8_supported(cfg, spec)
-    tables: dict[ModelLayout, ParamTable] = {}
-    dropped: Counter[str] = Counter()
-    fitting: list[tuple[Choice, Candidate]] = []
-    considered = 0
-    for choice in _layouts(cfg, gpus, spec):
-        considered += 1
-        candidate_cfg = _apply(cfg, choice)
-        try:
-            plan = resolve_plan(candidate_cfg, gpus)
-        except ConfigError as err:
-            dropped[_reason(str(err))] += 1
-            continue
-        key = ModelLayout.from_plan(plan)
-        if key not in tables:
-            tables[key] = param_table(candidate_cfg, key)
-        pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
-        while pred is None and 1 <= choice.zero < 3 and plan.dp * plan.cp > 1:
-            # ZeRO-2 shards the gradients too, ZeRO-3 the parameters as well: each tried where the level
-            # below does not fit (more collectives per micro-batch, so where the lower level fits it is
-            # not faster).
-            considered += 1
-            choice = dataclasses.replace(choice, zero=choice.zero + 1)
-            candidate_cfg = _apply(cfg, choice)
-            plan = resolve_plan(candidate_cfg, gpus)
-            pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
-        if pred is None:
-            dropped["does not fit in memory"] += 1
-            continue
-        fitting.append((choice, Candidate(candidate_cfg, plan, pred)))
-        hybrid = _hybrid_choice(choice, plan, spec)
-        if hybrid is not None:
-            considered += 1
-            hybrid_cfg = _apply(cfg, hybrid)
-            hybrid_plan = resolve_plan(hybrid_cfg, gpus)
-            hybrid_pred = _quick(hybrid_cfg, hybrid_plan, spec, traits, tables[key])
-            if hybrid_pred is None:
-                dropped["does not fit in memory"] += 1
-            else:
-                fitting.append((hybrid, Candidate(hybrid_cfg, hybrid_plan, hybrid_pred)))
-    kept = _drop_dominated(fitting)
-    if len(kept) < len(fitting):
-        dropped[DOMINATED] += len(fitting) - len(kept)
+    state = _Estimates()
+    choices = list(_layouts(cfg, gpus, spec))
+    best: Optional[Candidate] = None
+    for done, choice in enumerate(choices, 1):
+        for candidate in _estimate(cfg, gpus, spec, traits, choice, state):
+            best = _best(best, candidate)
+        progress(SearchProgress(ESTIMATE, done, len(choices), len(state.fitting), best))
+    kept = _drop_dominated(state.fitting)
+    dropped = state.dropped
+    if len(kept) < len(state.fitting):
+        dropped[DOMINATED] += len(state.fitting) - len(kept)
     kept.sort(key=lambda c: -c.prediction.mfu)
 
     def simulated(c: Candidate) -> Candidate:
-        return Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)]))
+        table = state.tables[ModelLayout.from_plan(c.plan)]
+        return Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, table))
 
-    refined = [simulated(c) for c in kept[:refine]]
+    refined: list[Candidate] = []
+    for candidate in kept[:refine]:
+        refined.append(simulated(candidate))
+        best = refined[-1] if len(refined) == 1 else _best(best, refined[-1])
+        progress(SearchProgress(SIMULATE, len(refined), len(kept[:refine]), len(state.fitting), best))
     refined.sort(key=lambda c: -c.prediction.mfu)
     ranked = refined[:top]
     modes = fp8_modes(cfg, spec)
     shown = {c.cfg.train.fp8 for c in ranked}
-    best = [next((c for c in refined if c.cfg.train.fp8 == mode), None)
-            or next((simulated(c) for c in kept if c.cfg.train.fp8 == mode), None)
-            for mode in modes if mode not in shown]
-    return SearchResult(ranked, dropped, considered, modes, [c for c in best if c is not None])
+    fp8_best = [next((c for c in refined if c.cfg.train.fp8 == mode), None)
+                or next((simulated(c) for c in kept if c.cfg.train.fp8 == mode), None)
+                for mode in modes if mode not in shown]
+    return SearchResult(ranked, dropped, state.considered, modes, [c for c in fp8_best if c is not None])
+
+
+@dataclass
+class _Estimates:
+    """The first phase's running state: a parameter table per model layout (built once, shared by every layout
+    that cuts the model alike), the layouts that fit with their analytic-bubble predictions, why the others
+    were dropped, and how many were tried."""
+
+    tables: dict[ModelLayout, ParamTable] = dataclasses.field(default_factory=dict)
+    fitting: list[tuple[Choice, Candidate]] = dataclasses.field(default_factory=list)
+    dropped: Counter[str] = dataclasses.field(default_factory=Counter)
+    considered: int = 0
+
+
+def _estimate(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits, choice: Choice,
+              state: _Estimates) -> list[Candidate]:
+    """Try one point of the space (at higher ZeRO levels where it does not fit, and its hybrid-sharded twin);
+    returns the candidates it added to state.fitting."""
+    state.considered += 1
+    candidate_cfg = _apply(cfg, choice)
+    try:
+        plan = resolve_plan(candidate_cfg, gpus)
+    except ConfigError as err:
+        state.dropped[_reason(str(err))] += 1
+        return []
+    key = ModelLayout.from_plan(plan)
+    if key not in state.tables:
+        state.tables[key] = param_table(candidate_cfg, key)
+    table = state.tables[key]
+    pred = _quick(candidate_cfg, plan, spec, traits, table)
+    while pred is None and 1 <= choice.zero < 3 and plan.dp * plan.cp > 1:
+        # ZeRO-2 shards the gradients too, ZeRO-3 the parameters as well: each tried where the level
+        # below does not fit (more collectives per micro-batch, so where the lower level fits it is
+        # not faster).
+        state.considered += 1
+        choice = dataclasses.replace(choice, zero=choice.zero + 1)
+        candidate_cfg = _apply(cfg, choice)
+        plan = resolve_plan(candidate_cfg, gpus)
+        pred = _quick(candidate_cfg, plan, spec, traits, table)
+    if pred is None:
+        state.dropped["does not fit in memory"] += 1
+        return []
+    added = [Candidate(candidate_cfg, plan, pred)]
+    state.fitting.append((choice, added[0]))
+    hybrid = _hybrid_choice(choice, plan, spec)
+    if hybrid is not None:
+        state.considered += 1
+        hybrid_cfg = _apply(cfg, hybrid)
+        hybrid_plan = resolve_plan(hybrid_cfg, gpus)
+        hybrid_pred = _quick(hybrid_cfg, hybrid_plan, spec, traits, table)
+        if hybrid_pred is None:
+            state.dropped["does not fit in memory"] += 1
+        else:
+            added.append(Candidate(hybrid_cfg, hybrid_plan, hybrid_pred))
+            state.fitting.append((hybrid, added[-1]))
+    return added
 
 
 def _hybrid_choice(choice: Choice, plan: RunPlan, spec: GpuSpec) -> Optional[Choice]:
@@ -331,4 +409,4 @@ def explain(result: SearchResult) -> list[str]:
     return lines
 
 
-__all__ = ["Candidate", "SearchResult", "explain", "search"]
+__all__ = ["ESTIMATE", "SIMULATE", "Candidate", "SearchProgress", "SearchResult", "explain", "search"]

@@ -9,9 +9,16 @@ One import point for the pieces, which live in their own modules:
 * `executor`: the executor running one rank's list with async isend/irecv.
 
 See docs/pipeline.md.
+
+The executor (torch and torch.distributed) loads on first use of its names, so the torch-free
+pieces (partition, schedules, simulator) import without torch: the run plan, and with it a
+layout check such as `megascale plan`'s refusal of a world size, never waits for torch.
 """
 
-from megascale.distributed.pipeline.executor import forward_backward_pipelined, forward_only_pipelined
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from megascale.distributed.pipeline.partition import StageCost, layers_for_rank, stage_layer_counts
 from megascale.distributed.pipeline.schedules import (
     BACKWARD,
@@ -35,6 +42,21 @@ from megascale.distributed.pipeline.schedules import (
     stage_of,
 )
 from megascale.distributed.pipeline.simulator import ScheduleError, SimResult, check_coverage, simulate
+
+if TYPE_CHECKING:
+    from megascale.distributed.pipeline.executor import forward_backward_pipelined, forward_only_pipelined
+
+_EXECUTOR_NAMES = ("forward_backward_pipelined", "forward_only_pipelined")
+
+
+def __getattr__(name: str) -> object:
+    """The executor's functions, imported (with torch) when first asked for."""
+    if name in _EXECUTOR_NAMES:
+        from megascale.distributed.pipeline import executor
+
+        return getattr(executor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BACKWARD",
