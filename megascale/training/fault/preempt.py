@@ -51,6 +51,7 @@ class PreemptionHandler:
         self.rank = rank
         self.on_deadline = on_deadline
         self.signal_time: Optional[float] = None
+        self.received = False  # this process got the signal itself (not only its peers' votes)
         self.boundary_s = 5.0
         self._at_boundary = threading.Event()
         self._finished = threading.Event()
@@ -73,13 +74,15 @@ class PreemptionHandler:
         threading.Thread(target=self._watch, name="megascale-preempt", daemon=True).start()
         return True
 
-    def uninstall(self) -> None:
-        """Restore the previous handler and wakeup fd (the watcher thread ends with the socket)."""
+    def uninstall(self, ignore: bool = False) -> None:
+        """Restore the previous handler and wakeup fd (the watcher thread ends with the socket). ignore: leave
+        the signal ignored instead, for a process on its way out after a stop, whose exit code a second signal
+        (the agent's teardown of the group once a peer has exited) must not turn into a death by that signal."""
         self._finished.set()
         if self._sockets is None:
             return
         signal.set_wakeup_fd(self._previous_wakeup)
-        signal.signal(self.signum, self._previous_handler or signal.SIG_DFL)
+        signal.signal(self.signum, signal.SIG_IGN if ignore else (self._previous_handler or signal.SIG_DFL))
         for sock in self._sockets:
             sock.close()
         self._sockets = None
@@ -95,6 +98,7 @@ class PreemptionHandler:
             if not data:
                 return
             if self.signum in data:  # other signals' bytes (SIGINT, SIGCHLD...) are not ours
+                self.received = True
                 self.signal_time = time.time()
         self._enforce_deadlines()
 
