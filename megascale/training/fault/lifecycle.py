@@ -150,7 +150,7 @@ class RunLifecycle:
             # received the signal is shutting the group down already (no exit code restarts it, the launcher
             # reports 75); one that did not (the signal reached only some workers) sees failed workers and
             # restarts the group from the checkpoint they just committed, while --max-restarts allows.
-            raise Preempted(EXIT_PREEMPTED_CODE if self.preempt_saved else 1)
+            raise Preempted(EXIT_PREEMPTED_CODE if self.preempt_saved else self.preempt.exit_code)
 
     def _signal_fields(self) -> dict[str, Any]:
         """For the exit record: the signal and its time when this rank received it itself (a restart then tells

@@ -9,8 +9,13 @@ at once, which timestamps the request and enforces two deadlines:
   within `boundary_s` (three recent step times, at least 5 s: a signal that
   arrives just after a step's vote is counted in the next step's): a rank that
   cannot is stuck in a collective with a rank that is gone (the agent tearing
-  the group down after a failure), and it exits with code 143 instead of waiting;
+  the group down after a failure), and it exits instead of waiting;
 - everything, final checkpoint included, must end within `fault.preempt_grace_s`.
+
+A rank that stops without a committed checkpoint (a deadline passed, or the save
+would not fit in the grace left, or failed) exits with 128 + the signal's number
+(143 for SIGTERM), what the signal's default action would have given: the same
+code whichever of these happened first.
 
 The ranks agree whether any of them was asked to stop without a collective of
 their own: each rank's vote (1 once it has received the signal) rides as an
@@ -37,8 +42,6 @@ import torch.distributed as dist
 
 from megascale.config_fault import PreemptSignal
 
-EXIT_STUCK = 143  # 128 + SIGTERM: what a rank killed by the agent's SIGTERM would have returned
-
 
 class PreemptionHandler:
     """Receives the preemption signal on any thread's behalf; `requested()` is the collective agreement."""
@@ -58,6 +61,11 @@ class PreemptionHandler:
         self._previous_handler: Union[Callable[[int, Optional[FrameType]], Any], int, None] = None
         self._previous_wakeup = -1
         self._sockets: Optional[tuple[socket.socket, socket.socket]] = None
+
+    @property
+    def exit_code(self) -> int:
+        """Exit code of a stop without a committed checkpoint: 128 + the signal's number, as if it had killed us."""
+        return 128 + int(self.signum)
 
     # ------------------------------------------------------------------ install
     def install(self) -> bool:
@@ -115,7 +123,7 @@ class PreemptionHandler:
         if self.on_deadline is not None:
             self.on_deadline(why)
         sys.stderr.flush()
-        os._exit(EXIT_STUCK)
+        os._exit(self.exit_code)
 
     # ------------------------------------------------------------------ in the loop
     def note_step_time(self, seconds: float) -> None:
