@@ -435,6 +435,8 @@ class Trainer:
         final = stats["step"] == self.cfg.train.steps
         if not final and self.cfg.checkpoint.on_save_failure == "continue":
             return
+        if self.lifecycle.preempted_at is not None:  # the preemption's exit code says it: 75 or 128 + the signal
+            return
         from megascale.checkpoint.format import CheckpointSaveFailed
 
         latest = self.ckpt.latest()

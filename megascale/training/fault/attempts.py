@@ -127,12 +127,13 @@ class AttemptRecorder:
             self.writer.replace(self.dir / "progress.json", json.dumps({"launch_id": self.info.launch_id, "step": step,
                                                                         "time": time.time()}))
 
-    def exited(self, kind: str, step: Optional[int] = None, error: Optional[str] = None) -> None:
-        """Record how this rank ended (first call wins: the primary cause, not its echoes)."""
+    def exited(self, kind: str, step: Optional[int] = None, error: Optional[str] = None, **fields: Any) -> None:
+        """Record how this rank ended (first call wins: the primary cause, not its echoes); `fields` add to it
+        (a preempted rank that received the signal itself: `signal`, `signal_time`)."""
         if self._exited:
             return
         self._exited = True
-        record = dict(self.start_record, exit=kind, exit_time=time.time(), step=step)
+        record = dict(self.start_record, exit=kind, exit_time=time.time(), step=step, **fields)
         if error:
             record["error"] = error[:2000]
         self.writer.replace(self.rank_file, json.dumps(record))  # best effort: the run dir may be gone or full
@@ -194,33 +195,46 @@ def describe_restart(previous: dict[str, Any], world_size: int, resumed_step: in
     """Cause, failed ranks, steps lost and detect/recover seconds from the previous attempt's records.
 
     A rank that raised (exit ``error``) is a failed rank; so is a rank with no
-    exit record at all (killed outright). Ranks that stopped because a peer
-    vanished or because the agent signalled them are survivors. Failure time:
-    the error's time, or for a killed rank its last sign of life (rank 0's last
-    completed step, or its start). Detection: the first survivor stopping (the
-    agent's teardown, its collective failing, or its watchdog naming a peer), else
-    the first failed rank's own recorded exit; recovery: from then to now.
+    exit record at all (killed outright), and a rank that received the preemption
+    signal when not every rank did (a signal to one worker, not to the agent: the
+    group stopped with a checkpoint and the agent restarted it). Ranks that stopped
+    because a peer vanished or because the agent signalled them are survivors.
+    Failure time: the error's or the signal's time, or for a killed rank its last
+    sign of life (rank 0's last completed step, or its start). Detection: the
+    first survivor stopping (the agent's teardown, its collective failing, or its
+    watchdog naming a peer), else the first failed rank's own recorded exit;
+    recovery: from then to now.
     """
     ranks: dict[int, dict] = previous["ranks"]
     progress = previous["progress"]
     errored = {r: rec for r, rec in ranks.items() if rec.get("exit") == EXIT_ERROR}
     vanished = [r for r in range(world_size) if r not in ranks or "exit" not in ranks[r]]
-    failed = sorted(set(errored) | set(vanished))
+    signalled = {r: rec for r, rec in ranks.items() if rec.get("exit") == EXIT_PREEMPTED and rec.get("signal")}
+    if len(signalled) == world_size:  # every rank got it: the agent (or the scheduler) stopped the group itself
+        signalled = {}
+    failed = sorted(set(errored) | set(vanished) | set(signalled))
     if errored:
         first = min(errored, key=lambda r: errored[r]["exit_time"])
         cause = f"exception on rank {first}: {errored[first].get('error', '?')}"
     elif vanished:
         cause = f"rank{'s' if len(vanished) > 1 else ''} {', '.join(map(str, vanished))} died without an exit " \
                 f"record (killed by a signal, the OOM killer, or a lost node)"
+    elif signalled:
+        first = min(signalled)
+        cause = f"rank{'s' if len(signalled) > 1 else ''} {', '.join(map(str, sorted(signalled)))} received " \
+                f"{signalled[first]['signal']} (the launcher did not): the group stopped at step " \
+                f"{signalled[first].get('step')} with a checkpoint"
     else:
         cause = "the worker group was stopped by the agent (no rank reported an error)"
-    last_alive = [rec["exit_time"] for rec in errored.values()]
+    known = [rec["exit_time"] for rec in errored.values()]  # failure times recorded by the failed ranks
+    known += [rec.get("signal_time", rec["exit_time"]) for rec in signalled.values()]
+    last_alive = list(known)
     for rank in vanished:
         signs = [ranks.get(rank, {}).get("start_time")]
         if progress is not None:
             signs.append(progress["time"])
         last_alive.extend(s for s in signs if s is not None)
-    t_fail = min(last_alive) if errored else (max(last_alive) if last_alive else None)
+    t_fail = min(last_alive) if known else (max(last_alive) if last_alive else None)
     survivor_stops = [rec["exit_time"] for r, rec in ranks.items() if r not in failed and "exit_time" in rec]
     if not survivor_stops:  # every rank failed: the first exit recorded is when the failure was known
         survivor_stops = [rec["exit_time"] for rec in ranks.values() if "exit_time" in rec]

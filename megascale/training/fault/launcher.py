@@ -14,6 +14,13 @@ environment and turns its outcomes into one line and an exit code:
 
 The failure code is `failure_exit_code` of the failed workers' codes, the same
 whichever of them the agent saw first.
+
+A preemption is the signal reaching the launcher: the agent forwards it to every
+worker, the workers commit a checkpoint of one step and exit 75, and the agent,
+shutting down already, ends `run` with a SignalException (75 here). Workers that
+exit 75 while the agent got no signal (it reached only them) are failed workers
+to the agent: it restarts the group from their checkpoint while restarts remain,
+and with none left the code is 1 ("workers signalled, not the launcher").
 """
 
 from __future__ import annotations
@@ -116,7 +123,7 @@ def run_elastic(worker_args: list[str], nproc: int, max_restarts: int, cfg: Conf
     except KeyboardInterrupt:
         print("megascale: interrupted", file=sys.stderr)
         return 130
-    return _exit_after_success(run_dir, float(env["MEGASCALE_LAUNCH_TIME"]))
+    return 0  # a preempted group exits 75 and never ends here: an earlier attempt's stop does not count
 
 
 def failure_exit_code(codes: list[int]) -> int:
@@ -131,6 +138,14 @@ def failure_exit_code(codes: list[int]) -> int:
     if any(code < 0 for code in codes):
         return 1
     return 2 if 2 in codes else 1
+
+
+def failure_cause(code: int, codes: list[int]) -> str:
+    """The kind of failure `failure_exit_code` gave `code` for, in words: every worker exiting 75 (a committed
+    checkpoint after the preemption signal) while the agent was not signalled is a signal to workers only."""
+    if code == 1 and codes and set(codes) == {EXIT_PREEMPTED_CODE}:
+        return "workers signalled, not the launcher"
+    return {2: "a user or data error", 124: "a hang"}.get(code, "a crash")
 
 
 def signal_deaths(codes: dict[int, int]) -> dict[int, str]:
@@ -156,7 +171,7 @@ def record_run_failed(run_dir: Path, code: int, codes: dict[int, int], restarts:
     last = read_events(run_dir)[-1:]
     if last and last[0]["kind"] == "stop":  # the numerics policy's stop is the run's terminal event already
         return
-    kind = {2: "a user or data error", 124: "a hang"}.get(code, "a crash")
+    kind = failure_cause(code, list(codes.values()))
     append_event(run_dir, "run_failed", step=None, ranks=sorted(codes), exit_code=code, cause=kind,
                  worker_codes={str(r): c for r, c in sorted(codes.items())}, restarts=restarts)
 
@@ -183,6 +198,12 @@ def _report_failure(err: ChildFailedError, nproc: int, max_restarts: int, silent
     restarts = f" after {max_restarts} restart{'s' if max_restarts != 1 else ''}" if max_restarts else ""
     if set(codes.values()) == {2}:
         return 2  # a user error: every worker printed the same one-line message already
+    kind = failure_cause(code, list(codes.values()))
+    if set(codes.values()) == {EXIT_PREEMPTED_CODE}:
+        print(f"megascale: error: training stopped{restarts} ({kind}, exit {code}): the preemption signal reached "
+              "workers but not the launcher, which counts as a worker failing; the workers committed a checkpoint "
+              "of the step they stopped at: run the same command to resume", file=sys.stderr)
+        return code
     killed = signal_deaths(codes)
     how = "; ".join(f"rank {rank} {killed.get(rank, f'exited with code {c}')}" for rank, c in sorted(codes.items()))
     unseen = [r for r in (silent or []) if r not in codes]  # the agent stopped the group before it saw them end
@@ -190,7 +211,6 @@ def _report_failure(err: ChildFailedError, nproc: int, max_restarts: int, silent
         how += (f"; rank{'s' if len(unseen) > 1 else ''} {', '.join(map(str, unseen))} died without an exit record "
                 "(killed by a signal, the OOM killer, or a lost node)")
     where = "see the ranks' messages above" if len(killed) < len(codes) else "a killed rank prints nothing"
-    kind = {2: "a user or data error", 124: "a hang"}.get(code, "a crash")
     print(f"megascale: error: training failed{restarts} ({kind}, exit {code}): {how}; {where}", file=sys.stderr)
     return code
 
@@ -208,11 +228,3 @@ def _report_signal(sig: signal.Signals, cfg: Config, run_dir: Path, launch_time:
         return 128 + int(sig)
     print(f"megascale: stopped by {sig.name}", file=sys.stderr)
     return 128 + int(sig)
-
-
-def _exit_after_success(run_dir: Path, launch_time: float) -> int:
-    """Workers exit 0 after a preemption under the agent; the launcher still reports 75 for it."""
-    events = [e for e in read_events(run_dir, "preempted") if e.get("time", 0) >= launch_time]
-    if events and events[-1].get("saved"):
-        return EXIT_PREEMPTED_CODE
-    return 0

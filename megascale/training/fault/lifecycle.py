@@ -29,7 +29,6 @@ from megascale.config import Config
 from megascale.training.fault.attempts import EXIT_DONE, EXIT_PREEMPTED, AttemptInfo, AttemptRecorder
 from megascale.training.fault.events import append_event
 from megascale.training.fault.preempt import PreemptionHandler
-from megascale.training.fault.worker import under_agent
 
 if TYPE_CHECKING:  # the trainer imports this module
     from megascale.training.trainer import Trainer
@@ -108,6 +107,7 @@ class RunLifecycle:
         left = self.preempt.remaining_s()
         if already:
             self.preempt_saved = True
+            self.log(f"megascale: preempted at step {step}: checkpoint of this step already saved")
         elif estimate and estimate > left:
             self.log(f"megascale: preempted at step {step}: not saving (last save took "
                      f"{stats['total_s']:.1f} s, {left:.1f} s of grace left)")
@@ -132,10 +132,10 @@ class RunLifecycle:
     # ------------------------------------------------------------------ end
     def finish(self, run_dir: Path) -> None:
         """Record the end, report effective training time (rank 0), and exit if preempted."""
-        self.preempt.finished()
-        self.preempt.uninstall()
         preempted = self.preempted_at is not None
-        self.recorder.exited(EXIT_PREEMPTED if preempted else EXIT_DONE, self.step)
+        self.preempt.finished()
+        self.preempt.uninstall(ignore=preempted)  # the stop's exit code stands, whatever signal follows it
+        self.recorder.exited(EXIT_PREEMPTED if preempted else EXIT_DONE, self.step, **self._signal_fields())
         useful = self.useful_s - float(self.launch.get("useful_s_at_start", 0.0))
         wall = max(time.time() - float(self.launch["start_time"]), 1e-9)
         if self.rank == 0:
@@ -146,10 +146,18 @@ class RunLifecycle:
                   f"of {wall:.1f} s wall, {self.info.attempt + 1} attempt{'s' if self.info.attempt else ''})",
                   flush=True)
         if preempted:
-            if not self.preempt_saved:
-                raise Preempted(1)
-            # Under the elastic agent a non-zero exit would count as a failure and restart the group.
-            raise Preempted(0 if under_agent() else EXIT_PREEMPTED_CODE)
+            # 75 under the elastic agent too, and the agent decides what it means from its own state: an agent that
+            # received the signal is shutting the group down already (no exit code restarts it, the launcher
+            # reports 75); one that did not (the signal reached only some workers) sees failed workers and
+            # restarts the group from the checkpoint they just committed, while --max-restarts allows.
+            raise Preempted(EXIT_PREEMPTED_CODE if self.preempt_saved else self.preempt.exit_code)
+
+    def _signal_fields(self) -> dict[str, Any]:
+        """For the exit record: the signal and its time when this rank received it itself (a restart then tells
+        a worker that was signalled alone from the ranks that stopped with it)."""
+        if self.preempted_at is None or not self.preempt.received or self.preempt.signal_time is None:
+            return {}
+        return {"signal": self.cfg.fault.preempt_signal, "signal_time": round(self.preempt.signal_time, 3)}
 
 
 def restart_line(event: dict) -> str:

@@ -9,8 +9,13 @@ at once, which timestamps the request and enforces two deadlines:
   within `boundary_s` (three recent step times, at least 5 s: a signal that
   arrives just after a step's vote is counted in the next step's): a rank that
   cannot is stuck in a collective with a rank that is gone (the agent tearing
-  the group down after a failure), and it exits with code 143 instead of waiting;
+  the group down after a failure), and it exits instead of waiting;
 - everything, final checkpoint included, must end within `fault.preempt_grace_s`.
+
+A rank that stops without a committed checkpoint (a deadline passed, or the save
+would not fit in the grace left, or failed) exits with 128 + the signal's number
+(143 for SIGTERM), what the signal's default action would have given: the same
+code whichever of these happened first.
 
 The ranks agree whether any of them was asked to stop without a collective of
 their own: each rank's vote (1 once it has received the signal) rides as an
@@ -37,8 +42,6 @@ import torch.distributed as dist
 
 from megascale.config_fault import PreemptSignal
 
-EXIT_STUCK = 143  # 128 + SIGTERM: what a rank killed by the agent's SIGTERM would have returned
-
 
 class PreemptionHandler:
     """Receives the preemption signal on any thread's behalf; `requested()` is the collective agreement."""
@@ -51,12 +54,18 @@ class PreemptionHandler:
         self.rank = rank
         self.on_deadline = on_deadline
         self.signal_time: Optional[float] = None
+        self.received = False  # this process got the signal itself (not only its peers' votes)
         self.boundary_s = 5.0
         self._at_boundary = threading.Event()
         self._finished = threading.Event()
         self._previous_handler: Union[Callable[[int, Optional[FrameType]], Any], int, None] = None
         self._previous_wakeup = -1
         self._sockets: Optional[tuple[socket.socket, socket.socket]] = None
+
+    @property
+    def exit_code(self) -> int:
+        """Exit code of a stop without a committed checkpoint: 128 + the signal's number, as if it had killed us."""
+        return 128 + int(self.signum)
 
     # ------------------------------------------------------------------ install
     def install(self) -> bool:
@@ -73,13 +82,15 @@ class PreemptionHandler:
         threading.Thread(target=self._watch, name="megascale-preempt", daemon=True).start()
         return True
 
-    def uninstall(self) -> None:
-        """Restore the previous handler and wakeup fd (the watcher thread ends with the socket)."""
+    def uninstall(self, ignore: bool = False) -> None:
+        """Restore the previous handler and wakeup fd (the watcher thread ends with the socket). ignore: leave
+        the signal ignored instead, for a process on its way out after a stop, whose exit code a second signal
+        (the agent's teardown of the group once a peer has exited) must not turn into a death by that signal."""
         self._finished.set()
         if self._sockets is None:
             return
         signal.set_wakeup_fd(self._previous_wakeup)
-        signal.signal(self.signum, self._previous_handler or signal.SIG_DFL)
+        signal.signal(self.signum, signal.SIG_IGN if ignore else (self._previous_handler or signal.SIG_DFL))
         for sock in self._sockets:
             sock.close()
         self._sockets = None
@@ -95,6 +106,7 @@ class PreemptionHandler:
             if not data:
                 return
             if self.signum in data:  # other signals' bytes (SIGINT, SIGCHLD...) are not ours
+                self.received = True
                 self.signal_time = time.time()
         self._enforce_deadlines()
 
@@ -111,7 +123,7 @@ class PreemptionHandler:
         if self.on_deadline is not None:
             self.on_deadline(why)
         sys.stderr.flush()
-        os._exit(EXIT_STUCK)
+        os._exit(self.exit_code)
 
     # ------------------------------------------------------------------ in the loop
     def note_step_time(self, seconds: float) -> None:
