@@ -85,6 +85,9 @@ def test_silent_rank_is_named_with_coordinates_and_host(tmp_path, capsys):
     events = read_events(tmp_path, "hang")
     assert len(events) == 1 and events[0]["ranks"] == [3] and events[0]["reporter"] == 0
     assert events[0]["coords"] == {"3": {"tp": 1, "cp": 0, "dp": 1, "pp": 0}} and events[0]["hosts"] == {"3": "host-1"}
+    # every live rank is held up by it, though none has been in its step past the timeout yet
+    assert events[0]["waiting"] == [0, 1, 2], events[0]
+    assert "waiting on it: rank 0 (tp 0, cp 0, dp 0, pp 0 on host-0) waiting for 0 s in phase step; rank 1" in line
     dump = (tmp_path / "hang" / "0" / "rank_0.txt").read_text()
     assert "phase: step" in dump and "step: 7" in dump and "Python stacks" in dump
     assert "test_silent_rank_is_named_with_coordinates_and_host" in dump  # this thread's stack is in it
@@ -105,6 +108,7 @@ def test_stuck_in_a_collective_blames_the_rank_behind(tmp_path):
     verdict = group.tick(now, range(4))[0]
     assert verdict is not None and verdict.reason == "stuck" and verdict.culprits == [2]
     assert "rank 2 (tp 0, cp 0, dp 1, pp 0 on host-1) stuck for" in verdict.details[2]
+    assert sorted(verdict.waiting) == [0, 1, 3] and "in phase step/dp_cp gradient reduce" in verdict.waiting[3]
 
 
 def test_a_rank_waiting_on_a_frozen_peer_names_the_peer_not_itself(tmp_path):
@@ -130,6 +134,28 @@ def test_a_rank_waiting_on_a_frozen_peer_names_the_peer_not_itself(tmp_path):
     line = dogs[0].summary(verdict)
     assert line.index("rank 1 (tp 0, cp 0, dp 1, pp 0 on host-a) silent for 6 s") < line.index("waiting on it: rank 0")
     assert "rank 0 (tp 0, cp 0, dp 0, pp 0 on host-a) waiting for" in line and "dp_cp gradient reduce" in line
+
+
+def test_a_deadlocked_peer_whose_last_beat_is_a_second_old_is_blamed_not_this_rank(tmp_path):
+    """3 ranks in step 3: rank 2's training thread is blocked (its heartbeats go on, outside any collective), ranks
+    0 and 1 wait in the gradient reduce. Rank 0 judges with its own age as of now and the peers' ages as of their
+    last beat, a second ago: brought forward to now, rank 2 is the one to blame and ranks 0 and 1 wait on it."""
+    layout = RankLayout(tp=1, cp=1, dp=3, pp=1)
+    board = FileBoard(tmp_path / "hb")
+    dogs = [Watchdog(rank=r, layout=layout, fault_cfg=_fault_cfg(), run_dir=tmp_path, board=board, progress=Progress(),
+                     host="host-a", exit_fn=lambda code: None) for r in range(3)]
+    t0 = time.monotonic()
+    for dog in dogs:
+        dog.progress.enter("step", 3)
+        dog.progress.collective = "dp_cp gradient reduce" if dog.rank < 2 else ""
+        dog.progress.since = time.monotonic() - 4.5
+        dog.publish()  # every rank's beat at t0: 4.5 s into step 3
+    dogs[0].refresh(t0)
+    dogs[0].progress.since = time.monotonic() - 5.2  # a second later, rank 0 is past the 5 s step timeout
+    verdict = dogs[0].check(t0 + 1.0)
+    assert verdict is not None and verdict.reason == "stuck" and verdict.culprits == [2], verdict
+    assert sorted(verdict.waiting) == [0, 1]
+    assert "rank 2 (tp 0, cp 0, dp 2, pp 0 on host-a) stuck for 6 s in phase step" in verdict.details[2]
 
 
 def test_a_finished_rank_is_not_a_hang(tmp_path):
@@ -259,6 +285,60 @@ def test_frozen_rank_is_named_and_the_job_exits(tmp_path):
     assert summary.index("rank 1 (tp 0, cp 0, dp 1, pp 0 on") < summary.index("waiting on it: rank 0 (tp 0"), summary
     assert "hang detected at step" in output and summary in output
     assert (out / "hang" / "0" / "rank_0.txt").exists() and not (out / "hang" / "0" / "rank_1.txt").exists()
+
+
+THREE_RANKS = ["train.steps=200", "model.num_layers=2", "train.global_batch_size=6", "train.micro_batch_size=2", *HANG]
+
+
+def _dumped(out: Path, attempt: int = 0) -> list[int]:
+    """Ranks that wrote a hang dump (hang/<attempt>/rank_<r>.txt): every rank whose watchdog fired."""
+    return sorted(int(p.stem.split("_")[1]) for p in (out / "hang" / str(attempt)).glob("rank_*.txt"))
+
+
+def _check_waiting(out: Path, output: str, culprit: int) -> dict:
+    """The one hang event names `culprit` and lists every other rank, each of which dumped where it waits."""
+    events = read_events(out, "hang")
+    assert len(events) == 1 and events[0]["ranks"] == [culprit], output[-3000:]
+    waiting = [r for r in range(3) if r != culprit]
+    assert events[0]["waiting"] == waiting, events[0]
+    assert set(_dumped(out)) - {culprit} <= set(waiting) and events[0]["reporter"] in _dumped(out)
+    tail = events[0]["summary"].split("waiting on it: ", 1)[1]
+    for rank in waiting:
+        assert f"rank {rank} (tp 0, cp 0, dp {rank}, pp 0 on" in tail, events[0]["summary"]
+    return events[0]
+
+
+@pytest.mark.slow
+def test_a_deadlocked_rank_is_named_with_every_rank_it_holds_up(tmp_path):
+    """3 ranks; rank 2's training thread blocks for good at step 3 while its heartbeats go on (a deadlock inside
+    the process): it is named stuck, and ranks 0 and 1, blocked in their collectives on it, are the event's
+    `waiting` list and the summary's "waiting on it" (they wrote their dumps as well)."""
+    out = tmp_path / "run"
+    proc = start_train(out, *THREE_RANKS, "fault.inject=hang:rank=2:step=3:mode=sleep", nproc=3)
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        stop_group(proc)
+    assert proc.returncode == HANG_EXIT_CODE, output[-3000:]
+    event = _check_waiting(out, output, culprit=2)
+    assert event["reason"] == "stuck" and "stuck for" in event["summary"]
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_among_three_is_named_with_both_ranks_waiting(tmp_path):
+    """SIGSTOP rank 1 of 3 from outside: the hang event lists both live ranks as waiting, whether or not each had
+    been in its step past the timeout by the time of the verdict (their heartbeats lag by up to a beat)."""
+    out = tmp_path / "run"
+    proc = start_train(out, *THREE_RANKS, nproc=3)
+    pid = None
+    try:
+        pid, _ = _freeze_and_wait(out, proc, rank=1, at_step=3)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        release(pid)
+        stop_group(proc)
+    event = _check_waiting(out, output, culprit=1)
+    assert event["reason"] == "silent" and 1 not in _dumped(out)
 
 
 @pytest.mark.slow

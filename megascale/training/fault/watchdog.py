@@ -215,9 +215,7 @@ class Watchdog:
         if silent:
             details = {r: self._describe_silent(r, now) for r in silent}
             step = min(self._known_step(r, now) for r in silent)
-            waiting = {r: self._describe_waiting(rec) for r, rec in self._stuck_records(now, fallback=False).items()
-                       if r not in silent}
-            return HangVerdict("silent", silent, details, step, waiting)
+            return HangVerdict("silent", silent, details, step, self._waiting(now, silent))
         stuck = self._stuck_records(now)
         behind = min(rec["step"] for rec in stuck.values())
         culprits = [r for r, rec in stuck.items() if rec["step"] == behind]
@@ -225,7 +223,7 @@ class Watchdog:
         culprits = sorted(outside or culprits)
         details = {r: f"{rank_label(r, self.layout, stuck[r].get('host', '?'))} stuck for "
                       f"{stuck[r]['phase_age_s']:.0f} s in phase {_where(stuck[r])}" for r in culprits}
-        return HangVerdict("stuck" if own_stuck else "silent", culprits, details, behind)
+        return HangVerdict("stuck" if own_stuck else "silent", culprits, details, behind, self._waiting(now, culprits))
 
     def _peers_step(self, now: float) -> int:
         """The lowest step a live rank (this one, or a peer still beating) is in: every rank took part in the
@@ -257,15 +255,33 @@ class Watchdog:
         return (f"{rank_label(int(rec['rank']), self.layout, rec.get('host', '?'))} waiting for "
                 f"{float(rec.get('phase_age_s', 0.0)):.0f} s in phase {_where(rec)}")
 
-    def _stuck_records(self, now: float, fallback: bool = True) -> dict[int, dict]:
-        """Live ranks (this one included) that exceed their phase timeout (this rank alone if none and `fallback`)."""
-        mine = self.record()
-        records = {self.rank: mine}
-        records.update({r: v.record for r, v in self.peers.items() if v.record is not None})
+    def _records_now(self, now: float) -> dict[int, dict]:
+        """This rank's record and every peer's last one, each peer's phase age brought forward to `now` by the time
+        since its heartbeat last changed (on this rank's clock): a peer's record is up to a beat old, and comparing
+        its age as of then with this rank's age as of now would make this rank look the longest stuck."""
+        records = {self.rank: self.record()}
+        for rank, view in self.peers.items():
+            if view.record is not None:
+                age = float(view.record.get("phase_age_s", 0.0)) + max(0.0, now - view.changed_at)
+                records[rank] = dict(view.record, phase_age_s=round(age, 3))
+        return records
+
+    def _waiting(self, now: float, culprits: list[int]) -> dict[int, str]:
+        """The live ranks the culprits hold up, described: every rank still beating (this one included) that is not
+        to blame and has not finished. Training is synchronous, so each of them ends up blocked in a collective on
+        the culprits, whether or not it has passed its own phase timeout by the time of the verdict; their dumps
+        show where each one waits."""
+        beating = {self.rank} | {r for r, v in self.peers.items() if now - v.changed_at <= self.silence_limit}
+        return {r: self._describe_waiting(rec) for r, rec in sorted(self._records_now(now).items())
+                if r in beating and r not in culprits and rec.get("phase") != "done"}
+
+    def _stuck_records(self, now: float) -> dict[int, dict]:
+        """Ranks (this one included) past their phase timeout as of now (this rank alone if none)."""
+        records = self._records_now(now)
         stuck = {r: rec for r, rec in records.items()
                  if (t := phase_timeout(rec.get("phase", "startup"), self.fault_cfg)) is not None
                  and float(rec.get("phase_age_s", 0.0)) > t}
-        return stuck or ({self.rank: mine} if fallback else {})
+        return stuck or {self.rank: records[self.rank]}
 
     # ---------------------------------------------------------------------------- firing
     def fire(self, verdict: HangVerdict) -> None:
