@@ -78,8 +78,8 @@ def run_training(cfg: Config, backend: Optional[str] = None) -> list[dict]:
         backend = "gloo"
     # Nothing is written to the run directory before these checks; an elastic restart (attempt > 0)
     # may find the run finished by the attempt before it.
+    from megascale.training.fault.attempts import restart_attempt
     from megascale.training.fault.elastic import elastic_config
-    from megascale.training.fault.inject import restart_attempt
 
     preflight(cfg, first_attempt=restart_attempt() == 0)
     env = read_dist_env()
@@ -116,6 +116,8 @@ def _train_under(cfg: Config, backend: Optional[str], env: Any, lock: Any) -> li
             init_process_group(backend=backend, timeout_s=collective_timeout_s(cfg.fault))
             trainer = Trainer(cfg, progress=progress)
             fault_state["lifecycle"] = trainer.lifecycle
+            if watchdog is not None:  # hang/<N>: the number rank 0 agreed on (a lone process or torchrun may move it)
+                watchdog.attempt = trainer.lifecycle.info.attempt
             fault_state["checkpoint"] = trainer.ckpt  # a failing rank finishes its save in flight first
             records = trainer.train()
         except SystemExit:  # a preempted run ends here after its checkpoint: leave the group cleanly

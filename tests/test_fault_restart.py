@@ -279,9 +279,15 @@ def test_preemption_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
     assert 3 <= stop < 8
     assert latest_step(out) == stop
     assert f"preempted at step {stop}: checkpoint saved" in log.read_text()
+    # the preemption ends the launch, not the run: its effective time is in the preempted event, not a run_end
+    assert events(out, "run_end") == [] and 0 < preempted[0]["effective"] < 1
+    assert log.read_text().count("megascale: effective training time") == 1
     resumed = start(train_command(out, *common), tmp_path / "log2")
     assert wait_exit(resumed, 300) == 0, (tmp_path / "log2").read_text()
     assert losses(out) == losses(reference_dir)
+    (end,) = events(out, "run_end")
+    assert end["step"] == 8 and end["attempts"] == 1
+    assert sorted(p.name for p in (out / "attempts").glob("[0-9]*")) == ["0", "1"]  # one directory per launch
 
 
 # ------------------------------------------------------------------------------------------ slow drills

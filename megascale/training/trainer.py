@@ -243,7 +243,7 @@ class Trainer:
         if rng is not None and self.ckpt.last_load_stats.get("same_layout"):
             torch.set_rng_state(torch.tensor(rng["cpu"], dtype=torch.uint8))
             self.rng.load_state_dict(rng["tracker"])
-        from megascale.training.fault.inject import restart_attempt
+        from megascale.training.fault.attempts import restart_attempt
 
         if self.ctx.rank == 0 and not weights_only and restart_attempt() == 0:
             # a run started again by hand (restarts of the worker group have their `restart` event)

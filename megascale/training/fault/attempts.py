@@ -11,13 +11,21 @@ To describe each restart in ``events.jsonl`` the ranks leave small records in
   A rank killed outright (SIGKILL, OOM killer, lost node) leaves no exit record.
 - ``progress.json`` (rank 0): the last completed step and its time.
 
-Rank 0 of attempt A > 0 reads attempt A-1's records after resuming and appends
+Rank 0 of a restarted attempt A reads attempt A-1's records after resuming and appends
 one ``restart`` event: cause, failed ranks, step resumed from, steps lost, and
 the seconds to detect (last sign of life of the failed rank to the teardown of
 the group) and to recover (teardown to the new attempt ready to train).
-``launch.json`` ties the attempts of one launch together (id, start time, and
-the useful training seconds already banked by earlier launches) so the end of
-the run can report its effective training time.
+``launch.json`` ties the attempts of one launch together (id, start time, its
+first attempt number, and the useful training seconds already banked by earlier
+launches) so the end of the run can report its effective training time.
+
+Attempt numbers are the run directory's, not the launch's: a launch numbers its
+attempts on from the highest one an earlier launch of the same directory left
+(megascale's launchers pass the number down in ``MEGASCALE_FIRST_ATTEMPT`` and
+``MEGASCALE_ATTEMPT_BASE``; a lone process or plain torchrun lets rank 0 take the
+next free number), so ``attempts/<N>`` only ever holds the records of one launch.
+`restart_attempt` is the count within the launch (0 for its first worker group),
+which is what fault injection's ``attempt=`` and the first-attempt checks use.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -36,6 +45,11 @@ from megascale.training.fault.disk_writes import RecordWriter
 from megascale.training.fault.events import append_event
 
 ATTEMPTS_DIR = "attempts"
+FIRST_ATTEMPT_ENV = "MEGASCALE_FIRST_ATTEMPT"
+"""The attempt number a megascale launcher gave the first worker group of this launch."""
+ATTEMPT_BASE_ENV = "MEGASCALE_ATTEMPT_BASE"
+"""Added to torch's restart count: the number of this agent's first group (megascale's elastic launcher starts a
+new torch agent for each group size, whose own restart count starts from 0 again)."""
 
 # Exit kinds a rank records when it ends on its own terms.
 EXIT_DONE = "done"
@@ -53,15 +67,54 @@ class AttemptInfo:
     attempt: int
     rank: int
     world_size: int
+    first: int = 0  # the attempt number of this launch's first worker group
 
     @staticmethod
     def from_env(rank: int, world_size: int, environ: Optional[dict[str, str]] = None) -> AttemptInfo:
-        """Read the launch id (megascale launcher, else torchrun's run id) and TORCHELASTIC_RESTART_COUNT."""
+        """Read the launch id (megascale launcher, else torchrun's run id) and the attempt numbers (see
+        `attempt_number`)."""
         env = os.environ if environ is None else environ
         launch_id = env.get("MEGASCALE_LAUNCH_ID") or env.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
-        from megascale.training.fault.inject import restart_attempt
+        return AttemptInfo(launch_id, attempt_number(env), rank, world_size, first_attempt(env))
 
-        return AttemptInfo(launch_id, restart_attempt(env), rank, world_size)
+    @property
+    def launch_first(self) -> bool:
+        """True for the first worker group of its launch (no restart event, the launch's records start here)."""
+        return self.attempt == self.first
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env.get(key, "0") or 0)
+    except ValueError:
+        return 0
+
+
+def attempt_number(environ: Optional[Mapping[str, str]] = None) -> int:
+    """This worker group's attempt number in the run directory (``attempts/<N>``): torch's restart count plus
+    MEGASCALE_ATTEMPT_BASE (0 for a lone process, torch's count under plain torchrun, where rank 0 may still move
+    it to a free number: see megascale.training.fault.elastic.agree_attempt)."""
+    env = os.environ if environ is None else environ
+    return _env_int(env, "TORCHELASTIC_RESTART_COUNT") + _env_int(env, ATTEMPT_BASE_ENV)
+
+
+def first_attempt(environ: Optional[Mapping[str, str]] = None) -> int:
+    """The attempt number of this launch's first worker group, as a megascale launcher set it (else 0)."""
+    env = os.environ if environ is None else environ
+    return _env_int(env, FIRST_ATTEMPT_ENV)
+
+
+def restart_attempt(environ: Optional[Mapping[str, str]] = None) -> int:
+    """The worker group's restart count within its launch: 0 for the launch's first group, whatever number its
+    attempt directory has."""
+    env = os.environ if environ is None else environ
+    return max(0, attempt_number(env) - first_attempt(env))
+
+
+def next_attempt_number(run_dir: Path) -> int:
+    """The first attempt number no launch of this run directory has used (0 in a new directory)."""
+    used = [int(p.name) for p in (Path(run_dir) / ATTEMPTS_DIR).glob("*") if p.name.isdigit()]
+    return max(used) + 1 if used else 0
 
 
 def _write_json(path: Path, record: dict) -> None:
@@ -85,7 +138,7 @@ def _read_json(path: Path) -> Optional[dict]:
         return None
 
 
-def worker_group_id(environ: Optional[dict[str, str]] = None) -> str:
+def worker_group_id(environ: Optional[Mapping[str, str]] = None) -> str:
     """The worker group this process belongs to: its rendezvous store's address, new for every group the elastic
     agent starts (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 puts each round's store on a free port)."""
     env = os.environ if environ is None else environ
@@ -140,20 +193,21 @@ class AttemptRecorder:
 
     # ------------------------------------------------------------------ launch state
     def launch_state(self, useful_s_at_start: float) -> dict:
-        """The launch's start time and banked useful seconds: rank 0 of attempt 0 writes them, later attempts read.
+        """The launch's start time, first attempt and banked useful seconds: rank 0 of the launch's first attempt
+        writes them, later attempts read.
 
         The launch starts when `megascale train --nproc` started (MEGASCALE_LAUNCH_TIME), else when the
         first attempt's process started, so startup counts in the wall time.
         """
-        path = self.run_dir / ATTEMPTS_DIR / "launch.json"
-        if self.info.attempt > 0:
-            state = _read_json(path)
-            if state is not None and state.get("launch_id") == self.info.launch_id:
+        if not self.info.launch_first:
+            state = read_launch(self.run_dir, self.info.launch_id)
+            if state is not None:
                 return state
         start = float(os.environ.get("MEGASCALE_LAUNCH_TIME") or cast(float, self.start_record["start_time"]))
-        state = {"launch_id": self.info.launch_id, "start_time": start, "useful_s_at_start": useful_s_at_start}
-        if self.info.rank == 0 and self.info.attempt == 0:
-            _write_json(path, state)
+        state = {"launch_id": self.info.launch_id, "start_time": start, "useful_s_at_start": useful_s_at_start,
+                 "first_attempt": self.info.first}
+        if self.info.rank == 0 and self.info.launch_first:
+            _write_json(self.run_dir / ATTEMPTS_DIR / "launch.json", state)
         return state
 
     # ------------------------------------------------------------------ restart event
@@ -173,7 +227,7 @@ class AttemptRecorder:
 
     def record_restart(self, resumed_step: int, extra: Optional[dict[str, Any]] = None) -> Optional[dict]:
         """Rank 0 of a restarted attempt: append the `restart` event describing what happened (plus `extra`)."""
-        if self.info.rank != 0 or self.info.attempt == 0:
+        if self.info.rank != 0 or self.info.launch_first:
             return None
         previous = self.previous_attempt()
         prev_dir = self.dir.parent / str(self.info.attempt - 1)
@@ -183,6 +237,12 @@ class AttemptRecorder:
         fields.update(extra or {})
         return append_event(self.run_dir, "restart", step=resumed_step, ranks=fields.pop("failed_ranks"),
                             attempt=self.info.attempt, **fields)
+
+
+def read_launch(run_dir: Path, launch_id: str) -> Optional[dict]:
+    """``attempts/launch.json`` when it belongs to launch `launch_id`, else None."""
+    state = _read_json(Path(run_dir) / ATTEMPTS_DIR / "launch.json")
+    return state if state is not None and state.get("launch_id") == launch_id else None
 
 
 def _recorded_ranks(attempt_dir: Path) -> int:

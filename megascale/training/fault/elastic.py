@@ -16,7 +16,9 @@ checkpoint into whatever layout the group now has.
 
 Each attempt leaves its layout in ``RUN_DIR/attempts/<A>/layout.json`` so the
 next attempt's ``restart`` event can show both the layout it left and the one
-it continues on.
+it continues on. A group that megascale's elastic launcher stops on purpose to
+start another size finds ``relaunch.json`` beside it (`write_relaunch`), so its
+ranks record the stop as `group_stopped`, not as the end of the run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import copy
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,14 +36,24 @@ import torch.distributed as dist
 
 from megascale.config import Config, ConfigError
 from megascale.run_plan import RunPlan, resolve_plan
-from megascale.training.fault.attempts import ATTEMPTS_DIR, AttemptInfo, worker_group_id
+from megascale.training.fault.attempts import (
+    ATTEMPT_BASE_ENV,
+    ATTEMPTS_DIR,
+    FIRST_ATTEMPT_ENV,
+    AttemptInfo,
+    next_attempt_number,
+    read_launch,
+    worker_group_id,
+)
 from megascale.training.fault.disk_writes import RecordWriter
 
-ATTEMPT_BASE_ENV = "MEGASCALE_ATTEMPT_BASE"
-"""Attempts run by earlier worker groups of this launch (megascale's elastic launcher starts a new torch agent for
-each size, whose own restart count starts from 0 again)."""
 REASON_ENV = "MEGASCALE_ELASTIC_REASON"
 """Why megascale's elastic launcher started this group with the size it has (shown in the restart event)."""
+RELAUNCH_FILE = "relaunch.json"
+"""In an attempt's directory: the launcher stops this group on purpose and the run goes on (see write_relaunch)."""
+PLANNED_ENV = "MEGASCALE_ELASTIC_PLANNED"
+"""'1' when megascale's elastic launcher stopped the previous group on purpose (a grow, or a slot marked bad while
+its worker ran): no rank failed, the group committed a checkpoint of its step."""
 
 
 def elastic_config(cfg: Config, world_size: int) -> Config:
@@ -112,61 +125,101 @@ def read_layout(attempt_dir: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def claimed_by_other_group(attempt_dir: Path, launch_id: str, group: str) -> bool:
-    """True when a worker group of this launch other than `group` already recorded ranks under this attempt."""
-    for path in attempt_dir.glob("rank_*.json"):
+def write_relaunch(attempt_dir: Path, launch_id: str, reason: str) -> None:
+    """The launcher, before it sends a group the preemption signal to start another size: ``relaunch.json`` in the
+    group's attempt directory tells its ranks that the run goes on (they record `group_stopped`, not an end)."""
+    RecordWriter("the relaunch record").replace(attempt_dir / RELAUNCH_FILE, json.dumps(
+        {"launch_id": launch_id, "reason": reason, "time": round(time.time(), 3)}))
+
+
+def read_relaunch(attempt_dir: Path, launch_id: str) -> Optional[str]:
+    """Why the launcher stops this attempt's group to start another (its relaunch record), or None."""
+    try:
+        record = json.loads((attempt_dir / RELAUNCH_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return str(record.get("reason", "")) if record.get("launch_id") == launch_id else None
+
+
+def held_elsewhere(attempt_dir: Path, launch_id: str, group: str) -> bool:
+    """True when an attempt directory holds records of another launch, or of a worker group of this launch other
+    than `group`: its number is taken."""
+    for path in [*attempt_dir.glob("rank_*.json"), attempt_dir / "progress.json"]:
         try:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if record.get("launch_id") == launch_id and record.get("group", group) != group:
+        if record.get("launch_id") != launch_id or record.get("group", group) != group:
             return True
     return False
 
 
-def next_free_attempt(run_dir: Path, info: AttemptInfo) -> int:
-    """This group's attempt number: the agent's restart count, unless another group of the launch holds it.
+def next_free_attempt(run_dir: Path, info: AttemptInfo, environ: Optional[dict[str, str]] = None) -> int:
+    """This group's attempt number: the one its environment gives, unless that number is taken.
 
-    torchrun's agents restart the workers without counting when a node joins or leaves (a membership change:
-    the way an elastic job grows back), so the count alone would send the grown group's records over the
-    previous group's. Such a group takes the next number after the highest one used.
+    A megascale launcher gives each group a number no launch of the directory used before. Without one (a lone
+    process, plain torchrun) the number is torch's restart count, which starts from 0 in every launch and does not
+    move when torchrun restarts the workers because a node joined or left (a membership change: the way an elastic
+    job grows back), so the group numbers on after the highest attempt used. A directory holding another launch's
+    or another group's records is never shared: the group takes the next number after the highest one used.
     """
-    attempts = Path(run_dir) / ATTEMPTS_DIR
-    if not claimed_by_other_group(attempts / str(info.attempt), info.launch_id, worker_group_id()):
-        return info.attempt
-    used = [int(p.name) for p in attempts.glob("*") if p.name.isdigit()]
-    return max([info.attempt, *used]) + 1
+    env = os.environ if environ is None else environ
+    candidate = Path(run_dir) / ATTEMPTS_DIR / str(info.attempt)
+    if held_elsewhere(candidate, info.launch_id, worker_group_id(env)):
+        return next_attempt_number(run_dir)
+    if FIRST_ATTEMPT_ENV not in env and not candidate.exists():
+        return max(info.attempt, next_attempt_number(run_dir))
+    return info.attempt
+
+
+def launch_first_attempt(run_dir: Path, info: AttemptInfo, attempt: int,
+                         environ: Optional[dict[str, str]] = None) -> int:
+    """The attempt number of this launch's first group: the megascale launcher's; else launch.json's when it is
+    this launch's (a restart under plain torchrun); else this group is the launch's first."""
+    env = os.environ if environ is None else environ
+    if FIRST_ATTEMPT_ENV in env:
+        return info.first
+    launch = read_launch(run_dir, info.launch_id)
+    return attempt if launch is None else int(launch.get("first_attempt", 0))
 
 
 def agree_attempt(run_dir: Path, info: AttemptInfo, device: torch.device) -> AttemptInfo:
-    """Rank 0 picks the attempt number (see next_free_attempt) and every rank takes it (one broadcast)."""
-    attempt = next_free_attempt(run_dir, info) if info.rank == 0 else 0
+    """Rank 0 picks the attempt number (see next_free_attempt) and the launch's first one, and every rank takes
+    them (one broadcast)."""
+    attempt = first = 0
+    if info.rank == 0:
+        attempt = next_free_attempt(run_dir, info)
+        first = launch_first_attempt(run_dir, info, attempt)
     if info.world_size > 1 and dist.is_initialized():
-        value = torch.tensor([attempt], dtype=torch.int64, device=device)
+        value = torch.tensor([attempt, first], dtype=torch.int64, device=device)
         dist.broadcast(value, src=0)
-        attempt = int(value.item())
-    return dataclasses.replace(info, attempt=attempt)
+        attempt, first = (int(v) for v in value.tolist())
+    return dataclasses.replace(info, attempt=attempt, first=first)
 
 
 def restart_fields(run_dir: Path, attempt: int, layout: dict[str, Any],
                    environ: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    """Fields the restart event of `attempt` adds: its layout, the previous attempt's, and why the size changed."""
+    """Fields the restart event of `attempt` adds: its layout, the previous attempt's, and why the size changed;
+    when the previous group was stopped on purpose (a relaunch, with a checkpoint of its step), that is the
+    cause."""
     env = os.environ if environ is None else environ
     fields: dict[str, Any] = {"layout": layout,
-                              "previous_layout": read_layout(Path(run_dir) / "attempts" / str(attempt - 1))}
+                              "previous_layout": read_layout(Path(run_dir) / ATTEMPTS_DIR / str(attempt - 1))}
     reason = env.get(REASON_ENV)
+    planned = env.get(PLANNED_ENV) == "1"
     before = fields["previous_layout"]
     if not reason and before is not None and before.get("world_size") != layout["world_size"]:
         # torchrun: the rendezvous closed with fewer or more nodes than the previous group had
         grew = layout["world_size"] > before["world_size"]
         reason = f"{'grow' if grew else 'shrink'}: {before['world_size']} -> {layout['world_size']} ranks"
+        planned = grew  # torchrun stops a healthy group only for a node that joins
     if reason:
         fields["elastic"] = reason
-        if reason.startswith("grow"):  # the group was stopped on purpose, with a checkpoint of its step
+        if planned:
             fields["cause"] = f"elastic {reason}"
     return fields
 
 
-__all__ = ["ATTEMPT_BASE_ENV", "REASON_ENV", "agree_attempt", "claimed_by_other_group", "describe_layout",
-           "elastic_config", "fits", "layout_record", "next_free_attempt", "read_layout", "restart_fields",
-           "write_layout"]
+__all__ = ["ATTEMPT_BASE_ENV", "PLANNED_ENV", "REASON_ENV", "agree_attempt", "describe_layout", "elastic_config",
+           "fits", "held_elsewhere", "launch_first_attempt", "layout_record", "next_free_attempt", "read_layout",
+           "read_relaunch", "restart_fields", "write_layout", "write_relaunch"]

@@ -19,8 +19,9 @@ A spec is a ``;``-separated list of items ``ACTION:rank=R:step=S[:key=value...]`
 ``rank`` is a global rank or ``all``; ``step`` is the step as the log numbers it (1-based; for
 ``crash_in_save`` the step of the checkpoint being saved). ``point`` overrides where kill, hang,
 raise and slow fire: ``step_start`` (default), ``after_forward`` or ``in_save``. ``attempt`` is
-the restart attempt the fault fires in (default 0, the first; ``any`` fires in every attempt),
-so a restarted job runs past the fault and finishes.
+the restart attempt the fault fires in, counted within the launch (default 0, its first worker
+group, whatever number its ``attempts/<N>`` directory has; ``any`` fires in every attempt), so a
+restarted job runs past the fault and finishes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megascale.config import ConfigError
+from megascale.training.fault.attempts import restart_attempt
 
 ENV_VAR = "MEGASCALE_FAULT"
 ACTIONS = ("kill", "hang", "raise", "slow", "nan", "crash_in_save")
@@ -153,15 +155,6 @@ def parse_fault_spec(spec: Optional[str]) -> list[Fault]:
     if spec is None or not spec.strip():
         return []
     return [_parse_item(item.strip()) for item in spec.split(";") if item.strip()]
-
-
-def restart_attempt(environ: Optional[Mapping[str, str]] = None) -> int:
-    """The elastic agent's restart count of this worker group (0 on the first attempt or without an agent)."""
-    env = os.environ if environ is None else environ
-    try:  # megascale's elastic launcher numbers on across the torch agents it starts, one per group size
-        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + int(env.get("MEGASCALE_ATTEMPT_BASE", "0") or 0)
-    except ValueError:
-        return 0
 
 
 class FaultInjector:

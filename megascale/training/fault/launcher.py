@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Optional
 
 from megascale.config import Config
 from megascale.training.fault.events import read_events
-from megascale.training.fault.lifecycle import EXIT_PREEMPTED_CODE
+from megascale.training.fault.lifecycle import EXIT_PREEMPTED_CODE, effective_time_line
 
 if TYPE_CHECKING:  # torch's elastic launcher is imported only when a launch happens
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -45,8 +45,13 @@ DEFAULT_HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 def launch_env(cfg: Config, environ: Optional[dict] = None) -> dict[str, str]:
-    """Environment for the agent and its workers; values the user already set are kept."""
+    """Environment for the agent and its workers; values the user already set are kept, except the launch's own:
+    its id, start time and first attempt number (after every attempt an earlier launch of the run directory left,
+    so a launch never writes into another's ``attempts/<N>``)."""
+    from megascale.training.fault.attempts import ATTEMPT_BASE_ENV, FIRST_ATTEMPT_ENV, next_attempt_number
+
     env = os.environ if environ is None else environ
+    first = str(next_attempt_number(Path(cfg.train.output_dir)))
     handled = env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", DEFAULT_HANDLED_SIGNALS).split(",")
     if cfg.fault.preempt_signal not in handled:
         handled.append(cfg.fault.preempt_signal)  # the agent then forwards it to the workers
@@ -62,6 +67,8 @@ def launch_env(cfg: Config, environ: Optional[dict] = None) -> dict[str, str]:
         "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(handled),
         "MEGASCALE_LAUNCH_ID": uuid.uuid4().hex[:12],
         "MEGASCALE_LAUNCH_TIME": f"{time.time():.3f}",
+        FIRST_ATTEMPT_ENV: first,
+        ATTEMPT_BASE_ENV: first,  # torch's restart count adds to it
     }
 
 
@@ -222,6 +229,8 @@ def _report_signal(sig: signal.Signals, cfg: Config, run_dir: Path, launch_time:
     if sig.name == cfg.fault.preempt_signal:
         events = [e for e in read_events(run_dir, "preempted") if e.get("time", 0) >= launch_time]
         if events and events[-1].get("saved"):
+            if "effective" in events[-1]:  # the launch ends here: its effective training time, as of the stop
+                print(effective_time_line(events[-1]), flush=True)
             return EXIT_PREEMPTED_CODE  # rank 0 printed "preempted at step N: checkpoint saved"
         print(f"megascale: stopped by {sig.name} before a checkpoint could be committed; the run resumes from "
               f"the previous checkpoint", file=sys.stderr)

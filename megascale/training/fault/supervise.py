@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from megascale.training.fault.inject import restart_attempt
+from megascale.training.fault.attempts import attempt_number
 from megascale.training.fault.progress import Progress
 
 COLLECTIVE_MARGIN_S = 60.0
@@ -57,7 +57,7 @@ def start_watchdog(cfg: Any, rank: int, world_size: int, progress: Progress,
     from megascale.training.fault.watchdog import Watchdog
 
     layout = resolve_plan(cfg, world_size).rank_layout()
-    attempt = restart_attempt(environ)
+    attempt = attempt_number(environ)  # the attempts/<N> number: hang/<N> and the heartbeats are per attempt
     run_dir = Path(cfg.train.output_dir)
     board = choose_board(cfg.fault.heartbeat_store, run_dir, attempt,
                          timeout_s=max(10.0, 2 * cfg.fault.heartbeat_s), environ=environ)
