@@ -445,6 +445,8 @@ def test_preemption_through_the_launcher(tmp_path: Path, fault_free_dp2: dict, r
     assert wait_exit(proc, 120) == 75, (tmp_path / "log").read_text()
     (preempted,) = events(out, "preempted")
     assert preempted["saved"] and latest_step(out) == preempted["step"]
+    # the launch ends, the run does not: the launcher prints the launch's effective time from the event
+    assert events(out, "run_end") == [] and (tmp_path / "log").read_text().count("effective training time") == 1
     again = start(cmd, tmp_path / "log2")
     assert wait_exit(again, 300) == 0, (tmp_path / "log2").read_text()
     assert losses(out) == fault_free_dp2
