@@ -63,6 +63,9 @@ _ADAM_BYTES = 4 + 16 + 8
 # The step's tail parts that compute (stretched by ranks sharing a CPU host's cores); the rest are collectives.
 _HOST_COMPUTE = ("optimizer", "fp8_weight_cast")
 _LAMB_EXTRA_BYTES = 8
+# fp16 with dynamic loss scaling: the gradients are unscaled in place before the norm (read and write fp32;
+# megascale's `scale_`, Megatron-LM's `_amp_foreach_non_finite_check_and_unscale_`).
+_UNSCALE_BYTES = 8
 
 
 @dataclass
@@ -247,6 +250,8 @@ def optimizer_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: i
     if cfg.optim.name == "lamb":
         per_param += _LAMB_EXTRA_BYTES
     per_param += 4  # the global gradient norm reads every gradient once
+    if cfg.train.dtype == "fp16":
+        per_param += _UNSCALE_BYTES
     return spec.memory_seconds(updated * per_param)
 
 
