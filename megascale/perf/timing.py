@@ -268,17 +268,29 @@ def _analytic_pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p:
     """(makespan, busy per rank) from the bubble formula: (pp - 1) chunk passes of the slowest rank idle.
 
     Split backward (times (F, B, W)): ZB-H1 idles (pp - 1)(F + B - W) (Qi et al. 2023), ZB-V
-    (pp - 1)(F + B - 2W) per half-size chunk, never less than the message latency.
+    (pp - 1)(F + B - 2W) per half-size chunk but never less than (pp - 1) F, plus the message latency.
+
+    The formulas hold with enough micro-batches to fill the pipeline. A step is never shorter than
+    one micro-batch's own path: its forward and backward through every chunk of every stage, one
+    after another (pp x the slowest rank's F + B), then its last W; with few micro-batches (a large
+    micro-batch on few data-parallel ranks) that path is the step, and the formula would miss most
+    of the bubble.
     """
     m = plan.num_microbatches
     busy = [m * sum(sum(t) for t in chunks) for chunks in times]
     slowest = max(range(plan.pp), key=lambda r: busy[r])
     rank_times = times[slowest]
     per_chunk = sum(sum(t) for t in rank_times) / plan.vpp
+    forward_backward = sum(t[0] + t[1] for t in rank_times)
+    last_w = (sum(sum(t) for t in rank_times) - forward_backward) / plan.vpp
     if plan.schedule in SPLIT_BACKWARD:
         f, b, w = (sum(t[i] for t in rank_times) / plan.vpp for i in range(3))
-        per_chunk = max(f + b - (2 if plan.v_shape else 1) * w, 0.0)
-    return busy[slowest] + (plan.pp - 1) * (per_chunk + 2 * p2p), busy
+        # ZB-V never idles less than one half-size chunk's F per stage: the warm-up forwards down the V
+        # have no W to fill the wait yet (the pipeline simulator shows it where 2W exceeds F + B).
+        per_chunk = max(f + b - 2 * w, f) if plan.v_shape else max(f + b - w, 0.0)
+    formula = busy[slowest] + (plan.pp - 1) * (per_chunk + 2 * p2p)
+    one_path = plan.pp * forward_backward + last_w + 2 * (plan.pp * plan.vpp - 1) * p2p
+    return max(formula, one_path), busy
 
 
 def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
