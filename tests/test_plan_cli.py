@@ -80,10 +80,10 @@ def test_progress_lines_wait_then_print_at_most_every_interval_and_per_phase() -
         lines(_status(phase, done))
     printed = stream.getvalue().splitlines()
     assert printed == [
-        "megascale plan --search: 3/100 layouts estimated, 0 fit [3 s]",
-        "megascale plan --search: 6/100 layouts estimated, 0 fit [8 s]",
-        "megascale plan --search: 1/100 best layouts timed in the pipeline simulator [8 s]",  # a new phase
-        "megascale plan --search: 3/100 best layouts timed in the pipeline simulator [14 s]",
+        "megascale: search 3/100 layouts estimated, 0 fit [3 s]",
+        "megascale: search 6/100 layouts estimated, 0 fit [8 s]",
+        "megascale: search 1/100 best layouts timed in the pipeline simulator [8 s]",  # a new phase
+        "megascale: search 3/100 best layouts timed in the pipeline simulator [14 s]",
     ]
 
 
@@ -98,6 +98,6 @@ def test_a_quick_search_prints_no_progress_and_json_stays_clean(capsys, monkeypa
     out, err = capsys.readouterr()
     assert json.loads(out)["ranked"]
     progress = err.splitlines()
-    assert progress and all(line.startswith("megascale plan --search: ") for line in progress)
+    assert progress and all(line.startswith("megascale: search ") for line in progress)
     assert any("layouts estimated" in line for line in progress)
     assert any("timed in the pipeline simulator" in line for line in progress)

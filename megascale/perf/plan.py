@@ -124,7 +124,7 @@ class ProgressLines:
         if now - self.start < self.after or (now - self.last < self.every and status.phase == self.phase):
             return
         self.last, self.phase = now, status.phase
-        print(f"megascale plan --search: {status.describe()} [{now - self.start:.0f} s]", file=self.stream,
+        print(f"megascale: search {status.describe()} [{now - self.start:.0f} s]", file=self.stream,
               flush=True)
 
 
