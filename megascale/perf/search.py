@@ -42,6 +42,7 @@ from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.fp8 import check_fp8_supported
 from megascale.perf.gpus import GpuSpec
+from megascale.perf.host import default_run_threads
 from megascale.perf.memory import stage_estimates
 from megascale.perf.predict import Prediction, model_flops_per_step, predict
 from megascale.perf.timing import step_time
@@ -192,8 +193,11 @@ class SearchResult:
 
 
 def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCALE, top: int = 5,
-           refine: int = 12) -> SearchResult:
-    """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator."""
+           refine: int = 12, threads: Optional[int] = None) -> SearchResult:
+    """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator.
+
+    threads: CPU specs, each rank's intra-op threads (None: as `megascale train` starts `gpus` ranks).
+    """
     check_fp8_supported(cfg, spec)
     tables: dict[ModelLayout, ParamTable] = {}
     dropped: Counter[str] = Counter()
@@ -210,7 +214,7 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
         key = ModelLayout.from_plan(plan)
         if key not in tables:
             tables[key] = param_table(candidate_cfg, key)
-        pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
+        pred = _quick(candidate_cfg, plan, spec, traits, tables[key], threads)
         while pred is None and 1 <= choice.zero < 3 and plan.dp * plan.cp > 1:
             # ZeRO-2 shards the gradients too, ZeRO-3 the parameters as well: each tried where the level
             # below does not fit (more collectives per micro-batch, so where the lower level fits it is
@@ -219,7 +223,7 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
             choice = dataclasses.replace(choice, zero=choice.zero + 1)
             candidate_cfg = _apply(cfg, choice)
             plan = resolve_plan(candidate_cfg, gpus)
-            pred = _quick(candidate_cfg, plan, spec, traits, tables[key])
+            pred = _quick(candidate_cfg, plan, spec, traits, tables[key], threads)
         if pred is None:
             dropped["does not fit in memory"] += 1
             continue
@@ -229,7 +233,7 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
             considered += 1
             hybrid_cfg = _apply(cfg, hybrid)
             hybrid_plan = resolve_plan(hybrid_cfg, gpus)
-            hybrid_pred = _quick(hybrid_cfg, hybrid_plan, spec, traits, tables[key])
+            hybrid_pred = _quick(hybrid_cfg, hybrid_plan, spec, traits, tables[key], threads)
             if hybrid_pred is None:
                 dropped["does not fit in memory"] += 1
             else:
@@ -240,7 +244,8 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
     kept.sort(key=lambda c: -c.prediction.mfu)
 
     def simulated(c: Candidate) -> Candidate:
-        return Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)]))
+        return Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, tables[ModelLayout.from_plan(c.plan)],
+                                                threads))
 
     refined = [simulated(c) for c in kept[:refine]]
     refined.sort(key=lambda c: -c.prediction.mfu)
@@ -298,14 +303,16 @@ def _reason(message: str) -> str:
     return message.split(";")[0]
 
 
-def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, table: ParamTable) -> Optional[Prediction]:
+def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, table: ParamTable,
+           threads: Optional[int] = None) -> Optional[Prediction]:
     """Prediction with the analytic bubble (fast), or None when the layout does not fit."""
     memory = stage_estimates(cfg, plan, "fused", table)
     if max(e.total_bytes for e in memory) > spec.usable_memory_bytes:
         return None
-    step = step_time(cfg, plan, spec, table, traits, simulate_pipeline=False)
+    threads = default_run_threads(plan, spec) if threads is None else threads
+    step = step_time(cfg, plan, spec, table, traits, simulate_pipeline=False, threads=threads)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step,
-                      model_flops_per_step=model_flops_per_step(cfg, plan))
+                      model_flops_per_step=model_flops_per_step(cfg, plan), threads=threads)
 
 
 def explain(result: SearchResult) -> list[str]:
