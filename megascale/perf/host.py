@@ -22,8 +22,8 @@ gives it (`megascale.perf.threads.run_threads`: one per rank under `--nproc`,
 the host's cores for a single process). `thread_spec` turns a spec's one-thread
 rates into those of a rank's threads: they run on at most the cores each rank
 has while all compute (`rank_thread_cores`), each op class sped up as
-calibrate measured it (`ThreadRates`), while the part of `train_work_factor`
-beyond the ops' own time (autograd, Python dispatch: one thread) is not.
+calibrate measured it (`ThreadRates`); `train_work_factor` still multiplies
+every op (its excess is work inside the ops, not dispatch: see `thread_spec`).
 """
 
 from __future__ import annotations
@@ -115,30 +115,27 @@ def rank_thread_cores(plan: RunPlan, spec: GpuSpec) -> float:
 def thread_spec(plan: RunPlan, spec: GpuSpec, threads: int) -> GpuSpec:
     """`spec` with the rates of a rank whose ops run on `threads` intra-op threads (the spec itself for one).
 
-    The threads use t = min(threads, `rank_thread_cores`) cores. Each op's one-thread time at the spec's rates,
-    x, takes x * min(W, 1) / s(t) + x * max(W - 1, 0) on t cores: s the op class's measured speedup
-    (`ThreadRates`: per GEMM size, SDPA forward and backward, memory-bound ops), W the `train_work_factor`,
-    whose excess over the ops' own time (autograd, dispatch) stays on the main thread. The result folds
-    that into each efficiency and sets W to 1. GPU specs, specs without thread rates and t <= 1 are returned
-    unchanged (fewer cores than one are the core sharing of `ranks_per_core`).
+    The threads use t = min(threads, `rank_thread_cores`) cores, and each op class runs s(t) times as fast
+    as on one thread (`ThreadRates`: per GEMM size, SDPA forward and backward, memory-bound ops; Amdahl's
+    curve through the measured speedup): its efficiency times s(t). `train_work_factor` multiplies the
+    threaded times as it does one thread's: what it adds is work inside the ops (a layer's GEMM shapes
+    against the square curve, ops the model does not count), which the threads share; the per-op dispatch
+    that stays on the main thread is a few percent of a step (docs/planner.md). GPU specs, specs without
+    thread rates and t <= 1 are returned unchanged (fewer cores than one are `ranks_per_core`'s sharing).
     """
     rates = spec.threaded
     cores = min(float(threads), rank_thread_cores(plan, spec)) if shares_cores(spec) else 1.0
     if rates is None or cores <= 1.0:
         return spec
-    scaled, serial = min(spec.train_work_factor, 1.0), max(spec.train_work_factor - 1.0, 0.0)
-
-    def fold(efficiency: float, speedup: float) -> float:
-        return efficiency / (scaled / speedup + serial)
 
     def sped(measured: float) -> float:
         return amdahl_speedup(measured, rates.threads, cores)
 
-    curve = tuple((size, fold(e, gemm_speedup(rates, size, cores))) for size, e in spec.gemm_efficiency)
-    return replace(spec, gemm_efficiency=curve, train_work_factor=1.0,
-                   attention_fwd_efficiency=fold(spec.attention_fwd_efficiency, sped(rates.attention_fwd_speedup)),
-                   attention_bwd_efficiency=fold(spec.attention_bwd_efficiency, sped(rates.attention_bwd_speedup)),
-                   hbm_efficiency=fold(spec.hbm_efficiency, sped(rates.memory_speedup)))
+    curve = tuple((size, e * gemm_speedup(rates, size, cores)) for size, e in spec.gemm_efficiency)
+    return replace(spec, gemm_efficiency=curve,
+                   attention_fwd_efficiency=spec.attention_fwd_efficiency * sped(rates.attention_fwd_speedup),
+                   attention_bwd_efficiency=spec.attention_bwd_efficiency * sped(rates.attention_bwd_speedup),
+                   hbm_efficiency=spec.hbm_efficiency * sped(rates.memory_speedup))
 
 
 __all__ = ["PROBE_RANKS", "collective_stretch", "compute_cores", "default_run_threads", "host_share",

@@ -213,6 +213,10 @@ def cpu_threads_line(pred: Prediction, threads_from: str = "") -> str:
     if pred.threads > 1 and cores > 1 and spec.threaded is None:
         line += ("; the spec measured one thread only, so this is predicted as one (rerun megascale bench "
                  "calibrate --device cpu to measure the host's threads)")
+    elif pred.threads > 1 and cores < 0.75 * pred.threads:
+        line += ("; fewer cores than threads (other jobs load the host): there, threads that wait for each other "
+                 "at every op can take several times one thread's time, which is not modelled (docs/planner.md); "
+                 "OMP_NUM_THREADS=1 avoids it")
     return line
 
 
