@@ -60,6 +60,8 @@ def test_single_process_prediction_runs_on_the_default_threads() -> None:
     for name in COMPUTE:
         assert one_process.step.breakdown()[name] == pytest.approx(ratio * one_thread.step.breakdown()[name])
     assert one_process.step_time_s == pytest.approx(ratio * one_thread.step_time_s)
+    # MFU against the GEMM peak of the two threads (1.8x one thread's): the same utilisation, not 1.8x of it.
+    assert one_process.peak_scale == pytest.approx(SPEEDUP) and one_process.mfu == pytest.approx(one_thread.mfu)
     # On main the same spec predicted the one-thread time for the quick start.
     assert one_process.step_time_s < 0.6 * one_thread.step_time_s
 

@@ -138,5 +138,12 @@ def thread_spec(plan: RunPlan, spec: GpuSpec, threads: int) -> GpuSpec:
                    hbm_efficiency=spec.hbm_efficiency * sped(rates.memory_speedup))
 
 
+def thread_peak_scale(plan: RunPlan, spec: GpuSpec, threads: int) -> float:
+    """The GEMM peak of a rank's `threads` threads over the spec's one-thread peak (1 where they gain nothing):
+    the best point of the threaded curve over the best of the spec's, for MFU against what the rank can reach."""
+    threaded = thread_spec(plan, spec, threads)
+    return max(e for _, e in threaded.gemm_efficiency) / max(e for _, e in spec.gemm_efficiency)
+
+
 __all__ = ["PROBE_RANKS", "collective_stretch", "compute_cores", "default_run_threads", "host_share",
-           "rank_thread_cores", "ranks_per_core", "shared_makespan", "thread_spec"]
+           "rank_thread_cores", "ranks_per_core", "shared_makespan", "thread_peak_scale", "thread_spec"]

@@ -209,7 +209,7 @@ def cpu_threads_line(pred: Prediction, threads_from: str = "") -> str:
     spec, plan = pred.spec, pred.plan
     cores = min(float(pred.threads), rank_thread_cores(plan, spec))
     line = (f"threads: {pred.threads} intra-op per rank ({threads_from or 'as megascale train starts it'}), "
-            f"on {cores:.2g} of the host's {spec.host_cores:g} cores")
+            f"on {cores:.3g} of the host's {spec.host_cores:g} cores")
     if pred.threads > 1 and cores > 1 and spec.threaded is None:
         line += ("; the spec measured one thread only, so this is predicted as one (rerun megascale bench "
                  "calibrate --device cpu to measure the host's threads)")

@@ -42,7 +42,7 @@ from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.fp8 import check_fp8_supported
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.host import default_run_threads
+from megascale.perf.host import default_run_threads, thread_peak_scale
 from megascale.perf.memory import stage_estimates
 from megascale.perf.predict import Prediction, model_flops_per_step, predict
 from megascale.perf.timing import step_time
@@ -312,7 +312,8 @@ def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, tabl
     threads = default_run_threads(plan, spec) if threads is None else threads
     step = step_time(cfg, plan, spec, table, traits, simulate_pipeline=False, threads=threads)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step,
-                      model_flops_per_step=model_flops_per_step(cfg, plan), threads=threads)
+                      model_flops_per_step=model_flops_per_step(cfg, plan), threads=threads,
+                      peak_scale=thread_peak_scale(plan, spec, threads))
 
 
 def explain(result: SearchResult) -> list[str]:
