@@ -214,7 +214,7 @@ def cpu_threads_line(pred: Prediction, threads_from: str = "") -> str:
         line += ("; the spec measured one thread only, so this is predicted as one (rerun megascale bench "
                  "calibrate --device cpu to measure the host's threads)")
     elif pred.threads > 1 and cores < 0.75 * pred.threads:
-        line += ("; fewer cores than threads (other jobs load the host): there, threads that wait for each other "
+        line += ("; fewer cores than threads (other ranks or jobs share them): threads that wait for each other "
                  "at every op can take several times one thread's time, which is not modelled (docs/planner.md); "
                  "OMP_NUM_THREADS=1 avoids it")
     return line
