@@ -1,7 +1,9 @@
 """`megascale bench calibrate --device cpu`: measure this host's CPU and write a spec file for `megascale plan`.
 
-A CPU rank of `megascale train` runs one thread (OMP_NUM_THREADS=1 under the
-launcher), so everything is measured on one thread of one process:
+A CPU rank of `megascale train --nproc N` runs one thread (OMP_NUM_THREADS=1
+under the launcher), so the rates are measured on one thread of one process; a
+single process (no --nproc) runs torch's default threads, whose speedup over
+one is measured too:
 
 - the fp32 GEMM curve: GEMMs over a range of sizes, best of several repeats,
   as a fraction of the best rate seen (the peak of the spec, labelled measured);
@@ -24,6 +26,10 @@ launcher), so everything is measured on one thread of one process:
   all-reduces, at two compute sizes between collectives, beyond the message's
   transfer: `pass_latency_us` per collective and `pass_drift` per second of
   compute since the previous one;
+- the intra-op threads of a process that sets none (`default_threads`, the
+  host's cores: what `megascale train` without --nproc runs on) and each op
+  class's speedup at that count over one thread (`threaded`,
+  `megascale.bench._thread_probe`);
 - what a training process makes of those rates and cores
   (`megascale.bench._train_probe`): a short real `megascale train --nproc 2`
   run, its ranks' main-thread CPU seconds from /proc against its timers:
@@ -94,19 +100,26 @@ def gemm_curve(sizes: tuple[int, ...] = CPU_GEMM_SIZES, rounds: int = 3) -> tupl
     return peak / 1e12, [(float(n), round(rate / peak, 3)) for n, rate in rates]
 
 
-def attention_efficiency(peak_tflops: float, seq: int = 256, heads: int = 4, head_dim: int = 64,
-                         batch: int = 4) -> tuple[float, float]:
-    """(forward, backward) fraction of the fp32 peak of causal SDPA on the FLOPs it executes."""
+def attention_calls(seq: int, heads: int, head_dim: int, batch: int) -> tuple[Callable[[], object],
+                                                                              Callable[[], object], float]:
+    """(forward, forward + backward, FLOPs the forward executes) of fp32 causal SDPA at this shape."""
     shape = (batch, heads, seq, head_dim)
     q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    executed = 4.0 * batch * heads * head_dim * seq * (seq + 1) / 2
+    grad = torch.randn(shape)
 
     def forward() -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    executed = 4.0 * batch * heads * head_dim * seq * (seq + 1) / 2
+    return forward, lambda: torch.autograd.grad(forward(), (q, k, v), grad), executed
+
+
+def attention_efficiency(peak_tflops: float, seq: int = 256, heads: int = 4, head_dim: int = 64,
+                         batch: int = 4) -> tuple[float, float]:
+    """(forward, backward) fraction of the fp32 peak of causal SDPA on the FLOPs it executes."""
+    forward, both_call, executed = attention_calls(seq, heads, head_dim, batch)
     fwd = time_best(forward)
-    grad = torch.randn(shape)
-    both = time_best(lambda: torch.autograd.grad(forward(), (q, k, v), grad))
+    both = time_best(both_call)
     bwd = max(both - fwd, 1e-9)
     peak = peak_tflops * 1e12
     return min(1.0, executed / fwd / peak), min(1.0, 2.5 * executed / bwd / peak)
@@ -127,6 +140,12 @@ def memory_op_efficiency(copy_gbps: float, tokens: int = 2048, hidden: int = 256
     [tokens, hidden] tensors and SwiGLU as reading two and writing one [tokens, ffn]; the
     backward as twice the forward (megascale/perf/costs.py).
     """
+    both, counted = memory_ops_call(tokens, hidden, ffn)
+    return min(1.0, counted / time_best(both) / (copy_gbps * 1e9))
+
+
+def memory_ops_call(tokens: int = 2048, hidden: int = 256, ffn: int = 704) -> tuple[Callable[[], None], float]:
+    """(the reference add + RMSNorm and SwiGLU, forward and backward, in one call; the bytes the model counts)."""
     x, res = torch.randn(tokens, hidden, requires_grad=True), torch.randn(tokens, hidden, requires_grad=True)
     weight = torch.ones(hidden, requires_grad=True)
     gate, up = torch.randn(tokens, ffn, requires_grad=True), torch.randn(tokens, ffn, requires_grad=True)
@@ -136,8 +155,7 @@ def memory_op_efficiency(copy_gbps: float, tokens: int = 2048, hidden: int = 256
         y, total = add_rms_norm_reference(x, res, weight, 1e-5)
         torch.autograd.backward([y, total, swiglu_reference(gate, up)], [g_norm, g_norm, g_act])
 
-    counted = 3 * 4 * (4 * tokens * hidden + 3 * tokens * ffn)  # fp32, forward + backward (2x)
-    return min(1.0, counted / time_best(both) / (copy_gbps * 1e9))
+    return both, 3 * 4 * (4 * tokens * hidden + 3 * tokens * ffn)  # fp32, forward + backward (2x)
 
 
 def _gemm_worker(seconds: float, queue: Any) -> None:
@@ -181,9 +199,11 @@ def host_cores(seconds: float = 2.0) -> float:
 
 def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, int, int, int],
                      gloo: bool = True, train_probe: bool = True) -> GpuSpec:
-    """Measure this host and return its spec (one thread per rank; gloo between two local ranks; a short
-    real training run for what a training process makes of the rates and cores)."""
+    """Measure this host and return its spec (one thread per rank, and what torch's default threads buy a
+    single process; gloo between two local ranks; a short real training run for what a training process makes
+    of the rates and cores)."""
     from megascale.bench._gloo_probe import measure_collectives
+    from megascale.bench._thread_probe import default_threads, measure_thread_rates
 
     torch.set_num_threads(1)
     started = time.time()
@@ -193,12 +213,16 @@ def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, i
     copy_gbps = copy_bandwidth()
     mem_eff = memory_op_efficiency(copy_gbps)
     cores = host_cores()
+    threads = default_threads()
+    threaded = measure_thread_rates(threads, attention_shape) if threads > 1 else None
+    torch.set_num_threads(1)
     collectives = measure_collectives() if gloo else {}
     in_pass = in_pass_cost(collectives) if gloo else (0.0, 0.0)
     fitted = statistics.median(bw for bw, _ in collectives.values()) if collectives else copy_gbps / 4
     latency = statistics.median(lat for _, lat in collectives.values()) if collectives else 50.0
     data: dict[str, Any] = {
-        "name": name, "description": f"{_cpu_model()}, one thread per rank, measured by megascale bench calibrate",
+        "name": name, "description": f"{_cpu_model()}, rates of one thread (threaded: {threads}), measured by "
+                                     "megascale bench calibrate",
         "peak_tflops": {"fp32": round(peak, 5), "bf16": round(peak, 5), "fp16": round(peak, 5)},
         "memory_gib": memory_gib, "hbm_gbps": round(copy_gbps, 2), "hbm_efficiency": round(mem_eff, 3),
         # Every rank of a CPU run is on this host: the "node" holds them all and nothing is inter-node.
@@ -208,7 +232,10 @@ def measure_cpu_spec(name: str, memory_gib: float, attention_shape: tuple[int, i
         "attention_bwd_efficiency": round(attn_bwd, 3), "memory_reserve_gib": 0.5, "host_cores": cores,
         "pass_latency_us": round(in_pass[0] * 1e6, 1), "pass_drift": round(in_pass[1], 4),
         "collectives": {kind: [round(bw, 3), round(lat, 1)] for kind, (bw, lat) in collectives.items()},
+        "default_threads": threads, "threaded": threaded.to_dict() if threaded else None,
         "extra": {"device": "cpu", "threads_per_rank": 1, "measured_seconds": round(time.time() - started, 1),
+                  "threads": "peak, curve, attention, hbm, host_cores and the probes: one thread per process; "
+                             "threaded: at default_threads threads (bench/_thread_probe.py)",
                   "peak": "measured: the best one-thread fp32 GEMM rate (bf16/fp16 entries repeat it: CPU runs "
                           "train in fp32)", "attention_shape": list(attention_shape)},
     }
@@ -275,8 +302,21 @@ def summary(spec: GpuSpec) -> str:
             f"copy {spec.hbm_gbps:.1f} GB/s (memory-bound ops {spec.hbm_efficiency:.0%} of it); "
             f"{spec.host_cores:g} cores; gloo: {coll}; in a pass: {spec.pass_latency_us:.0f} us + "
             f"{spec.pass_drift:.3f} x compute gap per collective; training: {spec.train_work_factor:.2f} CPU s "
-            f"per modelled compute s, compute threads get {spec.train_core_share:.0%} of the cores")
+            f"per modelled compute s, compute threads get {spec.train_core_share:.0%} of the cores"
+            + threads_summary(spec))
 
 
-__all__ = ["attention_efficiency", "copy_bandwidth", "gemm_curve", "host_cores", "in_pass_cost", "measure_cpu_spec",
-           "memory_op_efficiency", "summary", "time_best", "total_memory_gib", "with_training_probe"]
+def threads_summary(spec: GpuSpec) -> str:
+    """The default thread count and what it buys, for `summary`."""
+    rates = spec.threaded
+    if rates is None:
+        return f"; {spec.default_threads} thread(s) by default"
+    return (f"; {rates.threads} threads by default (one process), speedup over one: GEMM "
+            + ", ".join(f"{int(s)}:{x:.2f}x" for s, x in rates.gemm_speedup)
+            + f", SDPA fwd {rates.attention_fwd_speedup:.2f}x bwd {rates.attention_bwd_speedup:.2f}x, "
+            f"memory-bound {rates.memory_speedup:.2f}x")
+
+
+__all__ = ["attention_calls", "attention_efficiency", "copy_bandwidth", "gemm_curve", "host_cores", "in_pass_cost",
+           "measure_cpu_spec", "memory_op_efficiency", "memory_ops_call", "summary", "threads_summary", "time_best",
+           "total_memory_gib", "with_training_probe"]

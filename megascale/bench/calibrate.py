@@ -2,7 +2,8 @@
 `--gpu-spec` file for `megascale plan`.
 
 `--device cpu` measures what a CPU run of `megascale train` uses: one thread per
-rank, gloo between local processes (megascale/bench/_calibrate_cpu.py).
+rank under --nproc, torch's default threads for one process, gloo between local
+processes (megascale/bench/_calibrate_cpu.py).
 
 Measured here, on the first visible GPU (and its peers for NVLink):
 - the bf16 GEMM efficiency curve: square and transformer-shaped GEMMs over a
@@ -104,7 +105,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--name", default=None, help="name of the spec (default: the device name)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: the base's)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cuda: the first GPU; cpu: this host's CPU, one thread per rank, gloo between ranks")
+                        help="cuda: the first GPU; cpu: this host's CPU, one thread per rank and the default "
+                             "threads of one process, gloo between ranks")
     parser.add_argument("--attention-shape", default="256,4,64,4", metavar="SEQ,HEADS,HEAD_DIM,BATCH",
                         help="--device cpu: the SDPA shape to time (a CPU's attention efficiency depends on it)")
     parser.add_argument("--no-gloo", action="store_true", help="--device cpu: skip the gloo collectives")

@@ -2,10 +2,13 @@
 
 Calibrates this host (`bench calibrate --device cpu`), then trains each layout
 of `RUNS` for real through `megascale train --nproc N` (gloo, one thread per
-rank, the small model of configs/tiny.yaml), reads `step_time_s` from the run's
+rank, the small model of configs/tiny.yaml), and the quick start itself,
+`megascale train` without --nproc (one process on torch's default threads, the
+host's cores, in an environment that sets no thread count), reads `step_time_s` from the run's
 metrics.jsonl (median of the steps after the warm-up), and predicts the same
 config with that spec exactly as `megascale plan --config ... --gpu-spec SPEC`
-does. Calibration is repeated between runs so a host whose load changes is
+does, with the threads each run's ranks get as `megascale plan` works them out
+(megascale/perf/threads.py). Calibration is repeated between runs so a host whose load changes is
 measured near each run. What changes fastest with the load of other jobs, the
 cores the host gives (`host_cores`) and what a collective costs inside a pass
 (`pass_latency_us`, `pass_drift`), is measured again right after each run; the
@@ -17,7 +20,7 @@ Nothing here is fitted to the runs: every constant comes from the calibration's
 micro-benchmarks (GEMM curve, SDPA, copy bandwidth, gloo collectives, cores) and
 its short training probe of a model and layout of its own
 (`train_work_factor`, `train_core_share`: megascale/bench/_train_probe.py),
-measured once at the start; the eleven runs are held out.
+measured once at the start; the twelve runs are held out.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from megascale.config import load_config
 from megascale.errors import UserError
 from megascale.perf.gpus import GpuSpec, write_gpu_spec
 from megascale.perf.predict import Prediction, predict
+from megascale.perf.threads import THREAD_ENV, run_threads
 from megascale.run_plan import resolve_plan
 
 BASE_CONFIG = "configs/tiny.yaml"
@@ -48,11 +52,13 @@ BASE_OVERRIDES = ("train.global_batch_size=16", "train.micro_batch_size=4", "tra
 
 @dataclass(frozen=True)
 class CpuRun:
-    """One real run: a label, its number of ranks and its layout overrides."""
+    """One real run: a label, its number of ranks, its layout overrides and how it is started."""
 
     label: str
     ranks: int
     overrides: tuple[str, ...]
+    nproc: bool = True
+    """Started with `--nproc N` (one thread per rank); False: one process without it, on torch's default threads."""
 
 
 RUNS: tuple[CpuRun, ...] = (
@@ -67,8 +73,10 @@ RUNS: tuple[CpuRun, ...] = (
     CpuRun("pp 4, 1F1B (4 ranks on the cores)", 4, ("parallel.pp=4",)),
     CpuRun("tp 2 x pp 2 (4 ranks)", 4, ("parallel.tp=2", "parallel.pp=2")),
     CpuRun("tp 2 x dp 2 + ZeRO-1 (4 ranks)", 4, ("parallel.tp=2", "parallel.dp=2", "parallel.zero=1")),
+    CpuRun("one process, default threads (the quick start)", 1, (), nproc=False),
 )
-"""The layouts checked: tp, SP, pp 1F1B and interleaved, dp, ZeRO-1, cp both ways, and oversubscribed mixes."""
+"""The layouts checked: tp, SP, pp 1F1B and interleaved, dp, ZeRO-1, cp both ways, oversubscribed mixes, and the
+quick start's single process (no --nproc) on torch's default threads."""
 
 
 @dataclass
@@ -108,16 +116,25 @@ def run_overrides(run: CpuRun, steps: int, output_dir: str) -> list[str]:
     return [*BASE_OVERRIDES, f"train.steps={steps}", f"train.output_dir={output_dir}", *run.overrides]
 
 
+def run_env(run: CpuRun) -> dict[str, str]:
+    """The environment a run is started in: under --nproc, OMP_NUM_THREADS=1 (what the launcher sets for a
+    user who sets nothing); one process, no thread count at all (torch's default, as in the quick start)."""
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
+    return {**env, "OMP_NUM_THREADS": "1"} if run.nproc else env
+
+
 def train_and_measure(run: CpuRun, steps: int, warmup: int, workdir: str, config: str) -> tuple[list[float], float]:
-    """Train `run` for real with --nproc: (the step times after the warm-up steps, cores its ranks got).
+    """Train `run` for real (with --nproc, or one process without): (the step times after the warm-up steps,
+    cores its ranks got).
 
     The cores are the CPU seconds of the run's processes over its wall seconds (start-up included):
     what the host gave the run, recorded beside the `host_cores` the calibration measured around it.
     """
     out = os.path.join(workdir, run.label.split(" (")[0].replace(" ", "_").replace(",", ""))
     shutil.rmtree(out, ignore_errors=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "megascale.cli", "train", "--config", config, "--nproc", str(run.ranks),
+    env = run_env(run)
+    launch = ["--nproc", str(run.ranks)] if run.nproc else []
+    cmd = [sys.executable, "-m", "megascale.cli", "train", "--config", config, *launch,
            *run_overrides(run, steps, out)]
     cpu_before, wall_before = _children_cpu_seconds(), time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -137,9 +154,11 @@ def _children_cpu_seconds() -> float:
 
 
 def predict_run(run: CpuRun, spec: GpuSpec, steps: int, config: str) -> Prediction:
-    """The planner's prediction of `run` on `spec` (what `megascale plan --gpu-spec` computes)."""
+    """The planner's prediction of `run` on `spec` (what `megascale plan --gpu-spec` computes in the run's
+    environment: its threads per rank from `run_threads`)."""
     cfg = load_config(config, run_overrides(run, steps, "unused"))
-    return predict(cfg, resolve_plan(cfg, run.ranks), spec)
+    threads, _ = run_threads(run.ranks, spec.default_threads, run_env(run))
+    return predict(cfg, resolve_plan(cfg, run.ranks), spec, threads=threads)
 
 
 def bracket_load(before: GpuSpec, after: GpuSpec) -> GpuSpec:
@@ -167,11 +186,13 @@ def load_average() -> str:
 
 def format_table(results: list[RunResult], spec: GpuSpec) -> str:
     """Markdown: one row per run, measured and predicted side by side, then the summary."""
-    lines = ["| run | ranks | measured s/step (median) | predicted s/step | error | predicted bubble | "
-             "host cores | in-pass collective | load | cores the run got | predicted with those | error |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| run | ranks | threads per rank | measured s/step (median) | predicted s/step | error | "
+             "predicted bubble | host cores | in-pass collective | load | cores the run got | predicted with those | "
+             "error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r.run.label} | {r.run.ranks} | {r.measured_s:.3f} | {r.prediction.step_time_s:.3f} | "
+        lines.append(f"| {r.run.label} | {r.run.ranks} | {r.prediction.threads} | {r.measured_s:.3f} | "
+                     f"{r.prediction.step_time_s:.3f} | "
                      f"{r.error:+.1%} | {r.prediction.step.bubble_fraction:.1%} | {r.spec.host_cores:g} | "
                      f"{r.spec.pass_latency_us / 1e3:.1f} ms | {r.load} | {r.run_cores:.2f} | "
                      f"{r.given_step_s:.3f} | {r.given_error:+.1%} |")
@@ -190,7 +211,8 @@ def format_table(results: list[RunResult], spec: GpuSpec) -> str:
 def main(argv: list[str]) -> int:
     """Entry of `megascale bench planner`."""
     parser = argparse.ArgumentParser(prog="megascale bench planner",
-                                     description="Check the planner's step time against real multi-rank CPU runs.")
+                                     description="Check the planner's step time against real CPU runs: multi-rank "
+                                                 "layouts under --nproc and the single-process quick start.")
     parser.add_argument("--device", choices=("cpu",), default="cpu", help="only cpu: real gloo runs on this host")
     parser.add_argument("--config", default=BASE_CONFIG, help="model config the runs train (default configs/tiny.yaml)")
     parser.add_argument("--steps", type=int, default=8, help="steps per run")
@@ -235,7 +257,7 @@ def main(argv: list[str]) -> int:
             result = RunResult(run, statistics.median(steps), steps, pred, bracketed, load, run_cores, given)
             results.append(result)
             print(f"{run.label}: measured {result.measured_s:.3f} s, predicted {pred.step_time_s:.3f} s "
-                  f"({result.error:+.1%}; {bracketed.host_cores:g} cores, in-pass "
+                  f"({result.error:+.1%}; {pred.threads} thread(s) per rank; {bracketed.host_cores:g} cores, in-pass "
                   f"{bracketed.pass_latency_us:.0f} us; load {load}; the run got {run_cores:.2f} cores: "
                   f"{result.given_step_s:.3f} s, {result.given_error:+.1%}) [{time.time() - started:.0f} s]",
                   file=sys.stderr)
@@ -243,6 +265,7 @@ def main(argv: list[str]) -> int:
         write_gpu_spec(spec, args.spec_out)
     if args.json:
         print(json.dumps([{"run": r.run.label, "ranks": r.run.ranks, "overrides": list(r.run.overrides),
+                           "nproc": r.run.nproc, "threads": r.prediction.threads,
                            "measured_s": r.measured_s, "steps_s": r.steps, "predicted_s": r.prediction.step_time_s,
                            "host_cores": r.spec.host_cores, "pass_latency_us": r.spec.pass_latency_us,
                            "pass_drift": r.spec.pass_drift, "train_work_factor": r.spec.train_work_factor,
@@ -254,4 +277,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["RUNS", "CpuRun", "RunResult", "bracket_load", "format_table", "main", "predict_run", "train_and_measure"]
+__all__ = ["RUNS", "CpuRun", "RunResult", "bracket_load", "format_table", "main", "predict_run", "run_env",
+           "train_and_measure"]

@@ -27,6 +27,7 @@ import yaml
 
 from megascale.errors import UserError
 from megascale.perf.flops import fp8_table_peak
+from megascale.perf.threads import ThreadRates, check_default_threads, thread_rates_from
 
 GB = 1e9
 FP8 = "fp8"
@@ -103,6 +104,11 @@ class GpuSpec:
     train_core_share: float = 1.0
     """CPU specs: the fraction of `host_cores` the ranks' compute threads get while they train (the rest goes
     to gloo's threads, the launcher and other jobs), measured on the same training run. 1 for GPUs."""
+    default_threads: int = 1
+    """CPU specs: torch's intra-op threads in a process that sets none (the host's cores): what `megascale train`
+    without --nproc runs on (megascale/perf/threads.py). The rates above are one thread's."""
+    threaded: ThreadRates | None = None
+    """CPU specs: each op class's speedup at `threaded.threads` threads over one, measured by calibrate."""
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Measured (bus GB/s, latency us) per collective kind (all_reduce, all_gather, reduce_scatter,
     all_to_all, p2p) inside a node; a kind listed here replaces nvlink_gbps/intra_latency_us for it."""
@@ -162,6 +168,7 @@ class GpuSpec:
         out["gemm_efficiency"] = [list(p) for p in self.gemm_efficiency]
         out["extra"] = dict(self.extra)
         out["collectives"] = {kind: list(pair) for kind, pair in self.collectives.items()}
+        out["threaded"] = self.threaded.to_dict() if self.threaded else None
         return out
 
 
@@ -266,6 +273,8 @@ def spec_from_dict(data: Mapping[str, Any], source: str) -> GpuSpec:
         merged["peak_tflops"] = {str(k): float(v) for k, v in dict(merged["peak_tflops"]).items()}
         merged["collectives"] = {str(kind): (float(bw), float(lat))
                                  for kind, (bw, lat) in dict(merged.get("collectives") or {}).items()}
+        merged["threaded"] = thread_rates_from(merged.get("threaded"), source)
+        merged["default_threads"] = check_default_threads(merged.get("default_threads", 1), source)
         spec = GpuSpec(**merged)
     except (TypeError, ValueError) as err:
         raise UserError(f"GPU spec {source}: {err}") from None

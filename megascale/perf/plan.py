@@ -1,6 +1,7 @@
 """`megascale plan`: predicted memory per stage, step time, throughput and MFU of a layout, without running it.
 
     megascale plan --config F --gpus N [--gpu NAME | --gpu-spec FILE] [key=value ...] [--json] [--search]
+    megascale plan --config F --gpu-spec CPU_SPEC [--nproc N] [--threads T] [key=value ...]
     megascale plan --reproduce TABLE [--json]       (TABLE: a published table of tests/data/planner)
 
 The prediction reads the same run plan and parameter table the trainer builds
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import textwrap
 import time
@@ -20,7 +22,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, TextIO
 
 from megascale.config import Config, load_config
+from megascale.perf.collectives import shares_cores
 from megascale.perf.gpus import BUILTIN_GPUS, GpuSpec, resolve_gpu
+from megascale.perf.host import rank_thread_cores
+from megascale.perf.threads import run_threads
 from megascale.run_plan import resolve_plan
 
 if TYPE_CHECKING:
@@ -43,7 +48,13 @@ def _parser(tables: Optional[list[str]] = None) -> argparse.ArgumentParser:
         prog="megascale plan", formatter_class=_HelpFormatter,
         description="Predict a layout's memory per pipeline stage, step time, tokens/s and MFU on a GPU cluster.")
     parser.add_argument("--config", help="YAML config (model, batch and layout)")
-    parser.add_argument("--gpus", "--world", dest="gpus", type=int, help="number of GPUs (ranks)")
+    parser.add_argument("--gpus", "--world", "--nproc", dest="gpus", type=int,
+                        help="number of GPUs (ranks); with a CPU spec, the --nproc N of `megascale train` "
+                             "(default there: 1, one process as `megascale train` without --nproc)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU specs: intra-op threads per rank (default: as `megascale train` gives them: "
+                             "MKL_NUM_THREADS or OMP_NUM_THREADS if set, else the host's cores for one process "
+                             "and 1 per rank under --nproc N)")
     parser.add_argument("--gpu", default=None,
                         help=f"GPU kind: {', '.join(BUILTIN_GPUS)} (default h100)")
     parser.add_argument("--gpu-spec", default=None, help="YAML/JSON file describing your GPU "
@@ -74,21 +85,33 @@ def main(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.reproduce:
         return _reproduce(args.reproduce, args.json)
-    if not args.config or not args.gpus:
-        parser.error("--config and --gpus are required (or --reproduce TABLE)")
     if args.gpu and args.gpu_spec:
         parser.error("give --gpu or --gpu-spec, not both")
+    if not args.config:
+        parser.error("--config and --gpus are required (or --reproduce TABLE)")
     spec = resolve_gpu(args.gpu, args.gpu_spec)
+    cpu = shares_cores(spec)
+    if not args.gpus and not cpu:
+        parser.error("--gpus is required: the number of GPUs (ranks) of the run")
+    if args.threads is not None and not cpu:
+        parser.error("--threads is for a CPU spec (from `megascale bench calibrate --device cpu`); a GPU rank's "
+                     "threads do not time its kernels")
+    gpus = args.gpus or 1  # a CPU spec without --nproc: one process, as `megascale train` without --nproc
+    threads, how = run_threads(gpus, spec.default_threads, os.environ, args.threads) if cpu else (None, "")
     cfg = load_config(args.config, overrides)
     if args.search:
-        return _search(cfg, args.gpus, spec, args.top, args.json)
+        return _search(cfg, gpus, spec, args.top, args.json, threads)
     # Every layout check (world size, batch split, stages, schedule) runs here, before the model and the
     # perf model (torch, ~3 s) are imported: a refused layout is answered at once.
-    plan = resolve_plan(cfg, args.gpus)
+    plan = resolve_plan(cfg, gpus)
     from megascale.perf.predict import predict
 
-    pred = predict(cfg, plan, spec)
-    print(json.dumps(pred.to_json(), indent=2) if args.json else format_prediction(pred))
+    pred = predict(cfg, plan, spec, threads=threads)
+    if args.json:
+        print(json.dumps({**pred.to_json(), **({"threads": pred.threads, "threads_from": how} if cpu else {})},
+                         indent=2))
+    else:
+        print(format_prediction(pred, how))
     return 0
 
 
@@ -128,10 +151,10 @@ class ProgressLines:
               flush=True)
 
 
-def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool) -> int:
+def _search(cfg: Config, gpus: int, spec: GpuSpec, top: int, as_json: bool, threads: int | None) -> int:
     from megascale.perf.search import explain, search
 
-    result = search(cfg, gpus, spec, top=top, progress=ProgressLines(sys.stderr))
+    result = search(cfg, gpus, spec, top=top, progress=ProgressLines(sys.stderr), threads=threads)
     if as_json:
         print(json.dumps({"considered": result.considered, "dropped": dict(result.dropped),
                           "ranked": [{**c.prediction.to_json(), "label": c.label()} for c in result.ranked],
@@ -167,8 +190,8 @@ def _candidate_line(candidate: Candidate) -> str:
             f"bubble {p.step.bubble_fraction:5.1%}")
 
 
-def format_prediction(pred: Prediction) -> str:
-    """The text report of one layout."""
+def format_prediction(pred: Prediction, threads_from: str = "") -> str:
+    """The text report of one layout (`threads_from`: on a CPU spec, how the run gets its threads)."""
     from megascale.perf.memory import GIB
     from megascale.perf.predict import memory_parts
 
@@ -176,6 +199,8 @@ def format_prediction(pred: Prediction) -> str:
     lines = [f"layout: {plan.describe()}",
              f"gpu: {spec.name} ({spec.description}; {spec.source}), usable memory "
              f"{spec.usable_memory_bytes / GIB:.1f} GiB of {spec.memory_gib:g}"]
+    if shares_cores(spec):
+        lines.append(cpu_threads_line(pred, threads_from))
     if pred.fp8:
         lines.append(pred.fp8)
     if pred.params_active != pred.params_total:
@@ -223,4 +248,20 @@ def format_prediction(pred: Prediction) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ProgressLines", "format_prediction", "main"]
+def cpu_threads_line(pred: Prediction, threads_from: str = "") -> str:
+    """On a CPU spec: the threads each rank runs on, why, and the cores they get."""
+    spec, plan = pred.spec, pred.plan
+    cores = min(float(pred.threads), rank_thread_cores(plan, spec))
+    line = (f"threads: {pred.threads} intra-op per rank ({threads_from or 'as megascale train starts it'}), "
+            f"on {cores:.3g} of the host's {spec.host_cores:g} cores")
+    if pred.threads > 1 and cores > 1 and spec.threaded is None:
+        line += ("; the spec measured one thread only, so this is predicted as one (rerun megascale bench "
+                 "calibrate --device cpu to measure the host's threads)")
+    elif pred.threads > 1 and cores < 0.75 * pred.threads:
+        line += ("; fewer cores than threads (other ranks or jobs share them): threads that wait for each other "
+                 "at every op can take several times one thread's time, which is not modelled (docs/planner.md); "
+                 "OMP_NUM_THREADS=1 avoids it")
+    return line
+
+
+__all__ = ["ProgressLines", "cpu_threads_line", "format_prediction", "main"]

@@ -18,6 +18,7 @@ from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.fp8 import check_fp8_supported, describe_fp8
 from megascale.perf.gpus import GpuSpec
+from megascale.perf.host import default_run_threads, thread_peak_scale
 from megascale.perf.memory import GIB, MemoryEstimate, stage_estimates
 from megascale.perf.moe import ExpertLayout, active_numel, expert_layout
 from megascale.perf.timing import StepTime, step_time
@@ -45,6 +46,10 @@ class Prediction:
     """MoE models: where the expert-parallel group sits (None for a dense model)."""
     fp8: str = ""
     """With train.fp8: which linears run in float8, at what peak, with what casts (`describe_fp8`); "" without."""
+    threads: int = 1
+    """CPU specs: the intra-op threads per rank the step time was predicted for (megascale/perf/threads.py)."""
+    peak_scale: float = 1.0
+    """CPU specs: the GEMM peak of those threads over the spec's one-thread peak (`host.thread_peak_scale`)."""
 
     @property
     def step_time_s(self) -> float:
@@ -68,8 +73,8 @@ class Prediction:
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs utilisation against the GPU's dense bf16 peak."""
-        return self.tflops_per_gpu / self.spec.peak(MFU_PEAK_DTYPE)
+        """Model FLOPs utilisation against the GPU's dense bf16 peak (a CPU rank's: at its threads)."""
+        return self.tflops_per_gpu / (self.spec.peak(MFU_PEAK_DTYPE) * self.peak_scale)
 
     @property
     def memory_bytes(self) -> float:
@@ -136,13 +141,20 @@ def model_flops_per_step(cfg: Config, plan: RunPlan) -> float:
 
 
 def predict(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE,
-            table: Optional[ParamTable] = None) -> Prediction:
-    """Memory and time of cfg under plan on spec's GPUs."""
+            table: Optional[ParamTable] = None, threads: Optional[int] = None) -> Prediction:
+    """Memory and time of cfg under plan on spec's GPUs.
+
+    threads: on a CPU spec, each rank's intra-op threads; None: as `megascale train` starts a run of this
+    world size in an environment that sets none (`megascale.perf.threads.run_threads`).
+    """
     check_fp8_supported(cfg, spec)
     if table is None:
         table = param_table(cfg, ModelLayout.from_plan(plan))
     memory = stage_estimates(cfg, plan, "fused", table)
-    return Prediction(plan=plan, spec=spec, memory=memory, step=step_time(cfg, plan, spec, table, traits),
+    threads = default_run_threads(plan, spec) if threads is None else threads
+    return Prediction(plan=plan, spec=spec, memory=memory, step=step_time(cfg, plan, spec, table, traits,
+                                                                          threads=threads), threads=threads,
+                      peak_scale=thread_peak_scale(plan, spec, threads),
                       model_flops_per_step=model_flops_per_step(cfg, plan), params_total=table.numel(),
                       params_active=active_numel(table, cfg.model) if cfg.model.moe.enabled else table.numel(),
                       experts=expert_layout(cfg, plan, spec.gpus_per_node) if cfg.model.moe.enabled else None,

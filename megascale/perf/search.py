@@ -45,6 +45,7 @@ from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.fp8 import check_fp8_supported
 from megascale.perf.gpus import GpuSpec
+from megascale.perf.host import default_run_threads, thread_peak_scale
 from megascale.perf.memory import stage_estimates
 from megascale.perf.predict import Prediction, model_flops_per_step, predict
 from megascale.perf.timing import step_time
@@ -239,15 +240,16 @@ def _best(best: Optional[Candidate], candidate: Candidate) -> Candidate:
 
 
 def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCALE, top: int = 5,
-           refine: int = 12, progress: Progress = _ignore) -> SearchResult:
+           refine: int = 12, progress: Progress = _ignore, threads: Optional[int] = None) -> SearchResult:
     """Rank the layouts of cfg's model on `gpus` GPUs; the best `refine` are re-timed in the simulator.
-    `progress` is called after every layout of each phase."""
+    `progress` is called after every layout of each phase. threads: CPU specs, each rank's intra-op threads
+    (None: as `megascale train` starts `gpus` ranks)."""
     check_fp8_supported(cfg, spec)
     state = _Estimates()
     choices = list(_layouts(cfg, gpus, spec))
     best: Optional[Candidate] = None
     for done, choice in enumerate(choices, 1):
-        for candidate in _estimate(cfg, gpus, spec, traits, choice, state):
+        for candidate in _estimate(cfg, gpus, spec, traits, choice, state, threads):
             best = _best(best, candidate)
         progress(SearchProgress(ESTIMATE, done, len(choices), len(state.fitting), best))
     kept = _drop_dominated(state.fitting)
@@ -258,7 +260,7 @@ def search(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits = MEGASCA
 
     def simulated(c: Candidate) -> Candidate:
         table = state.tables[ModelLayout.from_plan(c.plan)]
-        return Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, table))
+        return Candidate(c.cfg, c.plan, predict(c.cfg, c.plan, spec, traits, table, threads))
 
     refined: list[Candidate] = []
     for candidate in kept[:refine]:
@@ -288,7 +290,7 @@ class _Estimates:
 
 
 def _estimate(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits, choice: Choice,
-              state: _Estimates) -> list[Candidate]:
+              state: _Estimates, threads: Optional[int] = None) -> list[Candidate]:
     """Try one point of the space (at higher ZeRO levels where it does not fit, and its hybrid-sharded twin);
     returns the candidates it added to state.fitting."""
     state.considered += 1
@@ -302,7 +304,7 @@ def _estimate(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits, choic
     if key not in state.tables:
         state.tables[key] = param_table(candidate_cfg, key)
     table = state.tables[key]
-    pred = _quick(candidate_cfg, plan, spec, traits, table)
+    pred = _quick(candidate_cfg, plan, spec, traits, table, threads)
     while pred is None and 1 <= choice.zero < 3 and plan.dp * plan.cp > 1:
         # ZeRO-2 shards the gradients too, ZeRO-3 the parameters as well: each tried where the level
         # below does not fit (more collectives per micro-batch, so where the lower level fits it is
@@ -311,7 +313,7 @@ def _estimate(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits, choic
         choice = dataclasses.replace(choice, zero=choice.zero + 1)
         candidate_cfg = _apply(cfg, choice)
         plan = resolve_plan(candidate_cfg, gpus)
-        pred = _quick(candidate_cfg, plan, spec, traits, table)
+        pred = _quick(candidate_cfg, plan, spec, traits, table, threads)
     if pred is None:
         state.dropped["does not fit in memory"] += 1
         return []
@@ -322,7 +324,7 @@ def _estimate(cfg: Config, gpus: int, spec: GpuSpec, traits: SystemTraits, choic
         state.considered += 1
         hybrid_cfg = _apply(cfg, hybrid)
         hybrid_plan = resolve_plan(hybrid_cfg, gpus)
-        hybrid_pred = _quick(hybrid_cfg, hybrid_plan, spec, traits, table)
+        hybrid_pred = _quick(hybrid_cfg, hybrid_plan, spec, traits, table, threads)
         if hybrid_pred is None:
             state.dropped["does not fit in memory"] += 1
         else:
@@ -375,14 +377,17 @@ def _reason(message: str) -> str:
     return message.split(";")[0]
 
 
-def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, table: ParamTable) -> Optional[Prediction]:
+def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, table: ParamTable,
+           threads: Optional[int] = None) -> Optional[Prediction]:
     """Prediction with the analytic bubble (fast), or None when the layout does not fit."""
     memory = stage_estimates(cfg, plan, "fused", table)
     if max(e.total_bytes for e in memory) > spec.usable_memory_bytes:
         return None
-    step = step_time(cfg, plan, spec, table, traits, simulate_pipeline=False)
+    threads = default_run_threads(plan, spec) if threads is None else threads
+    step = step_time(cfg, plan, spec, table, traits, simulate_pipeline=False, threads=threads)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step,
-                      model_flops_per_step=model_flops_per_step(cfg, plan))
+                      model_flops_per_step=model_flops_per_step(cfg, plan), threads=threads,
+                      peak_scale=thread_peak_scale(plan, spec, threads))
 
 
 def explain(result: SearchResult) -> list[str]:

@@ -51,7 +51,14 @@ from megascale.perf.costs import (
     shares_cores,
 )
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.host import collective_stretch, host_share, ranks_per_core, shared_makespan
+from megascale.perf.host import (
+    collective_stretch,
+    default_run_threads,
+    host_share,
+    ranks_per_core,
+    shared_makespan,
+    thread_spec,
+)
 from megascale.perf.moe import expert_layout, rank_param_counts
 from megascale.perf.zero_timing import replica_all_reduce_seconds, zero3_gather_seconds, zero_groups
 from megascale.run_plan import RunPlan
@@ -294,12 +301,17 @@ def _analytic_pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p:
 
 
 def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
-              traits: SystemTraits = MEGASCALE, simulate_pipeline: bool = True) -> StepTime:
+              traits: SystemTraits = MEGASCALE, simulate_pipeline: bool = True,
+              threads: Optional[int] = None) -> StepTime:
     """Predicted step time of cfg under plan on GPUs described by spec.
 
     simulate_pipeline=False replaces the schedule simulation by the bubble formula
     (the layout search's first pass, where thousands of layouts are timed).
+    threads: CPU specs, each rank's intra-op threads (None: as `megascale train` starts the run in an
+    environment that sets none, `host.default_run_threads`); the spec's rates become those threads'
+    (`host.thread_spec`).
     """
+    spec = thread_spec(plan, spec, default_run_threads(plan, spec) if threads is None else threads)
     costs = chunk_costs(cfg, plan, spec, traits)
     p2p = p2p_seconds(plan, spec, traits)
     m = plan.num_microbatches
