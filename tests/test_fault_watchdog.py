@@ -256,6 +256,18 @@ def _freeze_and_wait(out: Path, proc: subprocess.Popen, rank: int, at_step: int)
     return pid, time.time()
 
 
+def _frozen_run(out: Path, proc: subprocess.Popen, rank: int, at_step: int, timeout: float = 120) -> tuple[str, float]:
+    """Freeze `rank` at `at_step` from outside, let the job end, and always thaw and reap it: (output, time frozen)."""
+    pid = None
+    try:
+        pid, stopped_at = _freeze_and_wait(out, proc, rank=rank, at_step=at_step)
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        release(pid)
+        stop_group(proc)
+    return output, stopped_at
+
+
 # Heartbeats slower than the step timeout allows for (2.5 s against 4 s): the waiting rank is past its
 # timeout while its frozen peer has missed only a beat or two, and must still name the peer.
 SLOW_BEATS = ["fault.step_timeout_s=4", "fault.heartbeat_s=2.5"]
@@ -266,13 +278,7 @@ def test_frozen_rank_is_named_and_the_job_exits(tmp_path):
     timeout + 10 s and exits."""
     out = tmp_path / "run"
     proc = start_train(out, "train.steps=200", "model.num_layers=2", *SLOW_BEATS, nproc=2)
-    pid = None
-    try:
-        pid, stopped_at = _freeze_and_wait(out, proc, rank=1, at_step=3)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        release(pid)
-        stop_group(proc)
+    output, stopped_at = _frozen_run(out, proc, rank=1, at_step=3)
     assert proc.returncode != 0
     events = read_events(out, "hang")
     assert len(events) == 1, output[-3000:]
@@ -330,13 +336,7 @@ def test_a_frozen_rank_among_three_is_named_with_both_ranks_waiting(tmp_path):
     been in its step past the timeout by the time of the verdict (their heartbeats lag by up to a beat)."""
     out = tmp_path / "run"
     proc = start_train(out, *THREE_RANKS, nproc=3)
-    pid = None
-    try:
-        pid, _ = _freeze_and_wait(out, proc, rank=1, at_step=3)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        release(pid)
-        stop_group(proc)
+    output, _ = _frozen_run(out, proc, rank=1, at_step=3)
     event = _check_waiting(out, output, culprit=1)
     assert event["reason"] == "silent" and 1 not in _dumped(out)
 
@@ -353,13 +353,7 @@ def test_frozen_pipeline_rank_restarts_and_matches_the_fault_free_loss(tmp_path)
 
     out = tmp_path / "faulty"
     proc = start_train(out, *common, "--max-restarts", "1", nproc=2)
-    pid = None
-    try:
-        pid, stopped_at = _freeze_and_wait(out, proc, rank=0, at_step=6)
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        release(pid)
-        stop_group(proc)
+    output, stopped_at = _frozen_run(out, proc, rank=0, at_step=6, timeout=300)
     events = read_events(out, "hang")
     assert events and events[0]["ranks"] == [0] and events[0]["reporter"] == 1, output[-3000:]
     detect_s = events[0]["time"] - stopped_at
