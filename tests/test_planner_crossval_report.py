@@ -36,3 +36,15 @@ def test_comparison_prints_mape_and_signed_error_before_and_after(capsys) -> Non
     out = capsys.readouterr().out
     assert "a: MAPE 20.0% -> 10.0%, signed -20.0% -> -10.0%" in out
     assert "b: new table, MAPE 5.0%, signed +5.0%" in out
+
+
+def test_coverage_band_holds_at_least_nine_in_ten_rows() -> None:
+    from megascale.perf.validation import coverage_band
+
+    ratios = [1.0 + i / 100 for i in range(79)]  # 79 rows, as in the tables today: 72 must be inside
+    low, high = coverage_band(ratios)
+    inside = [x for x in ratios if low <= x <= high]
+    assert len(inside) == 72 and (low, high) == (ratios[3], ratios[-5])
+    assert coverage_band([1.0] * 10) == (1.0, 1.0)
+    low, high = coverage_band([0.5, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 3.0])  # 9 of 10: the top one out
+    assert (low, high) == (0.5, 1.7)

@@ -11,7 +11,6 @@ band recorded in megascale/perf/uncertainty.py.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import pytest
@@ -161,7 +160,7 @@ def test_held_out_errors_other_tables(name: str) -> None:
 
 @pytest.mark.slow
 def test_cross_validation_reproduces_the_recorded_constants_and_band() -> None:
-    from megascale.perf.validation import all_row_times, cross_validate, fit
+    from megascale.perf.validation import all_row_times, coverage_band, cross_validate, fit
 
     times = all_row_times()
     held = cross_validate(times)
@@ -169,15 +168,11 @@ def test_cross_validation_reproduces_the_recorded_constants_and_band() -> None:
         assert result.calibration == HELD_OUT[name], name
         assert result.mape <= MAPE_BOUND[name], (name, result.mape)
     assert fit(times) == HELD_OUT["all"]
-    ratios = sorted(r.published_time_s / p for result in held.values() for r, p in zip(result.rows, result.predicted))
-
-    def quantile(q: float) -> float:
-        pos = q * (len(ratios) - 1)
-        lo, hi = math.floor(pos), math.ceil(pos)
-        return ratios[lo] + (ratios[hi] - ratios[lo]) * (pos - lo)
-
-    assert quantile(0.05) == pytest.approx(BAND_LOW, abs=0.005)
-    assert quantile(0.95) == pytest.approx(BAND_HIGH, abs=0.005)
+    ratios = [r.published_time_s / p for result in held.values() for r, p in zip(result.rows, result.predicted)]
+    low, high = coverage_band(ratios)
+    assert low == pytest.approx(BAND_LOW, abs=0.005)
+    assert high == pytest.approx(BAND_HIGH, abs=0.005)
+    assert sum(1 for x in ratios if BAND_LOW <= x <= BAND_HIGH) >= 0.9 * len(ratios)
 
 
 def test_reproduce_unknown_table_lists_the_known_ones(capsys) -> None:

@@ -166,6 +166,24 @@ class HeldOut:
         return good, total
 
 
+BAND_SHARE = 0.9
+"""The share of held-out rows whose published time the band must contain."""
+
+
+def coverage_band(ratios: Sequence[float], share: float = BAND_SHARE) -> tuple[float, float]:
+    """(low, high) of published / predicted time holding at least `share` of the held-out rows.
+
+    Order statistics, not interpolated quantiles (which, between two rows, leave a row outside and can hold
+    fewer than `share` of them): of n rows, ceil(share x n) are kept, the ones left out split between the
+    two tails (the odd one from the high tail).
+    """
+    ordered = sorted(ratios)
+    n = len(ordered)
+    dropped = n - math.ceil(share * n - 1e-9)
+    low_out = dropped // 2
+    return ordered[low_out], ordered[n - 1 - (dropped - low_out)]
+
+
 def all_row_times(tables: Optional[Mapping[str, Sequence[PublishedRow]]] = None) -> dict[str, list[RowTimes]]:
     """Predictions of every row of every table at every GEMM scale."""
     tables = tables if tables is not None else load_all()
@@ -181,5 +199,16 @@ def cross_validate(times: Mapping[str, Sequence[RowTimes]]) -> dict[str, HeldOut
     return out
 
 
-__all__ = ["GEMM_SCALES", "HeldOut", "RowTimes", "all_row_times", "cross_validate", "fit", "predict_row",
-           "row_times", "spearman"]
+__all__ = [
+    "BAND_SHARE",
+    "GEMM_SCALES",
+    "HeldOut",
+    "RowTimes",
+    "all_row_times",
+    "coverage_band",
+    "cross_validate",
+    "fit",
+    "predict_row",
+    "row_times",
+    "spearman",
+]
