@@ -113,6 +113,7 @@ def _resume_from_bucket(server: WeedServer, tmp_path: Path, url: str, reference:
     assert "step_00000006/COMMITTED" in _remote(server, prefix) and _latest(server, prefix) == "step_00000006"
 
 
+@pytest.mark.slow  # a whole training run against the server (~20 s); the retries themselves are in the default suite
 def test_transient_500s_during_training(tmp_path: Path, reference: list[float]) -> None:
     server = WeedServer(tmp_path / "weed")
     server.start()
