@@ -12,7 +12,7 @@ that the first saved as well are left out. Those are the ones that outlive a
 micro-batch: parameters, and the sequence layout's halo index tensors (LFA), made
 once and shared by every layer and micro-batch. Everything else is in: linear
 inputs, norm statistics, attention outputs and lse, dropout masks, the loss's
-softmax, token ids. `megascale.perf.activations.chunk_bytes` must agree to the
+softmax, token ids. `megascale.perf.stage_activations.chunk_bytes` must agree to the
 byte.
 
 Grid: single-process chunks as first / middle / last / whole pipeline stage (the
@@ -136,7 +136,7 @@ def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world
     ctx: the layout's context when the caller builds it once for many cases (its process
     groups are reused); built here from the overrides otherwise.
     """
-    from megascale.perf.activations import chunk_bytes
+    from megascale.perf.stage_activations import chunk_bytes
 
     return _run_chunk(overrides, kernels, stage, measure_saved_bytes,
                       lambda cfg, plan, chunk: chunk_bytes(cfg, plan, kernels, len(chunk.layer_ids), chunk.first,

@@ -77,7 +77,7 @@ def _context(cfg: Any, rank: int, world: int) -> Any:
 
 def compare(overrides: list[str], kernels: str, stage: str, rank: int = 0, world: int = 1) -> tuple[int, float]:
     """(measured, modelled) saved bytes of one micro-batch through this rank's chunk of the layout."""
-    from megascale.perf.activations import chunk_bytes
+    from megascale.perf.stage_activations import chunk_bytes
 
     cfg = parity.make_config(overrides)
     plan = resolve_plan(cfg, world)

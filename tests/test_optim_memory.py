@@ -12,6 +12,7 @@ from megascale.distributed.pipeline.schedules import build_all_schedules, comput
 from megascale.distributed.pipeline.simulator import peak_live, simulate
 from megascale.distributed.topology import ParallelContext, RankLayout
 from megascale.perf import activations as act
+from megascale.perf import stage_activations as chunk_act
 from megascale.perf.memory import (
     _rank_peak,
     _stage_estimate,
@@ -100,15 +101,15 @@ def test_stage_activations_are_live_items_times_chunk_bytes() -> None:
     sh = act.Shapes.of(cfg, plan)
     message = sh.residual_tokens * sh.hidden * sh.act  # the chunk output the executor keeps
     first, middle, last = (stage_estimates(cfg, plan, "reference")[i] for i in (0, 1, 3))
-    assert first.activations_bytes == 4 * (act.chunk_bytes(cfg, plan, "reference", 2, True, False) + message)
-    assert middle.activations_bytes == 3 * (act.chunk_bytes(cfg, plan, "reference", 2, False, False) + message)
-    head = act.head_bytes(cfg, sh, "reference")
-    assert last.activations_bytes == act.chunk_bytes(cfg, plan, "reference", 2, False, True) - head
+    assert first.activations_bytes == 4 * (chunk_act.chunk_bytes(cfg, plan, "reference", 2, True, False) + message)
+    assert middle.activations_bytes == 3 * (chunk_act.chunk_bytes(cfg, plan, "reference", 2, False, False) + message)
+    head = chunk_act.head_bytes(cfg, sh, "reference")
+    assert last.activations_bytes == chunk_act.chunk_bytes(cfg, plan, "reference", 2, False, True) - head
     # The last stage peaks while the loss runs forward: the softmax's fp32 intermediates beside the logits.
-    assert last.logits_bytes == head + act.head_working_bytes(cfg, sh, "reference")[0] and last.transient_bytes == 0
+    assert last.logits_bytes == head + chunk_act.head_working_bytes(cfg, sh, "reference")[0] and last.transient_bytes == 0
     # The first stage peaks in its first backward with all four items live: the embedding's gradient
     # (padded vocabulary 1024 x h 64, fp32) is its largest backward working set.
-    assert first.logits_bytes == 0 and first.transient_bytes == max(act.backward_gradient_bytes(cfg, sh), 1024 * 64 * 4)
+    assert first.logits_bytes == 0 and first.transient_bytes == max(chunk_act.backward_gradient_bytes(cfg, sh), 1024 * 64 * 4)
     for e in (first, middle, last):
         parts = (e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.activations_bytes + e.logits_bytes
                  + e.comm_buffers_bytes + e.transient_bytes)

@@ -55,6 +55,7 @@ from megascale.distributed.pipeline.schedules import BACKWARD, FORWARD, SPLIT_BA
 from megascale.distributed.pipeline.simulator import peak_live
 from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf import activations as act
+from megascale.perf import stage_activations as chunk_act
 from megascale.perf.activations import KernelProfile, Shapes
 from megascale.perf.fp8 import NO_FP8, WEIGHT_COPY_BYTES, LayerFp8, fp8_weight_numel, layer_fp8
 from megascale.perf.moe import rank_param_counts
@@ -176,15 +177,15 @@ def _chunks(cfg: Config, plan: RunPlan, kernels: KernelProfile, rank: int, large
     for v, layer_ids in enumerate(layers):
         stage = plan.global_stage(rank, v)
         first, last = stage == 0, stage == plan.num_stages - 1
-        saved = act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last, layer_ids)
+        saved = chunk_act.chunk_bytes(cfg, plan, kernels, len(layer_ids), first, last, layer_ids)
         if plan.pp > 1:
             # The executor keeps a chunk's output (sent on) and its received input until the backward.
             saved += 0.0 if last else message
-            if not first and not act.input_kept(cfg, kernels, act.layer_recompute(cfg, 0)):
+            if not first and not chunk_act.input_kept(cfg, kernels, act.layer_recompute(cfg, 0)):
                 saved += message
-        head_forward, head_backward = act.head_working_bytes(cfg, sh, kernels) if last else (0.0, 0.0)
+        head_forward, head_backward = chunk_act.head_working_bytes(cfg, sh, kernels) if last else (0.0, 0.0)
         stash = weight_stash_bytes(cfg, plan, kernels, len(layer_ids), first, last, layer_ids) if split else 0.0
-        out.append(_Chunk(saved=saved, head=act.head_bytes(cfg, sh, kernels) if last else 0.0,
+        out.append(_Chunk(saved=saved, head=chunk_act.head_bytes(cfg, sh, kernels) if last else 0.0,
                           forward_work=head_forward, backward_work=max(layer_work, head_backward),
                           backward_is_loss=head_backward > layer_work, stash=stash))
     return tuple(out)
@@ -221,7 +222,7 @@ def _backward_work(cfg: Config, plan: RunPlan, sh: Shapes, kernels: KernelProfil
         replayed = act.layer_bytes(cfg, sh, kernels, "none", fp8=fp8)
     elif recompute == "selective":
         replayed = act.attention_core_bytes(cfg, sh, kernels, selective=False)
-    return replayed + max(act.backward_gradient_bytes(cfg, sh), largest_param * plan.precision.param_bytes)
+    return replayed + max(chunk_act.backward_gradient_bytes(cfg, sh), largest_param * plan.precision.param_bytes)
 
 
 def _stage_estimate(cfg: Config, plan: RunPlan, stage: int, table: Optional[ParamTable] = None,
