@@ -328,11 +328,10 @@ class DistributedOptimizer:
         """Give each tied embedding copy the gradient of both ends: added on this rank when both copies are here
         (ZB-V: rank 0 holds the first and the last stage), else over the embedding group. The copies then step
         alike and stay equal; norms count the primary only."""
-        if len(self.tied_params) > 1:
-            grads = [main_grad(p) for p in self.tied_params]
-            total = sum(grads[1:], grads[0].clone())
-            for grad in grads:
-                grad.copy_(total)
+        if len(self.tied_params) == 2:  # in place: no embedding-sized temporary each step
+            first, last = (main_grad(p) for p in self.tied_params)
+            first.add_(last)
+            last.copy_(first)
         self._sum_grads(self.tied_params, self.tied_group, "embedding_all_reduce")
 
     def _sum_over_replicas(self) -> None:
