@@ -355,5 +355,5 @@ def resolve_gpu(name: str | None, spec_file: str | None) -> GpuSpec:
     return builtin_gpu(name or "h100")
 
 
-__all__ = ["BUILTIN_GPUS", "COLLECTIVE_KINDS", "FP8", "FP8_OUTPUT_BYTES", "GpuSpec", "H100_SUSTAINED", "builtin_gpu", "dtype_bytes",
-           "interpolate_log", "load_gpu_spec", "resolve_gpu", "spec_from_dict", "write_gpu_spec"]
+__all__ = ["BUILTIN_GPUS", "COLLECTIVE_KINDS", "FP8", "FP8_OUTPUT_BYTES", "H100_SUSTAINED", "GpuSpec", "builtin_gpu",
+           "dtype_bytes", "interpolate_log", "load_gpu_spec", "resolve_gpu", "spec_from_dict", "write_gpu_spec"]
