@@ -91,7 +91,7 @@ def test_a_part_past_the_budget_is_skipped_and_limits_accumulate(tmp_path) -> No
 def test_default_parts_use_flags_their_benchmarks_take(capsys) -> None:
     root = gpu.project_root()
     parts = gpu.default_parts(root)
-    assert [p.name for p in parts] == ["tests", "kernels", "mfu", "fp8"]
+    assert [p.name for p in parts] == ["tests", "kernels", "mfu", "fp8", "calibrate"]
     assert sum(p.budget_s for p in parts) <= gpu.DEFAULT_BUDGET_S < 8 * 60
     assert parts[0].argv[3:6] == ("-q", "-m", "gpu") and not parts[0].skip
     for part in parts[1:]:
@@ -109,3 +109,17 @@ def test_git_commit_names_this_checkout() -> None:
     if commit is None:
         pytest.skip("not a git checkout")
     assert len(commit.removesuffix("+dirty")) == 40
+
+
+def test_calibrate_waits_for_the_clock_to_settle_before_the_sustained_curve() -> None:
+    from megascale.bench.calibrate import SETTLE_MIN_S, settled, sustained_ratio
+
+    # A GPU whose rate falls for seconds under full load (its clock coming down to its power limit), then holds.
+    falling = [850.0, 830.0, 800.0, 770.0, 750.0]
+    assert not settled(falling, SETTLE_MIN_S + 1)  # still falling by more than half a percent
+    assert not settled([*falling, 749.0], SETTLE_MIN_S - 0.5)  # held, but too soon to tell
+    assert settled([*falling, 749.0], SETTLE_MIN_S + 1)
+    assert settled([*falling, 752.0], SETTLE_MIN_S + 1)  # rising again: settled too
+    assert not settled([750.0], 30.0)
+    burst = [(256.0, 0.15), (16384.0, 0.85)]
+    assert sustained_ratio(burst, [(256.0, 0.14), (16384.0, 0.75)]) == pytest.approx(0.75 / 0.85)
