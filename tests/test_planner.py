@@ -246,6 +246,42 @@ def test_a_node_with_one_nic_shares_it_between_the_groups_that_cross_nodes(tmp_p
         load_gpu_spec(str(bad))
 
 
+def test_a_cube_mesh_node_runs_a_small_group_on_the_links_between_its_members(tmp_path) -> None:
+    import dataclasses
+
+    from megascale.perf.collectives import group_spec, link_share
+
+    v100 = builtin_gpu("v100")  # DGX-1's hybrid cube-mesh, as the DLPerf table's nodes print it
+    assert all(sum(row) == 6 for row in v100.nvlink_links)
+    # A pair joined by one link of six, one joined by two, a four-GPU half (each member has 4-5 links to the
+    # others), the whole node, and two GPUs with no NVLink between them (PCIe Gen3, 16 of 150 GB/s).
+    assert link_share(v100, (0, 1)) == pytest.approx(1 / 6)
+    assert link_share(v100, (2, 3)) == pytest.approx(2 / 6)
+    assert link_share(v100, (0, 1, 2, 3)) == pytest.approx(4 / 6)
+    assert link_share(v100, tuple(range(8))) == 1.0
+    assert link_share(v100, (0, 5)) == pytest.approx(16 / 150)
+    # The planner prices each axis at its least-linked group in a node: tp 2 groups are (0,1) (2,3) (4,5) (6,7),
+    # so one link; the dp 4 groups (0,2,4,6) and (1,3,5,7) two.
+    cfg = load_config(os.path.join(CONFIGS, "llama-1.3b.yaml"), ["parallel.tp=2", "train.dtype=fp16"])
+    plan = resolve_plan(cfg, 8)
+    assert group_spec(plan, ("tp",), v100).nvlink_gbps == pytest.approx(25.0)
+    assert group_spec(plan, ("dp", "cp"), v100).nvlink_gbps == pytest.approx(50.0)
+    a100 = builtin_gpu("a100")  # NVSwitch: every group at the GPU's full NVLink
+    assert group_spec(plan, ("tp",), a100) is a100
+    # The tp 2 layer's all-reduces take about six times as long as on a switch with V100's bandwidth.
+    switch = dataclasses.replace(v100, nvlink_links=())
+    on_mesh = layer_costs(cfg, plan, v100).forward.tp_comm
+    on_switch = layer_costs(cfg, plan, switch).forward.tp_comm
+    assert on_mesh > 3 * on_switch
+    out = tmp_path / "mesh.yaml"
+    write_gpu_spec(v100, str(out))
+    assert load_gpu_spec(str(out)).nvlink_links == v100.nvlink_links
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: v100\nnvlink_links: [[0, 1], [1, 0]]\n")
+    with pytest.raises(UserError, match="nvlink_links must be a symmetric 8 x 8 matrix"):
+        load_gpu_spec(str(bad))
+
+
 def test_fp16_gradient_reduction_moves_half_the_bytes() -> None:
     from megascale.perf.costs import SystemTraits
     from megascale.perf.predict import predict

@@ -31,7 +31,7 @@ from megascale.run_plan import resolve_plan
 # 2 to 4 they come within 12% (test_llama3_405b_error_is_its_unpublished_interleaving).
 MAPE_BOUND = {"korthikanti2022-recompute": 0.10, "megascale-175b": 0.10, "narayanan2021-weak-scaling": 0.10,
               "narayanan2021-ptdp": 0.10, "llama3-405b": 0.32, "nvidia-dgxc-llama3.1-h100": 0.06,
-              "nvidia-dgxc-gpt3-175b-h100": 0.08, "dlperf-megatron-v100": 0.15}
+              "nvidia-dgxc-gpt3-175b-h100": 0.08, "dlperf-megatron-v100": 0.10}
 MAX_ERROR_BOUND = {"korthikanti2022-recompute": 0.10, "megascale-175b": 0.15, "narayanan2021-weak-scaling": 0.10,
                    "narayanan2021-ptdp": 0.10, "llama3-405b": 0.45, "nvidia-dgxc-llama3.1-h100": 0.08,
                    "nvidia-dgxc-gpt3-175b-h100": 0.08, "dlperf-megatron-v100": 0.40}

@@ -9,6 +9,7 @@ from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
 from megascale.config import Config
+from megascale.perf.collectives import group_spec
 from megascale.perf.costs import LayerCosts, LayerShape, group_spans_nodes, layer_costs, pass_collective_seconds
 from megascale.perf.fp8 import LayerFp8, layer_fp8
 from megascale.perf.fp8_casts import Fp8Gemm, weight_step_seconds
@@ -26,10 +27,11 @@ def embedding_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Co
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
     kind = "reduce_scatter" if shape.sp else "all_reduce"
     node_ranks = min(shape.tp, spec.gpus_per_node)
-    comm = pass_collective_seconds(kind, nbytes, shape.tp, spec, inter, 0.0, node_ranks)
+    link = group_spec(plan, ("tp",), spec)
+    comm = pass_collective_seconds(kind, nbytes, shape.tp, link, inter, 0.0, node_ranks)
     forward = Cost(memory=spec.memory_seconds(2 * nbytes), tp_comm=comm)
     # The backward scatter-adds into fp32 embedding gradients (and all-gathers under SP).
-    back_comm = (pass_collective_seconds("all_gather", nbytes, shape.tp, spec, inter, 0.0, node_ranks)
+    back_comm = (pass_collective_seconds("all_gather", nbytes, shape.tp, link, inter, 0.0, node_ranks)
                  if shape.sp else 0.0)
     backward = Cost(memory=spec.memory_seconds(nbytes + 2 * shape.tokens * shape.hidden * 4), tp_comm=back_comm)
     return forward, backward
@@ -43,7 +45,8 @@ def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
     region = shape.region
     inter = group_spans_nodes(plan, ("tp",), spec.gpus_per_node)
     node_ranks = min(shape.tp, spec.gpus_per_node)
-    gather = (pass_collective_seconds("all_gather", t * h * e, shape.tp, spec, inter, 0.0, node_ranks)
+    link = group_spec(plan, ("tp",), spec)
+    gather = (pass_collective_seconds("all_gather", t * h * e, shape.tp, link, inter, 0.0, node_ranks)
               if shape.sp else 0.0)
     # Fused loss: one read of the logits forward, one read and one write of their gradient backward.
     loss_fwd = spec.memory_seconds(t * vocab * e + t * 8)
@@ -51,7 +54,7 @@ def head_costs(cfg: Config, plan: RunPlan, spec: GpuSpec) -> tuple[Cost, Cost]:
     norm = spec.memory_seconds(2 * region * h * e)
     forward = Cost(gemm=spec.gemm_seconds(t, vocab, h, dtype), memory=norm + loss_fwd, tp_comm=gather)
     backward_gemm = spec.gemm_seconds(t, h, vocab, dtype) + spec.gemm_seconds(vocab, h, t, dtype)
-    back_comm = pass_collective_seconds("reduce_scatter" if shape.sp else "all_reduce", t * h * e, shape.tp, spec,
+    back_comm = pass_collective_seconds("reduce_scatter" if shape.sp else "all_reduce", t * h * e, shape.tp, link,
                                         inter, 0.0, node_ranks)
     backward = Cost(gemm=backward_gemm, memory=spec.memory_seconds(3 * region * h * e) + loss_bwd, tp_comm=back_comm)
     return forward, backward

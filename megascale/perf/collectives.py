@@ -10,6 +10,8 @@ collective priced as what gloo really runs for it (`backend_kind`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import replace
 
 from megascale.perf.gpus import GpuSpec
 from megascale.run_plan import RunPlan
@@ -27,6 +29,35 @@ def group_node_ranks(plan: RunPlan, axes: tuple[str, ...], gpus_per_node: int) -
     members = plan.rank_layout().group_ranks(0, axes)
     node = members[0] // gpus_per_node
     return sum(1 for rank in members if rank // gpus_per_node == node)
+
+
+def link_share(spec: GpuSpec, members: Sequence[int]) -> float:
+    """Fraction of a GPU's NVLink bandwidth a collective over `members` (GPUs of one node, by index in it) runs at.
+
+    On an NVSwitch node (no `nvlink_links`) every GPU reaches every other at full bandwidth: 1. On a node of
+    point-to-point links (V100's hybrid cube-mesh) NCCL's rings use only the links between the group's members,
+    so each member sends over its links to the others at most: the group runs at its least-linked member's
+    count over the most any GPU of the node has (a pair joined by one of six links: 1/6). A member with no
+    link to the others goes over PCIe (`pcie_gbps`).
+    """
+    if not spec.nvlink_links or len(members) < 2:
+        return 1.0
+    full = max(sum(row) for row in spec.nvlink_links)
+    links = min(sum(spec.nvlink_links[a][b] for b in members if b != a) for a in members)
+    return max(links / full, spec.pcie_gbps / spec.nvlink_gbps) if links else spec.pcie_gbps / spec.nvlink_gbps
+
+
+def group_spec(plan: RunPlan, axes: tuple[str, ...], spec: GpuSpec) -> GpuSpec:
+    """spec as the groups varying `axes` see it: on a node of point-to-point NVLinks, nvlink_gbps scaled by the
+    `link_share` of the least-linked such group in a node (every group runs its collective at once, and the
+    step waits for the slowest). spec itself on NVSwitch nodes."""
+    if not spec.nvlink_links:
+        return spec
+    layout = plan.rank_layout()
+    per_node = spec.gpus_per_node
+    share = min(link_share(spec, [r % per_node for r in layout.group_ranks(rank, axes) if r // per_node == 0])
+                for rank in range(min(per_node, plan.world_size)))
+    return spec if share >= 1.0 else replace(spec, nvlink_gbps=spec.nvlink_gbps * share, nvlink_links=())
 
 
 def node_nic_share(spec: GpuSpec, node_ranks: int) -> float:
@@ -154,4 +185,5 @@ def shares_cores(spec: GpuSpec) -> bool:
 
 
 __all__ = ["PROBE_RING_STEPS", "backend_copy_seconds", "backend_kind", "collective_seconds", "group_node_ranks",
-           "group_spans_nodes", "node_nic_share", "pass_collective_seconds", "ring_steps", "shares_cores"]
+           "group_spans_nodes", "group_spec", "link_share", "node_nic_share", "pass_collective_seconds", "ring_steps",
+           "shares_cores"]

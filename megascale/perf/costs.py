@@ -56,6 +56,7 @@ from megascale.perf.collectives import (
     collective_seconds,
     group_node_ranks,
     group_spans_nodes,
+    group_spec,
     pass_collective_seconds,
     shares_cores,
 )
@@ -480,16 +481,17 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
     gap_f = _pass_gap(gemm_f + attn_fwd + mem_fwd, counts_fwd, cp_pass_collectives(shape, False), stretch)
     gap_b = _pass_gap(gemm_b + attn_bwd + 2 * mem_fwd, counts_bwd, cp_pass_collectives(shape, True), stretch)
     fp8_f, fp8_b = _fp8_gathers(shape, traits)
-    tp_f, tp_f_hidden = _tp_pass(shape, spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter, gap_f,
+    tp_spec, cp_spec = group_spec(plan, ("tp",), spec), group_spec(plan, ("cp",), spec)  # their groups' links
+    tp_f, tp_f_hidden = _tp_pass(shape, tp_spec, traits, counts_fwd, gemm_f, tp_overlap, tp_inter, gap_f,
                                  fp8_gathers=fp8_f)
-    tp_b, tp_b_hidden = _tp_pass(shape, spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter, gap_b,
+    tp_b, tp_b_hidden = _tp_pass(shape, tp_spec, traits, counts_bwd, gemm_b, tp_overlap, tp_inter, gap_b,
                                  regathers=_regathers(shape, traits), fp8_gathers=fp8_b)
     # Ranks sharing a host's cores hide nothing: gloo's thread has no idle core to run the collective on.
     if traits.tp_async_grad_reduce and not tp_overlap and shape.tp > 1 and not shares_cores(spec):
-        hidden_b = _async_backward_hidden(shape, spec, traits, gemms, tp_inter)
+        hidden_b = _async_backward_hidden(shape, tp_spec, traits, gemms, tp_inter)
         tp_b, tp_b_hidden = tp_b - hidden_b, tp_b_hidden + hidden_b
-    cp_f, cp_f_hidden = _cp_pass(shape, spec, attn_fwd, cp_inter, backward=False, gap=gap_f)
-    cp_b, cp_b_hidden = _cp_pass(shape, spec, attn_bwd, cp_inter, backward=True, gap=gap_b)
+    cp_f, cp_f_hidden = _cp_pass(shape, cp_spec, attn_fwd, cp_inter, backward=False, gap=gap_f)
+    cp_b, cp_b_hidden = _cp_pass(shape, cp_spec, attn_bwd, cp_inter, backward=True, gap=gap_b)
     forward = Cost(gemm=gemm_f, attention=attn_fwd, memory=mem_fwd, tp_comm=tp_f, cp_comm=cp_f,
                    hidden={"tp": tp_f_hidden, "cp": cp_f_hidden})
     backward = Cost(gemm=gemm_b, attention=attn_bwd, memory=2 * mem_fwd, tp_comm=tp_b, cp_comm=cp_b,
@@ -512,5 +514,5 @@ def layer_costs(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits 
 
 
 __all__ = ["MEGASCALE", "Cost", "LayerCosts", "LayerShape", "SystemTraits", "TpLayerTraffic", "collective_seconds",
-           "cp_pass_collectives", "group_node_ranks", "group_spans_nodes", "layer_costs", "pass_collective_seconds",
-           "shares_cores", "tp_layer_traffic"]
+           "cp_pass_collectives", "group_node_ranks", "group_spans_nodes", "group_spec", "layer_costs",
+           "pass_collective_seconds", "shares_cores", "tp_layer_traffic"]

@@ -68,6 +68,14 @@ class GpuSpec:
     nics_per_node: int = 0
     """Inter-node adapters per node; 0 = one per GPU, rail-aligned (DGX/HGX). With fewer, the GPUs of a node
     that talk across nodes at once share them (`megascale.perf.collectives`)."""
+    nvlink_links: tuple[tuple[int, ...], ...] = ()
+    """NVLink links between each pair of a node's GPUs (`nvidia-smi topo -m`'s NV#; row i for GPU i, 0 on the
+    diagonal and where the two have no link); empty: every GPU reaches every other at nvlink_gbps (NVSwitch).
+    With links, a group smaller than the node runs only over the links between its members
+    (`megascale.perf.collectives.link_share`)."""
+    pcie_gbps: float = 16.0
+    """PCIe bandwidth per GPU per direction, GB/s: the path between two GPUs of a node with no NVLink between
+    them (only on specs with nvlink_links)."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ((256, 0.30), (1024, 0.60), (4096, 0.80), (16384, 0.85))
     """(geometric-mean GEMM size, fraction of peak) points, ascending in size."""
     attention_fwd_efficiency: float = 0.65
@@ -168,6 +176,7 @@ class GpuSpec:
         out["gemm_efficiency"] = [list(p) for p in self.gemm_efficiency]
         out["extra"] = dict(self.extra)
         out["collectives"] = {kind: list(pair) for kind, pair in self.collectives.items()}
+        out["nvlink_links"] = [list(row) for row in self.nvlink_links]
         out["threaded"] = self.threaded.to_dict() if self.threaded else None
         return out
 
@@ -228,14 +237,25 @@ _H100 = GpuSpec(
     attention_fwd_efficiency=round(0.55 * H100_SUSTAINED, 3), attention_bwd_efficiency=round(0.40 * H100_SUSTAINED, 3))
 
 # V100: the datasheet's SXM2 figures (125 TFLOP/s fp16 tensor core, 900 GB/s HBM2, six NVLink 2.0 links of
-# 25 GB/s each way); the node is the 8-GPU SXM2 server with one 100 Gb/s EDR InfiniBand adapter. V100 has no
+# 25 GB/s each way, PCIe Gen3 x16); the node is the 8-GPU SXM2 server with one 100 Gb/s EDR InfiniBand adapter and
+# the hybrid cube-mesh of NVLinks its `nvidia-smi topo -m` prints (OneFlow DLPerf's Megatron-LM README; DGX-1's
+# layout): each GPU's six links join it to the three others of its four (doubled to one or two of them) and to one
+# GPU of the other four. V100 has no
 # bf16 kernels: its fp16 peak stands in for the 16-bit peak MFU is quoted against. No GEMM sweep of a V100 is in
 # the record: the curve is the A100 curve's fractions of peak (an assumption; `megascale bench calibrate` on a
 # V100 replaces it).
+_CUBE_MESH = ((0, 1, 1, 2, 2, 0, 0, 0),
+              (1, 0, 2, 1, 0, 2, 0, 0),
+              (1, 2, 0, 2, 0, 0, 1, 0),
+              (2, 1, 2, 0, 0, 0, 0, 1),
+              (2, 0, 0, 0, 0, 1, 1, 2),
+              (0, 2, 0, 0, 1, 0, 2, 1),
+              (0, 0, 1, 0, 1, 2, 0, 2),
+              (0, 0, 0, 1, 2, 1, 2, 0))
 _V100 = GpuSpec(
     name="v100", description="NVIDIA V100 16GB SXM2, 8 per node on NVLink 2.0, one 100 Gb/s EDR InfiniBand per node",
     peak_tflops={"bf16": 125.0, "fp16": 125.0, "fp32": 15.7}, memory_gib=16.0, hbm_gbps=900.0,
-    nvlink_gbps=150.0, nic_gbps=12.5, nics_per_node=1, gemm_efficiency=_A100_GEMM,
+    nvlink_gbps=150.0, nic_gbps=12.5, nics_per_node=1, gemm_efficiency=_A100_GEMM, nvlink_links=_CUBE_MESH,
     attention_fwd_efficiency=0.68, attention_bwd_efficiency=0.52, memory_reserve_gib=1.5)
 
 BUILTIN_GPUS: Mapping[str, GpuSpec] = MappingProxyType({
@@ -284,6 +304,7 @@ def spec_from_dict(data: Mapping[str, Any], source: str) -> GpuSpec:
         merged["collectives"] = {str(kind): (float(bw), float(lat))
                                  for kind, (bw, lat) in dict(merged.get("collectives") or {}).items()}
         merged["threaded"] = thread_rates_from(merged.get("threaded"), source)
+        merged["nvlink_links"] = tuple(tuple(int(n) for n in row) for row in merged.get("nvlink_links") or ())
         merged["default_threads"] = check_default_threads(merged.get("default_threads", 1), source)
         spec = GpuSpec(**merged)
     except (TypeError, ValueError) as err:
@@ -313,6 +334,7 @@ def _check_spec(spec: GpuSpec, source: str) -> None:
     if spec.pass_latency_us < 0 or spec.pass_drift < 0:
         raise UserError(f"GPU spec {source}: pass_latency_us={spec.pass_latency_us} and "
                         f"pass_drift={spec.pass_drift} must be >= 0")
+    _check_links(spec, source)
     if spec.nics_per_node < 0:
         raise UserError(f"GPU spec {source}: nics_per_node={spec.nics_per_node} must be >= 0 (0 = one per GPU)")
     if not spec.train_work_factor > 0 or not 0 < spec.train_core_share <= 1:
@@ -322,6 +344,20 @@ def _check_spec(spec: GpuSpec, source: str) -> None:
         raise UserError(f"GPU spec {source}: host_cores={spec.host_cores} must be >= 0")
     if not spec.gemm_efficiency:
         raise UserError(f"GPU spec {source}: gemm_efficiency needs at least one (size, fraction) point")
+
+
+def _check_links(spec: GpuSpec, source: str) -> None:
+    links = spec.nvlink_links
+    if not links:
+        return
+    n = spec.gpus_per_node
+    square = len(links) == n and all(len(row) == n for row in links)
+    if not square or any(links[i][i] for i in range(n)) or any(
+            links[i][j] != links[j][i] or links[i][j] < 0 for i in range(n) for j in range(n)):
+        raise UserError(f"GPU spec {source}: nvlink_links must be a symmetric {n} x {n} matrix (gpus_per_node) of "
+                        "link counts >= 0 with zeros on the diagonal, as `nvidia-smi topo -m` prints NV#")
+    if not spec.pcie_gbps > 0:
+        raise UserError(f"GPU spec {source}: pcie_gbps={spec.pcie_gbps} must be > 0")
 
 
 def load_gpu_spec(path: str) -> GpuSpec:

@@ -47,6 +47,7 @@ from megascale.perf.costs import (
     SystemTraits,
     collective_seconds,
     group_spans_nodes,
+    group_spec,
     pass_collective_seconds,
     shares_cores,
 )
@@ -117,10 +118,11 @@ def p2p_seconds(plan: RunPlan, spec: GpuSpec, traits: SystemTraits = MEGASCALE) 
     seq, batch, hidden = plan.activation_shape
     nbytes = seq * batch * hidden * plan.precision.compute_bytes
     inter = group_spans_nodes(plan, ("pp",), spec.gpus_per_node)
+    tp_link, spec = group_spec(plan, ("tp",), spec), group_spec(plan, ("pp",), spec)
     if traits.pp_scatter_gather and plan.tp > 1 and not plan.sequence_parallel:
         # Each tp rank sends its 1/tp slice; the receivers all-gather the slices on NVLink.
         return (collective_seconds("p2p", nbytes / plan.tp, 2, spec, inter)
-                + collective_seconds("all_gather", nbytes, plan.tp, spec, False))
+                + collective_seconds("all_gather", nbytes, plan.tp, tp_link, False))
     # On a CPU host each receive is a meeting of two ranks, paid like an in-pass collective's (the
     # schedule simulation already places when the sender arrives).
     return pass_collective_seconds("p2p", nbytes, 2, spec, inter, 0.0)
@@ -201,6 +203,7 @@ def _dp_seconds(cfg: Config, plan: RunPlan, spec: GpuSpec, local_params: int,
     if plan.dp * plan.cp == 1:
         return {}, {}
     p = cfg.parallel
+    spec = group_spec(plan, ("dp", "cp"), spec)  # the data-parallel groups' own links in a node
     zero_groups_ = zero_groups(plan, spec.gpus_per_node)
     shards = plan.zero_shards if plan.zero >= 1 else plan.dp * plan.cp
     groups = [(local_params - expert_params, shards, *zero_groups_.shard)]
@@ -268,7 +271,8 @@ def _embedding_sync(cfg: Config, plan: RunPlan, spec: GpuSpec) -> float:
     if plan.pp == 1 or plan.v_shape or not cfg.model.tie_embeddings:
         return 0.0
     nbytes = cfg.model.padded_vocab_size // plan.tp * cfg.model.hidden_size * 4
-    return collective_seconds("all_reduce", nbytes, 2, spec, group_spans_nodes(plan, ("pp",), spec.gpus_per_node))
+    return collective_seconds("all_reduce", nbytes, 2, group_spec(plan, ("pp",), spec),
+                              group_spans_nodes(plan, ("pp",), spec.gpus_per_node))
 
 
 def _analytic_pipeline(plan: RunPlan, times: list[list[tuple[float, ...]]], p2p: float) -> tuple[float, list[float]]:
