@@ -191,6 +191,33 @@ def test_small_search_ranks_fitting_layouts(capsys) -> None:
     assert mfus == sorted(mfus, reverse=True) and all(r["fits"] for r in out["ranked"])
 
 
+def test_search_splits_layers_a_stage_short_and_recomputes_half_a_chunk() -> None:
+    from megascale.perf.costs import MEGASCALE
+    from megascale.perf.search import _estimate, _Estimates, _layouts, stage_split
+
+    # Llama 3 405B's 126 layers on 16 x 4 virtual stages: the ends one layer lighter, as Meta ran them.
+    assert stage_split(126, 64) == (1,) + (2,) * 62 + (1,)
+    assert stage_split(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert stage_split(127, 16) == (8,) * 15 + (7,)  # one short: the last stage (it also holds the head)
+    assert stage_split(128, 16) is None and stage_split(126, 48) is None  # even; too far from even
+    # 6 layers on 4 GPUs: pp 4 is tried as [1, 2, 2, 1] (before only pp dividing the layers was), and chunks of
+    # two layers or more also with full recomputation of the first half of their layers.
+    cfg = load_config(os.path.join(CONFIGS, "tiny.yaml"), ["model.num_layers=6", "train.global_batch_size=32"])
+    spec = builtin_gpu("a100")
+    choices = list(_layouts(cfg, 4, spec))
+    assert any(c.pp == 4 and c.pipeline_layers == (1, 2, 2, 1) for c in choices)
+    assert any(c.recompute == "full" and c.recompute_layers == 1 for c in choices if c.pp == 2 and c.vpp == 1)
+    assert not any(c.recompute_layers for c in choices if c.pp * c.vpp == 6)  # one layer a chunk: nothing to halve
+    # Both pass the trainer's own plan and the memory model, and are labelled as such.
+    uneven = next(c for c in choices if c.pp == 4 and c.vpp == 1 and c.recompute == "none")
+    half = next(c for c in choices if c.pp == 2 and c.vpp == 1 and c.recompute_layers == 1)
+    for choice, label in ((uneven, " pp4 vpp1 [1,2x2,1] "), (half, " recompute=full:1")):
+        added = _estimate(cfg, 4, spec, MEGASCALE, choice, _Estimates())
+        assert added and added[0].cfg.train.recompute_layers == choice.recompute_layers
+        assert added[0].plan.stage_layer_counts == (choice.pipeline_layers or (3, 3))
+        assert label in added[0].label(), added[0].label()
+
+
 @pytest.mark.slow
 def test_search_175b_on_12288_a100s_beats_megascale() -> None:
     from megascale.perf.search import search

@@ -20,6 +20,13 @@ also tried with `train.fp8`: off, tensorwise (the recipe with the least cast
 traffic) and the config's own recipe if it names another (its `fp8_exclude`
 kept); elsewhere only with FP8 off.
 
+Pipeline stages: where the layers divide evenly over the pp x vpp (virtual) stages each
+gets as many; where they fall one or two short, the first and the last stage (or the
+last) hold one layer less, as Llama 3 405B's 126 layers ran on 16 x 4 stages
+(`stage_split`); other counts are skipped. Recomputation: none, selective, full,
+and where a chunk holds two layers or more, full on the first half of each chunk's
+layers (`train.recompute_layers`), which keeps only those layers' inputs.
+
 The search keeps the config's model, sequence, global batch and overlaps and
 varies the layout. Each candidate goes through `resolve_plan` (so an impossible
 layout is dropped for the same reason the trainer would refuse it) and the
@@ -75,8 +82,19 @@ class Candidate:
         schedule = f" {p.schedule}" if p.pp > 1 else ""
         fp8 = f" fp8={t.fp8}" if t.fp8 != "off" else ""
         hybrid = f" dp_shard{p.dp_shard}" if p.dp_shard else ""
-        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} zero{p.zero}"
-                f"{hybrid} recompute={t.recompute}{fp8}")
+        split = _split_label(self.cfg.parallel.pipeline_layers)
+        recompute = t.recompute + (f":{t.recompute_layers}" if t.recompute_layers is not None else "")
+        return (f"tp{p.tp}{sp} pp{p.pp} vpp{p.vpp}{split}{cp}{schedule} dp{p.dp} mbs{p.micro_batch_size} "
+                f"zero{p.zero}{hybrid} recompute={recompute}{fp8}")
+
+
+def _split_label(layers: object) -> str:
+    """' [7,8x14,7]' for an uneven split of layers over the stages; '' for an even one (or none given)."""
+    if not isinstance(layers, (list, tuple)) or len(set(layers)) <= 1:
+        return ""
+    first, *middle, last = layers
+    inner = f"{middle[0]}x{len(middle)}" if middle and len(set(middle)) == 1 else ",".join(map(str, middle))
+    return " [" + ",".join(str(v) for v in (first, inner, last) if v != "") + "]"
 
 
 def _divisors(n: int) -> list[int]:
@@ -101,6 +119,10 @@ class Choice:
     etp: int = 1
     fp8: Fp8RecipeName = "off"
     dp_shard: Optional[int] = None
+    pipeline_layers: Optional[tuple[int, ...]] = None
+    """Layers per (virtual) stage when they do not divide evenly (`stage_split`); None: even."""
+    recompute_layers: Optional[int] = None
+    """Full recomputation of the first k layers of each chunk only; None: the mode applies to every layer."""
 
 
 FP8_SEARCHED: Fp8RecipeName = "tensorwise"
@@ -125,6 +147,42 @@ def _schedules(pp: int, vpp: int) -> tuple[PipelineScheduleName, ...]:
     return ("interleaved", "zbv") if vpp == 2 else ("interleaved",)
 
 
+def stage_split(layers: int, stages: int) -> Optional[tuple[int, ...]]:
+    """Layers per stage when `layers` fall one or two short of an even split over `stages`: every stage holds
+    ceil(layers / stages) but the last (one short) or the first and the last (two short), which hold one less
+    (the ends also hold the embedding and the output layer). None where the split is even or the shortfall is
+    larger (not searched)."""
+    per = -(-layers // stages)
+    short = per * stages - layers
+    if short == 0 or short > 2 or stages < 2:
+        return None
+    split = [per] * stages
+    split[-1] -= 1
+    if short == 2:
+        split[0] -= 1
+    return tuple(split)
+
+
+def _stage_layouts(layers: int, pp: int) -> Iterator[tuple[int, Optional[tuple[int, ...]]]]:
+    """(vpp, layers per virtual stage or None for an even split) of pp pipeline ranks."""
+    for vpp in range(1, (MAX_VPP if pp > 1 else 1) + 1):
+        stages = pp * vpp
+        if layers % stages == 0:
+            yield vpp, None
+        elif (split := stage_split(layers, stages)) is not None:
+            yield vpp, split
+
+
+def _recompute_modes(layers: int, stages: int) -> list[tuple[Recompute, Optional[int]]]:
+    """(mode, recompute_layers) pairs: none, selective, full, and full on the first half of each chunk's layers
+    where a chunk holds two or more."""
+    modes: list[tuple[Recompute, Optional[int]]] = [(mode, None) for mode in RECOMPUTE_MODES]
+    per_chunk = -(-layers // stages)
+    if per_chunk >= 2:
+        modes.append(("full", per_chunk // 2))
+    return modes
+
+
 def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
     """Candidate overrides (before validation)."""
     m = cfg.model
@@ -135,21 +193,19 @@ def _layouts(cfg: Config, gpus: int, spec: GpuSpec) -> Iterator[Choice]:
             if gpus % (tp * cp):
                 continue
             for pp in _divisors(gpus // (tp * cp)):
-                if pp > m.num_layers or m.num_layers % pp:
+                if pp > m.num_layers:
                     continue
-                for vpp in _divisors(m.num_layers // pp):
-                    if vpp > MAX_VPP or (vpp > 1 and pp == 1):
-                        continue
+                for vpp, split in _stage_layouts(m.num_layers, pp):
                     for mbs in MICRO_BATCHES:
                         for sp, regather in _sp_modes(tp):
                             for zero in (1, 0):
-                                for recompute in RECOMPUTE_MODES:
+                                for recompute, first_k in _recompute_modes(m.num_layers, pp * vpp):
                                     for schedule in _schedules(pp, vpp):
                                         for ep in _expert_parallel_sizes(m.moe.num_experts, gpus // (tp * pp)):
                                             for etp in _expert_tp_sizes(m.moe.num_experts, tp):
                                                 for fp8 in fp8_modes(cfg, spec):
                                                     yield Choice(tp, cp, pp, vpp, mbs, sp, zero, recompute, regather,
-                                                                 schedule, ep, etp, fp8)
+                                                                 schedule, ep, etp, fp8, None, split, first_k)
 
 
 def _expert_parallel_sizes(num_experts: int, data_ranks: int) -> list[int]:
@@ -172,10 +228,11 @@ def _apply(cfg: Config, choice: Choice) -> Config:
     p, t = new.parallel, new.train
     p.tp, p.cp, p.pp, p.vpp, p.dp, p.ep = choice.tp, choice.cp, choice.pp, choice.vpp, None, choice.ep
     p.etp = choice.etp
-    p.pipeline_layers, p.pipeline_schedule = None, choice.schedule
+    p.pipeline_layers = list(choice.pipeline_layers) if choice.pipeline_layers else None
+    p.pipeline_schedule = choice.schedule
     p.sequence_parallel, p.zero = choice.sequence_parallel, cast(ZeroStage, choice.zero)
     p.sp_regather_input, p.dp_shard = choice.sp_regather, choice.dp_shard
-    t.micro_batch_size, t.recompute_layers = choice.micro_batch, None
+    t.micro_batch_size, t.recompute_layers = choice.micro_batch, choice.recompute_layers
     t.recompute, t.fp8 = choice.recompute, choice.fp8
     return new
 
