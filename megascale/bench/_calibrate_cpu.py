@@ -57,32 +57,42 @@ from megascale.perf.gpus import GpuSpec, spec_from_dict
 CPU_GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 
 
-def time_best(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> float:
-    """Best CPU seconds of this thread for one call of fn: what a core does while it runs the call.
+def time_best(fn: Callable[[], object], repeats: int = 5, warmup: int = 2,
+              clock: Callable[[], float] = time.thread_time) -> float:
+    """Best seconds of one call of fn on `clock`: by default this thread's CPU seconds, what a core does
+    while it runs the call; `time.perf_counter` for wall seconds (the thread probe: every intra-op
+    thread's work inside the call).
 
-    CPU time, not wall time: on a host other jobs load, the call is preempted for their time
-    slices, and that share is measured once, by `host_cores`; counting it here as well would
-    charge a loaded host twice (slower per core and fewer cores).
+    CPU time, not wall time, for one-thread rates: on a host other jobs load, the call is preempted
+    for their time slices, and that share is measured once, by `host_cores`; counting it here as well
+    would charge a loaded host twice (slower per core and fewer cores).
     """
     for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.thread_time()
+        start = clock()
         fn()
-        best = min(best, time.thread_time() - start)
+        best = min(best, clock() - start)
     return max(best, 1e-9)
 
 
-def _gemm_rate(n: int, calls: int = 1) -> float:
-    """Best FLOP/s of an n x n x n fp32 GEMM, `calls` in a row per timing (small GEMMs are timed in a batch)."""
+def gemm_call(n: int) -> tuple[Callable[[], None], float]:
+    """(a call running n x n x n fp32 GEMMs worth one 256^3 GEMM, its FLOPs): small GEMMs are timed in a batch."""
     a, b = torch.randn(n, n), torch.randn(n, n)
+    calls = max(1, (256 // n) ** 3)
 
     def run() -> None:
         for _ in range(calls):
             torch.matmul(a, b)
 
-    return 2.0 * n**3 * calls / time_best(run)
+    return run, 2.0 * n**3 * calls
+
+
+def _gemm_rate(n: int) -> float:
+    """Best FLOP/s of an n x n x n fp32 GEMM on this thread."""
+    run, flops = gemm_call(n)
+    return flops / time_best(run)
 
 
 def gemm_curve(sizes: tuple[int, ...] = CPU_GEMM_SIZES, rounds: int = 3) -> tuple[float, list[tuple[float, float]]]:
@@ -94,7 +104,7 @@ def gemm_curve(sizes: tuple[int, ...] = CPU_GEMM_SIZES, rounds: int = 3) -> tupl
     best = dict.fromkeys(sizes, 0.0)
     for _ in range(rounds):
         for n in sizes:
-            best[n] = max(best[n], _gemm_rate(n, calls=max(1, (256 // n) ** 3)))
+            best[n] = max(best[n], _gemm_rate(n))
     rates = list(best.items())
     peak = max(rate for _, rate in rates)
     return peak / 1e12, [(float(n), round(rate / peak, 3)) for n, rate in rates]
@@ -317,6 +327,7 @@ def threads_summary(spec: GpuSpec) -> str:
             f"memory-bound {rates.memory_speedup:.2f}x")
 
 
-__all__ = ["attention_calls", "attention_efficiency", "copy_bandwidth", "gemm_curve", "host_cores", "in_pass_cost",
+__all__ = ["attention_calls", "attention_efficiency", "copy_bandwidth", "gemm_call", "gemm_curve", "host_cores",
+           "in_pass_cost",
            "measure_cpu_spec", "memory_op_efficiency", "memory_ops_call", "summary", "threads_summary", "time_best",
            "total_memory_gib", "with_training_probe"]

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from megascale.bench._calibrate_cpu import CPU_GEMM_SIZES, attention_calls, memory_ops_call
+from megascale.bench._calibrate_cpu import CPU_GEMM_SIZES, attention_calls, gemm_call, memory_ops_call, time_best
 from megascale.perf.threads import THREAD_ENV, ThreadRates
 
 ROUNDS = 3
@@ -41,36 +41,12 @@ def default_threads() -> int:
     return max(1, int(done.stdout.strip().splitlines()[-1]))
 
 
-def wall_best(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> float:
-    """Best wall seconds of one call of fn (every intra-op thread's work inside it)."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
-
-
-def _gemm_call(n: int) -> Callable[[], None]:
-    """A batch of n x n x n fp32 GEMMs worth one 256-GEMM (small ones timed in a batch, as the curve is)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    calls = max(1, (256 // n) ** 3)
-
-    def run() -> None:
-        for _ in range(calls):
-            torch.matmul(a, b)
-
-    return run
-
-
 def probe_calls(attention_shape: tuple[int, int, int, int],
                 sizes: tuple[int, ...] = CPU_GEMM_SIZES) -> dict[str, Callable[[], object]]:
     """The calls the probe times, by name: gemm:N per size, attention forward and both passes, memory ops."""
     seq, heads, head_dim, batch = attention_shape
     forward, both, _ = attention_calls(seq, heads, head_dim, batch)
-    calls: dict[str, Callable[[], object]] = {f"gemm:{n}": _gemm_call(n) for n in sizes}
+    calls: dict[str, Callable[[], object]] = {f"gemm:{n}": gemm_call(n)[0] for n in sizes}
     calls.update({"attention_fwd": forward, "attention_both": both, "memory": memory_ops_call()[0]})
     return calls
 
@@ -86,7 +62,7 @@ def best_times(calls: dict[str, Callable[[], object]], counts: tuple[int, ...],
             for count in counts:
                 torch.set_num_threads(count)
                 for name, fn in calls.items():
-                    best[count][name] = min(best[count][name], wall_best(fn))
+                    best[count][name] = min(best[count][name], time_best(fn, clock=time.perf_counter))
     finally:
         torch.set_num_threads(before)
     return best
@@ -113,4 +89,4 @@ def measure_thread_rates(threads: int, attention_shape: tuple[int, int, int, int
     return speedups(best[1], best[threads], threads)
 
 
-__all__ = ["ROUNDS", "best_times", "default_threads", "measure_thread_rates", "probe_calls", "speedups", "wall_best"]
+__all__ = ["ROUNDS", "best_times", "default_threads", "measure_thread_rates", "probe_calls", "speedups"]

@@ -44,7 +44,7 @@ def link_share(spec: GpuSpec, members: Sequence[int]) -> float:
         return 1.0
     full = max(sum(row) for row in spec.nvlink_links)
     links = min(sum(spec.nvlink_links[a][b] for b in members if b != a) for a in members)
-    return max(links / full, spec.pcie_gbps / spec.nvlink_gbps) if links else spec.pcie_gbps / spec.nvlink_gbps
+    return max(links / full, spec.pcie_gbps / spec.nvlink_gbps)
 
 
 def group_spec(plan: RunPlan, axes: tuple[str, ...], spec: GpuSpec) -> GpuSpec:

@@ -240,10 +240,9 @@ _H100 = GpuSpec(
 # 25 GB/s each way, PCIe Gen3 x16); the node is the 8-GPU SXM2 server with one 100 Gb/s EDR InfiniBand adapter and
 # the hybrid cube-mesh of NVLinks its `nvidia-smi topo -m` prints (OneFlow DLPerf's Megatron-LM README; DGX-1's
 # layout): each GPU's six links join it to the three others of its four (doubled to one or two of them) and to one
-# GPU of the other four. V100 has no
-# bf16 kernels: its fp16 peak stands in for the 16-bit peak MFU is quoted against. No GEMM sweep of a V100 is in
-# the record: the curve is the A100 curve's fractions of peak (an assumption; `megascale bench calibrate` on a
-# V100 replaces it).
+# GPU of the other four. V100 has no bf16 kernels: its fp16 peak stands in for the 16-bit peak MFU is quoted
+# against. No GEMM sweep of a V100 is in the record: the curve is the A100 curve's fractions of peak (an
+# assumption; `megascale bench calibrate` on a V100 replaces it).
 _CUBE_MESH = ((0, 1, 1, 2, 2, 0, 0, 0),
               (1, 0, 2, 1, 0, 2, 0, 0),
               (1, 2, 0, 2, 0, 0, 1, 0),

@@ -96,10 +96,10 @@ def shared_makespan(plan: RunPlan, spec: GpuSpec, makespan: float, busy: list[fl
     return max(makespan, work * peers / min(plan.world_size, compute_cores(spec)) + max(waits))
 
 
-def default_run_threads(plan: RunPlan, spec: GpuSpec) -> int:
-    """Intra-op threads per rank of a run `megascale train` starts in an environment that sets none:
-    the spec's `default_threads` for one process, one per rank under `--nproc N`."""
-    return run_threads(plan.world_size, spec.default_threads, {})[0]
+def rank_threads(plan: RunPlan, spec: GpuSpec, threads: int | None = None) -> int:
+    """Intra-op threads per rank: `threads` where given, else those of a run `megascale train` starts in an
+    environment that sets none (the spec's `default_threads` for one process, one per rank under `--nproc N`)."""
+    return run_threads(plan.world_size, spec.default_threads, {})[0] if threads is None else threads
 
 
 def rank_thread_cores(plan: RunPlan, spec: GpuSpec) -> float:
@@ -145,5 +145,5 @@ def thread_peak_scale(plan: RunPlan, spec: GpuSpec, threads: int) -> float:
     return max(e for _, e in threaded.gemm_efficiency) / max(e for _, e in spec.gemm_efficiency)
 
 
-__all__ = ["PROBE_RANKS", "collective_stretch", "compute_cores", "default_run_threads", "host_share",
-           "rank_thread_cores", "ranks_per_core", "shared_makespan", "thread_peak_scale", "thread_spec"]
+__all__ = ["PROBE_RANKS", "collective_stretch", "compute_cores", "host_share", "rank_thread_cores", "rank_threads",
+           "ranks_per_core", "shared_makespan", "thread_peak_scale", "thread_spec"]

@@ -18,7 +18,7 @@ from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.fp8 import check_fp8_supported, describe_fp8
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.host import default_run_threads, thread_peak_scale
+from megascale.perf.host import rank_threads, thread_peak_scale
 from megascale.perf.memory import GIB, MemoryEstimate, stage_estimates
 from megascale.perf.moe import ExpertLayout, active_numel, expert_layout
 from megascale.perf.timing import StepTime, step_time
@@ -151,7 +151,7 @@ def predict(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits = ME
     if table is None:
         table = param_table(cfg, ModelLayout.from_plan(plan))
     memory = stage_estimates(cfg, plan, "fused", table)
-    threads = default_run_threads(plan, spec) if threads is None else threads
+    threads = rank_threads(plan, spec, threads)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step_time(cfg, plan, spec, table, traits,
                                                                           threads=threads), threads=threads,
                       peak_scale=thread_peak_scale(plan, spec, threads),

@@ -52,7 +52,7 @@ from megascale.model.params import ModelLayout, ParamTable, param_table
 from megascale.perf.costs import MEGASCALE, SystemTraits
 from megascale.perf.fp8 import check_fp8_supported
 from megascale.perf.gpus import GpuSpec
-from megascale.perf.host import default_run_threads, thread_peak_scale
+from megascale.perf.host import rank_threads, thread_peak_scale
 from megascale.perf.memory import stage_estimates
 from megascale.perf.predict import Prediction, model_flops_per_step, predict
 from megascale.perf.timing import step_time
@@ -440,7 +440,7 @@ def _quick(cfg: Config, plan: RunPlan, spec: GpuSpec, traits: SystemTraits, tabl
     memory = stage_estimates(cfg, plan, "fused", table)
     if max(e.total_bytes for e in memory) > spec.usable_memory_bytes:
         return None
-    threads = default_run_threads(plan, spec) if threads is None else threads
+    threads = rank_threads(plan, spec, threads)
     step = step_time(cfg, plan, spec, table, traits, simulate_pipeline=False, threads=threads)
     return Prediction(plan=plan, spec=spec, memory=memory, step=step,
                       model_flops_per_step=model_flops_per_step(cfg, plan), threads=threads,

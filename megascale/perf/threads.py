@@ -123,7 +123,7 @@ def run_threads(world_size: int, default_threads: int, environ: Mapping[str, str
         return threads, "--threads"
     from_env = env_threads(environ)
     if from_env is not None:
-        return from_env[0], from_env[1]
+        return from_env
     if world_size > 1:
         return 1, "--nproc N: the launcher sets OMP_NUM_THREADS=1 for each rank"
     return max(1, default_threads), "one process: torch's default, the host's cores"

@@ -54,8 +54,8 @@ from megascale.perf.costs import (
 from megascale.perf.gpus import GpuSpec
 from megascale.perf.host import (
     collective_stretch,
-    default_run_threads,
     host_share,
+    rank_threads,
     ranks_per_core,
     shared_makespan,
     thread_spec,
@@ -312,10 +312,10 @@ def step_time(cfg: Config, plan: RunPlan, spec: GpuSpec, table: ParamTable,
     simulate_pipeline=False replaces the schedule simulation by the bubble formula
     (the layout search's first pass, where thousands of layouts are timed).
     threads: CPU specs, each rank's intra-op threads (None: as `megascale train` starts the run in an
-    environment that sets none, `host.default_run_threads`); the spec's rates become those threads'
+    environment that sets none, `host.rank_threads`); the spec's rates become those threads'
     (`host.thread_spec`).
     """
-    spec = thread_spec(plan, spec, default_run_threads(plan, spec) if threads is None else threads)
+    spec = thread_spec(plan, spec, rank_threads(plan, spec, threads))
     costs = chunk_costs(cfg, plan, spec, traits)
     p2p = p2p_seconds(plan, spec, traits)
     m = plan.num_microbatches
