@@ -302,12 +302,12 @@ def _dumped(out: Path, attempt: int = 0) -> list[int]:
 
 
 def _check_waiting(out: Path, output: str, culprit: int) -> dict:
-    """The one hang event names `culprit` and lists every other rank, each of which dumped where it waits."""
+    """The one hang event names `culprit`, lists every other rank as waiting on it, and its reporter dumped."""
     events = read_events(out, "hang")
     assert len(events) == 1 and events[0]["ranks"] == [culprit], output[-3000:]
     waiting = [r for r in range(3) if r != culprit]
     assert events[0]["waiting"] == waiting, events[0]
-    assert set(_dumped(out)) - {culprit} <= set(waiting) and events[0]["reporter"] in _dumped(out)
+    assert events[0]["reporter"] in _dumped(out)
     tail = events[0]["summary"].split("waiting on it: ", 1)[1]
     for rank in waiting:
         assert f"rank {rank} (tp 0, cp 0, dp {rank}, pp 0 on" in tail, events[0]["summary"]
@@ -318,7 +318,7 @@ def _check_waiting(out: Path, output: str, culprit: int) -> dict:
 def test_a_deadlocked_rank_is_named_with_every_rank_it_holds_up(tmp_path):
     """3 ranks; rank 2's training thread blocks for good at step 3 while its heartbeats go on (a deadlock inside
     the process): it is named stuck, and ranks 0 and 1, blocked in their collectives on it, are the event's
-    `waiting` list and the summary's "waiting on it" (they wrote their dumps as well)."""
+    `waiting` list and the summary's "waiting on it"."""
     out = tmp_path / "run"
     proc = start_train(out, *THREE_RANKS, "fault.inject=hang:rank=2:step=3:mode=sleep", nproc=3)
     try:

@@ -33,14 +33,21 @@ TOKEN_ENV = "MEGASCALE_RUN_LOCK"
 log = logging.getLogger("megascale.run_lock")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs, whoever owns it; on Linux a zombie (exited, not yet reaped) does not count."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+        pass  # exists, owned by someone else
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc here: kill says it exists
+    return state not in ("Z", "X")
 
 
 def _process_start(pid: int) -> Optional[str]:
@@ -82,7 +89,7 @@ def stale_reason(holder: Optional[dict], age_s: float, stale_after_s: float,
         return f"it was taken by an earlier worker group of this job (run id {run_id})"
     pid = holder.get("pid")
     if holder.get("host") == socket.gethostname() and isinstance(pid, int):
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return f"its process {pid} on this host is gone"
         started = holder.get("process_start")
         if started is not None and _process_start(pid) not in (None, started):

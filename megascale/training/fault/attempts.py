@@ -214,12 +214,7 @@ class AttemptRecorder:
     def previous_attempt(self) -> dict[str, Any]:
         """Attempt A-1's records of this launch: {'ranks': {rank: record}, 'progress': record or None}."""
         prev = self.run_dir / ATTEMPTS_DIR / str(self.info.attempt - 1)
-        ranks: dict[int, dict] = {}
-        # An elastic restart may run on fewer ranks than the attempt before it: read every rank that was there.
-        for rank in range(max(self.info.world_size, _recorded_ranks(prev))):
-            record = _read_json(prev / f"rank_{rank}.json")
-            if record is not None and record.get("launch_id") == self.info.launch_id:
-                ranks[rank] = record
+        ranks = read_rank_records(prev, self.info.launch_id, self.info.world_size)
         progress = _read_json(prev / "progress.json")
         if progress is not None and progress.get("launch_id") != self.info.launch_id:
             progress = None
@@ -243,6 +238,18 @@ def read_launch(run_dir: Path, launch_id: str) -> Optional[dict]:
     """``attempts/launch.json`` when it belongs to launch `launch_id`, else None."""
     state = _read_json(Path(run_dir) / ATTEMPTS_DIR / "launch.json")
     return state if state is not None and state.get("launch_id") == launch_id else None
+
+
+def read_rank_records(attempt_dir: Path, launch_id: str, world_size: int) -> dict[int, dict]:
+    """The rank records (`rank_<r>.json`) of one attempt directory written by launch `launch_id`, by rank: ranks
+    0..world_size-1 and any higher one recorded there (an elastic restart may run on fewer ranks than the
+    attempt before it)."""
+    records = {}
+    for rank in range(max(world_size, _recorded_ranks(attempt_dir))):
+        record = _read_json(attempt_dir / f"rank_{rank}.json")
+        if record is not None and record.get("launch_id") == launch_id:
+            records[rank] = record
+    return records
 
 
 def _recorded_ranks(attempt_dir: Path) -> int:

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from megascale.config import Config, ConfigError
 from megascale.run_plan import RunPlan, resolve_plan
 from megascale.training.fault.attempts import (
-    ATTEMPT_BASE_ENV,
     ATTEMPTS_DIR,
     FIRST_ATTEMPT_ENV,
     AttemptInfo,
@@ -220,6 +219,6 @@ def restart_fields(run_dir: Path, attempt: int, layout: dict[str, Any],
     return fields
 
 
-__all__ = ["ATTEMPT_BASE_ENV", "PLANNED_ENV", "REASON_ENV", "agree_attempt", "describe_layout", "elastic_config",
+__all__ = ["PLANNED_ENV", "REASON_ENV", "agree_attempt", "describe_layout", "elastic_config",
            "fits", "held_elsewhere", "launch_first_attempt", "layout_record", "next_free_attempt", "read_layout",
            "read_relaunch", "restart_fields", "write_layout", "write_relaunch"]

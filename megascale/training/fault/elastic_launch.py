@@ -35,7 +35,6 @@ event shows the layout before and after (see megascale.training.fault.elastic).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -46,9 +45,8 @@ from typing import Optional
 
 from megascale.config import Config, ConfigError
 from megascale.run_plan import resolve_plan
-from megascale.training.fault.attempts import ATTEMPTS_DIR, FIRST_ATTEMPT_ENV
+from megascale.training.fault.attempts import ATTEMPT_BASE_ENV, ATTEMPTS_DIR, FIRST_ATTEMPT_ENV, read_rank_records
 from megascale.training.fault.elastic import (
-    ATTEMPT_BASE_ENV,
     PLANNED_ENV,
     REASON_ENV,
     elastic_config,
@@ -64,7 +62,7 @@ from megascale.training.fault.launcher import (
     quiet_elastic_logs,
     record_run_failed,
 )
-from megascale.training.fault.lifecycle import EXIT_PREEMPTED_CODE
+from megascale.training.run_lock import pid_alive
 
 EXCLUDE_FILE = Path("elastic") / "exclude"
 MARKED_BAD_GRACE_S = 2.0
@@ -198,13 +196,7 @@ class ResizeWatcher:
                      in_use=slot in self.slots, action=what)
 
     def _records(self) -> dict[int, dict]:
-        records = {}
-        for rank in range(len(self.slots)):
-            try:
-                records[rank] = json.loads((self.attempt_dir / f"rank_{rank}.json").read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-        return records
+        return read_rank_records(self.attempt_dir, self.launch_id, len(self.slots))
 
     def _worker(self, slot: int) -> str:
         """`its worker (rank 2, pid 1234)`."""
@@ -216,24 +208,7 @@ class ResizeWatcher:
         """Every rank of the group recorded its start, none its exit, and every process is alive."""
         records = self._records()
         return len(records) == len(self.slots) and all(
-            "exit" not in rec and rec.get("launch_id") == self.launch_id and process_alive(int(rec.get("pid", 0)))
-            for rec in records.values())
-
-
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs; on Linux a zombie (dead, not yet reaped by the agent) does not count."""
-    if pid <= 0:
-        return False
-    if Path("/proc/self/stat").exists():
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except (OSError, IndexError):
-            return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
+            "exit" not in rec and pid_alive(int(rec.get("pid", 0))) for rec in records.values())
 
 
 def run_elastic_local(worker_args: list[str], nproc: int, min_nproc: int, max_restarts: int, cfg: Config) -> int:
@@ -266,7 +241,8 @@ def run_elastic_local(worker_args: list[str], nproc: int, min_nproc: int, max_re
         watcher.stop()
         attempt += 1
         if outcome == "ok" or (outcome == "signal" and watcher.fired is not None and _finished_since(run_dir, started)):
-            return _exit_code_after(run_dir, started)  # (the group trained its last step before the signal came)
+            # (a signalled group that trained its last step first ended too; a preempted group exits 75, not here)
+            return 0
         if outcome == "signal" and watcher.fired is not None:
             reason, planned = watcher.fired[1], True
             continue
@@ -314,11 +290,5 @@ def _finished_since(run_dir: Path, started: float) -> bool:
     return any(e.get("time", 0) >= started for e in read_events(run_dir, "run_end"))
 
 
-def _exit_code_after(run_dir: Path, started: float) -> int:
-    """0, or 75 when the last group ended by a preemption with its checkpoint committed."""
-    events = [e for e in read_events(run_dir, "preempted") if e.get("time", 0) >= started]
-    return EXIT_PREEMPTED_CODE if events and events[-1].get("saved") else 0
-
-
 __all__ = ["EXCLUDE_FILE", "MARKED_BAD_GRACE_S", "ResizeWatcher", "check_elastic_args", "excluded_slots",
-           "group_size", "process_alive", "run_elastic_local", "visible_devices"]
+           "group_size", "run_elastic_local", "visible_devices"]

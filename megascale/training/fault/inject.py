@@ -243,4 +243,4 @@ def _spin(seconds: float) -> None:
         pass
 
 
-__all__ = ["ACTIONS", "ENV_VAR", "POINTS", "Fault", "FaultInjector", "parse_fault_spec", "restart_attempt"]
+__all__ = ["ACTIONS", "ENV_VAR", "POINTS", "Fault", "FaultInjector", "parse_fault_spec"]

@@ -147,11 +147,16 @@ def failure_exit_code(codes: list[int]) -> int:
     return 2 if 2 in codes else 1
 
 
+WORKERS_SIGNALLED = "workers signalled, not the launcher"
+"""`failure_cause` of a group whose workers all stopped for the preemption signal while the agent was not
+signalled."""
+
+
 def failure_cause(code: int, codes: list[int]) -> str:
     """The kind of failure `failure_exit_code` gave `code` for, in words: every worker exiting 75 (a committed
     checkpoint after the preemption signal) while the agent was not signalled is a signal to workers only."""
     if code == 1 and codes and set(codes) == {EXIT_PREEMPTED_CODE}:
-        return "workers signalled, not the launcher"
+        return WORKERS_SIGNALLED
     return {2: "a user or data error", 124: "a hang"}.get(code, "a crash")
 
 
@@ -185,11 +190,11 @@ def record_run_failed(run_dir: Path, code: int, codes: dict[int, int], restarts:
 
 def _silent_ranks(run_dir: Path, nproc: int, launch_id: str) -> list[int]:
     """Ranks of this launch's newest attempt that left no exit record (killed outright, or a full disk)."""
-    from megascale.training.fault.attempts import ATTEMPTS_DIR, AttemptInfo, AttemptRecorder
+    from megascale.training.fault.attempts import ATTEMPTS_DIR, read_rank_records
 
     attempts = sorted((int(p.name) for p in (run_dir / ATTEMPTS_DIR).glob("*") if p.name.isdigit()), reverse=True)
-    for attempt in attempts:  # the newest attempt of this launch (an earlier launch may have left higher ones)
-        ranks = AttemptRecorder(run_dir, AttemptInfo(launch_id, attempt + 1, 0, nproc)).previous_attempt()["ranks"]
+    for attempt in attempts:  # the newest attempt with records of this launch
+        ranks = read_rank_records(run_dir / ATTEMPTS_DIR / str(attempt), launch_id, nproc)
         if ranks:
             return [r for r in range(nproc) if r not in ranks or "exit" not in ranks[r]]
     return []
@@ -206,7 +211,7 @@ def _report_failure(err: ChildFailedError, nproc: int, max_restarts: int, silent
     if set(codes.values()) == {2}:
         return 2  # a user error: every worker printed the same one-line message already
     kind = failure_cause(code, list(codes.values()))
-    if set(codes.values()) == {EXIT_PREEMPTED_CODE}:
+    if kind == WORKERS_SIGNALLED:
         print(f"megascale: error: training stopped{restarts} ({kind}, exit {code}): the preemption signal reached "
               "workers but not the launcher, which counts as a worker failing; the workers committed a checkpoint "
               "of the step they stopped at: run the same command to resume", file=sys.stderr)

@@ -71,7 +71,6 @@ class RunLifecycle:
         self.resumed_step = resumed_step
         self.preempted_at: Optional[int] = None
         self.preempt_saved = False
-        self.relaunch: Optional[str] = None  # why the launcher stops this group to start another (read at the stop)
         self.preempt = PreemptionHandler(cfg.fault.preempt_signal, cfg.fault.preempt_grace_s, device, rank,
                                          on_deadline=self._deadline_passed)
         self.preempt.install()
@@ -112,8 +111,8 @@ class RunLifecycle:
 
         step = trainer.step
         self.preempted_at = step
-        self.relaunch = read_relaunch(self.recorder.dir, self.info.launch_id)
-        what = "preempted" if self.relaunch is None else f"stopped for the launcher's relaunch ({self.relaunch})"
+        relaunch = read_relaunch(self.recorder.dir, self.info.launch_id)  # why the launcher stops this group
+        what = "preempted" if relaunch is None else f"stopped for the launcher's relaunch ({relaunch})"
         trainer.ckpt.wait()
         stats = getattr(trainer.ckpt, "last_save_stats", None) or {}
         already = stats.get("step") == step and stats.get("ok")
@@ -137,11 +136,11 @@ class RunLifecycle:
         if self.rank == 0:
             stop = {"saved": self.preempt_saved, "signal": self.cfg.fault.preempt_signal,
                     "signal_to_exit_s": round(time.time() - (self.preempt.signal_time or time.time()), 3)}
-            if self.relaunch is None:  # the launch ends here: its effective training time so far
+            if relaunch is None:  # the launch ends here: its effective training time so far
                 append_event(trainer.run_dir, "preempted", step=step, ranks=[], **stop, **self.effective_time())
             else:
                 append_event(trainer.run_dir, "group_stopped", step=step, ranks=[], attempt=self.info.attempt,
-                             reason=self.relaunch, **stop)
+                             reason=relaunch, **stop)
 
     def _deadline_passed(self, why: str) -> None:
         self.recorder.exited("signal", self.step, why)

@@ -57,7 +57,10 @@ def start_watchdog(cfg: Any, rank: int, world_size: int, progress: Progress,
     from megascale.training.fault.watchdog import Watchdog
 
     layout = resolve_plan(cfg, world_size).rank_layout()
-    attempt = attempt_number(environ)  # the attempts/<N> number: hang/<N> and the heartbeats are per attempt
+    # The attempt number the launcher gave: the heartbeat board is keyed by it. hang/<N> follows the number rank 0
+    # agrees on once the process group exists (megascale/train.py sets `attempt` again); under megascale train
+    # --nproc they are the same, a lone process or plain torchrun may move hang/<N> past the board's key.
+    attempt = attempt_number(environ)
     run_dir = Path(cfg.train.output_dir)
     board = choose_board(cfg.fault.heartbeat_store, run_dir, attempt,
                          timeout_s=max(10.0, 2 * cfg.fault.heartbeat_s), environ=environ)
