@@ -47,6 +47,23 @@ def test_shrinking_dp_keeps_the_global_batch_with_more_micro_batches() -> None:
     assert {r["global_batch_size"] for r in records.values()} == {12}
 
 
+def test_a_planned_restart_is_marked_and_its_line_times_no_detection(tmp_path) -> None:
+    from megascale.training.fault.elastic import PLANNED_ENV, REASON_ENV, restart_fields
+    from megascale.training.fault.lifecycle import restart_line
+
+    layout = {"world_size": 4}
+    timing = {"attempt": 2, "resumed_from": 7, "steps_lost": 0, "detect_s": 0.4, "recover_s": 6.0}
+    grow = restart_fields(tmp_path, 2, layout, {REASON_ENV: "grow: 1 slot back (3), 3 -> 4 workers", PLANNED_ENV: "1"})
+    assert grow["planned"] is True and grow["cause"] == "elastic grow: 1 slot back (3), 3 -> 4 workers"
+    line = restart_line({**timing, **grow})
+    assert "after elastic grow" in line and "detected in" not in line and "recovered in 6.0 s" in line
+    # A failure that shrank the group: its cause is the failure, the detection is timed.
+    shrink = restart_fields(tmp_path, 2, layout, {REASON_ENV: "shrink: slot 3 excluded"})
+    assert "planned" not in shrink and "cause" not in shrink and shrink["elastic"] == "shrink: slot 3 excluded"
+    line = restart_line({**timing, **shrink, "cause": "rank 3 died without an exit record"})
+    assert "detected in 0.4 s, recovered in 6.0 s" in line
+
+
 def test_micro_batch_size_is_lowered_only_where_the_batch_would_not_split() -> None:
     cfg = load_config("configs/tiny.yaml", ["fault.elastic=dp", "train.global_batch_size=12",
                                             "train.micro_batch_size=2", "parallel.tp=2"])

@@ -215,7 +215,7 @@ def restart_fields(run_dir: Path, attempt: int, layout: dict[str, Any],
     if reason:
         fields["elastic"] = reason
         if planned:
-            fields["cause"] = f"elastic {reason}"
+            fields["cause"], fields["planned"] = f"elastic {reason}", True
     return fields
 
 

@@ -199,7 +199,7 @@ def restart_line(event: dict) -> str:
 
     lost = "?" if event.get("steps_lost") is None else str(event["steps_lost"])
     # a group the elastic launcher stopped on purpose failed in nothing: there was nothing to detect
-    detected = "" if str(event.get("cause", "")).startswith("elastic ") else f"detected in {seconds('detect_s')}, "
+    detected = "" if event.get("planned") else f"detected in {seconds('detect_s')}, "
     line = (f"megascale: restart attempt {event['attempt']} after {event['cause']}; resumed from step "
             f"{event['resumed_from']} ({lost} steps lost; {detected}recovered in {seconds('recover_s')})")
     before, now = event.get("previous_layout"), event.get("layout")
