@@ -225,12 +225,16 @@ class Watchdog:
                       f"{stuck[r]['phase_age_s']:.0f} s in phase {_where(stuck[r])}" for r in culprits}
         return HangVerdict("stuck" if own_stuck else "silent", culprits, details, behind, self._waiting(now, culprits))
 
+    def _beating(self, view: PeerView, now: float) -> bool:
+        """A peer whose heartbeat changed within the silence limit."""
+        return now - view.changed_at <= self.silence_limit
+
     def _peers_step(self, now: float) -> int:
         """The lowest step a live rank (this one, or a peer still beating) is in: every rank took part in the
         collectives of the steps before it, so a silent rank reached at least the step before it."""
         live = [self.progress.step] + [int(v.record.get("step", 0)) for r, v in self.peers.items()
                                        if v.record is not None and v.record.get("phase") == "step"
-                                       and now - v.changed_at <= self.silence_limit]
+                                       and self._beating(v, now)]
         return min(live)
 
     def _known_step(self, rank: int, now: float) -> int:
@@ -271,7 +275,7 @@ class Watchdog:
         to blame and has not finished. Training is synchronous, so each of them ends up blocked in a collective on
         the culprits, whether or not it has passed its own phase timeout by the time of the verdict; their dumps
         show where each one waits."""
-        beating = {self.rank} | {r for r, v in self.peers.items() if now - v.changed_at <= self.silence_limit}
+        beating = {self.rank} | {r for r, v in self.peers.items() if self._beating(v, now)}
         return {r: self._describe_waiting(rec) for r, rec in sorted(self._records_now(now).items())
                 if r in beating and r not in culprits and rec.get("phase") != "done"}
 
