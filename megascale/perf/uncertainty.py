@@ -6,9 +6,9 @@ the other tables, and prints the values recorded here:
 
 - `HELD_OUT[table]`: the constants fitted without that table (what
   `--reproduce table` uses), and `HELD_OUT["all"]`: fitted on every table;
-- `BAND_LOW` / `BAND_HIGH`: the narrowest range of published / predicted
-  iteration time, equal in rows left out at each end, that holds at least nine
-  in ten of the held-out rows (`megascale.perf.validation.coverage_band`). A
+- `BAND_LOW` / `BAND_HIGH`: the range of published / predicted iteration time
+  that holds at least nine in ten of the held-out rows, the rows left out split
+  between its two ends (`megascale.perf.validation.coverage_band`). A
   prediction t carries the band [t x BAND_LOW, t x BAND_HIGH].
 
 tests/test_planner_validation.py recomputes them (slow) and checks they match.
