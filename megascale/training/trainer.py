@@ -142,9 +142,6 @@ class Trainer:
         self._resume()
         self._catch_up_uploads()
         self.progress.enter("startup")
-        c = cfg.checkpoint
-        if c.interval or c.save_final:
-            self.ckpt.prepare(self.state_shards())  # host buffers for async saves, under the first steps
         from megascale.data.loader import build_data
 
         self.train_data, self.valid_data = build_data(cfg, self.ctx, self.consumed_samples, plan=self.plan)
@@ -160,6 +157,10 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self._announce()
         self.lifecycle = self._build_fault_lifecycle()
+        if cfg.checkpoint.interval or cfg.checkpoint.save_final:
+            # Host buffers for async saves, allocated under the first steps; started last, so a setup error above
+            # (bad data, say) never leaves this thread in torch's allocator while the interpreter exits (abort).
+            self.ckpt.prepare(self.state_shards())
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self) -> DistributedOptimizer:
